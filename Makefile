@@ -1,0 +1,38 @@
+# Quick start: `make serve` (set up, build the example repository, serve it on
+# 127.0.0.1:8000) and `make test` (set up, run the whole test suite).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+REPOSITORY := examples/model_repository
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+$(REPOSITORY)/.built: $(STAMP) examples/build_repository.py
+	$(PY) examples/build_repository.py $(REPOSITORY)
+	touch $@
+
+serve: $(REPOSITORY)/.built
+	$(VENV)/bin/quiver serve --model-repository $(REPOSITORY) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) benchmarks/http_throughput.py
+
+clean:
+	rm -rf $(VENV) $(REPOSITORY)

@@ -1,0 +1,3 @@
+from quiver.cli import main
+
+raise SystemExit(main())

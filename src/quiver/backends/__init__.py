@@ -1,0 +1,1 @@
+"""One module per framework. Each exposes a :class:`~quiver.backends.base.Backend`."""

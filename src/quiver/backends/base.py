@@ -1,0 +1,164 @@
+"""What every backend provides, and the registry that picks one by name.
+
+A backend turns a model's files into :class:`ModelInstance` objects. An instance runs
+``execute(requests) -> responses`` on its own executor thread, so an instance group with
+``count: 2`` runs two executions at once. Framework modules are imported lazily, when a
+model of theirs is loaded, so the server starts without frameworks it does not need.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from tritonclient.grpc import model_config_pb2 as pb
+
+from quiver.config import InstanceGroup, ModelConfig
+from quiver.errors import QuiverError, UnsupportedError
+from quiver.types import InferenceRequest, InferenceResponse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    """Where a model version lives on local disk."""
+
+    repository: Path  # the model repository folder
+    model_dir: Path  # <repository>/<model>
+    version: int
+
+    @property
+    def version_dir(self) -> Path:
+        return self.model_dir / str(self.version)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """One instance to create: which group it belongs to and where it runs."""
+
+    group: InstanceGroup
+    index: int  # index within the group
+    device_id: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.group.name}_{self.index}"
+
+
+#: An execute() result: one response or one error per request, in request order.
+ExecuteResult = list["InferenceResponse | QuiverError"]
+
+
+class ModelInstance(Protocol):
+    name: str
+
+    async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        """Execute ``requests`` (one batch) and return one result per request."""
+        ...
+
+    def unload(self) -> None:
+        """Release the framework's resources; called once, on the instance's thread."""
+        ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def auto_complete(self, config: pb.ModelConfig, files: ModelFiles, strict: bool) -> None:
+        """Fill what the configuration leaves out (inputs, outputs, max_batch_size)."""
+        ...
+
+    def create_instance(
+        self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec
+    ) -> ModelInstance:
+        """Load one instance; blocking, called on a load thread."""
+        ...
+
+
+class ThreadedInstance(abc.ABC):
+    """Base for instances whose ``execute`` blocks: one executor thread per instance."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"quiver-{name}")
+
+    @abc.abstractmethod
+    def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        """Run the framework on one batch; blocking, on the instance's thread."""
+
+    async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.execute, requests)
+
+    def release(self) -> None:
+        """Framework clean-up; runs on the instance's own thread."""
+
+    def unload(self) -> None:
+        try:
+            self._executor.submit(self.release).result()
+        finally:
+            self._executor.shutdown(wait=True)
+
+
+@dataclass(slots=True)
+class _Registry:
+    modules: dict[str, str] = field(
+        default_factory=lambda: {
+            "onnxruntime": "quiver.backends.onnxruntime",
+            "python": "quiver.backends.python",
+            "identity": "quiver.backends.identity",
+        }
+    )
+    loaded: dict[str, Backend] = field(default_factory=dict)
+
+
+_registry = _Registry()
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``; raises UNSUPPORTED for one Quiver does not have."""
+    backend = _registry.loaded.get(name)
+    if backend is not None:
+        return backend
+    module_name = _registry.modules.get(name)
+    if module_name is None:
+        raise UnsupportedError(
+            f"backend '{name}' is not supported (available: {', '.join(sorted(_registry.modules))})"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise UnsupportedError(
+            f"backend '{name}' needs the Python package '{exc.name}', which is not installed"
+        ) from None
+    backend = module.BACKEND
+    _registry.loaded[name] = backend
+    return backend
+
+
+def instance_specs(config: ModelConfig) -> list[InstanceSpec]:
+    """Every instance the configuration's instance groups ask for."""
+    specs: list[InstanceSpec] = []
+    for group in config.instance_groups:
+        gpus = group.gpus or (0,)
+        for index in range(group.count):
+            device = gpus[index % len(gpus)] if group.kind == "KIND_GPU" else 0
+            specs.append(InstanceSpec(group=group, index=index, device_id=device))
+    return specs
+
+
+def model_path(config: ModelConfig, files: ModelFiles) -> Path:
+    return files.version_dir / config.default_model_filename
+
+
+def format_exception(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+

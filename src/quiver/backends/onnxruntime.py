@@ -1,0 +1,346 @@
+"""ONNX Runtime backend: ``platform: "onnxruntime_onnx"`` / ``backend: "onnxruntime"``.
+
+One ``InferenceSession`` per instance, each on its own thread. Parameters as Triton's
+onnxruntime backend reads them: ``intra_op_thread_count``, ``inter_op_thread_count``,
+``execution_mode`` (0 sequential, 1 parallel), ``enable_mem_arena``; the graph optimization
+level from ``optimization { graph { level } }``. KIND_GPU uses the CUDA execution provider
+when onnxruntime has it and falls back to the CPU with a log line when it does not.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from tritonclient.grpc import model_config_pb2 as pb
+
+from quiver.backends.base import (
+    ExecuteResult,
+    InstanceSpec,
+    ModelFiles,
+    ThreadedInstance,
+    format_exception,
+    model_path,
+)
+from quiver.config import ModelConfig
+from quiver.config.model_config import DEFAULT_MODEL_FILENAME
+from quiver.errors import ConfigError, InternalError, InvalidArgumentError, QuiverError
+from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
+
+logger = logging.getLogger(__name__)
+
+#: Triton's default when auto-complete finds a model that batches.
+DEFAULT_MAX_BATCH_SIZE = 4
+
+_ORT_TYPES = {
+    "tensor(bool)": DataType.BOOL,
+    "tensor(uint8)": DataType.UINT8,
+    "tensor(uint16)": DataType.UINT16,
+    "tensor(uint32)": DataType.UINT32,
+    "tensor(uint64)": DataType.UINT64,
+    "tensor(int8)": DataType.INT8,
+    "tensor(int16)": DataType.INT16,
+    "tensor(int32)": DataType.INT32,
+    "tensor(int64)": DataType.INT64,
+    "tensor(float16)": DataType.FP16,
+    "tensor(float)": DataType.FP32,
+    "tensor(double)": DataType.FP64,
+    "tensor(string)": DataType.BYTES,
+    "tensor(bfloat16)": DataType.BF16,
+}
+
+
+def _dims(shape: list[Any]) -> list[int]:
+    """ONNX shapes use None or a symbol for variable dimensions; Triton uses -1."""
+    return [d if isinstance(d, int) and d > 0 else -1 for d in shape]
+
+
+def _io_of(session: ort.InferenceSession) -> tuple[list[Any], list[Any]]:
+    return list(session.get_inputs()), list(session.get_outputs())
+
+
+def _ort_datatype(node: Any, model: str) -> DataType:
+    datatype = _ORT_TYPES.get(node.type)
+    if datatype is None:
+        raise ConfigError(
+            f"model '{model}': ONNX tensor '{node.name}' has type {node.type}, which Triton "
+            "datatypes cannot carry"
+        )
+    return datatype
+
+
+def _session_options(config: ModelConfig) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    params = config.parameters
+
+    def int_param(key: str) -> int | None:
+        if key not in params or params[key] == "":
+            return None
+        try:
+            return int(params[key])
+        except ValueError:
+            raise ConfigError(
+                f"{config.source}: parameter '{key}' must be an integer, got '{params[key]}'"
+            ) from None
+
+    intra = int_param("intra_op_thread_count")
+    if intra is not None:
+        options.intra_op_num_threads = intra
+    inter = int_param("inter_op_thread_count")
+    if inter is not None:
+        options.inter_op_num_threads = inter
+    mode = int_param("execution_mode")
+    if mode is not None:
+        options.execution_mode = (
+            ort.ExecutionMode.ORT_PARALLEL if mode == 1 else ort.ExecutionMode.ORT_SEQUENTIAL
+        )
+    if params.get("enable_mem_arena", "").lower() in ("0", "false", "off"):
+        options.enable_cpu_mem_arena = False
+    level = config.proto.optimization.graph.level
+    options.graph_optimization_level = {
+        -1: ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        1: ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    }.get(level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    options.log_severity_level = 3
+    return options
+
+
+def _open_session(path: str, config: ModelConfig, providers: list[Any]) -> ort.InferenceSession:
+    try:
+        return ort.InferenceSession(path, sess_options=_session_options(config), providers=providers)
+    except QuiverError:
+        raise
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types
+        raise InternalError(
+            f"model '{config.name}': onnxruntime could not load {path}: {format_exception(exc)}"
+        ) from None
+
+
+class OnnxInstance(ThreadedInstance):
+    def __init__(self, config: ModelConfig, session: ort.InferenceSession, name: str) -> None:
+        super().__init__(name)
+        self._config = config
+        self._session = session
+        self._batching = config.max_batch_size > 0
+        self._outputs = [o.name for o in config.outputs]
+        self._out_cfg = {o.name: o for o in config.outputs}
+        self._in_reshape = {i.name: i.reshape for i in config.inputs if i.reshape is not None}
+        self._out_reshape = {o.name: o.dims for o in config.outputs if o.reshape is not None}
+        self._string_inputs = {
+            i.name for i in config.inputs if i.datatype is DataType.BYTES
+        }
+
+    def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        if len(requests) == 1:
+            request = requests[0]
+            try:
+                return [self._run_one(request)]
+            except QuiverError as exc:
+                return [exc]
+        return self._run_batch(requests)
+
+    def _feed(self, request: InferenceRequest) -> dict[str, Any]:
+        feed: dict[str, Any] = {}
+        for tensor in request.inputs:
+            data = tensor.data
+            if tensor.name in self._string_inputs:
+                data = np.vectorize(_to_str, otypes=[object])(data) if data.size else data
+            reshape = self._in_reshape.get(tensor.name)
+            if reshape is not None:
+                lead = data.shape[:1] if self._batching else ()
+                data = data.reshape(lead + tuple(reshape))
+            feed[tensor.name] = data
+        return feed
+
+    def _names(self, requests: list[InferenceRequest]) -> list[str]:
+        wanted: set[str] = set()
+        for request in requests:
+            if request.outputs is None:
+                return self._outputs
+            wanted.update(o.name for o in request.outputs)
+        return [name for name in self._outputs if name in wanted]
+
+    def _session_run(self, names: list[str], feed: dict[str, Any]) -> list[Any]:
+        try:
+            return list(self._session.run(names, feed))
+        except Exception as exc:
+            message = format_exception(exc)
+            error = InvalidArgumentError if "INVALID_ARGUMENT" in message else InternalError
+            raise error(f"model '{self._config.name}': onnxruntime failed: {message}") from None
+
+    def _tensors(self, names: list[str], arrays: list[Any]) -> list[Tensor]:
+        tensors = []
+        for name, array in zip(names, arrays, strict=True):
+            cfg = self._out_cfg[name]
+            if cfg.datatype is DataType.BYTES:
+                array = np.array([_to_bytes(v) for v in array.reshape(-1)], dtype=object).reshape(
+                    array.shape
+                )
+            dims = self._out_reshape.get(name)
+            if dims is not None:
+                lead = array.shape[:1] if self._batching else ()
+                array = array.reshape(lead + tuple(dims))
+            tensors.append(Tensor(name, cfg.datatype, array.shape, array))
+        return tensors
+
+    def _run_one(self, request: InferenceRequest) -> InferenceResponse:
+        names = self._names([request])
+        arrays = self._session_run(names, self._feed(request))
+        return InferenceResponse(self._config.name, "", self._tensors(names, arrays), request.id)
+
+    def _run_batch(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        """Run several requests as one batch: concatenate on dim 0, split the outputs."""
+        names = self._names(requests)
+        feeds = [self._feed(r) for r in requests]
+        sizes = [next(iter(f.values())).shape[0] if f else 1 for f in feeds]
+        try:
+            feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+            arrays = self._session_run(names, feed)
+        except QuiverError as exc:
+            return [exc for _ in requests]
+        except ValueError as exc:
+            error = InvalidArgumentError(
+                f"model '{self._config.name}': requests cannot be batched together: {exc}"
+            )
+            return [error for _ in requests]
+        results: ExecuteResult = []
+        offset = 0
+        for request, size in zip(requests, sizes, strict=True):
+            parts = [a[offset : offset + size] for a in arrays]
+            offset += size
+            results.append(
+                InferenceResponse(self._config.name, "", self._tensors(names, parts), request.id)
+            )
+        return results
+
+    def release(self) -> None:
+        del self._session
+
+
+def _to_str(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _to_bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+
+    def auto_complete(self, config: pb.ModelConfig, files: ModelFiles, strict: bool) -> None:
+        """Fill inputs, outputs and max_batch_size from the model, as Triton does."""
+        if strict:
+            return
+        filename = config.default_model_filename or DEFAULT_MODEL_FILENAME["onnxruntime"]
+        path = files.version_dir / filename
+        if not path.exists():
+            return  # the load reports the missing file
+        try:
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise InternalError(
+                f"model '{config.name}': onnxruntime could not load {path}: {format_exception(exc)}"
+            ) from None
+        inputs, outputs = _io_of(session)
+        nodes = inputs + outputs
+        batches = bool(nodes) and all(
+            len(n.shape) > 0 and _dims(n.shape)[0] == -1 for n in nodes
+        )
+        if config.max_batch_size == 0 and batches and not config.input and not config.output:
+            config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+            if not config.HasField("dynamic_batching"):
+                config.dynamic_batching.SetInParent()
+            logger.info(
+                "model '%s': auto-completed max_batch_size to %d", config.name, DEFAULT_MAX_BATCH_SIZE
+            )
+        skip = 1 if config.max_batch_size > 0 else 0
+        _complete_io(config, config.input, inputs, skip)
+        _complete_io(config, config.output, outputs, skip)
+
+    def create_instance(
+        self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec
+    ) -> OnnxInstance:
+        path = model_path(config, files)
+        if not path.exists():
+            raise InvalidArgumentError(
+                f"model '{config.name}' version {files.version}: model file {path} does not exist"
+            )
+        providers: list[Any] = ["CPUExecutionProvider"]
+        if spec.group.kind == "KIND_GPU":
+            if "CUDAExecutionProvider" in ort.get_available_providers():
+                providers = [("CUDAExecutionProvider", {"device_id": spec.device_id}), *providers]
+            else:
+                logger.warning(
+                    "model '%s' instance %s: KIND_GPU asked for, but onnxruntime has no CUDA "
+                    "execution provider here; running on the CPU",
+                    config.name,
+                    spec.name,
+                )
+        session = _open_session(str(path), config, providers)
+        _check_io(config, session)
+        return OnnxInstance(config, session, f"{config.name}_{files.version}_{spec.name}")
+
+
+def _complete_io(config: pb.ModelConfig, entries: Any, nodes: list[Any], skip: int) -> None:
+    if len(entries) == 0:
+        for node in nodes:
+            entry = entries.add()
+            entry.name = node.name
+            entry.data_type = pb.DataType.Value(_ort_datatype(node, config.name).config_name)
+            dims = _dims(node.shape)[skip:]
+            entry.dims.extend(dims)
+            if not dims and not entry.HasField("reshape"):
+                entry.reshape.SetInParent()
+        return
+    by_name = {n.name: n for n in nodes}
+    for entry in entries:
+        node = by_name.get(entry.name)
+        if node is None:
+            continue  # reported with the list of names at load
+        if entry.data_type == pb.TYPE_INVALID:
+            entry.data_type = pb.DataType.Value(_ort_datatype(node, config.name).config_name)
+        if len(entry.dims) == 0 and not entry.HasField("reshape"):
+            entry.dims.extend(_dims(node.shape)[skip:])
+
+
+def _check_io(config: ModelConfig, session: ort.InferenceSession) -> None:
+    """The configured tensors must exist in the model with the same datatype."""
+    inputs, outputs = _io_of(session)
+    skip = 1 if config.max_batch_size > 0 else 0
+    for kind, configured, nodes in (("input", config.inputs, inputs), ("output", config.outputs, outputs)):
+        by_name = {n.name: n for n in nodes}
+        for tensor in configured:
+            node = by_name.get(tensor.name)
+            if node is None:
+                raise ConfigError(
+                    f"{config.source}: unexpected {kind} '{tensor.name}' for model "
+                    f"'{config.name}'; the ONNX model has {kind}s: {', '.join(sorted(by_name))}"
+                )
+            datatype = _ort_datatype(node, config.name)
+            if datatype is not tensor.datatype:
+                raise ConfigError(
+                    f"{config.source}: {kind} '{tensor.name}' of model '{config.name}' is "
+                    f"{tensor.datatype.config_name} in the configuration but "
+                    f"{datatype.config_name} in the model"
+                )
+            if skip and tensor.reshape is None:
+                dims = _dims(node.shape)
+                if not dims or dims[0] != -1:
+                    raise ConfigError(
+                        f"{config.source}: model '{config.name}' has max_batch_size "
+                        f"{config.max_batch_size} but {kind} '{tensor.name}' has shape "
+                        f"{dims}, whose first dimension is not variable"
+                    )
+        if kind == "input":
+            required = {n.name for n in nodes} - {t.name for t in configured}
+            if required:
+                raise ConfigError(
+                    f"{config.source}: model '{config.name}' needs input(s) "
+                    f"{', '.join(sorted(required))}, which the configuration does not declare"
+                )
+
+
+BACKEND = OnnxRuntimeBackend()

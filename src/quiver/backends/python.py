@@ -1,0 +1,540 @@
+"""Triton's Python backend, in-process: runs a model's ``model.py`` unchanged.
+
+Each instance imports the version folder's model file as a fresh module (a private
+package per instance, so two models whose files are both ``model.py`` do not share
+state), builds ``TritonPythonModel`` and calls ``initialize(args)``. Every call into the
+model (import, ``initialize``, ``execute``, ``finalize``) runs on the instance's own
+thread, which owns an asyncio event loop for models whose methods are ``async def``.
+
+Not supported: decoupled models, BLS, GPU tensors (see ``triton_python_backend_utils``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.machinery
+import importlib.util
+import inspect
+import itertools
+import json
+import logging
+import re
+import sys
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as pb
+
+import triton_python_backend_utils as pb_utils
+from quiver.backends.base import (
+    ExecuteResult,
+    InstanceSpec,
+    ModelFiles,
+    ThreadedInstance,
+    format_exception,
+)
+from quiver.config import ModelConfig, config_to_json
+from quiver.errors import (
+    ConfigError,
+    ErrorCode,
+    InternalError,
+    QuiverError,
+    error_for_code,
+)
+from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
+
+logger = logging.getLogger(__name__)
+
+#: Serialises imports: they change sys.path and sys.modules.
+_IMPORT_LOCK = threading.Lock()
+_module_counter = itertools.count(1)
+
+#: Request parameters Triton turns into request properties instead of passing them on.
+_RESERVED_PARAMETERS = frozenset(
+    {
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "timeout",
+        "binary_data_output",
+        "binary_data_size",
+        "classification",
+    }
+)
+
+_TRITON_DTYPE: dict[DataType, int] = {
+    DataType.BOOL: pb_utils.TYPE_BOOL,
+    DataType.UINT8: pb_utils.TYPE_UINT8,
+    DataType.UINT16: pb_utils.TYPE_UINT16,
+    DataType.UINT32: pb_utils.TYPE_UINT32,
+    DataType.UINT64: pb_utils.TYPE_UINT64,
+    DataType.INT8: pb_utils.TYPE_INT8,
+    DataType.INT16: pb_utils.TYPE_INT16,
+    DataType.INT32: pb_utils.TYPE_INT32,
+    DataType.INT64: pb_utils.TYPE_INT64,
+    DataType.FP16: pb_utils.TYPE_FP16,
+    DataType.FP32: pb_utils.TYPE_FP32,
+    DataType.FP64: pb_utils.TYPE_FP64,
+    DataType.BYTES: pb_utils.TYPE_BYTES,
+    DataType.BF16: pb_utils.TYPE_BF16,
+}
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _error_code(exc: BaseException) -> ErrorCode:
+    """The Triton error code an exception raised by model code stands for."""
+    if isinstance(exc, pb_utils.TritonError):
+        return ErrorCode[exc.code().name]
+    if isinstance(exc, QuiverError):
+        return exc.code
+    return ErrorCode.INTERNAL
+
+
+def _model_error(exc: BaseException, message: str) -> QuiverError:
+    return error_for_code(_error_code(exc), message)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+def _is_within(path: str | None, folder: Path) -> bool:
+    if not path:
+        return False
+    try:
+        return Path(path).resolve().is_relative_to(folder)
+    except (OSError, ValueError):
+        return False
+
+
+class _LoadedModule:
+    """A model file imported as ``<private package>.<stem>``."""
+
+    def __init__(self, module: types.ModuleType, package: str) -> None:
+        self.module = module
+        self.package = package
+
+    def forget(self) -> None:
+        """Drop the private package and everything under it from ``sys.modules``."""
+        prefix = self.package + "."
+        for name in [n for n in sys.modules if n == self.package or n.startswith(prefix)]:
+            sys.modules.pop(name, None)
+
+
+def _import_model_file(path: Path, files: ModelFiles, where: str, model_name: str) -> _LoadedModule:
+    """Import ``path`` under a unique module name.
+
+    As in Triton, the version folder and the model folder are on ``sys.path`` while the
+    file is imported (only then, here), and the file's folder is a package, so both
+    ``import helpers`` and ``from . import helpers`` find sibling modules. Modules
+    imported from the model's own folder are taken out of ``sys.modules`` afterwards
+    so another model's ``helpers.py`` is not mistaken for this one's.
+    """
+    if not path.is_file():
+        raise InternalError(f"{where}: Python model file not found: '{path}'")
+    package = f"_quiver_python_model_{_slug(model_name)}_v{files.version}_{next(_module_counter)}"
+    module_name = f"{package}.{_slug(path.stem)}"
+    model_root = files.model_dir.resolve()
+    with _IMPORT_LOCK:
+        package_module = types.ModuleType(package)
+        package_module.__path__ = [str(path.parent)]
+        package_module.__package__ = package
+        sys.modules[package] = package_module
+        loader = importlib.machinery.SourceFileLoader(module_name, str(path))
+        spec = importlib.util.spec_from_loader(module_name, loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        loaded = _LoadedModule(module, package)
+
+        added = [
+            folder
+            for folder in (str(files.version_dir), str(files.model_dir))
+            if folder not in sys.path
+        ]
+        sys.path.extend(added)
+        before = set(sys.modules)
+        try:
+            loader.exec_module(module)
+        except (Exception, SystemExit) as exc:
+            loaded.forget()
+            raise _model_error(
+                exc, f"{where}: importing {path.name} failed: {format_exception(exc)}"
+            ) from exc
+        finally:
+            for folder in added:
+                with contextlib.suppress(ValueError):
+                    sys.path.remove(folder)
+            for name in set(sys.modules) - before:
+                if name.startswith(package):
+                    continue
+                found = sys.modules.get(name)
+                if _is_within(getattr(found, "__file__", None), model_root):
+                    sys.modules.pop(name, None)
+    return loaded
+
+
+def _model_class(loaded: _LoadedModule, path: Path, where: str) -> Any:
+    cls = getattr(loaded.module, "TritonPythonModel", None)
+    if cls is None or not isinstance(cls, type):
+        raise InternalError(f"{where}: {path.name} does not define a class 'TritonPythonModel'")
+    return cls
+
+
+def _json_ready(value: Any) -> Any:
+    """Numpy scalars and tuples in a config dict, made JSON-plain."""
+    return json.loads(json.dumps(value, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (tuple, set)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+# -------------------------------------------------------------- tensor conversion
+
+
+def _as_bytes(item: Any) -> bytes:
+    if type(item) is bytes:
+        return item
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    return str(item).encode("utf-8")  # what Triton's serialize_byte_tensor does
+
+
+def _bytes_array(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """An object array of ``bytes`` with the same shape."""
+    if array.dtype.kind == "O":
+        flat = array.reshape(-1)
+        if all(type(item) is bytes for item in flat):
+            return array
+        items = [_as_bytes(item) for item in flat]
+    else:  # "U" or "S"
+        items = [_as_bytes(item) for item in array.reshape(-1).tolist()]
+    result = np.empty(len(items), dtype=np.object_)
+    result[:] = items
+    return result.reshape(array.shape)
+
+
+def _output_tensor(tensor: Any) -> Tensor:
+    """A model's pb_utils.Tensor as a Quiver Tensor; ValueError says what is wrong."""
+    if not isinstance(tensor, pb_utils.Tensor):
+        raise ValueError(
+            f"output_tensors contains a {type(tensor).__name__}, not a pb_utils.Tensor"
+        )
+    name = tensor.name()
+    array = tensor.as_numpy()
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"output '{name}' holds a {type(array).__name__}, not a numpy array")
+    if array.dtype.kind in ("O", "U", "S"):
+        return Tensor(name, DataType.BYTES, tuple(array.shape), _bytes_array(array))
+    try:
+        datatype = DataType.from_numpy(array.dtype)
+    except KeyError:
+        raise ValueError(
+            f"output '{name}' has numpy dtype {array.dtype}, which has no Triton datatype"
+        ) from None
+    return Tensor(name, datatype, tuple(array.shape), array)
+
+
+# ------------------------------------------------------------------------ instance
+
+
+class PythonInstance(ThreadedInstance):
+    """One ``TritonPythonModel`` object, driven on its own thread."""
+
+    def __init__(self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec) -> None:
+        super().__init__(spec.name)
+        self._config = config
+        self._files = files
+        self._spec = spec
+        self._where = f"model '{config.name}' version {files.version}"
+        self._version = str(files.version)
+        self._all_outputs = [tensor.name for tensor in config.outputs]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loaded: _LoadedModule | None = None
+        self._model: Any = None
+
+    # ---- load / unload (instance thread)
+
+    def _load(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        try:
+            path = self._files.version_dir / self._config.default_model_filename
+            self._loaded = _import_model_file(path, self._files, self._where, self._config.name)
+            cls = _model_class(self._loaded, path, self._where)
+            try:
+                self._model = cls()
+            except (Exception, SystemExit) as exc:
+                raise _model_error(
+                    exc,
+                    f"{self._where}: creating TritonPythonModel failed: {format_exception(exc)}",
+                ) from exc
+            initialize = getattr(self._model, "initialize", None)
+            if initialize is not None:
+                try:
+                    result = initialize(self._initialize_args())
+                    if inspect.isawaitable(result):
+                        loop.run_until_complete(result)
+                except (Exception, SystemExit) as exc:
+                    raise _model_error(
+                        exc, f"{self._where}: initialize() failed: {format_exception(exc)}"
+                    ) from exc
+        except BaseException:
+            self._close()
+            raise
+
+    def _initialize_args(self) -> dict[str, str]:
+        kind = self._spec.group.kind
+        return {
+            "model_config": json.dumps(config_to_json(self._config.proto)),
+            "model_instance_kind": kind.removeprefix("KIND_"),
+            "model_instance_name": self._spec.name,
+            "model_instance_device_id": str(self._spec.device_id),
+            "model_repository": str(self._files.model_dir),
+            "model_version": self._version,
+            "model_name": self._config.name,
+        }
+
+    def release(self) -> None:
+        try:
+            finalize = getattr(self._model, "finalize", None) if self._model is not None else None
+            if finalize is not None:
+                try:
+                    result = finalize()
+                    if inspect.isawaitable(result) and self._loop is not None:
+                        self._loop.run_until_complete(result)
+                except (Exception, SystemExit) as exc:
+                    logger.error("%s: finalize() failed: %s", self._where, format_exception(exc))
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self._model = None
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            try:
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            except Exception as exc:  # pragma: no cover - defensive
+                logger.warning("%s: closing the event loop: %s", self._where, exc)
+            finally:
+                loop.close()
+                asyncio.set_event_loop(None)
+        if self._loaded is not None:
+            self._loaded.forget()
+            self._loaded = None
+
+    # ---- execute (instance thread)
+
+    def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        count = len(requests)
+        try:
+            pb_requests = [self._pb_request(request) for request in requests]
+        except Exception as exc:
+            return self._fail_all(
+                count,
+                ErrorCode.INTERNAL,
+                f"{self._where}: preparing the requests failed: {format_exception(exc)}",
+            )
+        model_execute = getattr(self._model, "execute", None)
+        if model_execute is None:
+            return self._fail_all(
+                count,
+                ErrorCode.INTERNAL,
+                f"{self._where}: TritonPythonModel does not implement 'execute'",
+            )
+        try:
+            result = model_execute(pb_requests)
+            if inspect.isawaitable(result):
+                assert self._loop is not None
+                result = self._loop.run_until_complete(result)
+        except (Exception, SystemExit) as exc:
+            return self._fail_all(
+                count,
+                _error_code(exc),
+                f"{self._where}: execute() raised {format_exception(exc)}",
+            )
+        return self._responses(result, requests)
+
+    @staticmethod
+    def _fail_all(count: int, code: ErrorCode, message: str) -> ExecuteResult:
+        return [error_for_code(code, message) for _ in range(count)]
+
+    def _pb_request(self, request: InferenceRequest) -> pb_utils.InferenceRequest:
+        inputs = []
+        for tensor in request.inputs:
+            array = tensor.data
+            if tuple(array.shape) != tuple(tensor.shape):
+                array = array.reshape(tensor.shape)
+            inputs.append(pb_utils.Tensor._wrap(tensor.name, array, _TRITON_DTYPE[tensor.datatype]))
+        params = request.parameters
+        correlation_id = params.get("sequence_id", 0)
+        if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
+            correlation_id = 0
+        flags = 0
+        if params.get("sequence_start"):
+            flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+        if params.get("sequence_end"):
+            flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+        try:
+            timeout = int(params.get("timeout", 0) or 0)
+        except (TypeError, ValueError):
+            timeout = 0
+        passed = {k: v for k, v in params.items() if k not in _RESERVED_PARAMETERS}
+        if request.outputs is None:
+            requested = list(self._all_outputs)
+        else:
+            requested = [output.name for output in request.outputs]
+        return pb_utils.InferenceRequest._from_server(
+            request_id=request.id,
+            correlation_id=correlation_id,
+            inputs=inputs,
+            requested_output_names=requested,
+            model_name=self._config.name,
+            model_version=int(self._files.version),
+            flags=flags,
+            timeout=timeout,
+            parameters_json=json.dumps(passed, default=str),
+        )
+
+    def _responses(self, result: Any, requests: list[InferenceRequest]) -> ExecuteResult:
+        count = len(requests)
+        expected = (
+            f"a model that is not decoupled must return a list with one "
+            f"pb_utils.InferenceResponse per request ({count} requests)"
+        )
+        if result is None:
+            return self._fail_all(
+                count, ErrorCode.INTERNAL, f"{self._where}: execute() returned None; {expected}"
+            )
+        if not isinstance(result, list):
+            return self._fail_all(
+                count,
+                ErrorCode.INTERNAL,
+                f"{self._where}: execute() returned a {type(result).__name__}; {expected}",
+            )
+        if len(result) != count:
+            return self._fail_all(
+                count,
+                ErrorCode.INTERNAL,
+                f"{self._where}: execute() returned {len(result)} responses for {count} "
+                f"requests; {expected}",
+            )
+        return [
+            self._response(item, request, index)
+            for index, (item, request) in enumerate(zip(result, requests, strict=True))
+        ]
+
+    def _response(
+        self, item: Any, request: InferenceRequest, index: int
+    ) -> InferenceResponse | QuiverError:
+        if not isinstance(item, pb_utils.InferenceResponse):
+            return InternalError(
+                f"{self._where}: execute() returned a {type(item).__name__} for request "
+                f"{index}, expected a pb_utils.InferenceResponse"
+            )
+        if item.has_error():
+            error = item.error()
+            assert error is not None
+            return error_for_code(ErrorCode[error.code().name], error.message())
+        outputs: list[Tensor] = []
+        for tensor in item.output_tensors():
+            try:
+                outputs.append(_output_tensor(tensor))
+            except ValueError as exc:
+                return InternalError(f"{self._where}: response to request {index}: {exc}")
+        try:
+            parameters = json.loads(item.parameters())
+        except (TypeError, ValueError):
+            parameters = {}
+        return InferenceResponse(
+            model_name=self._config.name,
+            model_version=self._version,
+            outputs=outputs,
+            id=request.id,
+            parameters=parameters if isinstance(parameters, dict) else {},
+        )
+
+
+# ------------------------------------------------------------------------- backend
+
+
+class PythonBackend:
+    name = "python"
+
+    def auto_complete(self, config: pb.ModelConfig, files: ModelFiles, strict: bool) -> None:
+        """Call the model's ``auto_complete_config`` and use what it returns.
+
+        Triton skips this when auto-complete is disabled (``--strict-model-config=true``
+        or ``--disable-auto-complete-config``); so does Quiver when ``strict``.
+        """
+        if strict:
+            return
+        name = config.name
+        where = f"model '{name}' version {files.version}"
+        filename = config.default_model_filename or "model.py"
+        path = files.version_dir / filename
+        loaded = _import_model_file(path, files, where, name)
+        try:
+            cls = _model_class(loaded, path, where)
+            method = getattr(cls, "auto_complete_config", None)
+            if method is None:
+                return
+            model_config = pb_utils.ModelConfig(config_to_json(config))
+            try:
+                result = method(model_config)
+            except Exception as exc:
+                raise _model_error(
+                    exc, f"{where}: auto_complete_config() failed: {format_exception(exc)}"
+                ) from exc
+            if not isinstance(result, pb_utils.ModelConfig):
+                raise InternalError(
+                    f"{where}: auto_complete_config() must return a pb_utils.ModelConfig "
+                    f"object, got {type(result).__name__}"
+                )
+            completed = pb.ModelConfig()
+            try:
+                json_format.ParseDict(_json_ready(result.as_dict()), completed)
+            except (json_format.ParseError, TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"{where}: auto_complete_config() returned an invalid configuration: {exc}"
+                ) from None
+            completed.name = config.name
+            completed.backend = config.backend
+            config.CopyFrom(completed)
+        finally:
+            loaded.forget()
+
+    def create_instance(
+        self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec
+    ) -> PythonInstance:
+        instance = PythonInstance(config, files, spec)
+        try:
+            instance._executor.submit(instance._load).result()
+        except BaseException:
+            instance._executor.shutdown(wait=True)
+            raise
+        return instance
+
+
+BACKEND = PythonBackend()

@@ -1,0 +1,1 @@
+"""Transports: KServe v2 over HTTP (and, with later issues, gRPC and SageMaker routes)."""

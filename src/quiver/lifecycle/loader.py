@@ -1,0 +1,168 @@
+"""How one model is loaded: config, auto-complete, version policy, instances, labels.
+
+Everything here blocks (file reads, framework sessions, user ``initialize`` code) and runs
+on the manager's load threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as pb
+
+from quiver.backends.base import Backend, ModelFiles, ModelInstance, get_backend, instance_specs
+from quiver.config import ModelConfig, parse_model_config
+from quiver.config.model_config import resolve_backend
+from quiver.errors import ConfigError, QuiverError
+from quiver.lifecycle.model import Model
+from quiver.repository.local import ModelSource
+from quiver.scheduling import DirectScheduler
+
+logger = logging.getLogger(__name__)
+
+#: Files that name their backend when a model comes without a config.pbtxt.
+_FILE_BACKENDS = {"model.onnx": "onnxruntime", "model.py": "python", "model.pt": "pytorch"}
+
+
+@dataclass(slots=True)
+class LoadOutcome:
+    """What loading one model gave: READY versions and per-version failures."""
+
+    config: ModelConfig | None
+    models: list[Model]
+    failures: dict[int, str]  # version -> reason
+    error: str = ""  # a failure of the whole model (config, no versions)
+
+
+def read_config(source: ModelSource, *, strict: bool) -> tuple[pb.ModelConfig, Backend | None]:
+    """The model's configuration as written, with backend and platform resolved."""
+    path = source.config_path
+    if path.exists():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read model configuration: {exc}") from None
+        proto = parse_model_config(text, path, source.name)
+    elif strict:
+        raise ConfigError(
+            f"model '{source.name}': {path} does not exist, and --strict-model-config is set"
+        )
+    else:
+        proto = pb.ModelConfig(name=source.name)
+    resolve_backend(proto, path)
+    if not proto.backend and proto.platform != "ensemble":
+        _guess_backend(proto, source)
+    backend = get_backend(proto.backend) if proto.backend else None
+    return proto, backend
+
+
+def _guess_backend(proto: pb.ModelConfig, source: ModelSource) -> None:
+    """Triton infers the backend of a config-less model from its model file's name."""
+    if proto.default_model_filename:
+        suffix = Path(proto.default_model_filename).suffix
+        candidates = [n for n in _FILE_BACKENDS if Path(n).suffix == suffix]
+    else:
+        candidates = list(_FILE_BACKENDS)
+    filename = proto.default_model_filename
+    for version in reversed(source.versions()):
+        folder = source.path / str(version)
+        for candidate in candidates:
+            if (folder / (filename or candidate)).exists():
+                proto.backend = _FILE_BACKENDS[candidate]
+                resolve_backend(proto, source.config_path)
+                return
+    raise ConfigError(
+        f"model '{source.name}': {source.config_path} sets neither 'backend' nor 'platform', "
+        f"and no version folder holds one of {', '.join(_FILE_BACKENDS)} to infer it from"
+    )
+
+
+def load_model(source: ModelSource, *, strict: bool) -> LoadOutcome:
+    """Load every version the version policy selects; failures are reported, not raised."""
+    started = time.monotonic()
+    try:
+        proto, backend = read_config(source, strict=strict)
+        versions = source.versions()
+        if not versions:
+            raise ConfigError(f"model '{source.name}': no version folder in {source.path}")
+        if backend is None:
+            raise ConfigError(
+                f"model '{source.name}': platform '{proto.platform}' is not supported yet"
+            )
+        files = ModelFiles(source.repository, source.path, versions[-1])
+        backend.auto_complete(proto, files, strict)
+        config = ModelConfig.from_proto(proto, str(source.config_path))
+        selected = config.version_policy.select(versions)
+        if not selected:
+            raise ConfigError(
+                f"model '{source.name}': version policy selects none of the versions on disk "
+                f"({', '.join(map(str, versions)) or 'none'})"
+            )
+        labels = _read_labels(config, source.path)
+    except QuiverError as exc:
+        logger.error("failed to load model '%s': %s", source.name, exc)
+        return LoadOutcome(None, [], {}, str(exc))
+
+    models: list[Model] = []
+    failures: dict[int, str] = {}
+    for version in selected:
+        try:
+            models.append(_load_version(config, backend, source, version, labels))
+        except QuiverError as exc:
+            failures[version] = str(exc)
+            logger.error("failed to load model '%s' version %d: %s", source.name, version, exc)
+        except Exception as exc:  # a backend bug must not take the server down
+            logger.exception("failed to load model '%s' version %d", source.name, version)
+            failures[version] = f"model '{source.name}' version {version}: {type(exc).__name__}: {exc}"
+    if models:
+        logger.info(
+            "loaded model '%s' version(s) %s in %.3f s",
+            source.name,
+            ", ".join(m.version_str for m in models),
+            time.monotonic() - started,
+        )
+    return LoadOutcome(config, models, failures)
+
+
+def _load_version(
+    config: ModelConfig, backend: Backend, source: ModelSource, version: int, labels: dict[str, list[str]]
+) -> Model:
+    files = ModelFiles(source.repository, source.path, version)
+    instances: list[ModelInstance] = []
+    try:
+        for spec in instance_specs(config):
+            instances.append(backend.create_instance(config, files, spec))
+    except BaseException:
+        for instance in instances:
+            unload_instance(config.name, instance)
+        raise
+    scheduler = DirectScheduler(config.name, instances)
+    return Model(source.name, version, config, scheduler, instances, labels)
+
+
+def _read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[str]]:
+    labels: dict[str, list[str]] = {}
+    for output in config.outputs:
+        if not output.label_filename:
+            continue
+        path = model_dir / output.label_filename
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"{config.source}: output '{output.name}': cannot read label_filename "
+                f"'{output.label_filename}': {exc}"
+            ) from None
+        labels[output.name] = text.splitlines()
+    return labels
+
+
+def unload_instance(model: str, instance: ModelInstance) -> None:
+    try:
+        instance.unload()
+    except Exception:
+        logger.exception("model '%s': instance %s failed to unload cleanly", model, instance.name)
+

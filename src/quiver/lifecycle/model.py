@@ -1,0 +1,46 @@
+"""A loaded model version and the states a version goes through."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from quiver.backends.base import ModelInstance
+from quiver.config import ModelConfig
+from quiver.scheduling import Scheduler
+
+
+class ModelState(enum.Enum):
+    """Triton's model states, by the names the repository index reports."""
+
+    UNKNOWN = "UNKNOWN"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(slots=True)
+class Model:
+    """One version of a model, READY to serve."""
+
+    name: str
+    version: int
+    config: ModelConfig
+    scheduler: Scheduler
+    instances: list[ModelInstance]
+    labels: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def version_str(self) -> str:
+        return str(self.version)
+
+
+@dataclass(slots=True)
+class VersionStatus:
+    """What the repository index says of one version (or of a model with no loadable version)."""
+
+    name: str
+    version: str  # "" when the failure is the model's, not one version's
+    state: ModelState
+    reason: str = ""

@@ -1,0 +1,1 @@
+"""Wire formats: KServe v2 JSON with Triton's binary tensor extension, BYTES encoding."""

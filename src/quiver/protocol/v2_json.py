@@ -1,0 +1,263 @@
+"""KServe v2 JSON inference bodies with Triton's binary tensor extension.
+
+A request body is a JSON header, optionally followed by raw tensor bytes; the length of the
+header is the ``Inference-Header-Content-Length`` HTTP header. Inputs whose parameters carry
+``binary_data_size`` take their data, in order, from the bytes after the header. Responses
+follow the same scheme for outputs asked for with ``binary_data``.
+
+This module checks that a body is well formed (types, shapes against the data, sizes);
+checks against the model's configuration live in the service.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import orjson
+
+from quiver.errors import InvalidArgumentError
+from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.types import (
+    HAVE_BF16,
+    DataType,
+    InferenceRequest,
+    InferenceResponse,
+    RequestedOutput,
+    Tensor,
+)
+
+_WIRE = {dt.value: dt for dt in DataType}
+_INT_KINDS = frozenset("iu")
+_NUMBER_KINDS = frozenset("iuf")
+
+
+def _bad(message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(message)
+
+
+def _shape(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise _bad(f"input '{name}': 'shape' must be a list of integers")
+    for dim in value:
+        if type(dim) is not int or dim < 0:
+            raise _bad(f"input '{name}': 'shape' must be a list of non-negative integers, got {value}")
+    return tuple(value)
+
+
+def _parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad(f"{where}: 'parameters' must be a JSON object")
+    return value
+
+
+def _flatten_strings(data: Any, name: str, out: list[bytes]) -> None:
+    for item in data:
+        if isinstance(item, str):
+            out.append(item.encode("utf-8"))
+        elif isinstance(item, list):
+            _flatten_strings(item, name, out)
+        else:
+            raise _bad(f"input '{name}': BYTES data must be strings, got {type(item).__name__}")
+
+
+def _json_array(data: Any, datatype: DataType, shape: tuple[int, ...], name: str) -> np.ndarray[Any, Any]:
+    count = math.prod(shape)
+    if not isinstance(data, list):
+        data = [data]
+    if datatype is DataType.BYTES:
+        flat: list[bytes] = []
+        _flatten_strings(data, name, flat)
+        array = np.empty(len(flat), dtype=object)
+        array[:] = flat
+    else:
+        try:
+            raw = np.asarray(data)
+        except ValueError:
+            raise _bad(f"input '{name}': 'data' is a ragged nested list") from None
+        kind = raw.dtype.kind
+        if raw.size == 0:
+            raw = raw.astype(datatype.numpy_dtype)
+        elif datatype is DataType.BOOL:
+            if kind != "b":
+                raise _bad(f"input '{name}': BOOL data must be true/false values")
+        elif datatype.numpy_dtype.kind in _INT_KINDS:
+            if kind not in _INT_KINDS:
+                raise _bad(f"input '{name}': {datatype.value} data must be integers")
+            info = np.iinfo(datatype.numpy_dtype)
+            if raw.min() < info.min or raw.max() > info.max:
+                raise _bad(f"input '{name}': a value is out of range for {datatype.value}")
+        elif kind not in _NUMBER_KINDS:
+            raise _bad(f"input '{name}': {datatype.value} data must be numbers")
+        if datatype is DataType.BF16 and not HAVE_BF16:
+            raise _bad(f"input '{name}': BF16 needs the ml_dtypes package on the server")
+        array = raw.astype(datatype.numpy_dtype, copy=False).reshape(-1)
+    if array.size != count:
+        raise _bad(
+            f"input '{name}': shape {list(shape)} needs {count} elements but 'data' has {array.size}"
+        )
+    return array.reshape(shape)
+
+
+def decode_request(
+    body: bytes, header_length: int | None, model_name: str, model_version: str
+) -> InferenceRequest:
+    """Parse an infer request body (JSON header plus optional binary tensors)."""
+    size = len(body)
+    if header_length is None:
+        header_length = size
+    elif header_length < 0 or header_length > size:
+        raise _bad(
+            f"Inference-Header-Content-Length is {header_length} but the body has only {size} bytes"
+        )
+    try:
+        header = orjson.loads(body[:header_length] if header_length != size else body)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"malformed JSON in inference request for model '{model_name}': {exc}") from None
+    if not isinstance(header, dict):
+        raise _bad("inference request must be a JSON object")
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list):
+        raise _bad("inference request needs 'inputs', a list of tensors")
+
+    view = memoryview(body)
+    offset = header_length
+    inputs: list[Tensor] = []
+    for raw in raw_inputs:
+        if not isinstance(raw, dict):
+            raise _bad("each of 'inputs' must be a JSON object")
+        name = raw.get("name")
+        if not isinstance(name, str):
+            raise _bad("an input has no 'name'")
+        wire_type = raw.get("datatype")
+        datatype = _WIRE.get(wire_type) if isinstance(wire_type, str) else None
+        if datatype is None:
+            raise _bad(f"input '{name}': unknown datatype {wire_type!r}")
+        shape = _shape(raw.get("shape"), name)
+        params = _parameters(raw.get("parameters"), f"input '{name}'")
+        binary_size = params.get("binary_data_size")
+        if binary_size is not None:
+            if type(binary_size) is not int or binary_size < 0:
+                raise _bad(f"input '{name}': 'binary_data_size' must be a non-negative integer")
+            if "data" in raw:
+                raise _bad(f"input '{name}': has both 'data' and 'binary_data_size'")
+            end = offset + binary_size
+            if end > size:
+                raise _bad(
+                    f"input '{name}': binary_data_size {binary_size} runs past the end of the "
+                    f"body ({size - offset} bytes remain)"
+                )
+            chunk = view[offset:end]
+            offset = end
+            count = math.prod(shape)
+            if datatype is DataType.BYTES:
+                data = deserialize_bytes(chunk, count, name).reshape(shape)
+            else:
+                expected = count * datatype.itemsize
+                if binary_size != expected:
+                    raise _bad(
+                        f"input '{name}': shape {list(shape)} of {datatype.value} needs "
+                        f"{expected} bytes but binary_data_size is {binary_size}"
+                    )
+                if datatype is DataType.BF16 and not HAVE_BF16:
+                    raise _bad(f"input '{name}': BF16 needs the ml_dtypes package on the server")
+                data = np.frombuffer(chunk, dtype=datatype.numpy_dtype).reshape(shape)
+        else:
+            if "data" not in raw:
+                raise _bad(f"input '{name}': has neither 'data' nor 'binary_data_size'")
+            data = _json_array(raw["data"], datatype, shape, name)
+        inputs.append(Tensor(name, datatype, shape, data, params))
+    if offset != size:
+        raise _bad(
+            f"inference request body has {size - offset} bytes after the last binary input; "
+            "Inference-Header-Content-Length or binary_data_size is wrong"
+        )
+
+    outputs: list[RequestedOutput] | None = None
+    raw_outputs = header.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise _bad("'outputs' must be a list")
+        outputs = []
+        for raw in raw_outputs:
+            if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+                raise _bad("each of 'outputs' must be an object with a 'name'")
+            outputs.append(
+                RequestedOutput(raw["name"], _parameters(raw.get("parameters"), f"output '{raw['name']}'"))
+            )
+    request_id = header.get("id", "")
+    if not isinstance(request_id, str):
+        raise _bad("'id' must be a string")
+    return InferenceRequest(
+        model_name=model_name,
+        model_version=model_version,
+        inputs=inputs,
+        outputs=outputs,
+        id=request_id,
+        parameters=_parameters(header.get("parameters"), "inference request"),
+    )
+
+
+def _json_data(tensor: Tensor) -> Any:
+    data = tensor.data
+    if tensor.datatype is DataType.BYTES:
+        return [
+            v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+            for v in data.reshape(-1)
+        ]
+    if tensor.datatype is DataType.BF16:
+        return data.astype(np.float32).reshape(-1)
+    return data.reshape(-1)
+
+
+def _binary_data(tensor: Tensor) -> bytes:
+    if tensor.datatype is DataType.BYTES:
+        return serialize_bytes(tensor.data)
+    return np.ascontiguousarray(tensor.data).tobytes()
+
+
+def encode_response(
+    response: InferenceResponse, request: InferenceRequest
+) -> tuple[bytes, int | None]:
+    """Serialise a response; returns the body and the JSON header length if binary follows."""
+    binary_default = bool(request.parameters.get("binary_data_output", False))
+    wanted: dict[str, bool] = {}
+    if request.outputs is not None:
+        for requested in request.outputs:
+            flag = requested.parameters.get("binary_data")
+            wanted[requested.name] = binary_default if flag is None else bool(flag)
+    outputs: list[dict[str, Any]] = []
+    buffers: list[bytes] = []
+    for tensor in response.outputs:
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype.value,
+            "shape": list(tensor.shape),
+        }
+        if wanted.get(tensor.name, binary_default):
+            raw = _binary_data(tensor)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            buffers.append(raw)
+        else:
+            entry["data"] = _json_data(tensor)
+        outputs.append(entry)
+    body: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+    }
+    if response.id:
+        body["id"] = response.id
+    if response.parameters:
+        body["parameters"] = response.parameters
+    body["outputs"] = outputs
+    header = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not buffers:
+        return header, None
+    return b"".join([header, *buffers]), len(header)
+
+
+def encode_json(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)

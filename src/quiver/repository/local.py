@@ -1,0 +1,58 @@
+"""A Triton model repository on local disk: ``<repo>/<model>/config.pbtxt`` and version folders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from quiver.errors import InvalidArgumentError
+
+CONFIG_FILENAME = "config.pbtxt"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """One model folder found in a repository."""
+
+    name: str
+    repository: Path
+    path: Path
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_FILENAME
+
+    def versions(self) -> list[int]:
+        """Numeric version folders, ascending. Other entries are ignored, as Triton does."""
+        return sorted(
+            {int(e.name) for e in self.path.iterdir() if e.name.isdigit() and e.is_dir()}
+        )
+
+
+class LocalRepository:
+    """Lists the models in a set of local repository folders."""
+
+    def __init__(self, roots: list[Path]) -> None:
+        for root in roots:
+            if not root.is_dir():
+                raise InvalidArgumentError(f"model repository '{root}' is not a directory")
+        self.roots = roots
+
+    def scan(self) -> tuple[dict[str, ModelSource], dict[str, str]]:
+        """Every model folder by name, and the names that clash between repositories."""
+        models: dict[str, ModelSource] = {}
+        clashes: dict[str, str] = {}
+        for root in self.roots:
+            for entry in sorted(root.iterdir()):
+                if not entry.is_dir() or entry.name.startswith("."):
+                    continue
+                if entry.name in models:
+                    clashes[entry.name] = (
+                        f"model '{entry.name}' is in more than one repository: "
+                        f"{models[entry.name].repository} and {root}"
+                    )
+                    continue
+                models[entry.name] = ModelSource(entry.name, root, entry)
+        for name in clashes:
+            models.pop(name, None)
+        return models, clashes

@@ -1,0 +1,141 @@
+"""Assembly and ordered start/stop of one Quiver server process.
+
+Start: load the repository, then open the listeners. Stop (SIGINT/SIGTERM): close the
+listeners and let in-flight requests finish, drain every model's scheduler, unload the
+models (running ``finalize``), exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from quiver.frontends.http import HttpFrontend
+from quiver.lifecycle import ModelRepositoryManager
+from quiver.service import InferenceService
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServerOptions:
+    model_repositories: list[Path]
+    http_address: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_address: str = "127.0.0.1"
+    grpc_port: int = 8001
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = 8002
+    model_control_mode: str = "none"
+    strict_model_config: bool = False
+    exit_on_error: bool = True
+    model_load_thread_count: int = 4
+    http_max_input_size: int = 64 * 1024 * 1024
+    http_thread_count: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the runner owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _listen(address: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {address}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class Runner:
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.manager = ModelRepositoryManager(
+            options.model_repositories,
+            strict_config=options.strict_model_config,
+            load_threads=options.model_load_thread_count,
+        )
+        self.service = InferenceService(self.manager)
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+
+        failures = await self.manager.load_all()
+        _log_model_table(self.manager)
+        if failures and self.options.exit_on_error:
+            logger.error(
+                "%d model(s) failed to load and --exit-on-error is true; exiting", len(failures)
+            )
+            await self.manager.stop()
+            return 1
+
+        opts = self.options
+        frontend = HttpFrontend(self.service, max_input_size=opts.http_max_input_size)
+        http_socket = _listen(opts.http_address, opts.http_port)
+        config = uvicorn.Config(
+            frontend.app(),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            http="httptools",
+            timeout_graceful_shutdown=30,
+        )
+        http_server = _Uvicorn(config)
+        host, port = http_socket.getsockname()[:2]
+        serving = asyncio.create_task(http_server.serve(sockets=[http_socket]))
+        while not http_server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if serving.done():
+            await self.manager.stop()
+            serving.result()  # raises what stopped it
+            return 1
+        self.service.ready = True
+        logger.info("started HTTP service at %s:%d", host, port)
+
+        stop_wait = asyncio.create_task(self._stop.wait())
+        done, _ = await asyncio.wait({serving, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        self.service.ready = False
+        logger.info("stopping: draining in-flight requests")
+        http_server.should_exit = True
+        await serving
+        stop_wait.cancel()
+        await self.manager.stop()
+        http_socket.close()
+        logger.info("stopped")
+        return 0
+
+
+def _log_model_table(manager: ModelRepositoryManager) -> None:
+    rows = [(s.name, s.version or "-", s.state.value + (f": {s.reason}" if s.reason else "")) for s in manager.index()]
+    if not rows:
+        logger.warning("no models found in the model repository")
+        return
+    widths = [max(len(r[i]) for r in rows + [("Model", "Version", "Status")]) for i in range(2)]
+    lines = [f"{'Model':<{widths[0]}}  {'Version':<{widths[1]}}  Status"]
+    lines += [f"{n:<{widths[0]}}  {v:<{widths[1]}}  {s}" for n, v, s in rows]
+    logger.info("model repository:\n%s", "\n".join(lines))

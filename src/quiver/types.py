@@ -1,0 +1,157 @@
+"""Value types shared by every layer: datatypes, tensors, requests and responses.
+
+These are plain slotted dataclasses on the request path (construction cost matters
+there); treat them as immutable once built.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+try:  # ml_dtypes ships with onnx; it gives numpy a real bfloat16.
+    import ml_dtypes
+
+    _BF16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    HAVE_BF16 = True
+except ImportError:  # pragma: no cover - depends on the environment
+    _BF16 = np.dtype(np.uint16)
+    HAVE_BF16 = False
+
+
+class DataType(enum.Enum):
+    """Triton's tensor datatypes, by their wire name (``"FP32"``)."""
+
+    BOOL = "BOOL"
+    UINT8 = "UINT8"
+    UINT16 = "UINT16"
+    UINT32 = "UINT32"
+    UINT64 = "UINT64"
+    INT8 = "INT8"
+    INT16 = "INT16"
+    INT32 = "INT32"
+    INT64 = "INT64"
+    FP16 = "FP16"
+    FP32 = "FP32"
+    FP64 = "FP64"
+    BYTES = "BYTES"
+    BF16 = "BF16"
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        return _NUMPY[self]
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element; 0 for BYTES, whose elements have their own lengths."""
+        return _ITEMSIZE[self]
+
+    @property
+    def config_name(self) -> str:
+        """The name used in config.pbtxt: ``TYPE_FP32``, ``TYPE_STRING`` for BYTES."""
+        return "TYPE_STRING" if self is DataType.BYTES else "TYPE_" + self.value
+
+    @classmethod
+    def from_wire(cls, name: str) -> DataType:
+        return _WIRE[name]
+
+    @classmethod
+    def from_config(cls, name: str) -> DataType:
+        return _CONFIG[name]
+
+    @classmethod
+    def from_numpy(cls, dtype: np.dtype[Any]) -> DataType:
+        found = _FROM_NUMPY.get(np.dtype(dtype))
+        if found is None:
+            if dtype.kind in ("O", "S", "U"):
+                return DataType.BYTES
+            raise KeyError(f"numpy dtype {dtype} has no Triton datatype")
+        return found
+
+
+_NUMPY: dict[DataType, np.dtype[Any]] = {
+    DataType.BOOL: np.dtype(np.bool_),
+    DataType.UINT8: np.dtype(np.uint8),
+    DataType.UINT16: np.dtype(np.uint16),
+    DataType.UINT32: np.dtype(np.uint32),
+    DataType.UINT64: np.dtype(np.uint64),
+    DataType.INT8: np.dtype(np.int8),
+    DataType.INT16: np.dtype(np.int16),
+    DataType.INT32: np.dtype(np.int32),
+    DataType.INT64: np.dtype(np.int64),
+    DataType.FP16: np.dtype(np.float16),
+    DataType.FP32: np.dtype(np.float32),
+    DataType.FP64: np.dtype(np.float64),
+    DataType.BYTES: np.dtype(np.object_),
+    DataType.BF16: _BF16,
+}
+_ITEMSIZE = {dt: (0 if dt is DataType.BYTES else npd.itemsize) for dt, npd in _NUMPY.items()}
+_WIRE = {dt.value: dt for dt in DataType}
+_CONFIG = {dt.config_name: dt for dt in DataType}
+_FROM_NUMPY = {npd: dt for dt, npd in _NUMPY.items() if dt is not DataType.BYTES}
+if not HAVE_BF16:  # pragma: no cover
+    _FROM_NUMPY[np.dtype(np.uint16)] = DataType.UINT16
+
+
+Array = npt.NDArray[Any]
+
+
+@dataclass(slots=True)
+class Tensor:
+    """A named tensor. BYTES data is a numpy object array of ``bytes``."""
+
+    name: str
+    datatype: DataType
+    shape: tuple[int, ...]
+    data: Array
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    """An output the client asked for, with its parameters (binary_data, classification)."""
+
+    name: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def classification(self) -> int:
+        value = self.parameters.get("classification", 0)
+        return int(value) if value else 0
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """One transport-neutral inference request.
+
+    ``model_version`` is ``""`` or ``-1`` semantics: empty means "the version policy's
+    latest". ``outputs`` is ``None`` when the client asked for every output.
+    """
+
+    model_name: str
+    model_version: str
+    inputs: list[Tensor]
+    outputs: list[RequestedOutput] | None = None
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def input(self, name: str) -> Tensor | None:
+        for tensor in self.inputs:
+            if tensor.name == name:
+                return tensor
+        return None
+
+
+@dataclass(slots=True)
+class InferenceResponse:
+    """The answer to one request: outputs in the order they are to be sent."""
+
+    model_name: str
+    model_version: str
+    outputs: list[Tensor]
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
