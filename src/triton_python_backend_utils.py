@@ -537,7 +537,7 @@ class InferenceRequest:
         self._request_id = str(request_id)
         self._correlation_id: int | str = correlation_id
         self._inputs = list(inputs)
-        self._requested_output_names = [str(name) for name in requested_output_names]
+        self._requested_output_names = {str(name) for name in requested_output_names}
         self._model_name = str(model_name)
         self._model_version = int(model_version)
         self._flags = int(flags)
@@ -553,7 +553,7 @@ class InferenceRequest:
         request_id: str,
         correlation_id: int | str,
         inputs: list[Tensor],
-        requested_output_names: list[str],
+        requested_output_names: set[str],
         model_name: str,
         model_version: int,
         flags: int,
@@ -598,7 +598,9 @@ class InferenceRequest:
         """The request's parameters as a JSON object string (``'{}'`` when none)."""
         return self._parameters
 
-    def requested_output_names(self) -> list[str]:
+    def requested_output_names(self) -> set[str]:
+        """The outputs to compute: a set, as in Triton (every configured output when the
+        client asked for none)."""
         return self._requested_output_names
 
     def trace(self) -> InferenceTrace:

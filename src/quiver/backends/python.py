@@ -174,7 +174,7 @@ def _import_model_file(path: Path, files: ModelFiles, where: str, model_name: st
                 with contextlib.suppress(ValueError):
                     sys.path.remove(folder)
             for name in set(sys.modules) - before:
-                if name.startswith(package):
+                if name == package or name.startswith(package + "."):
                     continue
                 found = sys.modules.get(name)
                 if _is_within(getattr(found, "__file__", None), model_root):
@@ -402,9 +402,9 @@ class PythonInstance(ThreadedInstance):
             timeout = 0
         passed = {k: v for k, v in params.items() if k not in _RESERVED_PARAMETERS}
         if request.outputs is None:
-            requested = list(self._all_outputs)
+            requested = set(self._all_outputs)
         else:
-            requested = [output.name for output in request.outputs]
+            requested = {output.name for output in request.outputs}
         return pb_utils.InferenceRequest._from_server(
             request_id=request.id,
             correlation_id=correlation_id,

@@ -209,7 +209,7 @@ def _build(proto: pb.ModelConfig, source: str) -> ModelConfig:
     for index, group in enumerate(proto.instance_group):
         if not group.name:
             group.name = f"{proto.name}_{index}"
-        if group.count == 0 and not group.HasField("count"):
+        if group.count == 0:  # Triton's default
             group.count = 1
         if group.count < 1:
             raise ConfigError(

@@ -105,6 +105,9 @@ def load_model(source: ModelSource, *, strict: bool) -> LoadOutcome:
     except QuiverError as exc:
         logger.error("failed to load model '%s': %s", source.name, exc)
         return LoadOutcome(None, [], {}, str(exc))
+    except Exception as exc:  # a bug must cost one model, not the server
+        logger.exception("failed to load model '%s'", source.name)
+        return LoadOutcome(None, [], {}, f"model '{source.name}': {type(exc).__name__}: {exc}")
 
     models: list[Model] = []
     failures: dict[int, str] = {}

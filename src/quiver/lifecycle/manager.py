@@ -83,32 +83,34 @@ class ModelRepositoryManager:
             if model is not None:
                 return model
         else:
-            versions = self._ready.get(name)
-            if versions is not None:
-                try:
-                    number = int(version)
-                except ValueError:
-                    raise InvalidArgumentError(
-                        f"model '{name}': version '{version}' is not a number"
-                    ) from None
-                found = versions.get(number)
-                if found is not None:
-                    return found
-                raise UnavailableError(
-                    f"model '{name}' version {version} is not available; loaded versions: "
-                    f"{', '.join(str(v) for v in sorted(versions))}"
-                )
+            try:
+                number = int(version)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"model '{name}': version '{version}' is not a number"
+                ) from None
+            found = self._ready.get(name, {}).get(number)
+            if found is not None:
+                return found
         raise self._missing(name, version)
 
     def _missing(self, name: str, version: str) -> Exception:
         statuses = self._status.get(name)
         if statuses is None:
             return NotFoundError(f"unknown model: '{name}'")
-        reasons = [s.reason for s in statuses if s.reason and (not version or s.version in ("", version))]
-        state = statuses[0].state.value if statuses else "UNAVAILABLE"
-        detail = f": {reasons[0]}" if reasons else ""
-        what = f"model '{name}'" + (f" version {version}" if version and version != "-1" else "")
-        return UnavailableError(f"{what} is not ready ({state}){detail}")
+        specific = version and version != "-1"
+        what = f"model '{name}'" + (f" version {version}" if specific else "")
+        if specific:
+            mine = [s for s in statuses if s.version == version]
+            if not mine:
+                if any(s.state is ModelState.READY for s in statuses):
+                    loaded = ", ".join(s.version for s in statuses if s.state is ModelState.READY)
+                    return NotFoundError(f"{what} is not served; versions served: {loaded}")
+                mine = [s for s in statuses if s.version == ""]
+            statuses = mine or statuses
+        status = statuses[0]
+        detail = f": {status.reason}" if status.reason else ""
+        return UnavailableError(f"{what} is not ready ({status.state.value}){detail}")
 
     def is_ready(self, name: str, version: str = "") -> bool:
         try:

@@ -64,6 +64,10 @@ def _flatten_strings(data: Any, name: str, out: list[bytes]) -> None:
             raise _bad(f"input '{name}': BYTES data must be strings, got {type(item).__name__}")
 
 
+def _all_ints(data: list[Any]) -> bool:
+    return all(_all_ints(v) if isinstance(v, list) else type(v) is int for v in data)
+
+
 def _json_array(data: Any, datatype: DataType, shape: tuple[int, ...], name: str) -> np.ndarray[Any, Any]:
     count = math.prod(shape)
     if not isinstance(data, list):
@@ -85,11 +89,18 @@ def _json_array(data: Any, datatype: DataType, shape: tuple[int, ...], name: str
             if kind != "b":
                 raise _bad(f"input '{name}': BOOL data must be true/false values")
         elif datatype.numpy_dtype.kind in _INT_KINDS:
-            if kind not in _INT_KINDS:
+            if kind not in _INT_KINDS and _all_ints(data):
+                # integers past int64 (UINT64's upper half): numpy guessed float or object
+                try:
+                    raw = np.array(data, dtype=datatype.numpy_dtype)
+                except (OverflowError, ValueError):
+                    raise _bad(f"input '{name}': a value is out of range for {datatype.value}") from None
+            elif kind not in _INT_KINDS:
                 raise _bad(f"input '{name}': {datatype.value} data must be integers")
-            info = np.iinfo(datatype.numpy_dtype)
-            if raw.min() < info.min or raw.max() > info.max:
-                raise _bad(f"input '{name}': a value is out of range for {datatype.value}")
+            else:
+                info = np.iinfo(datatype.numpy_dtype)
+                if raw.min() < info.min or raw.max() > info.max:
+                    raise _bad(f"input '{name}': a value is out of range for {datatype.value}")
         elif kind not in _NUMBER_KINDS:
             raise _bad(f"input '{name}': {datatype.value} data must be numbers")
         if datatype is DataType.BF16 and not HAVE_BF16:

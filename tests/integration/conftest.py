@@ -1,0 +1,122 @@
+"""One shared server over a repository that exercises every feature of the HTTP frontend."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from build_repository import (
+    ADD_SUB_CONFIG,
+    ADD_SUB_MODEL,
+    CLASSIFIER_CONFIG,
+    LABELS,
+    SIMPLE_CONFIG,
+    classifier_onnx,
+    simple_onnx,
+)
+from support.models import (
+    ONNX_TYPES,
+    add_constant_onnx,
+    config_type,
+    identity_onnx,
+    write_config,
+    write_onnx,
+    write_python,
+)
+from support.server import QuiverServer
+
+BROKEN_MODEL = """
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("weights file is corrupt")
+
+    def execute(self, requests):
+        return []
+"""
+
+VERSIONED_CONFIG = """
+name: "{name}"
+backend: "onnxruntime"
+max_batch_size: 8
+{policy}
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+"""
+
+#: Small on purpose, so the size-limit test need not send much.
+MAX_INPUT_SIZE = 1 << 20
+
+
+def build_repository(root: Path) -> Path:
+    repo = root / "models"
+    repo.mkdir()
+    for datatype in ONNX_TYPES:
+        name = f"identity_{datatype.lower()}"
+        write_onnx(
+            repo,
+            name,
+            identity_onnx(datatype, [-1]),
+            f"""
+            name: "{name}"
+            platform: "onnxruntime_onnx"
+            input [ {{ name: "INPUT0" data_type: {config_type(datatype)} dims: [ -1 ] }} ]
+            output [ {{ name: "OUTPUT0" data_type: {config_type(datatype)} dims: [ -1 ] }} ]
+            """,
+        )
+    write_config(
+        repo,
+        "identity_bf16",
+        """
+        backend: "identity"
+        input [ { name: "INPUT0" data_type: TYPE_BF16 dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_BF16 dims: [ -1 ] } ]
+        """,
+    )
+    write_onnx(repo, "simple", simple_onnx(), SIMPLE_CONFIG)
+    folder = write_onnx(repo, "classifier", classifier_onnx(), CLASSIFIER_CONFIG)
+    (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
+    # No config at all, and a partial one: both completed from the ONNX model.
+    write_onnx(repo, "autocomplete", simple_onnx(), None)
+    write_onnx(repo, "partial", simple_onnx(), 'backend: "onnxruntime"\nmax_batch_size: 2\n')
+    for name, policy in (
+        ("versioned", "version_policy: { latest: { num_versions: 2 } }"),
+        ("versioned_all", "version_policy: { all: {} }"),
+        ("versioned_specific", "version_policy: { specific: { versions: [1, 3] } }"),
+    ):
+        for version in (1, 2, 3):
+            write_onnx(
+                repo,
+                name,
+                add_constant_onnx(float(version)),
+                VERSIONED_CONFIG.format(name=name, policy=policy),
+                version=version,
+            )
+    write_python(repo, "add_sub", ADD_SUB_MODEL, ADD_SUB_CONFIG)
+    write_python(
+        repo,
+        "broken",
+        BROKEN_MODEL,
+        """
+        backend: "python"
+        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        """,
+    )
+    return repo
+
+
+@pytest.fixture(scope="session")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_repository(tmp_path_factory.mktemp("repo"))
+
+
+@pytest.fixture(scope="session")
+def server(repository: Path) -> Iterator[QuiverServer]:
+    with QuiverServer(
+        repository,
+        args=("--exit-on-error=false", "--http-max-input-size", str(MAX_INPUT_SIZE)),
+    ) as running:
+        yield running
+    assert running.process is not None
+    assert running.process.returncode == 0, running.log

@@ -1,0 +1,125 @@
+"""Start a real ``quiver serve`` process on an ephemeral port for a test."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+_STARTED = re.compile(r"started HTTP service at ([\d.]+|\[[0-9a-f:]+\]|[0-9a-f:]+):(\d+)")
+
+
+class QuiverServer:
+    """``with QuiverServer(repo) as server: server.url``; logs are kept in ``server.log``."""
+
+    def __init__(self, *repositories: Path, args: tuple[str, ...] = (), timeout: float = 60.0) -> None:
+        self.repositories = repositories
+        self.args = args
+        self.timeout = timeout
+        self.lines: list[str] = []
+        self.process: subprocess.Popen[str] | None = None
+        self.port = 0
+        self._started = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "quiver", "serve", "--http-port", "0"]
+        for repository in self.repositories:
+            cmd += ["--model-repository", str(repository)]
+        return cmd + list(self.args)
+
+    def start(self) -> QuiverServer:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            self.command(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + self.timeout
+        while not self._started.wait(0.05):
+            if self.process.poll() is not None:
+                self._close()
+                raise RuntimeError(
+                    f"quiver exited with {self.process.returncode} before listening:\n{self.log}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"quiver did not start within {self.timeout} s:\n{self.log}")
+        return self
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            match = _STARTED.search(line)
+            if match and not self._started.is_set():
+                self.port = int(match.group(2))
+                self._started.set()
+
+    def wait(self, timeout: float = 30.0) -> int:
+        """Wait for the process to exit by itself; returns its exit code."""
+        assert self.process is not None
+        code = self.process.wait(timeout)
+        self._close()
+        return code
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+                raise RuntimeError(f"quiver did not stop within {timeout} s:\n{self.log}") from None
+        self._close()
+        return self.process.returncode
+
+    def _close(self) -> None:
+        assert self.process is not None
+        if self._reader is not None:
+            self._reader.join(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def __enter__(self) -> QuiverServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def run_quiver(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m quiver ARGS`` to completion (for start-up failures and --help)."""
+    return subprocess.run(
+        [sys.executable, "-m", "quiver", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
