@@ -1,0 +1,934 @@
+"""HTTP throughput of Quiver on Triton's ``simple`` model, next to two floors.
+
+Run: ``.venv/bin/python benchmarks/http_throughput.py`` (or ``make bench``); ``--help`` for options.
+
+What it measures, per trial (fixed duration after a warm-up):
+
+* ``quiver``: ``quiver serve`` on a temporary repository holding only ``simple`` (INT32[16] x2 ->
+  sum, difference; max_batch_size 8), driven over HTTP/1.1 keep-alive with one connection per
+  concurrent worker, with JSON and with Triton's binary tensor extension.
+* ``floor: raw HTTP``: a minimal uvloop + httptools server (in this file, run as a subprocess with
+  ``--serve-floor``) that answers the same requests with a fixed pre-encoded response. It is the
+  cost of HTTP plus this client alone on this machine: no server can beat it here.
+* ``floor: onnxruntime``: ``InferenceSession.run`` on the same model and inputs, in-process, in a
+  tight loop: the cost of the model itself.
+
+The load generator is deliberately lean, so that it leaves the cores to the server: one process, one
+uvloop event loop, callback-driven ``asyncio.Protocol`` connections that write pre-encoded request
+bytes and frame responses by their status line and Content-Length only. Every response's status is
+checked (non-200 is an error); the first response of each connection and one in ``--check-every``
+after it is decoded and compared with the right answer (a wrong answer is an error too).
+
+Both the client's CPU time (``time.process_time``) and the server process's (psutil, or
+``/proc/PID/stat``) are measured over each trial's measured window, as a percentage of one core, so
+the table shows where the cores went: on a 2-core machine the client and the server share them.
+
+Results: a markdown table on stdout and in ``benchmarks/results/http_throughput.md``, the same as
+JSON in ``benchmarks/results/http_throughput.json``, per-request latencies in
+``benchmarks/results/raw/`` (gitignored), and with ``--plot`` a PNG if matplotlib is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import http.client
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a Quiver dependency on Linux
+    uvloop = None  # type: ignore[assignment]
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - optional
+    psutil = None  # type: ignore[assignment]
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+from build_repository import SIMPLE_CONFIG, simple_onnx  # noqa: E402
+
+MODEL = "simple"
+INFER_PATH = f"/v2/models/{MODEL}/infer"
+SHAPE = [1, 16]
+INPUT0 = np.arange(16, dtype=np.int32).reshape(SHAPE)
+INPUT1 = (np.arange(16, dtype=np.int32) * 3 - 7).reshape(SHAPE)
+EXPECTED = {"OUTPUT0": INPUT0 + INPUT1, "OUTPUT1": INPUT0 - INPUT1}
+ENCODINGS = ("json", "binary")
+TARGETS = ("floor-ort", "floor-http", "quiver")
+TARGET_LABELS = {
+    "floor-ort": "floor: onnxruntime in-process",
+    "floor-http": "floor: raw HTTP (uvloop+httptools)",
+    "quiver": "quiver",
+}
+STARTED = re.compile(r"started (?:floor )?HTTP service at ([0-9.]+):(\d+)")
+CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
+HEADER_LENGTH = re.compile(rb"\r\ninference-header-content-length:[ \t]*(\d+)", re.IGNORECASE)
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- payloads ------------------------------------------------------------------------------
+
+
+def request_body(encoding: str) -> tuple[bytes, int | None]:
+    """The request body, and the JSON header length for the binary extension."""
+    if encoding == "json":
+        body = {
+            "inputs": [
+                {"name": name, "datatype": "INT32", "shape": SHAPE, "data": arr.ravel().tolist()}
+                for name, arr in (("INPUT0", INPUT0), ("INPUT1", INPUT1))
+            ]
+        }
+        return orjson.dumps(body), None
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": name,
+                    "datatype": "INT32",
+                    "shape": SHAPE,
+                    "parameters": {"binary_data_size": arr.nbytes},
+                }
+                for name, arr in (("INPUT0", INPUT0), ("INPUT1", INPUT1))
+            ],
+            "outputs": [
+                {"name": "OUTPUT0", "parameters": {"binary_data": True}},
+                {"name": "OUTPUT1", "parameters": {"binary_data": True}},
+            ],
+        }
+    )
+    raw = INPUT0.astype("<i4").tobytes() + INPUT1.astype("<i4").tobytes()
+    return header + raw, len(header)
+
+
+def http_request(encoding: str, host: str, port: int) -> bytes:
+    """The complete pre-encoded HTTP/1.1 request."""
+    body, header_length = request_body(encoding)
+    lines = [
+        f"POST {INFER_PATH} HTTP/1.1",
+        f"Host: {host}:{port}",
+        f"Content-Length: {len(body)}",
+    ]
+    if header_length is None:
+        lines.append("Content-Type: application/json")
+    else:
+        lines.append("Content-Type: application/octet-stream")
+        lines.append(f"Inference-Header-Content-Length: {header_length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def canned_response(encoding: str) -> bytes:
+    """What a Triton-like server answers, as a complete HTTP response (for the floor server)."""
+    outputs = []
+    raw = b""
+    for name in ("OUTPUT0", "OUTPUT1"):
+        arr = EXPECTED[name]
+        entry: dict[str, Any] = {"name": name, "datatype": "INT32", "shape": SHAPE}
+        if encoding == "json":
+            entry["data"] = arr.ravel().tolist()
+        else:
+            entry["parameters"] = {"binary_data_size": arr.nbytes}
+            raw += arr.astype("<i4").tobytes()
+        outputs.append(entry)
+    header = orjson.dumps({"model_name": MODEL, "model_version": "1", "outputs": outputs})
+    body = header + raw
+    lines = ["HTTP/1.1 200 OK", f"content-length: {len(body)}"]
+    if encoding == "json":
+        lines.append("content-type: application/json")
+    else:
+        lines.append("content-type: application/octet-stream")
+        lines.append(f"inference-header-content-length: {len(header)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def check_answer(body: bytes, header_length: int | None) -> str | None:
+    """None if ``body`` holds the right OUTPUT0 and OUTPUT1, else what is wrong."""
+    try:
+        header = orjson.loads(body[:header_length] if header_length is not None else body)
+        offset = header_length or 0
+        seen = set()
+        for out in header["outputs"]:
+            name = out["name"]
+            size = (out.get("parameters") or {}).get("binary_data_size")
+            if size is not None:
+                got = np.frombuffer(body, dtype="<i4", count=size // 4, offset=offset)
+                offset += size
+            else:
+                got = np.asarray(out["data"], dtype=np.int32)
+            if name in EXPECTED:
+                if list(out["shape"]) != SHAPE or not np.array_equal(got.ravel(), EXPECTED[name].ravel()):
+                    return f"{name}: wrong value {got.tolist()} shape {out['shape']}"
+                seen.add(name)
+        if seen != set(EXPECTED):
+            return f"missing outputs: {sorted(set(EXPECTED) - seen)}"
+    except Exception as exc:
+        return f"undecodable response ({type(exc).__name__}: {exc}): {body[:200]!r}"
+    return None
+
+
+# -- the floor server ----------------------------------------------------------------------
+
+
+class _FloorProtocol(asyncio.Protocol):
+    """Answers every infer request with a fixed response; health probes with 200."""
+
+    def __init__(self, responses: dict[bool, bytes]) -> None:
+        import httptools
+
+        self.responses = responses
+        self.parser = httptools.HttpRequestParser(self)
+        self.error = httptools.HttpParserError
+        self.url = b""
+        self.binary = False
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except self.error:
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.close()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.binary = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"inference-header-content-length":
+            self.binary = True
+
+    def on_message_complete(self) -> None:
+        assert self.transport is not None
+        if self.url == INFER_PATH.encode():
+            self.transport.write(self.responses[self.binary])
+        elif self.url.startswith(b"/v2/health/"):
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        else:
+            self.transport.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+
+
+async def _serve_floor(host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    responses = {False: canned_response("json"), True: canned_response("binary")}
+    server = await loop.create_server(lambda: _FloorProtocol(responses), host, port, backlog=1024)
+    bound = server.sockets[0].getsockname()
+    print(f"started floor HTTP service at {bound[0]}:{bound[1]}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    server.close()
+    await server.wait_closed()
+
+
+def run_floor_server(host: str, port: int) -> int:
+    _run(_serve_floor(host, port))
+    return 0
+
+
+# -- the load generator --------------------------------------------------------------------
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection with at most one request in flight."""
+
+    __slots__ = ("buf", "checked", "head_end", "need", "t0", "transport", "trial")
+
+    def __init__(self, trial: _Trial) -> None:
+        self.trial = trial
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.need = -1  # index in buf where the current response ends, once its head is parsed
+        self.head_end = 0
+        self.t0 = 0  # perf_counter_ns() of the in-flight request, 0 when idle
+        self.checked = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self) -> None:
+        assert self.transport is not None
+        self.t0 = time.perf_counter_ns()
+        self.transport.write(self.trial.request)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if self.need < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(buf[:end + 2])
+            match = CONTENT_LENGTH.search(head)
+            if match is None:  # this client frames by Content-Length only
+                self.trial.fail(self, f"response without Content-Length: {head[:200]!r}")
+                return
+            self.head_end = end + 4
+            self.need = end + 4 + int(match.group(1))
+        if len(buf) < self.need:
+            return
+        if len(buf) > self.need:
+            self.trial.fail(self, "more bytes than one response")
+            return
+        head = bytes(buf[: self.head_end])
+        body = bytes(buf[self.head_end : self.need])
+        buf.clear()
+        self.need = -1
+        self.trial.on_response(self, head, body)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.trial.on_lost(self)
+
+
+@dataclass
+class TrialResult:
+    target: str
+    encoding: str
+    concurrency: int
+    requests: int = 0
+    seconds: float = 0.0
+    req_per_s: float = 0.0
+    p50_ms: float | None = None
+    p90_ms: float | None = None
+    p99_ms: float | None = None
+    errors: int = 0
+    non_200: int = 0
+    wrong_answers: int = 0
+    connection_errors: int = 0
+    answers_checked: int = 0
+    client_cpu_s: float = 0.0
+    server_cpu_s: float | None = None
+    client_cpu_pct: float = 0.0
+    server_cpu_pct: float | None = None
+    first_error: str | None = None
+    latencies_ns: list[int] = field(default_factory=list, repr=False)
+
+
+class _Trial:
+    def __init__(self, request: bytes, binary: bool, check_every: int, result: TrialResult) -> None:
+        self.request = request
+        self.binary = binary
+        self.check_every = check_every
+        self.result = result
+        self.measuring = False
+        self.stopping = False
+        self.completed = 0  # all responses, warm-up included, to spread the answer checks
+        self.conns: list[_Conn] = []
+        self.inflight = 0
+        self.idle: asyncio.Future[None] | None = None
+        self.reconnects: set[asyncio.Task[None]] = set()
+        self.host = ""
+        self.port = 0
+
+    def on_response(self, conn: _Conn, head: bytes, body: bytes) -> None:
+        latency = time.perf_counter_ns() - conn.t0
+        conn.t0 = 0
+        res = self.result
+        status = int(head[9:12])
+        self.completed += 1
+        if self.measuring:
+            res.latencies_ns.append(latency)
+            if status != 200:
+                res.non_200 += 1
+                res.first_error = res.first_error or f"HTTP {status}: {body[:200]!r}"
+        if status == 200 and (not conn.checked or self.completed % self.check_every == 0):
+            conn.checked = True
+            header_length = None
+            if self.binary:
+                match = HEADER_LENGTH.search(head)
+                header_length = int(match.group(1)) if match else -1
+            problem = check_answer(body, header_length)
+            if self.measuring:
+                res.answers_checked += 1
+                if problem is not None:
+                    res.wrong_answers += 1
+                    res.first_error = res.first_error or problem
+            elif problem is not None:  # a wrong answer in the warm-up still matters
+                res.wrong_answers += 1
+                res.first_error = res.first_error or f"(warm-up) {problem}"
+        if self.stopping:
+            self._settle()
+        else:
+            conn.send()
+
+    def fail(self, conn: _Conn, message: str) -> None:
+        self.result.first_error = self.result.first_error or message
+        if conn.transport is not None:
+            conn.transport.abort()  # connection_lost counts it and reconnects
+
+    def on_lost(self, conn: _Conn) -> None:
+        if conn.t0 == 0 and self.stopping:
+            return  # closed by us at the end
+        conn.t0 = 0
+        if self.measuring:
+            self.result.connection_errors += 1
+        self.result.first_error = self.result.first_error or "connection lost"
+        if conn in self.conns:
+            self.conns.remove(conn)
+        if self.stopping:
+            self._settle()
+            return
+        task = asyncio.get_running_loop().create_task(self._reconnect())
+        self.reconnects.add(task)
+        task.add_done_callback(self.reconnects.discard)
+
+    async def _reconnect(self) -> None:
+        await asyncio.sleep(0.05)
+        conn = await self.connect()
+        if not self.stopping:
+            conn.send()
+
+    async def connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
+        self.conns.append(conn)
+        return conn
+
+    def _settle(self) -> None:
+        if self.idle is not None and not self.idle.done() and all(c.t0 == 0 for c in self.conns):
+            self.idle.set_result(None)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live children."""
+    if psutil is not None:
+        proc = psutil.Process(pid)
+        total = sum(proc.cpu_times()[:2])
+        for child in proc.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += sum(child.cpu_times()[:2])
+        return total
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_trial(
+    host: str,
+    port: int,
+    server_pid: int,
+    target: str,
+    encoding: str,
+    concurrency: int,
+    warmup: float,
+    duration: float,
+    check_every: int,
+) -> TrialResult:
+    result = TrialResult(target, encoding, concurrency)
+    trial = _Trial(http_request(encoding, host, port), encoding == "binary", check_every, result)
+    trial.host, trial.port = host, port
+    loop = asyncio.get_running_loop()
+    trial.idle = loop.create_future()
+    await asyncio.gather(*(trial.connect() for _ in range(concurrency)))
+    marks: dict[str, float] = {}
+
+    def begin() -> None:
+        trial.measuring = True
+        marks["server0"] = cpu_seconds(server_pid)
+        marks["cpu0"] = time.process_time()
+        marks["t0"] = time.perf_counter()
+
+    def end() -> None:
+        marks["t1"] = time.perf_counter()
+        marks["cpu1"] = time.process_time()
+        trial.measuring = False
+        trial.stopping = True
+        marks["server1"] = cpu_seconds(server_pid)
+        trial._settle()
+
+    for conn in list(trial.conns):
+        conn.send()
+    loop.call_later(warmup, begin)
+    loop.call_later(warmup + duration, end)
+    await asyncio.sleep(warmup + duration)
+    try:
+        await asyncio.wait_for(trial.idle, timeout=30)
+    except TimeoutError:
+        result.first_error = result.first_error or "requests still in flight 30 s after the trial"
+        result.connection_errors += sum(1 for c in trial.conns if c.t0)
+    for task in list(trial.reconnects):
+        task.cancel()
+    for conn in trial.conns:
+        if conn.transport is not None:
+            conn.transport.close()
+    await asyncio.sleep(0)
+
+    seconds = marks["t1"] - marks["t0"]
+    lat = np.asarray(result.latencies_ns, dtype=np.int64)
+    result.requests = len(lat)
+    result.seconds = seconds
+    result.req_per_s = len(lat) / seconds
+    if len(lat):
+        p50, p90, p99 = np.percentile(lat, [50, 90, 99]) / 1e6
+        result.p50_ms, result.p90_ms, result.p99_ms = float(p50), float(p90), float(p99)
+    result.errors = result.non_200 + result.wrong_answers + result.connection_errors
+    result.client_cpu_s = marks["cpu1"] - marks["cpu0"]
+    result.server_cpu_s = marks["server1"] - marks["server0"]
+    result.client_cpu_pct = 100 * result.client_cpu_s / seconds
+    result.server_cpu_pct = 100 * result.server_cpu_s / seconds
+    return result
+
+
+def run_ort_floor(model_path: Path, warmup: float, duration: float) -> TrialResult:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    feeds = {"INPUT0": INPUT0, "INPUT1": INPUT1}
+    names = ["OUTPUT0", "OUTPUT1"]
+    out0, out1 = session.run(names, feeds)
+    if not (np.array_equal(out0, EXPECTED["OUTPUT0"]) and np.array_equal(out1, EXPECTED["OUTPUT1"])):
+        raise SystemExit("onnxruntime floor: the model gives a wrong answer")
+    run = session.run
+    clock = time.perf_counter_ns
+    deadline = clock() + int(warmup * 1e9)
+    while clock() < deadline:
+        run(names, feeds)
+    lat: list[int] = []
+    append = lat.append
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    deadline = clock() + int(duration * 1e9)
+    now = clock()
+    while now < deadline:
+        run(names, feeds)
+        after = clock()
+        append(after - now)
+        now = after
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    del session
+    arr = np.asarray(lat, dtype=np.int64)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99]) / 1e6
+    return TrialResult(
+        "floor-ort",
+        "-",
+        1,
+        requests=len(arr),
+        seconds=seconds,
+        req_per_s=len(arr) / seconds,
+        p50_ms=float(p50),
+        p90_ms=float(p90),
+        p99_ms=float(p99),
+        client_cpu_s=cpu,
+        client_cpu_pct=100 * cpu / seconds,
+        latencies_ns=lat,
+    )
+
+
+# -- servers as subprocesses ---------------------------------------------------------------
+
+
+class Server:
+    """A server subprocess whose stderr goes to a log file we watch for its port."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.host = ""
+        self.port = 0
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.port:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start in {timeout:.0f} s:\n{self.tail()}")
+            match = STARTED.search(self.log_path.read_text(errors="replace"))
+            if match:
+                self.host, self.port = match.group(1), int(match.group(2))
+            else:
+                time.sleep(0.05)
+        url = f"http://{self.host}:{self.port}/v2/health/ready"
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} never answered {url} with 200:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait; the exit code, or None if it had to be killed."""
+        code: int | None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            code = None
+        self._log.close()
+        return code
+
+
+def sanity_check(host: str, port: int, encoding: str) -> None:
+    """One request over http.client, the answer checked in full, before any trial."""
+    body, header_length = request_body(encoding)
+    headers = {"Content-Type": "application/json" if header_length is None else "application/octet-stream"}
+    if header_length is not None:
+        headers["Inference-Header-Content-Length"] = str(header_length)
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("POST", INFER_PATH, body, headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{encoding} request: HTTP {resp.status}: {data[:300]!r}")
+        raw = resp.getheader("Inference-Header-Content-Length")
+        problem = check_answer(data, int(raw) if raw is not None else None)
+        if problem:
+            raise RuntimeError(f"{encoding} request: {problem}")
+    finally:
+        conn.close()
+
+
+def _run(coro: Any) -> Any:
+    if uvloop is not None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    return asyncio.run(coro)
+
+
+def drive(server: Server, target: str, args: argparse.Namespace, results: list[TrialResult]) -> None:
+    for encoding in args.encodings:
+        sanity_check(server.host, server.port, encoding)
+    for encoding in args.encodings:
+        for concurrency in args.concurrency:
+            log(f"{target} {encoding} c={concurrency}: {args.warmup:g} s warm-up + {args.duration:g} s ...")
+            res = _run(
+                run_trial(
+                    server.host,
+                    server.port,
+                    server.proc.pid,
+                    target,
+                    encoding,
+                    concurrency,
+                    args.warmup,
+                    args.duration,
+                    args.check_every,
+                )
+            )
+            results.append(res)
+            log(f"  {summary(res)}")
+            if res.first_error:
+                log(f"  first error: {res.first_error}")
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+
+def summary(r: TrialResult) -> str:
+    server = "-" if r.server_cpu_pct is None else f"{r.server_cpu_pct:.0f}%"
+    return (
+        f"{r.req_per_s:,.0f} req/s, p50 {r.p50_ms or 0:.3f} ms, p99 {r.p99_ms or 0:.3f} ms, "
+        f"errors {r.errors}, client CPU {r.client_cpu_pct:.0f}%, server CPU {server}"
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def markdown_table(results: list[TrialResult]) -> str:
+    head = (
+        "| target | encoding | concurrency | req/s | p50 ms | p90 ms | p99 ms | errors "
+        "| client CPU % | server CPU % |"
+    )
+    rows = [head, "|" + "---|" * 3 + "---:|" * 7]
+    for r in results:
+        server = "-" if r.server_cpu_pct is None else f"{r.server_cpu_pct:.0f}"
+        rows.append(
+            f"| {TARGET_LABELS[r.target]} | {r.encoding} | {r.concurrency} | {r.req_per_s:,.0f} "
+            f"| {_ms(r.p50_ms)} | {_ms(r.p90_ms)} | {_ms(r.p99_ms)} | {r.errors} "
+            f"| {r.client_cpu_pct:.0f} | {server} |"
+        )
+    return "\n".join(rows)
+
+
+def environment() -> dict[str, Any]:
+    cpu_model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "onnxruntime": version("onnxruntime"),
+        "quiver": version("quiver"),
+        "uvloop": version("uvloop"),
+        "httptools": version("httptools"),
+        "uvicorn": version("uvicorn"),
+        "cpu_time_source": "psutil" if psutil is not None else "/proc/PID/stat",
+    }
+
+
+def command_line() -> str:
+    script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):
+        script = script.relative_to(Path.cwd())
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+def markdown_report(env: dict[str, Any], cmd: str, args: argparse.Namespace, results: list[TrialResult], notes: list[str]) -> str:
+    lines = [
+        "# HTTP throughput: Triton's `simple` model (INT32[16] x2 -> sum, difference)",
+        "",
+        f"- Command: `{cmd}`",
+        f"- Date: {env['date']}",
+        f"- Machine: {env['nproc']} cores, {env['cpu_model']} ({env['platform']})",
+        f"- Versions: Python {env['python']}, onnxruntime {env['onnxruntime']}, quiver {env['quiver']}"
+        f" (uvicorn {env['uvicorn']}, uvloop {env['uvloop']}, httptools {env['httptools']})",
+        f"- Trials: {args.warmup:g} s warm-up, then {args.duration:g} s measured, per row;"
+        " one HTTP/1.1 keep-alive connection per concurrent request, one request at a time on each.",
+        "- CPU % is CPU time over the measured window as a percentage of one core"
+        f" (this machine has {env['nproc']}, so {100 * (env['nproc'] or 1)}% is all of it); the client"
+        " shares the cores with the server. The onnxruntime floor runs in the client process.",
+        "- `floor: raw HTTP` answers with a fixed pre-encoded response (same body as Triton's), so it is"
+        " the cost of HTTP plus this load generator alone; `floor: onnxruntime` is"
+        " `InferenceSession.run` in a tight loop, the cost of the model alone.",
+        "",
+        markdown_table(results),
+    ]
+    if notes:
+        lines += ["", *[f"- {n}" for n in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[TrialResult], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("--plot: matplotlib is not importable; skipping the plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple[str, str], list[TrialResult]] = {}
+    for r in results:
+        if r.target != "floor-ort":
+            series.setdefault((r.target, r.encoding), []).append(r)
+    for (target, encoding), rows in series.items():
+        rows.sort(key=lambda r: r.concurrency)
+        ax.plot([r.concurrency for r in rows], [r.req_per_s for r in rows], marker="o", label=f"{TARGET_LABELS[target]}, {encoding}")
+    for r in results:
+        if r.target == "floor-ort":
+            ax.axhline(r.req_per_s, linestyle="--", color="grey", label=TARGET_LABELS[r.target])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("requests/s")
+    ax.set_title("simple model over HTTP")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def _csv(kind: type, choices: tuple[str, ...] | None = None) -> Any:
+    def parse(text: str) -> list[Any]:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        if choices is not None:
+            bad = [x for x in items if x not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
+        if kind is int and any(x < 1 for x in items):
+            raise argparse.ArgumentTypeError("concurrency must be >= 1")
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=(
+            "HTTP throughput of `quiver serve` on Triton's `simple` model (JSON and binary tensor "
+            "encodings, several concurrency levels), next to two floors: onnxruntime called "
+            "in-process, and a minimal uvloop+httptools server answering with a fixed response. "
+            "Prints a markdown table; writes benchmarks/results/http_throughput.{json,md}."
+        ),
+    )
+    parser.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32], metavar="N,N,...", help="concurrency levels (default: 1,8,32)")
+    parser.add_argument("--duration", type=float, default=5.0, metavar="SECONDS", help="measured seconds per trial (default: 5)")
+    parser.add_argument("--warmup", type=float, default=1.0, metavar="SECONDS", help="warm-up seconds before each trial (default: 1)")
+    parser.add_argument("--encodings", type=_csv(str, ENCODINGS), default=list(ENCODINGS), metavar="E,E", help="json and/or binary (default: json,binary)")
+    parser.add_argument("--targets", type=_csv(str, TARGETS), default=list(TARGETS), metavar="T,T,...", help=f"which of {', '.join(TARGETS)} to run (default: all)")
+    parser.add_argument("--check-every", type=int, default=50, metavar="N", help="decode and check one response in N (and each connection's first) (default: 50)")
+    parser.add_argument("--output-dir", type=Path, default=HERE / "results", metavar="DIR", help="where results go (default: benchmarks/results)")
+    parser.add_argument("--no-raw", action="store_true", help="don't write per-request latencies to OUTPUT_DIR/raw/")
+    parser.add_argument("--plot", action="store_true", help="also write OUTPUT_DIR/http_throughput.png (needs matplotlib)")
+    parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: next to this Python)")
+    parser.add_argument("--serve-floor", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.serve_floor is not None:
+        return run_floor_server("127.0.0.1", args.serve_floor)
+    if args.duration <= 0 or args.warmup < 0 or args.check_every < 1:
+        raise SystemExit("--duration must be > 0, --warmup >= 0, --check-every >= 1")
+    quiver_exe = args.quiver or str(Path(sys.executable).parent / "quiver")
+    env = environment()
+    cmd = command_line()
+    results: list[TrialResult] = []
+    notes: list[str] = []
+    exit_codes: dict[str, int | None] = {}
+    status = 0
+    log(f"{env['nproc']} cores ({env['cpu_model']}); {len(args.concurrency) * len(args.encodings)} trial(s) per HTTP target")
+
+    with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
+        repo = Path(tmp) / "repository"
+        model_path = repo / MODEL / "1" / "model.onnx"
+        model_path.parent.mkdir(parents=True)
+        import onnx
+
+        model = simple_onnx()
+        onnx.checker.check_model(model)
+        onnx.save(model, str(model_path))
+        (repo / MODEL / "config.pbtxt").write_text(SIMPLE_CONFIG)
+
+        try:
+            if "floor-ort" in args.targets:
+                log(f"floor-ort: onnxruntime in-process, {args.warmup:g} s warm-up + {args.duration:g} s ...")
+                res = run_ort_floor(model_path, args.warmup, args.duration)
+                results.append(res)
+                log(f"  {summary(res)}")
+
+            for target in ("floor-http", "quiver"):
+                if target not in args.targets:
+                    continue
+                if target == "quiver":
+                    argv_ = [quiver_exe, "serve", "--model-repository", str(repo), "--http-port", "0"]
+                else:
+                    argv_ = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", "0"]
+                log(f"{target}: starting {shlex.join(argv_)}")
+                server = Server(target, argv_, Path(tmp) / f"{target}.log")
+                try:
+                    server.wait_ready()
+                    log(f"{target}: ready at {server.host}:{server.port} (pid {server.proc.pid})")
+                    drive(server, target, args, results)
+                finally:
+                    code = server.stop()
+                    exit_codes[target] = code
+                    if code != 0:
+                        what = "had to be killed" if code is None else f"exited with {code}"
+                        notes.append(f"{target} server {what} after SIGTERM (expected 0)")
+                        log(f"{target}: server {what} after SIGTERM; log tail:\n{server.tail()}")
+                        status = 1
+                    else:
+                        log(f"{target}: stopped with SIGTERM, exit code 0")
+        except (RuntimeError, OSError) as exc:
+            log(f"error: {exc}")
+            notes.append(f"aborted: {exc}")
+            status = 1
+
+    if not results:
+        return status or 1
+    if any(r.errors for r in results):
+        bad = [f"{r.target}/{r.encoding}/c{r.concurrency}: {r.errors} ({r.first_error})" for r in results if r.errors]
+        notes.append("errors: " + "; ".join(bad))
+        status = 1
+
+    table = markdown_table(results)
+    print(table)
+    out: Path = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    report = markdown_report(env, cmd, args, results, notes)
+    (out / "http_throughput.md").write_text(report)
+    payload = {
+        "benchmark": "http_throughput",
+        "command": cmd,
+        "environment": env,
+        "settings": {
+            "concurrency": args.concurrency,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "encodings": args.encodings,
+            "check_every": args.check_every,
+        },
+        "server_exit_codes": exit_codes,
+        "notes": notes,
+        "results": [
+            {**{k: v for k, v in asdict(r).items() if k != "latencies_ns"}, "label": TARGET_LABELS[r.target]}
+            for r in results
+        ],
+    }
+    (out / "http_throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
+    log(f"wrote {out / 'http_throughput.md'} and {out / 'http_throughput.json'}")
+    if not args.no_raw:
+        raw_dir = out / "raw"
+        raw_dir.mkdir(exist_ok=True)
+        raw_path = raw_dir / "http_throughput_latencies.npz"
+        np.savez_compressed(
+            raw_path,
+            **{f"{r.target}__{r.encoding}__c{r.concurrency}": np.asarray(r.latencies_ns, dtype=np.int64) for r in results},
+        )
+        log(f"wrote per-request latencies (ns) to {raw_path}")
+    if args.plot:
+        plot(results, out / "http_throughput.png")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Bad input over HTTP: each gets the right status and a message naming what was wrong,
+and the server goes on serving everything else."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import MAX_INPUT_SIZE
+from support.server import QuiverServer
+
+
+def request(
+    server: QuiverServer,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any] | None, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        raw = response.read()
+    finally:
+        conn.close()
+    payload = json.loads(raw) if raw and response.getheader("content-type", "").startswith("application/json") else None
+    return response.status, payload, response
+
+
+def infer(server: QuiverServer, model: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, payload, _ = request(server, "POST", f"/v2/models/{model}/infer", raw, headers)
+    return status, (payload or {}).get("error", "")
+
+
+def simple_body(**overrides: Any) -> dict[str, Any]:
+    tensor = {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))}
+    body = {"inputs": [tensor, dict(tensor, name="INPUT1")]}
+    body.update(overrides)
+    return body
+
+
+@pytest.fixture(autouse=True)
+def still_serving(server: QuiverServer):  # type: ignore[no-untyped-def]
+    """After every bad request, a good one still works."""
+    yield
+    status, payload, _ = request(server, "POST", "/v2/models/simple/infer", json.dumps(simple_body()).encode())
+    assert status == 200, payload
+    assert payload is not None and payload["outputs"][0]["data"][:3] == [0, 2, 4]
+
+
+CASES = [
+    ("malformed json", b'{"inputs": [', 400, "malformed JSON"),
+    ("not an object", b"[1, 2]", 400, "JSON object"),
+    ("no inputs", {"outputs": []}, 400, "'inputs'"),
+    ("unknown datatype", simple_body(inputs=[{"name": "INPUT0", "datatype": "FP8", "shape": [1], "data": [1]}]), 400, "unknown datatype 'FP8'"),
+    ("wrong datatype", simple_body(inputs=[{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [0.5] * 16}, {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}]), 400, "inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'"),
+    ("shape does not match data", simple_body(inputs=[{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1, 2, 3]}]), 400, "needs 16 elements but 'data' has 3"),
+    ("shape does not match config", simple_body(inputs=[{"name": "INPUT0", "datatype": "INT32", "shape": [1, 8], "data": [1] * 8}, {"name": "INPUT1", "datatype": "INT32", "shape": [1, 8], "data": [1] * 8}]), 400, "unexpected shape for input 'INPUT0' for model 'simple'"),
+    ("batch too large", simple_body(inputs=[{"name": n, "datatype": "INT32", "shape": [9, 16], "data": [1] * 144} for n in ("INPUT0", "INPUT1")]), 400, "batch-size must be <= 8"),
+    ("missing input", simple_body(inputs=[{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}]), 400, "missing required input(s): INPUT1"),
+    ("unknown input", simple_body(inputs=[*simple_body()["inputs"], {"name": "INPUT9", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}]), 400, "unexpected inference input 'INPUT9'"),
+    ("unknown output", simple_body(outputs=[{"name": "OUTPUT7"}]), 400, "unexpected inference output 'OUTPUT7'"),
+    ("string in numbers", simple_body(inputs=[{"name": "INPUT0", "datatype": "INT32", "shape": [1, 2], "data": ["a", "b"]}]), 400, "INT32 data must be integers"),
+    ("float for int", simple_body(inputs=[{"name": "INPUT0", "datatype": "INT32", "shape": [1, 2], "data": [1.5, 2]}]), 400, "INT32 data must be integers"),
+    ("out of range", simple_body(inputs=[{"name": "INPUT0", "datatype": "INT32", "shape": [1, 1], "data": [2**40]}]), 400, "out of range for INT32"),
+    ("negative dim", simple_body(inputs=[{"name": "INPUT0", "datatype": "INT32", "shape": [-1, 16], "data": [1] * 16}]), 400, "'shape' must be a list of non-negative integers"),
+    ("bad classification", simple_body(outputs=[{"name": "OUTPUT0", "parameters": {"classification": "x"}}]), 400, "'classification' must be a non-negative integer"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_request_bodies(server: QuiverServer, body: Any, status: int, message: str) -> None:
+    got_status, error = infer(server, "simple", body)
+    assert got_status == status, error
+    assert message in error
+
+
+def binary_body(declared_size: int, actual: bytes) -> tuple[bytes, dict[str, str]]:
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "parameters": {"binary_data_size": declared_size}},
+                {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))},
+            ]
+        }
+    ).encode()
+    return header + actual, {"Inference-Header-Content-Length": str(len(header))}
+
+
+def test_binary_header_length_that_lies(server: QuiverServer) -> None:
+    body, headers = binary_body(64, np.zeros(16, np.int32).tobytes())
+    status, error = infer(server, "simple", body, {"Inference-Header-Content-Length": str(len(body) + 10)})
+    assert status == 400 and "Inference-Header-Content-Length is" in error
+    status, error = infer(server, "simple", body, {"Inference-Header-Content-Length": "ten"})
+    assert status == 400 and "must be an integer" in error
+    status, error = infer(server, "simple", body, {"Inference-Header-Content-Length": str(int(headers["Inference-Header-Content-Length"]) - 5)})
+    assert status == 400
+
+
+def test_binary_size_that_does_not_match_shape(server: QuiverServer) -> None:
+    body, headers = binary_body(60, np.zeros(15, np.int32).tobytes())
+    status, error = infer(server, "simple", body, headers)
+    assert status == 400 and "needs 64 bytes but binary_data_size is 60" in error
+
+
+def test_binary_data_past_the_end_and_left_over(server: QuiverServer) -> None:
+    body, headers = binary_body(64, np.zeros(8, np.int32).tobytes())
+    status, error = infer(server, "simple", body, headers)
+    assert status == 400 and "runs past the end of the body" in error
+    body, headers = binary_body(64, np.zeros(20, np.int32).tobytes())
+    status, error = infer(server, "simple", body, headers)
+    assert status == 400 and "bytes after the last binary input" in error
+
+
+def test_bytes_tensor_with_lying_element_length(server: QuiverServer) -> None:
+    payload = struct.pack("<I", 100) + b"short"
+    header = json.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(payload)}}]}
+    ).encode()
+    status, error = infer(server, "identity_bytes", header + payload, {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and "claims 100 bytes" in error
+
+
+def test_unknown_model_and_version(server: QuiverServer) -> None:
+    status, error = infer(server, "no_such_model", simple_body())
+    assert status == 404 and "unknown model: 'no_such_model'" in error
+    status, payload, _ = request(server, "GET", "/v2/models/no_such_model")
+    assert status == 404
+    status, payload, _ = request(server, "POST", "/v2/models/simple/versions/7/infer", json.dumps(simple_body()).encode())
+    assert status == 404 and payload is not None and "version 7 is not served" in payload["error"]
+    status, payload, _ = request(server, "POST", "/v2/models/simple/versions/latest/infer", json.dumps(simple_body()).encode())
+    assert status == 400 and payload is not None and "is not a number" in payload["error"]
+    status, _, _ = request(server, "GET", "/v2/models/no_such_model/ready")
+    assert status == 404
+
+
+def test_unknown_route_and_method(server: QuiverServer) -> None:
+    status, payload, _ = request(server, "GET", "/v3/nothing")
+    assert status == 404 and payload is not None and "no route" in payload["error"]
+    status, payload, _ = request(server, "GET", "/v2/models/simple/infer")
+    assert status == 405
+
+
+def test_body_over_the_size_limit(server: QuiverServer) -> None:
+    big = b"x" * (MAX_INPUT_SIZE + 1)
+    status, error = infer(server, "simple", big)
+    assert status == 413 and "--http-max-input-size" in error
+
+
+def test_compressed_body_that_inflates_past_the_limit(server: QuiverServer) -> None:
+    bomb = gzip.compress(b"0" * (MAX_INPUT_SIZE * 4))
+    assert len(bomb) < MAX_INPUT_SIZE // 10
+    status, error = infer(server, "simple", bomb, {"Content-Encoding": "gzip"})
+    assert status == 413
+
+
+def test_corrupt_and_unknown_content_encoding(server: QuiverServer) -> None:
+    status, error = infer(server, "simple", b"not gzip at all", {"Content-Encoding": "gzip"})
+    assert status == 400 and "not valid gzip" in error
+    status, error = infer(server, "simple", json.dumps(simple_body()).encode(), {"Content-Encoding": "br"})
+    assert status == 400 and "unsupported Content-Encoding 'br'" in error
