@@ -391,12 +391,14 @@ class _Trial:
             conn.transport.abort()  # connection_lost counts it and reconnects
 
     def on_lost(self, conn: _Conn) -> None:
-        if conn.t0 == 0 and self.stopping:
+        in_flight = conn.t0 != 0
+        if not in_flight and self.stopping:
             return  # closed by us at the end
         conn.t0 = 0
-        if self.measuring:
-            self.result.connection_errors += 1
-        self.result.first_error = self.result.first_error or "connection lost"
+        if in_flight:
+            if self.measuring:
+                self.result.connection_errors += 1
+            self.result.first_error = self.result.first_error or "connection lost mid-request"
         if conn in self.conns:
             self.conns.remove(conn)
         if self.stopping:
