@@ -39,7 +39,7 @@ def _size(value: str) -> int:
     return number
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+def _flag(parser: argparse._ActionsContainer, name: str, default: bool, help: str) -> None:
     parser.add_argument(
         name,
         type=_bool,

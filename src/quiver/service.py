@@ -189,9 +189,8 @@ def classify(
             if labels is not None and index < len(labels):
                 text += f":{labels[index]}"
             out[r, c] = text.encode("utf-8")
-    if not batched:
-        out = out.reshape(k)
-    return Tensor(tensor.name, DataType.BYTES, out.shape, out)
+    result = out if batched else out.reshape(k)
+    return Tensor(tensor.name, DataType.BYTES, result.shape, result)
 
 
 __all__ = ["InferenceService", "QuiverError"]

@@ -15,6 +15,7 @@ from build_repository import (
     classifier_onnx,
     simple_onnx,
 )
+
 from support.models import (
     ONNX_TYPES,
     add_constant_onnx,

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import MAX_INPUT_SIZE
+
 from support.server import QuiverServer
 
 

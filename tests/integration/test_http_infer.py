@@ -10,9 +10,10 @@ import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 from build_repository import LABELS
+from tritonclient.utils import InferenceServerException
+
 from support.models import ONNX_TYPES
 from support.server import QuiverServer
-from tritonclient.utils import InferenceServerException
 
 NUMPY = {
     "BOOL": np.bool_,

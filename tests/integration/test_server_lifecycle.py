@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.http as httpclient
 from build_repository import SIMPLE_CONFIG, simple_onnx
+
 from support.models import write_onnx, write_python
 from support.server import QuiverServer, run_quiver
 

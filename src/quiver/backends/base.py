@@ -15,7 +15,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2 as pb
 
@@ -124,9 +124,9 @@ _registry = _Registry()
 
 def get_backend(name: str) -> Backend:
     """The backend called ``name``; raises UNSUPPORTED for one Quiver does not have."""
-    backend = _registry.loaded.get(name)
-    if backend is not None:
-        return backend
+    known = _registry.loaded.get(name)
+    if known is not None:
+        return known
     module_name = _registry.modules.get(name)
     if module_name is None:
         raise UnsupportedError(
@@ -138,7 +138,7 @@ def get_backend(name: str) -> Backend:
         raise UnsupportedError(
             f"backend '{name}' needs the Python package '{exc.name}', which is not installed"
         ) from None
-    backend = module.BACKEND
+    backend: Backend = module.BACKEND
     _registry.loaded[name] = backend
     return backend
 

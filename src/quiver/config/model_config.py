@@ -104,19 +104,19 @@ class ModelConfig:
 
     @property
     def name(self) -> str:
-        return self.proto.name
+        return str(self.proto.name)
 
     @property
     def platform(self) -> str:
-        return self.proto.platform
+        return str(self.proto.platform)
 
     @property
     def backend(self) -> str:
-        return self.proto.backend
+        return str(self.proto.backend)
 
     @property
     def max_batch_size(self) -> int:
-        return self.proto.max_batch_size
+        return int(self.proto.max_batch_size)
 
     @property
     def default_model_filename(self) -> str:
@@ -279,7 +279,7 @@ def _tensor(t: pb.ModelInput | pb.ModelOutput, kind: str, where: str, *, is_inpu
 
 def config_to_json(proto: Message) -> dict[str, Any]:
     """Triton's JSON form of a config: proto field names, every field, int64 as numbers."""
-    data = json_format.MessageToDict(
+    data: dict[str, Any] = json_format.MessageToDict(
         proto,
         preserving_proto_field_name=True,
         always_print_fields_with_no_presence=True,

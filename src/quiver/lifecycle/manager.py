@@ -7,6 +7,7 @@ a bounded thread pool (``--model-load-thread-count``) so several models load at 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,7 +48,7 @@ class ModelRepositoryManager:
             self._status[name] = [VersionStatus(name, "", ModelState.LOADING)]
         outcomes = await asyncio.gather(
             *(
-                loop.run_in_executor(self._pool, lambda s=s: load_model(s, strict=self._strict))
+                loop.run_in_executor(self._pool, functools.partial(load_model, s, strict=self._strict))
                 for s in sources.values()
             )
         )
