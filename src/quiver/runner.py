@@ -118,7 +118,7 @@ class Runner:
         logger.info("started HTTP service at %s:%d", host, port)
 
         stop_wait = asyncio.create_task(self._stop.wait())
-        done, _ = await asyncio.wait({serving, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        _done, _ = await asyncio.wait({serving, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         self.service.ready = False
         logger.info("stopping: draining in-flight requests")
         http_server.should_exit = True
@@ -135,7 +135,7 @@ def _log_model_table(manager: ModelRepositoryManager) -> None:
     if not rows:
         logger.warning("no models found in the model repository")
         return
-    widths = [max(len(r[i]) for r in rows + [("Model", "Version", "Status")]) for i in range(2)]
+    widths = [max(len(r[i]) for r in [*rows, ("Model", "Version", "Status")]) for i in range(2)]
     lines = [f"{'Model':<{widths[0]}}  {'Version':<{widths[1]}}  Status"]
     lines += [f"{n:<{widths[0]}}  {v:<{widths[1]}}  {s}" for n, v, s in rows]
     logger.info("model repository:\n%s", "\n".join(lines))

@@ -158,7 +158,7 @@ def test_body_over_the_size_limit(server: QuiverServer) -> None:
 def test_compressed_body_that_inflates_past_the_limit(server: QuiverServer) -> None:
     bomb = gzip.compress(b"0" * (MAX_INPUT_SIZE * 4))
     assert len(bomb) < MAX_INPUT_SIZE // 10
-    status, error = infer(server, "simple", bomb, {"Content-Encoding": "gzip"})
+    status, _error = infer(server, "simple", bomb, {"Content-Encoding": "gzip"})
     assert status == 413
 
 

@@ -97,7 +97,7 @@ class ThreadedInstance(abc.ABC):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.execute, requests)
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook, most instances need none
         """Framework clean-up; runs on the instance's own thread."""
 
     def unload(self) -> None:
