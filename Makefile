@@ -25,6 +25,8 @@ serve: $(REPOSITORY)/.built
 	$(VENV)/bin/quiver serve --model-repository $(REPOSITORY) $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -743,6 +743,10 @@ def markdown_report(env: dict[str, Any], cmd: str, args: argparse.Namespace, res
         "- `floor: raw HTTP` answers with a fixed pre-encoded response (same body as Triton's), so it is"
         " the cost of HTTP plus this load generator alone; `floor: onnxruntime` is"
         " `InferenceSession.run` in a tight loop, the cost of the model alone.",
+        "- At concurrency 1 every request is a ping-pong between two processes, so the fast rows are"
+        " sensitive to whether the scheduler keeps client and server on one core or wakes the other"
+        " (a cross-core wake-up can cost tens of µs on a VM): the raw-HTTP floor's c=1 row can vary"
+        " several-fold between runs; a p50 far below the p90 shows the mix.",
         "",
         markdown_table(results),
     ]
