@@ -746,7 +746,9 @@ def markdown_report(env: dict[str, Any], cmd: str, args: argparse.Namespace, res
         "- At concurrency 1 every request is a ping-pong between two processes, so the fast rows are"
         " sensitive to whether the scheduler keeps client and server on one core or wakes the other"
         " (a cross-core wake-up can cost tens of µs on a VM): the raw-HTTP floor's c=1 row can vary"
-        " several-fold between runs; a p50 far below the p90 shows the mix.",
+        " several-fold between runs; a p50 far below the p90 shows the mix. At higher concurrency"
+        " the same placement luck decides whether client and floor server get a core each (their"
+        " CPU % add up to ~200) or share one (~100), so the floor rows vary between runs too.",
         "",
         markdown_table(results),
     ]
