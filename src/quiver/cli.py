@@ -124,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="models loaded in parallel (default: 4)",
     )
+    models.add_argument(
+        "--inline-execution-threshold-us",
+        type=int,
+        default=200,
+        metavar="US",
+        help=(
+            "run an ONNX Runtime instance's executions on the event loop instead of its "
+            "thread while they average under this many microseconds: for small models the "
+            "thread hand-off costs more than the model; 0 always uses the thread (default: 200)"
+        ),
+    )
     logs = serve.add_argument_group("logging")
     logs.add_argument(
         "--log-verbose", type=int, default=0, metavar="LEVEL", help="verbose logging level; >0 logs debug (default: 0)"
@@ -158,6 +169,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         http_max_input_size=args.http_max_input_size,
+        inline_execution_threshold_us=args.inline_execution_threshold_us,
     )
     for path in options.model_repositories:
         if not path.is_dir():

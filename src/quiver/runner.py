@@ -39,7 +39,7 @@ class ServerOptions:
     exit_on_error: bool = True
     model_load_thread_count: int = 4
     http_max_input_size: int = 64 * 1024 * 1024
-    http_thread_count: int = 0
+    inline_execution_threshold_us: int = 200
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -72,6 +72,7 @@ class Runner:
             options.model_repositories,
             strict_config=options.strict_model_config,
             load_threads=options.model_load_thread_count,
+            inline_threshold_ns=options.inline_execution_threshold_us * 1000,
         )
         self.service = InferenceService(self.manager)
         self._stop = asyncio.Event()
@@ -103,6 +104,9 @@ class Runner:
             access_log=False,
             lifespan="off",
             http="httptools",
+            proxy_headers=False,
+            server_header=False,
+            date_header=False,
             timeout_graceful_shutdown=30,
         )
         http_server = _Uvicorn(config)

@@ -12,6 +12,7 @@ import abc
 import asyncio
 import importlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,20 +83,53 @@ class Backend(Protocol):
         ...
 
 
+#: Default for :attr:`ThreadedInstance.inline_threshold_ns` (``--inline-execution-threshold-us``).
+INLINE_THRESHOLD_NS = 200_000
+
+
 class ThreadedInstance(abc.ABC):
-    """Base for instances whose ``execute`` blocks: one executor thread per instance."""
+    """Base for instances whose ``execute`` blocks: one executor thread per instance.
+
+    Handing a call to a thread and back costs two wake-ups, tens to hundreds of
+    microseconds on a busy or virtualised machine. For an instance whose framework call is
+    shorter than that (a small ONNX model), the hop is most of the request's cost. So each
+    instance keeps a moving average of its execution time, and when it is below
+    ``inline_threshold_ns`` and the framework may be called from any thread
+    (``inline_safe``), the call runs on the event loop directly. One slow call (over 8x the
+    average) resets the average at once, sending the next call back to the thread.
+    """
+
+    #: Whether ``execute`` may run on a thread other than the instance's own.
+    inline_safe = False
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.inline_threshold_ns = INLINE_THRESHOLD_NS
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"quiver-{name}")
+        self._cost_ns = -1  # moving average of execute(); -1 until measured
 
     @abc.abstractmethod
     def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
         """Run the framework on one batch; blocking, on the instance's thread."""
 
+    def _timed(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        start = time.perf_counter_ns()
+        try:
+            return self.execute(requests)
+        finally:
+            spent = time.perf_counter_ns() - start
+            cost = self._cost_ns
+            self._cost_ns = spent if cost < 0 or spent > 8 * cost else (7 * cost + spent) >> 3
+
+    @property
+    def runs_inline(self) -> bool:
+        return self.inline_safe and 0 <= self._cost_ns < self.inline_threshold_ns
+
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        if self.runs_inline:
+            return self._timed(requests)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.execute, requests)
+        return await loop.run_in_executor(self._executor, self._timed, requests)
 
     def release(self) -> None:  # noqa: B027 - optional hook, most instances need none
         """Framework clean-up; runs on the instance's own thread."""

@@ -119,6 +119,8 @@ def _open_session(path: str, config: ModelConfig, providers: list[Any]) -> ort.I
 
 
 class OnnxInstance(ThreadedInstance):
+    inline_safe = True  # InferenceSession.run may be called from any thread
+
     def __init__(self, config: ModelConfig, session: ort.InferenceSession, name: str) -> None:
         super().__init__(name)
         self._config = config

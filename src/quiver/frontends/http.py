@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver.errors import InvalidArgumentError, QuiverError
 from quiver.frontends.status import http_status
@@ -25,9 +26,6 @@ logger = logging.getLogger(__name__)
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
-HEADER_LENGTH = "inference-header-content-length"
-#: Responses smaller than this are sent uncompressed even when the client accepts gzip.
-MIN_COMPRESS_SIZE = 0
 
 
 class BodyTooLarge(Exception):
@@ -53,6 +51,10 @@ class HttpFrontend:
     def __init__(self, service: InferenceService, *, max_input_size: int = 64 * 1024 * 1024) -> None:
         self.service = service
         self.max_input_size = max_input_size
+        self._app = Starlette(
+            routes=self.routes(),
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+        )
 
     def routes(self) -> list[Route]:
         model = "/v2/models/{model}"
@@ -61,8 +63,9 @@ class HttpFrontend:
             Route("/v2/health/live", self.live, methods=["GET"]),
             Route("/v2/health/ready", self.ready, methods=["GET"]),
             Route("/v2", self.server_metadata, methods=["GET"]),
-            Route(model + "/infer", self.infer, methods=["POST"]),
-            Route(versioned + "/infer", self.infer, methods=["POST"]),
+            # POST .../infer is served by __call__ directly; these give other methods a 405.
+            Route(model + "/infer", self._not_found, methods=["POST"]),
+            Route(versioned + "/infer", self._not_found, methods=["POST"]),
             Route(model + "/ready", self.model_ready, methods=["GET"]),
             Route(versioned + "/ready", self.model_ready, methods=["GET"]),
             Route(model + "/config", self.model_config, methods=["GET"]),
@@ -71,11 +74,9 @@ class HttpFrontend:
             Route(versioned, self.model_metadata, methods=["GET"]),
         ]
 
-    def app(self) -> Starlette:
-        return Starlette(
-            routes=self.routes(),
-            exception_handlers={404: self._not_found, 405: self._not_allowed},
-        )
+    def app(self) -> ASGIApp:
+        """The ASGI application: inference on a direct path, the rest through Starlette."""
+        return self
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         return _error(404, f"no route for {request.method} {request.url.path}")
@@ -125,62 +126,120 @@ class HttpFrontend:
         except QuiverError as exc:
             return error_response(exc)
 
-    # -- inference -------------------------------------------------------------------
+    # -- inference: a lean ASGI path, no router or request objects -----------------------
 
-    async def infer(self, request: Request) -> Response:
-        model = request.path_params["model"]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path: str = scope["path"]
+            if path.startswith("/v2/models/") and path.endswith("/infer"):
+                parts = path[11:-6].split("/")
+                if len(parts) == 1 and parts[0]:
+                    await self._infer(scope, receive, send, parts[0], "")
+                    return
+                if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+                    await self._infer(scope, receive, send, parts[0], parts[2])
+                    return
+        await self._app(scope, receive, send)
+
+    async def _infer(self, scope: Scope, receive: Receive, send: Send, model: str, version: str) -> None:
+        content_length = raw_length = encoding = accept = None
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                content_length = value
+            elif key == b"inference-header-content-length":
+                raw_length = value
+            elif key == b"content-encoding":
+                encoding = value
+            elif key == b"accept-encoding":
+                accept = value
         try:
-            body = await self._read_body(request)
-            raw_length = request.headers.get(HEADER_LENGTH)
+            body = await self._read_body(receive, content_length, encoding)
             header_length = None
             if raw_length is not None:
                 try:
                     header_length = int(raw_length)
                 except ValueError:
                     raise InvalidArgumentError(
-                        f"Inference-Header-Content-Length must be an integer, got '{raw_length}'"
+                        "Inference-Header-Content-Length must be an integer, got "
+                        f"'{raw_length.decode('latin-1')}'"
                     ) from None
-            infer_request = decode_request(
-                body, header_length, model, request.path_params.get("version", "")
-            )
+            infer_request = decode_request(body, header_length, model, version)
             response = await self.service.infer(infer_request)
             payload, json_length = encode_response(response, infer_request)
         except QuiverError as exc:
-            return error_response(exc)
+            await _send(send, http_status(exc.code), _error_body(exc.message))
+            return
         except BodyTooLarge as exc:
-            return _error(413, str(exc))
+            await _send(send, 413, _error_body(str(exc)))
+            return
         except ClientDisconnect:
-            return Response(status_code=400)
+            return  # nobody to answer
         except Exception as exc:
             logger.exception("inference on model '%s' failed unexpectedly", model)
-            return _error(500, f"internal error in model '{model}': {type(exc).__name__}: {exc}")
-        headers: dict[str, str] = {}
-        media_type = JSON
+            message = f"internal error in model '{model}': {type(exc).__name__}: {exc}"
+            await _send(send, 500, _error_body(message))
+            return
+        headers: list[tuple[bytes, bytes]] = []
+        content_type = _JSON
         if json_length is not None:
-            headers["Inference-Header-Content-Length"] = str(json_length)
-            media_type = BINARY
-        accept = request.headers.get("accept-encoding")
-        if accept and len(payload) >= MIN_COMPRESS_SIZE:
-            payload = _compress(payload, accept, headers)
-        return Response(payload, headers=headers, media_type=media_type)
+            headers.append((b"inference-header-content-length", str(json_length).encode()))
+            content_type = _BINARY
+        if accept is not None:
+            payload = _compress(payload, accept.decode("latin-1"), headers)
+        await _send(send, 200, payload, content_type, headers)
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, receive: Receive, content_length: bytes | None, encoding: bytes | None) -> bytes:
         limit = self.max_input_size
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
+        if content_length is not None and content_length.isdigit() and int(content_length) > limit:
             raise BodyTooLarge(limit)
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(limit)
-            chunks.append(chunk)
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        encoding = request.headers.get("content-encoding")
-        if encoding and encoding != "identity":
-            body = _decompress(body, encoding.strip().lower(), limit)
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        body: bytes = message.get("body", b"")
+        if message.get("more_body", False):
+            chunks = [body]
+            size = len(body)
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            body = b"".join(chunks)
+        elif len(body) > limit:
+            raise BodyTooLarge(limit)
+        if encoding is not None:
+            name = encoding.decode("latin-1").strip().lower()
+            if name != "identity":
+                body = _decompress(body, name, limit)
         return body
+
+
+_JSON = JSON.encode()
+_BINARY = BINARY.encode()
+
+
+def _error_body(message: str) -> bytes:
+    return encode_json({"error": message})
+
+
+async def _send(
+    send: Send,
+    status: int,
+    payload: bytes,
+    content_type: bytes = _JSON,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    all_headers = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
+    if headers:
+        all_headers.extend(headers)
+    await send({"type": "http.response.start", "status": status, "headers": all_headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
@@ -206,13 +265,14 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
-def _compress(payload: bytes, accept: str, headers: dict[str, str]) -> bytes:
+def _compress(payload: bytes, accept: str, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """Compress for a client that asked (``Accept-Encoding``); gzip preferred."""
     accepted = {part.split(";")[0].strip().lower() for part in accept.split(",")}
     if "gzip" in accepted:
-        headers["Content-Encoding"] = "gzip"
+        headers.append((b"content-encoding", b"gzip"))
         return gzip.compress(payload, compresslevel=1)
     if "deflate" in accepted:
-        headers["Content-Encoding"] = "deflate"
+        headers.append((b"content-encoding", b"deflate"))
         return zlib.compress(payload, 1)
     return payload
 

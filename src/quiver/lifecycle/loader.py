@@ -13,7 +13,15 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.backends.base import Backend, ModelFiles, ModelInstance, get_backend, instance_specs
+from quiver.backends.base import (
+    INLINE_THRESHOLD_NS,
+    Backend,
+    ModelFiles,
+    ModelInstance,
+    ThreadedInstance,
+    get_backend,
+    instance_specs,
+)
 from quiver.config import ModelConfig, parse_model_config
 from quiver.config.model_config import resolve_backend
 from quiver.errors import ConfigError, QuiverError
@@ -80,7 +88,7 @@ def _guess_backend(proto: pb.ModelConfig, source: ModelSource) -> None:
     )
 
 
-def load_model(source: ModelSource, *, strict: bool) -> LoadOutcome:
+def load_model(source: ModelSource, *, strict: bool, inline_threshold_ns: int = INLINE_THRESHOLD_NS) -> LoadOutcome:
     """Load every version the version policy selects; failures are reported, not raised."""
     started = time.monotonic()
     try:
@@ -113,7 +121,7 @@ def load_model(source: ModelSource, *, strict: bool) -> LoadOutcome:
     failures: dict[int, str] = {}
     for version in selected:
         try:
-            models.append(_load_version(config, backend, source, version, labels))
+            models.append(_load_version(config, backend, source, version, labels, inline_threshold_ns))
         except QuiverError as exc:
             failures[version] = str(exc)
             logger.error("failed to load model '%s' version %d: %s", source.name, version, exc)
@@ -131,13 +139,21 @@ def load_model(source: ModelSource, *, strict: bool) -> LoadOutcome:
 
 
 def _load_version(
-    config: ModelConfig, backend: Backend, source: ModelSource, version: int, labels: dict[str, list[str]]
+    config: ModelConfig,
+    backend: Backend,
+    source: ModelSource,
+    version: int,
+    labels: dict[str, list[str]],
+    inline_threshold_ns: int,
 ) -> Model:
     files = ModelFiles(source.repository, source.path, version)
     instances: list[ModelInstance] = []
     try:
         for spec in instance_specs(config):
-            instances.append(backend.create_instance(config, files, spec))
+            instance = backend.create_instance(config, files, spec)
+            if isinstance(instance, ThreadedInstance):
+                instance.inline_threshold_ns = inline_threshold_ns
+            instances.append(instance)
     except BaseException:
         for instance in instances:
             unload_instance(config.name, instance)

@@ -12,6 +12,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from quiver.backends.base import INLINE_THRESHOLD_NS
 from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from quiver.lifecycle.loader import LoadOutcome, load_model, unload_instance
 from quiver.lifecycle.model import Model, ModelState, VersionStatus
@@ -27,7 +28,9 @@ class ModelRepositoryManager:
         *,
         strict_config: bool = False,
         load_threads: int = 4,
+        inline_threshold_ns: int = INLINE_THRESHOLD_NS,
     ) -> None:
+        self._inline_threshold_ns = inline_threshold_ns
         self._repository = LocalRepository(repositories)
         self._strict = strict_config
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="quiver-load")
@@ -48,7 +51,12 @@ class ModelRepositoryManager:
             self._status[name] = [VersionStatus(name, "", ModelState.LOADING)]
         outcomes = await asyncio.gather(
             *(
-                loop.run_in_executor(self._pool, functools.partial(load_model, s, strict=self._strict))
+                loop.run_in_executor(self._pool, functools.partial(
+                        load_model,
+                        s,
+                        strict=self._strict,
+                        inline_threshold_ns=self._inline_threshold_ns,
+                    ),)
                 for s in sources.values()
             )
         )
