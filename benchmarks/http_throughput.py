@@ -78,11 +78,12 @@ INPUT0 = np.arange(16, dtype=np.int32).reshape(SHAPE)
 INPUT1 = (np.arange(16, dtype=np.int32) * 3 - 7).reshape(SHAPE)
 EXPECTED = {"OUTPUT0": INPUT0 + INPUT1, "OUTPUT1": INPUT0 - INPUT1}
 ENCODINGS = ("json", "binary")
-TARGETS = ("floor-ort", "floor-http", "quiver")
+TARGETS = ("floor-ort", "floor-http", "quiver", "quiver-threaded")
 TARGET_LABELS = {
     "floor-ort": "floor: onnxruntime in-process",
     "floor-http": "floor: raw HTTP (uvloop+httptools)",
     "quiver": "quiver",
+    "quiver-threaded": "quiver, every call on the instance thread",
 }
 STARTED = re.compile(r"started (?:floor )?HTTP service at ([0-9.]+):(\d+)")
 CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
@@ -863,11 +864,13 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(res)
                 log(f"  {summary(res)}")
 
-            for target in ("floor-http", "quiver"):
+            for target in ("floor-http", "quiver", "quiver-threaded"):
                 if target not in args.targets:
                     continue
-                if target == "quiver":
+                if target.startswith("quiver"):
                     argv_ = [quiver_exe, "serve", "--model-repository", str(repo), "--http-port", "0"]
+                    if target == "quiver-threaded":  # the same server without inline execution
+                        argv_ += ["--inline-execution-threshold-us", "0"]
                 else:
                     argv_ = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", "0"]
                 log(f"{target}: starting {shlex.join(argv_)}")
