@@ -12,6 +12,8 @@ from build_repository import (
     CLASSIFIER_CONFIG,
     LABELS,
     SIMPLE_CONFIG,
+    STRING_CONFIG,
+    STRING_MODEL,
     classifier_onnx,
     simple_onnx,
 )
@@ -26,6 +28,15 @@ from support.models import (
     write_python,
 )
 from support.server import QuiverServer
+
+RAISING_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise ValueError("tokenizer exploded")
+"""
 
 BROKEN_MODEL = """
 class TritonPythonModel:
@@ -103,6 +114,30 @@ def build_repository(root: Path) -> Path:
         input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
         output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
         """,
+    )
+    write_python(
+        repo,
+        "raises",
+        RAISING_MODEL,
+        """
+        backend: "python"
+        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        """,
+    )
+    write_python(repo, "string_upper", STRING_MODEL, STRING_CONFIG)
+    corrupt = repo / "corrupt_onnx" / "1"
+    corrupt.mkdir(parents=True)
+    (corrupt / "model.onnx").write_bytes(b"this is not a protobuf")
+    (repo / "corrupt_onnx" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [1] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [1] } ]\n'
+    )
+    write_onnx(
+        repo,
+        "gpu_simple",
+        simple_onnx(),
+        SIMPLE_CONFIG.replace('name: "simple"', 'name: "gpu_simple"').replace("KIND_CPU", "KIND_GPU"),
     )
     return repo
 

@@ -231,3 +231,38 @@ def test_asyncio_client_concurrent_requests(server: QuiverServer) -> None:
             await asyncio.gather(*(one(i) for i in range(32)))
 
     asyncio.run(main())
+
+
+def test_python_bytes_model(client: httpclient.InferenceServerClient) -> None:
+    text = np.array([["héllo", "world"]], dtype=np.object_)
+    inp = httpclient.InferInput("TEXT", [1, 2], "BYTES")
+    inp.set_data_from_numpy(text)
+    result = client.infer("string_upper", [inp])
+    assert result.as_numpy("UPPER").tolist() == [["HÉLLO".encode(), b"WORLD"]]
+
+
+def test_model_whose_execute_raises_gets_a_500_naming_it(client: httpclient.InferenceServerClient) -> None:
+    inp = httpclient.InferInput("INPUT0", [1], "FP32")
+    inp.set_data_from_numpy(np.zeros(1, dtype=np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("raises", [inp])
+    assert info.value.status() == "500"
+    assert "model 'raises'" in info.value.message() and "tokenizer exploded" in info.value.message()
+
+
+def test_model_whose_session_fails_is_unavailable(client: httpclient.InferenceServerClient) -> None:
+    assert not client.is_model_ready("corrupt_onnx")
+    with pytest.raises(InferenceServerException) as info:
+        client.get_model_metadata("corrupt_onnx")
+    assert info.value.status() == "503"
+    assert "onnxruntime could not load" in info.value.message()
+
+
+def test_kind_gpu_falls_back_to_cpu_with_a_log_line(client: httpclient.InferenceServerClient, server: QuiverServer) -> None:
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this machine has a CUDA provider: KIND_GPU does not fall back here")
+    inputs, a, b = simple_inputs()
+    np.testing.assert_array_equal(client.infer("gpu_simple", inputs).as_numpy("OUTPUT0"), a + b)
+    assert "KIND_GPU asked for, but onnxruntime has no CUDA execution provider" in server.log
