@@ -65,7 +65,11 @@ class InferenceService:
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         model = self.manager.get(request.model_name, request.model_version)
-        _validate(model.config, request)
+        try:
+            _validate(model.config, request)
+        except QuiverError:
+            model.stats.record_failure(0)
+            raise
         response = await model.scheduler.enqueue(request)
         response.model_name = model.name
         response.model_version = model.version_str

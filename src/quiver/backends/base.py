@@ -57,8 +57,22 @@ class InstanceSpec:
 ExecuteResult = list["InferenceResponse | QuiverError"]
 
 
+@dataclass(slots=True)
+class ExecutionTiming:
+    """How the last execution split its time (Triton's compute_input/infer/output).
+
+    A backend that cannot tell the phases apart leaves it zero and the scheduler counts the
+    whole execution as compute_infer.
+    """
+
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+
 class ModelInstance(Protocol):
     name: str
+    timing: ExecutionTiming
 
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
         """Execute ``requests`` (one batch) and return one result per request."""
@@ -105,6 +119,7 @@ class ThreadedInstance(abc.ABC):
     def __init__(self, name: str) -> None:
         self.name = name
         self.inline_threshold_ns = INLINE_THRESHOLD_NS
+        self.timing = ExecutionTiming()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"quiver-{name}")
         self._cost_ns = -1  # moving average of execute(); -1 until measured
 
@@ -113,6 +128,8 @@ class ThreadedInstance(abc.ABC):
         """Run the framework on one batch; blocking, on the instance's thread."""
 
     def _timed(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        timing = self.timing
+        timing.input_ns = timing.infer_ns = timing.output_ns = 0
         start = time.perf_counter_ns()
         try:
             return self.execute(requests)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.backends.base import ExecuteResult, InstanceSpec, ModelFiles
+from quiver.backends.base import ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
 from quiver.config import ModelConfig
 from quiver.errors import InvalidArgumentError
 from quiver.types import InferenceRequest, InferenceResponse, Tensor
@@ -16,6 +16,7 @@ from quiver.types import InferenceRequest, InferenceResponse, Tensor
 class IdentityInstance:
     def __init__(self, config: ModelConfig, spec: InstanceSpec) -> None:
         self.name = spec.name
+        self.timing = ExecutionTiming()
         self._config = config
         self._pairs = list(zip(config.inputs, config.outputs, strict=False))
 

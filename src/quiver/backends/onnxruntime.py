@@ -10,6 +10,7 @@ when onnxruntime has it and falls back to the CPU with a log line when it does n
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -188,18 +189,31 @@ class OnnxInstance(ThreadedInstance):
         return tensors
 
     def _run_one(self, request: InferenceRequest) -> InferenceResponse:
+        timing = self.timing
+        t0 = time.monotonic_ns()
         names = self._names([request])
-        arrays = self._session_run(names, self._feed(request))
-        return InferenceResponse(self._config.name, "", self._tensors(names, arrays), request.id)
+        feed = self._feed(request)
+        t1 = time.monotonic_ns()
+        arrays = self._session_run(names, feed)
+        t2 = time.monotonic_ns()
+        tensors = self._tensors(names, arrays)
+        timing.input_ns = t1 - t0
+        timing.infer_ns = t2 - t1
+        timing.output_ns = time.monotonic_ns() - t2
+        return InferenceResponse(self._config.name, "", tensors, request.id)
 
     def _run_batch(self, requests: list[InferenceRequest]) -> ExecuteResult:
         """Run several requests as one batch: concatenate on dim 0, split the outputs."""
+        timing = self.timing
+        t0 = time.monotonic_ns()
         names = self._names(requests)
         feeds = [self._feed(r) for r in requests]
         sizes = [next(iter(f.values())).shape[0] if f else 1 for f in feeds]
         try:
             feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+            t1 = time.monotonic_ns()
             arrays = self._session_run(names, feed)
+            t2 = time.monotonic_ns()
         except QuiverError as exc:
             return [exc for _ in requests]
         except ValueError as exc:
@@ -215,6 +229,9 @@ class OnnxInstance(ThreadedInstance):
             results.append(
                 InferenceResponse(self._config.name, "", self._tensors(names, parts), request.id)
             )
+        timing.input_ns = t1 - t0
+        timing.infer_ns = t2 - t1
+        timing.output_ns = time.monotonic_ns() - t2
         return results
 
     def release(self) -> None:

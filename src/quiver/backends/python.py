@@ -22,6 +22,7 @@ import logging
 import re
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -348,6 +349,8 @@ class PythonInstance(ThreadedInstance):
 
     def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
         count = len(requests)
+        timing = self.timing
+        t0 = time.monotonic_ns()
         try:
             pb_requests = [self._pb_request(request) for request in requests]
         except Exception as exc:
@@ -363,6 +366,7 @@ class PythonInstance(ThreadedInstance):
                 ErrorCode.INTERNAL,
                 f"{self._where}: TritonPythonModel does not implement 'execute'",
             )
+        t1 = time.monotonic_ns()
         try:
             result = model_execute(pb_requests)
             if inspect.isawaitable(result):
@@ -374,7 +378,12 @@ class PythonInstance(ThreadedInstance):
                 _error_code(exc),
                 f"{self._where}: execute() raised {format_exception(exc)}",
             )
-        return self._responses(result, requests)
+        t2 = time.monotonic_ns()
+        responses = self._responses(result, requests)
+        timing.input_ns = t1 - t0
+        timing.infer_ns = t2 - t1
+        timing.output_ns = time.monotonic_ns() - t2
+        return responses
 
     @staticmethod
     def _fail_all(count: int, code: ErrorCode, message: str) -> ExecuteResult:

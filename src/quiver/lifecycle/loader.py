@@ -26,6 +26,7 @@ from quiver.config import ModelConfig, parse_model_config
 from quiver.config.model_config import resolve_backend
 from quiver.errors import ConfigError, QuiverError
 from quiver.lifecycle.model import Model
+from quiver.metrics.statistics import ModelStatistics
 from quiver.repository.local import ModelSource
 from quiver.scheduling import DirectScheduler
 
@@ -158,8 +159,9 @@ def _load_version(
         for instance in instances:
             unload_instance(config.name, instance)
         raise
-    scheduler = DirectScheduler(config.name, instances)
-    return Model(source.name, version, config, scheduler, instances, labels)
+    stats = ModelStatistics()
+    scheduler = DirectScheduler(config.name, instances, stats, batching=config.max_batch_size > 0)
+    return Model(source.name, version, config, scheduler, instances, labels, stats)
 
 
 def _read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[str]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from quiver.backends.base import ModelInstance
 from quiver.config import ModelConfig
+from quiver.metrics.statistics import ModelStatistics
 from quiver.scheduling import Scheduler
 
 
@@ -30,6 +31,8 @@ class Model:
     scheduler: Scheduler
     instances: list[ModelInstance]
     labels: dict[str, list[str]] = field(default_factory=dict)
+    stats: ModelStatistics = field(default_factory=ModelStatistics)
+    load_seconds: float = 0.0
 
     @property
     def version_str(self) -> str:

@@ -3,22 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from collections.abc import Callable
 
 from quiver.backends.base import ModelInstance
 from quiver.errors import InternalError, QuiverError, UnavailableError
+from quiver.metrics.statistics import ModelStatistics
 from quiver.types import InferenceRequest, InferenceResponse
+
+Clock = Callable[[], int]
 
 
 class DirectScheduler:
-    """Dispatches single requests to free instances; waits in arrival order when all are busy."""
+    """Dispatches single requests to free instances; waits in arrival order when all are busy.
 
-    def __init__(self, model: str, instances: list[ModelInstance]) -> None:
+    Records queue and compute time per request and per execution in ``stats``.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        instances: list[ModelInstance],
+        stats: ModelStatistics | None = None,
+        *,
+        batching: bool = False,
+        clock: Clock = time.monotonic_ns,
+    ) -> None:
         if not instances:
             raise InternalError(f"model '{model}' has no instances to schedule on")
         self._model = model
         self._free: deque[ModelInstance] = deque(instances)
         self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
+        self._stats = stats if stats is not None else ModelStatistics()
+        self._batching = batching
+        self._clock = clock
         self._inflight = 0
         self._stopping = False
         self._idle: asyncio.Event | None = None
@@ -50,19 +69,37 @@ class DirectScheduler:
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
         if self._stopping:
             raise UnavailableError(f"model '{self._model}' is unloading")
+        clock = self._clock
+        stats = self._stats
+        start = clock()
         self._inflight += 1
+        stats.pending += 1
         try:
             instance = await self._acquire()
             try:
+                dispatched = clock()
                 result = (await instance.run([request]))[0]
+                done = clock()
             finally:
                 self._release(instance)
+        except BaseException:
+            stats.record_failure(clock() - start)
+            raise
         finally:
             self._inflight -= 1
+            stats.pending -= 1
             if self._inflight == 0 and self._idle is not None:
                 self._idle.set()
+        timing = instance.timing
+        input_ns, infer_ns, output_ns = timing.input_ns, timing.infer_ns, timing.output_ns
+        if not (input_ns or infer_ns or output_ns):
+            infer_ns = done - dispatched
+        rows = request.inputs[0].shape[0] if self._batching and request.inputs else 1
+        stats.record_execution(rows, input_ns, infer_ns, output_ns)
         if isinstance(result, QuiverError):
+            stats.record_failure(done - start)
             raise result
+        stats.record_success(done - start, dispatched - start, input_ns, infer_ns, output_ns, rows)
         return result
 
     async def stop(self) -> None:

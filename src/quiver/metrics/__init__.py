@@ -1,0 +1,1 @@
+"""Statistics and Prometheus metrics: counts recorded once, read by both views."""

@@ -1,0 +1,144 @@
+"""Per model-version statistics: Triton's statistics extension and the source of the metrics.
+
+Recording is a handful of integer additions on the request path; the statistics API and the
+Prometheus collector read the same counters when asked, so neither costs anything per
+request beyond this.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+#: Upper bounds (microseconds) of the request-latency histogram buckets.
+LATENCY_BUCKETS_US: tuple[float, ...] = (
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 2_500_000, 5_000_000, 10_000_000,
+)
+
+
+class Duration:
+    """A count and the nanoseconds they took, as Triton's ``StatisticDuration``."""
+
+    __slots__ = ("count", "ns")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.ns = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def to_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+class BatchStatistics:
+    __slots__ = ("compute_infer", "compute_input", "compute_output")
+
+    def __init__(self) -> None:
+        self.compute_input = Duration()
+        self.compute_infer = Duration()
+        self.compute_output = Duration()
+
+
+class ModelStatistics:
+    """What happened to one model version since it was loaded."""
+
+    __slots__ = (
+        "batches",
+        "compute_infer",
+        "compute_input",
+        "compute_output",
+        "execution_count",
+        "fail",
+        "inference_count",
+        "last_inference_ms",
+        "latency_buckets",
+        "latency_sum_us",
+        "pending",
+        "queue",
+        "success",
+    )
+
+    def __init__(self) -> None:
+        self.success = Duration()
+        self.fail = Duration()
+        self.queue = Duration()
+        self.compute_input = Duration()
+        self.compute_infer = Duration()
+        self.compute_output = Duration()
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference_ms = 0
+        self.batches: dict[int, BatchStatistics] = {}
+        self.latency_buckets = [0] * (len(LATENCY_BUCKETS_US) + 1)
+        self.latency_sum_us = 0.0
+        self.pending = 0  # requests accepted and not yet answered
+
+    # -- recording (request path) ------------------------------------------------------
+
+    def record_success(
+        self, request_ns: int, queue_ns: int, input_ns: int, infer_ns: int, output_ns: int, rows: int
+    ) -> None:
+        self.success.add(request_ns)
+        self.queue.add(queue_ns)
+        self.compute_input.add(input_ns)
+        self.compute_infer.add(infer_ns)
+        self.compute_output.add(output_ns)
+        self.inference_count += rows
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        self._latency(request_ns)
+
+    def record_failure(self, request_ns: int) -> None:
+        self.fail.add(request_ns)
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        self._latency(request_ns)
+
+    def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.execution_count += 1
+        batch = self.batches.get(batch_size)
+        if batch is None:
+            batch = self.batches[batch_size] = BatchStatistics()
+        batch.compute_input.add(input_ns)
+        batch.compute_infer.add(infer_ns)
+        batch.compute_output.add(output_ns)
+
+    def _latency(self, request_ns: int) -> None:
+        us = request_ns / 1000
+        self.latency_sum_us += us
+        self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_US, us)] += 1
+
+    # -- reading -----------------------------------------------------------------------
+
+    def to_json(self, name: str, version: str) -> dict[str, Any]:
+        """Triton's ``ModelStatistics`` JSON (the HTTP statistics extension's field names)."""
+        return {
+            "name": name,
+            "version": version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                "success": self.success.to_json(),
+                "fail": self.fail.to_json(),
+                "queue": self.queue.to_json(),
+                "compute_input": self.compute_input.to_json(),
+                "compute_infer": self.compute_infer.to_json(),
+                "compute_output": self.compute_output.to_json(),
+                "cache_hit": {"count": 0, "ns": 0},
+                "cache_miss": {"count": 0, "ns": 0},
+            },
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": batch.compute_input.to_json(),
+                    "compute_infer": batch.compute_infer.to_json(),
+                    "compute_output": batch.compute_output.to_json(),
+                }
+                for size, batch in sorted(self.batches.items())
+            ],
+            "memory_usage": [],
+        }
