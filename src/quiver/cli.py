@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="quiver",
         description=(
             "Quiver: a Triton-compatible inference server. Serves Triton model repositories "
-            "(ONNX Runtime, Python and identity backends) over the KServe v2 HTTP protocol, "
+            "(ONNX Runtime, Python and identity backends) over the KServe v2 HTTP and gRPC protocols, "
             "with Triton's extensions, so tritonclient works unchanged."
         ),
     )
@@ -91,8 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BYTES",
         help="largest request body accepted, after decompression, e.g. 64M (default: 64M)",
     )
-    net.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default: 8001)")
+    net.add_argument("--grpc-port", type=int, default=8001, help="gRPC port; 0 picks a free one (default: 8001)")
     net.add_argument("--grpc-address", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")
+    net.add_argument(
+        "--grpc-max-message-size",
+        type=_size,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help=(
+            "largest gRPC message received or sent, e.g. 64M; larger gets RESOURCE_EXHAUSTED "
+            "(default: 64M)"
+        ),
+    )
+    _flag(net, "--allow-http", True, "serve KServe v2 over HTTP")
+    _flag(net, "--allow-grpc", True, "serve KServe v2 over gRPC")
     net.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default: 8002)")
     net.add_argument(
         "--metrics-address", default="127.0.0.1", help="metrics bind address (default: 127.0.0.1)"
@@ -100,9 +112,27 @@ def build_parser() -> argparse.ArgumentParser:
     models = serve.add_argument_group("models")
     models.add_argument(
         "--model-control-mode",
-        choices=["none"],
+        choices=["none", "explicit", "poll"],
         default="none",
-        help="'none' loads every model in the repositories at start (default: none)",
+        help=(
+            "'none' loads every model at start; 'explicit' loads only --load-model models "
+            "and lets the repository API load and unload; 'poll' loads every model and "
+            "rescans the repositories every --repository-poll-secs (default: none)"
+        ),
+    )
+    models.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --model-control-mode=explicit, a model to load at start; repeat, or '*' for all",
+    )
+    models.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="with --model-control-mode=poll, seconds between repository scans (default: 15)",
     )
     _flag(
         models,
@@ -140,17 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-verbose", type=int, default=0, metavar="LEVEL", help="verbose logging level; >0 logs debug (default: 0)"
     )
     _flag(logs, "--log-info", True, "log lifecycle events")
-    return parser
-
-
-def _configure_logging(verbose: int, info: bool) -> None:
-    level = logging.DEBUG if verbose > 0 else (logging.INFO if info else logging.WARNING)
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s.%(msecs)03d %(levelname).1s %(name)s] %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
+    logs.add_argument("--log-file", default="", metavar="PATH", help="log to this file instead of standard error")
+    logs.add_argument(
+        "--log-format", choices=["default", "ISO8601"], default="default", help="timestamp format (default: default)"
     )
+    return parser
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -165,10 +189,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,
         model_control_mode=args.model_control_mode,
+        load_models=args.load_model,
+        repository_poll_secs=args.repository_poll_secs,
         strict_model_config=args.strict_model_config,
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         http_max_input_size=args.http_max_input_size,
+        allow_http=args.allow_http,
+        allow_grpc=args.allow_grpc,
+        grpc_max_message_size=args.grpc_max_message_size,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
     )
     for path in options.model_repositories:
@@ -196,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "serve":
-        _configure_logging(args.log_verbose, args.log_info)
+        from quiver import logs
+
+        logs.configure(
+            verbose=args.log_verbose, info=args.log_info, log_file=args.log_file, log_format=args.log_format
+        )
         return _run_serve(args)
     parser.error(f"unknown command {args.command}")
     return 2

@@ -12,12 +12,13 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 
+from quiver.frontends.grpc import GrpcFrontend
 from quiver.frontends.http import HttpFrontend
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.service import InferenceService
@@ -35,11 +36,16 @@ class ServerOptions:
     metrics_address: str = "127.0.0.1"
     metrics_port: int = 8002
     model_control_mode: str = "none"
+    load_models: list[str] = field(default_factory=list)
+    repository_poll_secs: float = 15.0
     strict_model_config: bool = False
     exit_on_error: bool = True
     model_load_thread_count: int = 4
     http_max_input_size: int = 64 * 1024 * 1024
     inline_execution_threshold_us: int = 200
+    allow_http: bool = True
+    allow_grpc: bool = True
+    grpc_max_message_size: int = 64 * 1024 * 1024
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -70,6 +76,8 @@ class Runner:
         self.options = options
         self.manager = ModelRepositoryManager(
             options.model_repositories,
+            control_mode=options.model_control_mode,
+            startup_models=options.load_models,
             strict_config=options.strict_model_config,
             load_threads=options.model_load_thread_count,
             inline_threshold_ns=options.inline_execution_threshold_us * 1000,
@@ -86,7 +94,7 @@ class Runner:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
 
-        failures = await self.manager.load_all()
+        failures = await self.manager.start(poll_seconds=self.options.repository_poll_secs)
         _log_model_table(self.manager)
         if failures and self.options.exit_on_error:
             logger.error(
@@ -96,40 +104,69 @@ class Runner:
             return 1
 
         opts = self.options
-        frontend = HttpFrontend(self.service, max_input_size=opts.http_max_input_size)
-        http_socket = _listen(opts.http_address, opts.http_port)
-        config = uvicorn.Config(
-            frontend.app(),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            http="httptools",
-            proxy_headers=False,
-            server_header=False,
-            date_header=False,
-            timeout_graceful_shutdown=30,
-        )
-        http_server = _Uvicorn(config)
-        host, port = http_socket.getsockname()[:2]
-        serving = asyncio.create_task(http_server.serve(sockets=[http_socket]))
-        while not http_server.started and not serving.done():
-            await asyncio.sleep(0.01)
-        if serving.done():
-            await self.manager.stop()
-            serving.result()  # raises what stopped it
-            return 1
+        grpc_frontend: GrpcFrontend | None = None
+        if opts.allow_grpc:
+            grpc_frontend = GrpcFrontend(self.service, max_message_size=opts.grpc_max_message_size)
+            grpc_port = await grpc_frontend.start(opts.grpc_address, opts.grpc_port)
+        http_server: _Uvicorn | None = None
+        http_socket: socket.socket | None = None
+        serving: asyncio.Task[None] | None = None
+        if opts.allow_http:
+            frontend = HttpFrontend(self.service, max_input_size=opts.http_max_input_size)
+            try:
+                http_socket = _listen(opts.http_address, opts.http_port)
+            except OSError:
+                if grpc_frontend is not None:
+                    await grpc_frontend.stop(0)
+                raise
+            config = uvicorn.Config(
+                frontend.app(),
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                http="httptools",
+                proxy_headers=False,
+                server_header=False,
+                date_header=False,
+                timeout_graceful_shutdown=30,
+            )
+            http_server = _Uvicorn(config)
+            host, port = http_socket.getsockname()[:2]
+            serving = asyncio.create_task(http_server.serve(sockets=[http_socket]))
+            while not http_server.started and not serving.done():
+                await asyncio.sleep(0.01)
+            if serving.done():
+                if grpc_frontend is not None:
+                    await grpc_frontend.stop(0)
+                await self.manager.stop()
+                serving.result()  # raises what stopped it
+                return 1
         self.service.ready = True
-        logger.info("started HTTP service at %s:%d", host, port)
+        if grpc_frontend is not None:
+            await grpc_frontend.set_serving(True)
+            logger.info("started GRPC service at %s:%d", opts.grpc_address, grpc_port)
+        if http_server is not None:
+            logger.info("started HTTP service at %s:%d", host, port)
 
         stop_wait = asyncio.create_task(self._stop.wait())
-        _done, _ = await asyncio.wait({serving, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        waits: set[asyncio.Task[None] | asyncio.Task[bool]] = {stop_wait}
+        if serving is not None:
+            waits.add(serving)
+        _done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         self.service.ready = False
         logger.info("stopping: draining in-flight requests")
-        http_server.should_exit = True
-        await serving
+        draining: list[Awaitable[None]] = []
+        if grpc_frontend is not None:
+            await grpc_frontend.begin_shutdown()  # health NOT_SERVING before anything closes
+            draining.append(grpc_frontend.stop(grace=30))
+        if http_server is not None and serving is not None:
+            http_server.should_exit = True
+            draining.append(serving)
+        await asyncio.gather(*draining)
         stop_wait.cancel()
         await self.manager.stop()
-        http_socket.close()
+        if http_socket is not None:
+            http_socket.close()
         logger.info("stopped")
         return 0
 

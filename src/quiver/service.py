@@ -13,17 +13,22 @@ from typing import Any
 import numpy as np
 
 import quiver
+from quiver import logs
 from quiver.config import ModelConfig
 from quiver.errors import InternalError, InvalidArgumentError, QuiverError
-from quiver.lifecycle import Model, ModelRepositoryManager
+from quiver.lifecycle import Model, ModelRepositoryManager, ModelState
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 #: Extensions Quiver implements, by Triton's names (server metadata lists them).
 EXTENSIONS = [
     "classification",
+    "model_repository",
+    "model_repository(unload_dependents)",
     "model_configuration",
     "binary_tensor_data",
     "parameters",
+    "statistics",
+    "logging",
 ]
 
 
@@ -60,6 +65,54 @@ class InferenceService:
 
     def model_config(self, name: str, version: str = "") -> dict[str, Any]:
         return self.manager.get(name, version).config.to_json()
+
+    # -- repository extension ----------------------------------------------------------
+
+    async def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """Triton's index: every model in the repositories, with state and reason per version."""
+        entries: list[dict[str, str]] = []
+        for status in await self.manager.repository_index():
+            if ready_only and status.state is not ModelState.READY:
+                continue
+            entry = {"name": status.name}
+            if status.version:
+                entry["version"] = status.version
+            if status.state is not ModelState.UNKNOWN:
+                entry["state"] = status.state.value
+            if status.reason:
+                entry["reason"] = status.reason
+            entries.append(entry)
+        return entries
+
+    async def load_model(
+        self, name: str, config_json: str | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
+        await self.manager.load(name, config_json=config_json, files=files)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await self.manager.unload(name, unload_dependents=unload_dependents)
+
+    # -- statistics extension ------------------------------------------------------------
+
+    def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        """Triton's ``{"model_stats": [...]}`` for every READY model, one model, or one version."""
+        if not name:
+            models = sorted(self.manager.ready_models, key=lambda m: (m.name, m.version))
+        elif version and version != "-1":
+            models = [self.manager.get(name, version)]
+        else:
+            models = self.manager.versions(name)
+            if not models:
+                self.manager.get(name)  # raises NOT_FOUND or UNAVAILABLE with the reason
+        return {"model_stats": [m.stats.to_json(m.name, m.version_str) for m in models]}
+
+    # -- logging extension -----------------------------------------------------------------
+
+    def log_settings(self) -> dict[str, Any]:
+        return logs.settings()
+
+    def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        return logs.update(changes)
 
     # -- inference -------------------------------------------------------------------
 

@@ -151,7 +151,13 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(repository: Path) -> Iterator[QuiverServer]:
     with QuiverServer(
         repository,
-        args=("--exit-on-error=false", "--http-max-input-size", str(MAX_INPUT_SIZE)),
+        args=(
+            "--exit-on-error=false",
+            "--http-max-input-size",
+            str(MAX_INPUT_SIZE),
+            "--grpc-max-message-size",
+            str(MAX_INPUT_SIZE),
+        ),
     ) as running:
         yield running
     assert running.process is not None

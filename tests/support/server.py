@@ -12,11 +12,15 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-_STARTED = re.compile(r"started HTTP service at ([\d.]+|\[[0-9a-f:]+\]|[0-9a-f:]+):(\d+)")
+_STARTED = re.compile(r"started (HTTP|GRPC) service at ([\d.]+|\[[0-9a-f:]+\]|[0-9a-f:]+):(\d+)")
 
 
 class QuiverServer:
-    """``with QuiverServer(repo) as server: server.url``; logs are kept in ``server.log``."""
+    """``with QuiverServer(repo) as server: server.url``; logs are kept in ``server.log``.
+
+    Both listeners get a free port (``--http-port 0 --grpc-port 0``); ``server.url`` is the
+    HTTP one, ``server.grpc_url`` the gRPC one, for ``tritonclient.http``/``.grpc``.
+    """
 
     def __init__(self, *repositories: Path, args: tuple[str, ...] = (), timeout: float = 60.0) -> None:
         self.repositories = repositories
@@ -25,6 +29,7 @@ class QuiverServer:
         self.lines: list[str] = []
         self.process: subprocess.Popen[str] | None = None
         self.port = 0
+        self.grpc_port = 0
         self._started = threading.Event()
         self._reader: threading.Thread | None = None
 
@@ -37,11 +42,15 @@ class QuiverServer:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
     def http(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "quiver", "serve", "--http-port", "0"]
+        cmd = [sys.executable, "-m", "quiver", "serve", "--http-port", "0", "--grpc-port", "0"]
         for repository in self.repositories:
             cmd += ["--model-repository", str(repository)]
         return cmd + list(self.args)
@@ -76,8 +85,26 @@ class QuiverServer:
             self.lines.append(line)
             match = _STARTED.search(line)
             if match and not self._started.is_set():
-                self.port = int(match.group(2))
+                if match.group(1) == "GRPC":
+                    self.grpc_port = int(match.group(3))
+                    # HTTP's line comes last when it is on; wait for it unless it is off.
+                    if not self._http_disabled():
+                        continue
+                else:
+                    self.port = int(match.group(3))
                 self._started.set()
+
+    def _http_disabled(self) -> bool:
+        """``--allow-http=false`` (or ``--allow-http false``) among the args; the last one wins."""
+        args = list(self.args)
+        disabled = False
+        for index, arg in enumerate(args):
+            if arg.startswith("--allow-http="):
+                disabled = arg.split("=", 1)[1].lower() in ("false", "0", "no", "off")
+            elif arg == "--allow-http":
+                value = args[index + 1] if index + 1 < len(args) else "true"
+                disabled = value.lower() in ("false", "0", "no", "off")
+        return disabled
 
     def wait(self, timeout: float = 30.0) -> int:
         """Wait for the process to exit by itself; returns its exit code."""

@@ -6,11 +6,15 @@ This module only does HTTP: read and bound the body, undo ``Content-Encoding``, 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import gzip
 import logging
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -64,8 +68,15 @@ class HttpFrontend:
             Route("/v2/health/ready", self.ready, methods=["GET"]),
             Route("/v2", self.server_metadata, methods=["GET"]),
             # POST .../infer is served by __call__ directly; these give other methods a 405.
-            Route(model + "/infer", self._not_found, methods=["POST"]),
-            Route(versioned + "/infer", self._not_found, methods=["POST"]),
+            Route(model + "/infer", self._unroutable, methods=["POST"]),
+            Route(versioned + "/infer", self._unroutable, methods=["POST"]),
+            Route("/v2/models/stats", self.model_statistics, methods=["GET"]),
+            Route(model + "/stats", self.model_statistics, methods=["GET"]),
+            Route(versioned + "/stats", self.model_statistics, methods=["GET"]),
+            Route("/v2/repository/index", self.repository_index, methods=["POST"]),
+            Route("/v2/repository/models/{model}/load", self.repository_load, methods=["POST"]),
+            Route("/v2/repository/models/{model}/unload", self.repository_unload, methods=["POST"]),
+            Route("/v2/logging", self.logging, methods=["GET", "POST"]),
             Route(model + "/ready", self.model_ready, methods=["GET"]),
             Route(versioned + "/ready", self.model_ready, methods=["GET"]),
             Route(model + "/config", self.model_config, methods=["GET"]),
@@ -77,6 +88,9 @@ class HttpFrontend:
     def app(self) -> ASGIApp:
         """The ASGI application: inference on a direct path, the rest through Starlette."""
         return self
+
+    async def _unroutable(self, request: Request) -> Response:
+        return _error(404, f"no route for {request.method} {request.url.path}")
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         return _error(404, f"no route for {request.method} {request.url.path}")
@@ -125,6 +139,97 @@ class HttpFrontend:
             )
         except QuiverError as exc:
             return error_response(exc)
+
+    # -- statistics, repository and logging extensions -----------------------------------
+
+    async def model_statistics(self, request: Request) -> Response:
+        try:
+            return _json(
+                self.service.model_statistics(
+                    request.path_params.get("model", ""), request.path_params.get("version", "")
+                )
+            )
+        except QuiverError as exc:
+            return error_response(exc)
+
+    async def _json_body(self, request: Request) -> dict[str, Any]:
+        """A small JSON object body (empty means ``{}``), bounded by the input size limit."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_input_size:
+            raise BodyTooLarge(self.max_input_size)
+        body = await request.body()
+        if len(body) > self.max_input_size:
+            raise BodyTooLarge(self.max_input_size)
+        if not body.strip():
+            return {}
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgumentError(f"malformed JSON in request body: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidArgumentError("request body must be a JSON object")
+        return value
+
+    async def _guarded(self, request: Request, handler: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
+        try:
+            return await handler(await self._json_body(request))
+        except QuiverError as exc:
+            return error_response(exc)
+        except BodyTooLarge as exc:
+            return _error(413, str(exc))
+
+    async def repository_index(self, request: Request) -> Response:
+        async def handle(body: dict[str, Any]) -> Response:
+            ready = body.get("ready", False)
+            if not isinstance(ready, bool):
+                raise InvalidArgumentError("'ready' must be true or false")
+            return _json(await self.service.repository_index(ready))
+
+        return await self._guarded(request, handle)
+
+    async def repository_load(self, request: Request) -> Response:
+        name = request.path_params["model"]
+
+        async def handle(body: dict[str, Any]) -> Response:
+            params = _parameters(body)
+            config = params.pop("config", None)
+            if config is not None and not isinstance(config, str):
+                raise InvalidArgumentError("load parameter 'config' must be a JSON string")
+            files: dict[str, bytes] = {}
+            for key, value in params.items():
+                if not key.startswith("file:"):
+                    continue
+                if not isinstance(value, str):
+                    raise InvalidArgumentError(f"load parameter '{key}' must be base64 text")
+                try:
+                    files[key[5:]] = base64.b64decode(value, validate=True)
+                except binascii.Error:
+                    raise InvalidArgumentError(f"load parameter '{key}' is not valid base64") from None
+            await self.service.load_model(name, config, files or None)
+            return Response(status_code=200)
+
+        return await self._guarded(request, handle)
+
+    async def repository_unload(self, request: Request) -> Response:
+        name = request.path_params["model"]
+
+        async def handle(body: dict[str, Any]) -> Response:
+            dependents = _parameters(body).get("unload_dependents", False)
+            if not isinstance(dependents, bool):
+                raise InvalidArgumentError("unload parameter 'unload_dependents' must be true or false")
+            await self.service.unload_model(name, dependents)
+            return Response(status_code=200)
+
+        return await self._guarded(request, handle)
+
+    async def logging(self, request: Request) -> Response:
+        if request.method == "GET":
+            return _json(self.service.log_settings())
+
+        async def handle(body: dict[str, Any]) -> Response:
+            return _json(self.service.update_log_settings(body))
+
+        return await self._guarded(request, handle)
 
     # -- inference: a lean ASGI path, no router or request objects -----------------------
 
@@ -240,6 +345,13 @@ async def _send(
         all_headers.extend(headers)
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _parameters(body: dict[str, Any]) -> dict[str, Any]:
+    params = body.get("parameters", {})
+    if not isinstance(params, dict):
+        raise InvalidArgumentError("'parameters' must be a JSON object")
+    return dict(params)
 
 
 def _decompress(body: bytes, encoding: str, limit: int) -> bytes:

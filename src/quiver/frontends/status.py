@@ -8,6 +8,8 @@ gRPC follows Triton's ``GrpcStatusUtil::CodeToStatus``.
 
 from __future__ import annotations
 
+import grpc
+
 from quiver.errors import ErrorCode
 
 #: code -> (HTTP status, gRPC status name)
@@ -29,3 +31,13 @@ def http_status(code: ErrorCode) -> int:
 
 def grpc_status_name(code: ErrorCode) -> str:
     return STATUS[code][1]
+
+
+def grpc_status(code: ErrorCode) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` for ``code`` (``context.abort`` takes it)."""
+    return _GRPC[code]
+
+
+_GRPC: dict[ErrorCode, grpc.StatusCode] = {
+    code: getattr(grpc.StatusCode, name) for code, (_, name) in STATUS.items()
+}

@@ -46,10 +46,15 @@ class LoadOutcome:
     error: str = ""  # a failure of the whole model (config, no versions)
 
 
-def read_config(source: ModelSource, *, strict: bool) -> tuple[pb.ModelConfig, Backend | None]:
-    """The model's configuration as written, with backend and platform resolved."""
+def read_config(
+    source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None
+) -> tuple[pb.ModelConfig, Backend | None]:
+    """The model's configuration as written (or as overridden), backend and platform resolved."""
     path = source.config_path
-    if path.exists():
+    if override is not None:
+        proto = pb.ModelConfig()
+        proto.CopyFrom(override)
+    elif path.exists():
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -89,11 +94,17 @@ def _guess_backend(proto: pb.ModelConfig, source: ModelSource) -> None:
     )
 
 
-def load_model(source: ModelSource, *, strict: bool, inline_threshold_ns: int = INLINE_THRESHOLD_NS) -> LoadOutcome:
+def load_model(
+    source: ModelSource,
+    *,
+    strict: bool,
+    inline_threshold_ns: int = INLINE_THRESHOLD_NS,
+    config_override: pb.ModelConfig | None = None,
+) -> LoadOutcome:
     """Load every version the version policy selects; failures are reported, not raised."""
     started = time.monotonic()
     try:
-        proto, backend = read_config(source, strict=strict)
+        proto, backend = read_config(source, strict=strict, override=config_override)
         versions = source.versions()
         if not versions:
             raise ConfigError(f"model '{source.name}': no version folder in {source.path}")
@@ -129,6 +140,9 @@ def load_model(source: ModelSource, *, strict: bool, inline_threshold_ns: int = 
         except Exception as exc:  # a backend bug must not take the server down
             logger.exception("failed to load model '%s' version %d", source.name, version)
             failures[version] = f"model '{source.name}' version {version}: {type(exc).__name__}: {exc}"
+    elapsed = time.monotonic() - started
+    for model in models:
+        model.load_seconds = elapsed
     if models:
         logger.info(
             "loaded model '%s' version(s) %s in %.3f s",

@@ -1,24 +1,69 @@
 """ModelRepositoryManager: decides what is loaded and answers "which model serves this?".
 
-In ``none`` control mode every model in the repositories is loaded at start. Loads run on
-a bounded thread pool (``--model-load-thread-count``) so several models load at once.
+Control modes, as Triton's:
+
+- ``none``: every model in the repositories is loaded at start; the repository API may
+  not load or unload.
+- ``explicit``: only the ``--load-model`` models (``*`` for all) are loaded at start; the
+  repository API loads and unloads.
+- ``poll``: every model is loaded at start and the repositories are rescanned every
+  ``--repository-poll-secs``: new models load, changed ones reload, removed ones unload.
+
+Loads run on a bounded thread pool (``--model-load-thread-count``). Each model has its own
+lock, so loads and unloads of one model happen one after another while other models load in
+parallel. A reload keeps the old versions serving until the new ones are READY; a failed
+reload leaves the old ones serving. An unload lets in-flight requests finish; new ones get
+UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import hashlib
 import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.backends.base import INLINE_THRESHOLD_NS
-from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from quiver.config import parse_model_config_json
+from quiver.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    QuiverError,
+    UnavailableError,
+    UnsupportedError,
+)
 from quiver.lifecycle.loader import LoadOutcome, load_model, unload_instance
 from quiver.lifecycle.model import Model, ModelState, VersionStatus
-from quiver.repository.local import LocalRepository
+from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSource
 
 logger = logging.getLogger(__name__)
+
+CONTROL_MODES = ("none", "explicit", "poll")
+
+
+def fingerprint(path: Path) -> str:
+    """Changes when any file under ``path`` is added, removed, resized or rewritten."""
+    digest = hashlib.blake2b(digest_size=16)
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue
+            digest.update(f"{os.path.relpath(full, path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 class ModelRepositoryManager:
@@ -26,47 +71,113 @@ class ModelRepositoryManager:
         self,
         repositories: list[Path],
         *,
+        control_mode: str = "none",
+        startup_models: Iterable[str] = (),
         strict_config: bool = False,
         load_threads: int = 4,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
     ) -> None:
-        self._inline_threshold_ns = inline_threshold_ns
+        if control_mode not in CONTROL_MODES:
+            raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
         self._repository = LocalRepository(repositories)
+        self.control_mode = control_mode
+        self._startup_models = list(startup_models)
         self._strict = strict_config
+        self._inline_threshold_ns = inline_threshold_ns
         self._pool = ThreadPoolExecutor(max_workers=max(1, load_threads), thread_name_prefix="quiver-load")
         self._ready: dict[str, dict[int, Model]] = {}
         self._latest: dict[str, Model] = {}
         self._status: dict[str, list[VersionStatus]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._fingerprints: dict[str, str] = {}
+        self._overrides: dict[str, Path] = {}  # models loaded from request-supplied files
+        self._poll_task: asyncio.Task[None] | None = None
+        self._closed = False
 
-    # -- loading -----------------------------------------------------------------
+    # -- start -------------------------------------------------------------------------
 
-    async def load_all(self) -> dict[str, str]:
-        """Load every model found; returns model name -> failure reason for the ones that failed."""
-        sources, clashes = self._repository.scan()
+    async def start(self, poll_seconds: float = 0.0) -> dict[str, str]:
+        """Load what the control mode loads at start; returns name -> reason for failures."""
+        sources, clashes = await self._scan()
+        failures = dict(clashes)
         for name, reason in clashes.items():
             logger.error("%s", reason)
             self._status[name] = [VersionStatus(name, "", ModelState.UNAVAILABLE, reason)]
-        loop = asyncio.get_running_loop()
-        for name in sources:
-            self._status[name] = [VersionStatus(name, "", ModelState.LOADING)]
-        outcomes = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._pool, functools.partial(
-                        load_model,
-                        s,
-                        strict=self._strict,
-                        inline_threshold_ns=self._inline_threshold_ns,
-                    ),)
-                for s in sources.values()
-            )
+        if self.control_mode == "explicit" and "*" not in self._startup_models:
+            wanted = []
+            for name in self._startup_models:
+                if name in sources:
+                    wanted.append(name)
+                else:
+                    failures[name] = f"--load-model '{name}': no such model in the model repository"
+                    logger.error("%s", failures[name])
+        else:
+            wanted = list(sources)
+        results = await asyncio.gather(
+            *(self._load_source(sources[name]) for name in wanted), return_exceptions=True
         )
-        failures = dict(clashes)
-        for name, outcome in zip(sources, outcomes, strict=True):
-            self._install(name, outcome)
-            if outcome.error:
-                failures[name] = outcome.error
-            for version, reason in outcome.failures.items():
-                failures[f"{name}:{version}"] = reason
+        for name, result in zip(wanted, results, strict=True):
+            if isinstance(result, BaseException):
+                failures[name] = str(result)
+            else:
+                failures.update(result)
+        if self.control_mode == "poll" and poll_seconds > 0:
+            self._poll_task = asyncio.create_task(self._poll_forever(poll_seconds), name="quiver-poll")
+        return failures
+
+    async def _scan(self) -> tuple[dict[str, ModelSource], dict[str, str]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._repository.scan)
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
+
+    # -- load --------------------------------------------------------------------------
+
+    async def _load_source(
+        self, source: ModelSource, config_override: pb.ModelConfig | None = None
+    ) -> dict[str, str]:
+        """Load (or reload) one model under its lock; returns its failures."""
+        async with self._lock(source.name):
+            return await self._load_locked(source, config_override)
+
+    async def _load_locked(
+        self, source: ModelSource, config_override: pb.ModelConfig | None
+    ) -> dict[str, str]:
+        name = source.name
+        loop = asyncio.get_running_loop()
+        serving = name in self._ready
+        if not serving:
+            self._status[name] = [VersionStatus(name, "", ModelState.LOADING)]
+        self._fingerprints[name] = await loop.run_in_executor(self._pool, fingerprint, source.path)
+        outcome = await loop.run_in_executor(
+            self._pool,
+            functools.partial(
+                load_model,
+                source,
+                strict=self._strict,
+                inline_threshold_ns=self._inline_threshold_ns,
+                config_override=config_override,
+            ),
+        )
+        failures: dict[str, str] = {}
+        if outcome.error:
+            failures[name] = outcome.error
+        for version, reason in outcome.failures.items():
+            failures[f"{name}:{version}"] = reason
+        if self._closed:  # the server stopped while this loaded
+            await self._unload_models(outcome.models)
+            return failures
+        if not outcome.models and serving:
+            logger.error("reload of model '%s' failed; the loaded versions keep serving", name)
+            return failures
+        old = list(self._ready.get(name, {}).values())
+        self._install(name, outcome)
+        if old:
+            await self._unload_models(old)
         return failures
 
     def _install(self, name: str, outcome: LoadOutcome) -> None:
@@ -80,10 +191,179 @@ class ModelRepositoryManager:
             self._ready[name] = versions
             self._latest[name] = versions[max(versions)]
             statuses.extend(VersionStatus(name, m.version_str, ModelState.READY) for m in outcome.models)
+        else:
+            self._ready.pop(name, None)
+            self._latest.pop(name, None)
         statuses.sort(key=lambda s: (int(s.version) if s.version else -1))
         self._status[name] = statuses
 
-    # -- lookup (hot path) -----------------------------------------------------------
+    async def load(
+        self,
+        name: str,
+        *,
+        config_json: str | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> None:
+        """The repository API's load: (re)load ``name``, optionally with a config and files
+        given in the request instead of the repository's. Raises if nothing could load."""
+        if self.control_mode != "explicit":
+            raise UnsupportedError(
+                f"failed to load '{name}': explicit model load / unload is not allowed in "
+                f"model control mode '{self.control_mode}' (start with --model-control-mode=explicit)"
+            )
+        override = (
+            parse_model_config_json(config_json, f"config parameter of the load request for '{name}'", name)
+            if config_json
+            else None
+        )
+        async with self._lock(name):
+            if files:
+                if override is None:
+                    raise InvalidArgumentError(
+                        f"failed to load '{name}': 'file:' parameters need the 'config' parameter too"
+                    )
+                source = await self._write_override(name, files)
+            else:
+                sources, _ = await self._scan()
+                source = sources.get(name)  # type: ignore[assignment]
+                if source is None:
+                    raise NotFoundError(
+                        f"failed to load '{name}': no model named '{name}' in the model repository"
+                    )
+                await self._drop_override(name)
+            failures = await self._load_locked(source, override)
+        if name in failures or name not in self._ready:
+            reason = failures.get(name) or next(iter(failures.values()), "no version loaded")
+            kept = " (the loaded versions keep serving)" if name in self._ready else ""
+            raise InvalidArgumentError(f"failed to load '{name}': {reason}{kept}")
+        if failures:
+            logger.warning("model '%s' loaded, some versions failed: %s", name, failures)
+
+    async def _write_override(self, name: str, files: dict[str, bytes]) -> ModelSource:
+        """Write request-supplied model files to a private folder: ``<version>/<file>`` paths only."""
+        for relative in files:
+            parts = PurePosixPath(relative).parts
+            if (
+                not parts
+                or PurePosixPath(relative).is_absolute()
+                or ".." in parts
+                or "\\" in relative
+                or not parts[0].isdigit()
+                or len(parts) < 2
+            ):
+                raise InvalidArgumentError(
+                    f"failed to load '{name}': file parameter 'file:{relative}' must name a file "
+                    "inside a version folder, such as 'file:1/model.onnx'"
+                )
+
+        def write() -> Path:
+            root = Path(tempfile.mkdtemp(prefix=f"quiver-{name}-"))
+            folder = root / name
+            folder.mkdir()
+            for relative, content in files.items():
+                target = folder / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+            (folder / CONFIG_FILENAME).write_text("")  # the config comes from the request
+            return root
+
+        loop = asyncio.get_running_loop()
+        root = await loop.run_in_executor(self._pool, write)
+        await self._drop_override(name)
+        self._overrides[name] = root
+        return ModelSource(name, root, root / name)
+
+    async def _drop_override(self, name: str) -> None:
+        root = self._overrides.pop(name, None)
+        if root is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._pool, functools.partial(shutil.rmtree, root, True))
+
+    # -- unload ------------------------------------------------------------------------
+
+    async def unload(self, name: str, *, unload_dependents: bool = False) -> None:
+        """The repository API's unload. ``unload_dependents`` is accepted; ensembles, which
+        are the only dependents, arrive later."""
+        if self.control_mode != "explicit":
+            raise UnsupportedError(
+                f"failed to unload '{name}': explicit model load / unload is not allowed in "
+                f"model control mode '{self.control_mode}' (start with --model-control-mode=explicit)"
+            )
+        if name not in self._status and name not in self._ready:
+            sources, _ = await self._scan()
+            if name not in sources:
+                raise NotFoundError(f"failed to unload '{name}': unknown model")
+        async with self._lock(name):
+            await self._unload_locked(name, "unloaded")
+            await self._drop_override(name)
+
+    async def _unload_locked(self, name: str, reason: str) -> None:
+        versions = self._ready.pop(name, None)
+        self._latest.pop(name, None)
+        if not versions:
+            if name in self._status and not any(s.state is ModelState.READY for s in self._status[name]):
+                return
+            self._status[name] = [VersionStatus(name, "", ModelState.UNAVAILABLE, reason)]
+            return
+        models = list(versions.values())
+        self._status[name] = [VersionStatus(name, m.version_str, ModelState.UNLOADING) for m in models]
+        await self._unload_models(models)
+        self._status[name] = [
+            VersionStatus(name, m.version_str, ModelState.UNAVAILABLE, reason) for m in models
+        ]
+        logger.info("unloaded model '%s' (%s)", name, reason)
+
+    async def _unload_models(self, models: list[Model]) -> None:
+        """Drain the models' schedulers (in-flight requests finish), then free the instances."""
+        await asyncio.gather(*(m.scheduler.stop() for m in models))
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            *(
+                loop.run_in_executor(self._pool, unload_instance, m.name, instance)
+                for m in models
+                for instance in m.instances
+            )
+        )
+
+    # -- poll --------------------------------------------------------------------------
+
+    async def _poll_forever(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await self.poll()
+            except Exception:
+                logger.exception("polling the model repository failed")
+
+    async def poll(self) -> None:
+        """Rescan the repositories: load new models, reload changed ones, unload removed ones."""
+        sources, clashes = await self._scan()
+        loop = asyncio.get_running_loop()
+        work: list[Coroutine[Any, Any, object]] = []
+        for name, source in sources.items():
+            if self._lock(name).locked():
+                continue  # a load or unload of it is under way; look again next time
+            current = await loop.run_in_executor(self._pool, fingerprint, source.path)
+            if self._fingerprints.get(name) != current:
+                logger.info("model '%s' is new or changed in the repository; loading it", name)
+                work.append(self._load_source(source))
+        for name in list(self._fingerprints):
+            if name not in sources and name not in self._overrides:
+                logger.info("model '%s' was removed from the repository; unloading it", name)
+                del self._fingerprints[name]
+                work.append(self._unload_removed(name))
+        for name, reason in clashes.items():
+            self._status[name] = [VersionStatus(name, "", ModelState.UNAVAILABLE, reason)]
+        results = await asyncio.gather(*work, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, QuiverError):
+                logger.error("repository poll: %s", result)
+
+    async def _unload_removed(self, name: str) -> None:
+        async with self._lock(name):
+            await self._unload_locked(name, "removed from the model repository")
+
+    # -- lookup (hot path) -------------------------------------------------------------
 
     def get(self, name: str, version: str = "") -> Model:
         """The READY model serving ``name`` (latest loaded version when ``version`` is empty)."""
@@ -132,26 +412,37 @@ class ModelRepositoryManager:
         return [m for _, m in sorted(self._ready.get(name, {}).items())]
 
     def index(self) -> list[VersionStatus]:
+        """Every model version the manager knows of, with its state and reason."""
         return [s for name in sorted(self._status) for s in self._status[name]]
+
+    async def repository_index(self) -> list[VersionStatus]:
+        """Like :meth:`index`, plus models in the repositories never loaded (no state)."""
+        sources, _ = await self._scan()
+        known = {s.name for s in self.index()}
+        entries = self.index() + [
+            VersionStatus(name, "", ModelState.UNKNOWN) for name in sources if name not in known
+        ]
+        return sorted(entries, key=lambda s: (s.name, int(s.version) if s.version else -1))
 
     @property
     def ready_models(self) -> list[Model]:
         return [m for versions in self._ready.values() for m in versions.values()]
 
-    # -- stopping --------------------------------------------------------------------
+    # -- stopping ----------------------------------------------------------------------
 
     async def stop(self) -> None:
-        """Drain every model's scheduler, then unload the instances (``finalize`` runs)."""
+        """Stop polling, drain every model's scheduler, unload the instances (``finalize`` runs)."""
+        self._closed = True
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll_task
         models = self.ready_models
+        for name, versions in self._ready.items():
+            self._status[name] = [VersionStatus(name, str(v), ModelState.UNLOADING) for v in versions]
         self._ready.clear()
         self._latest.clear()
-        await asyncio.gather(*(m.scheduler.stop() for m in models))
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(
-            *(
-                loop.run_in_executor(self._pool, unload_instance, m.name, instance)
-                for m in models
-                for instance in m.instances
-            )
-        )
+        await self._unload_models(models)
+        for name in list(self._overrides):
+            await self._drop_override(name)
         self._pool.shutdown(wait=False)

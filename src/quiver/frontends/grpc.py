@@ -1,0 +1,210 @@
+"""KServe v2 over gRPC with Triton's service (``inference.GRPCInferenceService``).
+
+The servicer subclasses the base class ``tritonclient`` ships, so every RPC not written here
+answers UNIMPLEMENTED, as the base class does. This module only does gRPC: decode messages,
+call the :class:`~quiver.service.InferenceService`, encode the answer, map errors to
+statuses through ``quiver.frontends.status``. The standard health service
+(``grpc.health.v1.Health``) runs beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from quiver.errors import QuiverError
+from quiver.frontends.status import grpc_status
+from quiver.protocol.v2_grpc import decode_infer_request, encode_infer_response
+from quiver.service import InferenceService
+
+logger = logging.getLogger(__name__)
+
+#: The service name clients may ask the health service about, besides "" (the server).
+SERVICE_NAME = "inference.GRPCInferenceService"
+DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+#: Requests of one stream decoded and running at once; the reader waits past this.
+STREAM_WINDOW = 64
+
+
+async def _abort(context: Any, exc: QuiverError) -> NoReturn:
+    await context.abort(grpc_status(exc.code), exc.message)
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+async def _abort_internal(context: Any, model: str, exc: Exception) -> NoReturn:
+    await context.abort(grpc.StatusCode.INTERNAL, _internal_message(model, exc))
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+def _internal_message(model: str, exc: Exception) -> str:
+    return f"internal error in model '{model}': {type(exc).__name__}: {exc}"
+
+
+def _tensor_metadata(entries: list[dict[str, Any]]) -> list[Any]:
+    return [
+        pb.ModelMetadataResponse.TensorMetadata(
+            name=t["name"], datatype=t["datatype"], shape=t["shape"]
+        )
+        for t in entries
+    ]
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """Triton's GRPCInferenceService over one :class:`InferenceService`."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    # -- health and metadata ---------------------------------------------------------
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=self.service.ready)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        metadata = self.service.server_metadata()
+        return pb.ServerMetadataResponse(
+            name=metadata["name"], version=metadata["version"], extensions=metadata["extensions"]
+        )
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        # Triton answers an unknown model with ready=false, not an error.
+        return pb.ModelReadyResponse(ready=self.service.model_ready(request.name, request.version))
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        try:
+            metadata = self.service.model_metadata(request.name, request.version)
+        except QuiverError as exc:
+            await _abort(context, exc)
+        return pb.ModelMetadataResponse(
+            name=metadata["name"],
+            versions=metadata["versions"],
+            platform=metadata["platform"],
+            inputs=_tensor_metadata(metadata["inputs"]),
+            outputs=_tensor_metadata(metadata["outputs"]),
+        )
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        try:
+            model = self.service.manager.get(request.name, request.version)
+        except QuiverError as exc:
+            await _abort(context, exc)
+        return pb.ModelConfigResponse(config=model.config.proto)
+
+    # -- inference -------------------------------------------------------------------
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        try:
+            response = await self.service.infer(decode_infer_request(request))
+            return encode_infer_response(response)
+        except QuiverError as exc:
+            await _abort(context, exc)
+        except Exception as exc:
+            logger.exception("inference on model '%s' failed unexpectedly", request.model_name)
+            await _abort_internal(context, request.model_name, exc)
+
+    async def _stream_one(self, request: Any) -> Any:
+        try:
+            response = await self.service.infer(decode_infer_request(request))
+            return pb.ModelStreamInferResponse(infer_response=encode_infer_response(response))
+        except QuiverError as exc:
+            message = exc.message
+        except Exception as exc:
+            logger.exception("inference on model '%s' failed unexpectedly", request.model_name)
+            message = _internal_message(request.model_name, exc)
+        # As Triton: the error, and the request id so the client knows which one failed.
+        return pb.ModelStreamInferResponse(
+            error_message=message, infer_response=pb.ModelInferResponse(id=request.id)
+        )
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        """Requests run concurrently; answers go out in request order (Triton's order for
+        models that are not decoupled). A failed request is answered with ``error_message``
+        and the stream goes on."""
+        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue(STREAM_WINDOW)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await pending.put(asyncio.create_task(self._stream_one(request)))
+            finally:
+                await pending.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (task := await pending.get()) is not None:
+                yield await task
+            await reader  # raises what ended the reading, if it failed
+        finally:
+            reader.cancel()
+            while not pending.empty():
+                leftover = pending.get_nowait()
+                if leftover is not None:
+                    leftover.cancel()
+
+
+class GrpcFrontend:
+    """The ``grpc.aio`` server: the inference service, the health service, start and stop."""
+
+    def __init__(
+        self, service: InferenceService, *, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    ) -> None:
+        self.service = service
+        self.max_message_size = max_message_size
+        self.servicer = InferenceServicer(service)
+        self.health = health.aio.HealthServicer()
+        self.server: Any = None
+
+    async def start(self, address: str, port: int) -> int:
+        """Bind and start serving (health NOT_SERVING until :meth:`set_serving`); returns the port."""
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.max_message_size),
+                ("grpc.max_send_message_length", self.max_message_size),
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared listener
+            ]
+        )
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        try:
+            bound = int(server.add_insecure_port(target))
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {target} (gRPC): {exc}") from None
+        if bound == 0:
+            raise OSError(f"cannot listen on {target} (gRPC)")
+        await self.set_serving(False)
+        await server.start()
+        self.server = server
+        return bound
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def begin_shutdown(self) -> None:
+        """Health NOT_SERVING for good (later :meth:`set_serving` calls are ignored)."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float = 30.0) -> None:
+        """Health NOT_SERVING, refuse new RPCs, let in-flight ones finish within ``grace``."""
+        await self.begin_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace)
+
+
+__all__ = ["GrpcFrontend", "InferenceServicer"]

@@ -1,0 +1,324 @@
+"""KServe v2 gRPC messages (``tritonclient.grpc.service_pb2``) to and from Quiver's types.
+
+Inputs come either as typed ``contents`` (one repeated field per datatype family, Triton's
+rules: INT8/16/32 in ``int_contents``, UINT8/16/32 in ``uint_contents``, FP16 and BF16 only
+raw) or as ``raw_input_contents``: one buffer per input, in input order, for every input.
+Raw BYTES use Triton's 4-byte-length-prefixed encoding. Responses carry every output in
+``raw_output_contents``, one buffer per output in the order of ``outputs``, as Triton does.
+
+This module checks that a message is well formed (datatypes, shapes against the data,
+sizes); checks against the model's configuration live in the service, as for HTTP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+
+from quiver.errors import InvalidArgumentError
+from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.types import (
+    HAVE_BF16,
+    DataType,
+    InferenceRequest,
+    InferenceResponse,
+    RequestedOutput,
+    Tensor,
+)
+
+_WIRE = {dt.value: dt for dt in DataType}
+
+#: datatype -> the InferTensorContents field that carries it (None: raw only).
+CONTENTS_FIELD: dict[DataType, str | None] = {
+    DataType.BOOL: "bool_contents",
+    DataType.INT8: "int_contents",
+    DataType.INT16: "int_contents",
+    DataType.INT32: "int_contents",
+    DataType.INT64: "int64_contents",
+    DataType.UINT8: "uint_contents",
+    DataType.UINT16: "uint_contents",
+    DataType.UINT32: "uint_contents",
+    DataType.UINT64: "uint64_contents",
+    DataType.FP32: "fp32_contents",
+    DataType.FP64: "fp64_contents",
+    DataType.BYTES: "bytes_contents",
+    DataType.FP16: None,
+    DataType.BF16: None,
+}
+
+#: Types narrower than their contents field: values are range-checked before the cast.
+_NARROW = frozenset({DataType.INT8, DataType.INT16, DataType.UINT8, DataType.UINT16})
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _bad(message: str) -> InvalidArgumentError:
+    return InvalidArgumentError(message)
+
+
+# -- parameters --------------------------------------------------------------------------
+
+
+def parameters_to_dict(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``map<string, InferParameter>`` -> plain dict (a parameter with no value is skipped)."""
+    if not params:
+        return {}
+    out: dict[str, Any] = {}
+    for key, param in params.items():
+        which = param.WhichOneof("parameter_choice")
+        if which is not None:
+            out[key] = getattr(param, which)
+    return out
+
+
+def set_parameters(target: Any, values: Mapping[str, Any]) -> None:
+    """Fill a ``map<string, InferParameter>`` from a dict of bool, int, float or str values."""
+    for key, value in values.items():
+        param = target[key]
+        if isinstance(value, bool | np.bool_):
+            param.bool_param = bool(value)
+        elif isinstance(value, int | np.integer):
+            number = int(value)
+            if number > _INT64_MAX:
+                param.uint64_param = number
+            else:
+                param.int64_param = number
+        elif isinstance(value, float | np.floating):
+            param.double_param = float(value)
+        else:
+            param.string_param = value if isinstance(value, str) else str(value)
+
+
+# -- requests ----------------------------------------------------------------------------
+
+
+def _shape(dims: Any, name: str) -> tuple[int, ...]:
+    shape = tuple(dims)
+    for dim in shape:
+        if dim < 0:
+            raise _bad(
+                f"input '{name}': 'shape' must be a list of non-negative integers, got {list(shape)}"
+            )
+    return shape
+
+
+def _from_raw(buffer: bytes, datatype: DataType, shape: tuple[int, ...], name: str) -> np.ndarray[Any, Any]:
+    count = math.prod(shape)
+    size = len(buffer)
+    if datatype is DataType.BYTES:
+        if count * 4 > size:  # every element has at least its 4-byte length
+            raise _bad(
+                f"input '{name}': shape {list(shape)} of BYTES needs at least {count * 4} bytes "
+                f"but its raw_input_contents has {size}"
+            )
+        return deserialize_bytes(buffer, count, name).reshape(shape)
+    expected = count * datatype.itemsize
+    if size != expected:
+        raise _bad(
+            f"input '{name}': shape {list(shape)} of {datatype.value} needs {expected} bytes "
+            f"but its raw_input_contents has {size}"
+        )
+    if datatype is DataType.BF16 and not HAVE_BF16:
+        raise _bad(f"input '{name}': BF16 needs the ml_dtypes package on the server")
+    return np.frombuffer(buffer, dtype=datatype.numpy_dtype).reshape(shape)
+
+
+def _from_contents(
+    contents: Any | None, datatype: DataType, shape: tuple[int, ...], name: str
+) -> np.ndarray[Any, Any]:
+    expected_field = CONTENTS_FIELD[datatype]
+    values: Any = ()
+    if contents is not None:
+        for descriptor, field_values in contents.ListFields():
+            if descriptor.name != expected_field:
+                if expected_field is None:
+                    raise _bad(
+                        f"input '{name}': {datatype.value} data can only be sent in "
+                        "raw_input_contents"
+                    )
+                raise _bad(
+                    f"input '{name}': {datatype.value} data goes in contents.{expected_field}, "
+                    f"got contents.{descriptor.name}"
+                )
+            values = field_values
+    count = math.prod(shape)
+    given = len(values)
+    if given != count:
+        if expected_field is None:
+            raise _bad(
+                f"input '{name}': {datatype.value} data can only be sent in raw_input_contents"
+            )
+        raise _bad(
+            f"input '{name}': shape {list(shape)} needs {count} elements but "
+            f"contents.{expected_field} has {given}"
+        )
+    dtype = datatype.numpy_dtype
+    if datatype is DataType.BYTES:
+        array = np.empty(count, dtype=object)
+        if count:
+            array[:] = list(values)
+        return array.reshape(shape)
+    if not count:
+        return np.empty(shape, dtype=dtype)
+    if datatype in _NARROW:
+        wide = np.fromiter(values, dtype=np.int64, count=count)
+        info = np.iinfo(dtype)
+        if wide.min() < info.min or wide.max() > info.max:
+            raise _bad(f"input '{name}': a value is out of range for {datatype.value}")
+        return wide.astype(dtype).reshape(shape)
+    return np.fromiter(values, dtype=dtype, count=count).reshape(shape)
+
+
+def _no_shared_memory(params: dict[str, Any], what: str) -> None:
+    if "shared_memory_region" in params:
+        raise _bad(
+            f"{what}: shared memory region '{params['shared_memory_region']}' is not "
+            "registered (shared memory is not supported yet)"
+        )
+
+
+def decode_infer_request(message: Any) -> InferenceRequest:
+    """``ModelInferRequest`` -> :class:`InferenceRequest`, checking the message is well formed."""
+    model = message.model_name
+    raw = message.raw_input_contents
+    raw_count = len(raw)
+    tensors = message.inputs
+    if raw_count and raw_count != len(tensors):
+        raise _bad(
+            f"expected {len(tensors)} raw_input_contents, one per input, but got {raw_count} "
+            f"for model '{model}'"
+        )
+    inputs: list[Tensor] = []
+    for index, tensor in enumerate(tensors):
+        name = tensor.name
+        datatype = _WIRE.get(tensor.datatype)
+        if datatype is None:
+            raise _bad(f"input '{name}': unknown datatype '{tensor.datatype}'")
+        shape = _shape(tensor.shape, name)
+        params = parameters_to_dict(tensor.parameters)
+        if params:
+            _no_shared_memory(params, f"input '{name}'")
+        has_contents = tensor.HasField("contents")
+        if raw_count:
+            if has_contents:
+                raise _bad(
+                    f"input '{name}': contents must not be given when raw_input_contents is "
+                    f"used (model '{model}')"
+                )
+            data = _from_raw(raw[index], datatype, shape, name)
+        else:
+            data = _from_contents(tensor.contents if has_contents else None, datatype, shape, name)
+        inputs.append(Tensor(name, datatype, shape, data, params))
+
+    outputs: list[RequestedOutput] | None = None
+    if message.outputs:
+        outputs = []
+        for requested in message.outputs:
+            params = parameters_to_dict(requested.parameters)
+            if params:
+                _no_shared_memory(params, f"output '{requested.name}'")
+            outputs.append(RequestedOutput(requested.name, params))
+    return InferenceRequest(
+        model_name=model,
+        model_version=message.model_version,
+        inputs=inputs,
+        outputs=outputs,
+        id=message.id,
+        parameters=parameters_to_dict(message.parameters),
+    )
+
+
+def encode_infer_request(request: InferenceRequest, *, raw: bool = True) -> Any:
+    """:class:`InferenceRequest` -> ``ModelInferRequest`` (raw or typed contents).
+
+    The server never sends requests; this is for tests, tools and a future gRPC client path.
+    """
+    message = pb.ModelInferRequest(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
+    set_parameters(message.parameters, request.parameters)
+    for tensor in request.inputs:
+        entry = message.inputs.add(name=tensor.name, datatype=tensor.datatype.value, shape=tensor.shape)
+        set_parameters(entry.parameters, tensor.parameters)
+        if raw:
+            message.raw_input_contents.append(_raw_bytes(tensor))
+            continue
+        field = CONTENTS_FIELD[tensor.datatype]
+        if field is None:
+            raise ValueError(f"{tensor.datatype.value} can only be sent in raw_input_contents")
+        flat = tensor.data.reshape(-1)
+        if tensor.datatype is DataType.BYTES:
+            items = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in flat]
+            entry.contents.bytes_contents.extend(items)
+        else:
+            getattr(entry.contents, field).extend(flat.tolist())
+    if request.outputs is not None:
+        for requested in request.outputs:
+            out = message.outputs.add(name=requested.name)
+            set_parameters(out.parameters, requested.parameters)
+    return message
+
+
+# -- responses ---------------------------------------------------------------------------
+
+
+def _raw_bytes(tensor: Tensor) -> bytes:
+    if tensor.datatype is DataType.BYTES:
+        return serialize_bytes(tensor.data)
+    return np.ascontiguousarray(tensor.data).tobytes()
+
+
+def encode_infer_response(response: InferenceResponse) -> Any:
+    """:class:`InferenceResponse` -> ``ModelInferResponse``, every output raw, as Triton sends it."""
+    message = pb.ModelInferResponse(
+        model_name=response.model_name, model_version=response.model_version, id=response.id
+    )
+    if response.parameters:
+        set_parameters(message.parameters, response.parameters)
+    outputs = message.outputs
+    buffers: list[bytes] = []
+    for tensor in response.outputs:
+        entry = outputs.add(name=tensor.name, datatype=tensor.datatype.value, shape=tensor.shape)
+        if tensor.parameters:
+            set_parameters(entry.parameters, tensor.parameters)
+        buffers.append(_raw_bytes(tensor))
+    message.raw_output_contents.extend(buffers)
+    return message
+
+
+def decode_infer_response(message: Any) -> InferenceResponse:
+    """``ModelInferResponse`` -> :class:`InferenceResponse` (raw outputs; for tests and tools)."""
+    outputs: list[Tensor] = []
+    raw = message.raw_output_contents
+    for index, tensor in enumerate(message.outputs):
+        datatype = _WIRE[tensor.datatype]
+        shape = tuple(tensor.shape)
+        if index < len(raw):
+            data = _from_raw(raw[index], datatype, shape, tensor.name)
+        else:
+            data = _from_contents(
+                tensor.contents if tensor.HasField("contents") else None, datatype, shape, tensor.name
+            )
+        outputs.append(Tensor(tensor.name, datatype, shape, data, parameters_to_dict(tensor.parameters)))
+    return InferenceResponse(
+        model_name=message.model_name,
+        model_version=message.model_version,
+        outputs=outputs,
+        id=message.id,
+        parameters=parameters_to_dict(message.parameters),
+    )
+
+
+__all__ = [
+    "CONTENTS_FIELD",
+    "decode_infer_request",
+    "decode_infer_response",
+    "encode_infer_request",
+    "encode_infer_response",
+    "parameters_to_dict",
+    "set_parameters",
+]
