@@ -121,7 +121,7 @@ class InferenceService:
         try:
             _validate(model.config, request)
         except QuiverError:
-            model.stats.record_failure(0)
+            model.stats.record_failure(0, "REJECTED")
             raise
         response = await model.scheduler.enqueue(request)
         response.model_name = model.name

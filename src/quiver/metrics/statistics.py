@@ -54,6 +54,7 @@ class ModelStatistics:
         "compute_output",
         "execution_count",
         "fail",
+        "fail_reasons",
         "inference_count",
         "last_inference_ms",
         "latency_buckets",
@@ -66,6 +67,7 @@ class ModelStatistics:
     def __init__(self) -> None:
         self.success = Duration()
         self.fail = Duration()
+        self.fail_reasons: dict[str, int] = {}  # Triton's failure reasons: REJECTED, BACKEND, ...
         self.queue = Duration()
         self.compute_input = Duration()
         self.compute_infer = Duration()
@@ -92,8 +94,11 @@ class ModelStatistics:
         self.last_inference_ms = time.time_ns() // 1_000_000
         self._latency(request_ns)
 
-    def record_failure(self, request_ns: int) -> None:
+    def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None:
+        """A failed request; ``reason`` is Triton's: REJECTED (never ran: bad input, unloading),
+        BACKEND (the model failed), CANCELED, OTHER."""
         self.fail.add(request_ns)
+        self.fail_reasons[reason] = self.fail_reasons.get(reason, 0) + 1
         self.last_inference_ms = time.time_ns() // 1_000_000
         self._latency(request_ns)
 

@@ -68,6 +68,7 @@ class DirectScheduler:
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
         if self._stopping:
+            self._stats.record_failure(0, "REJECTED")
             raise UnavailableError(f"model '{self._model}' is unloading")
         clock = self._clock
         stats = self._stats
@@ -82,8 +83,11 @@ class DirectScheduler:
                 done = clock()
             finally:
                 self._release(instance)
+        except asyncio.CancelledError:
+            stats.record_failure(clock() - start, "CANCELED")
+            raise
         except BaseException:
-            stats.record_failure(clock() - start)
+            stats.record_failure(clock() - start, "OTHER")
             raise
         finally:
             self._inflight -= 1
