@@ -109,6 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--metrics-address", default="127.0.0.1", help="metrics bind address (default: 127.0.0.1)"
     )
+    net.add_argument(
+        "--http-restricted-api",
+        action="append",
+        default=[],
+        metavar="API[,API...]:HEADER=VALUE",
+        help=(
+            "require HEADER: VALUE on these HTTP API groups (health, metadata, inference, "
+            "model-config, model-repository, statistics, logging, trace, shared-memory); "
+            "repeatable, e.g. model-repository,logging:admin-key=s3cret"
+        ),
+    )
+    net.add_argument(
+        "--grpc-restricted-protocol",
+        action="append",
+        default=[],
+        metavar="API[,API...]:HEADER=VALUE",
+        help="the same for gRPC, checked against the call's metadata",
+    )
     models = serve.add_argument_group("models")
     models.add_argument(
         "--model-control-mode",
@@ -195,11 +213,25 @@ def _run_serve(args: argparse.Namespace) -> int:
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         http_max_input_size=args.http_max_input_size,
+        http_restricted_api=args.http_restricted_api,
+        grpc_restricted_protocol=args.grpc_restricted_protocol,
         allow_http=args.allow_http,
         allow_grpc=args.allow_grpc,
         grpc_max_message_size=args.grpc_max_message_size,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
     )
+    from quiver.errors import InvalidArgumentError
+    from quiver.frontends.restrictions import Restrictions
+
+    for flag, specs in (
+        ("--http-restricted-api", options.http_restricted_api),
+        ("--grpc-restricted-protocol", options.grpc_restricted_protocol),
+    ):
+        try:
+            Restrictions(specs)
+        except InvalidArgumentError as exc:
+            print(f"quiver: error: {flag}: {exc}", file=sys.stderr)
+            return 2
     for path in options.model_repositories:
         if not path.is_dir():
             print(f"quiver: error: model repository '{path}' is not a directory", file=sys.stderr)

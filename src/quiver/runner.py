@@ -20,6 +20,7 @@ import uvicorn
 
 from quiver.frontends.grpc import GrpcFrontend
 from quiver.frontends.http import HttpFrontend
+from quiver.frontends.restrictions import Restrictions
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.service import InferenceService
 
@@ -42,6 +43,8 @@ class ServerOptions:
     exit_on_error: bool = True
     model_load_thread_count: int = 4
     http_max_input_size: int = 64 * 1024 * 1024
+    http_restricted_api: list[str] = field(default_factory=list)
+    grpc_restricted_protocol: list[str] = field(default_factory=list)
     inline_execution_threshold_us: int = 200
     allow_http: bool = True
     allow_grpc: bool = True
@@ -112,7 +115,11 @@ class Runner:
         http_socket: socket.socket | None = None
         serving: asyncio.Task[None] | None = None
         if opts.allow_http:
-            frontend = HttpFrontend(self.service, max_input_size=opts.http_max_input_size)
+            frontend = HttpFrontend(
+                self.service,
+                max_input_size=opts.http_max_input_size,
+                restrictions=Restrictions(opts.http_restricted_api),
+            )
             try:
                 http_socket = _listen(opts.http_address, opts.http_port)
             except OSError:

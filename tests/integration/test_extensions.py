@@ -12,7 +12,7 @@ from build_repository import SIMPLE_CONFIG, simple_onnx
 from tritonclient.utils import InferenceServerException
 
 from support.models import write_onnx
-from support.server import QuiverServer
+from support.server import QuiverServer, run_quiver
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,32 @@ def test_server_metadata_lists_the_extensions(client: httpclient.InferenceServer
     extensions = client.get_server_metadata()["extensions"]
     for name in ("model_repository", "statistics", "logging", "binary_tensor_data", "classification"):
         assert name in extensions
+
+
+def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
+    write_onnx(tmp_path, "simple", simple_onnx(), SIMPLE_CONFIG)
+    args = (
+        "--model-control-mode=explicit",
+        "--load-model=simple",
+        "--http-restricted-api",
+        "model-repository,logging:admin-key=s3cret",
+    )
+    with QuiverServer(tmp_path, args=args) as server:
+        client = httpclient.InferenceServerClient(server.url)
+        assert client.is_server_ready()  # health is not restricted
+        client.infer("simple", simple_request(1))  # nor is inference
+        with pytest.raises(InferenceServerException) as info:
+            client.get_model_repository_index()
+        assert info.value.status() == "403" and "expecting header 'admin-key'" in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            client.unload_model("simple", headers={"admin-key": "wrong"})
+        assert info.value.status() == "403"
+        assert client.is_model_ready("simple")
+        client.unload_model("simple", headers={"admin-key": "s3cret"})
+        assert not client.is_model_ready("simple")
+        assert client.get_log_settings(headers={"Admin-Key": "s3cret"})["log_info"] is True
+
+
+def test_bad_restricted_api_spec_fails_start_up(tmp_path: Path) -> None:
+    result = run_quiver("serve", "--model-repository", str(tmp_path), "--http-restricted-api", "everything:k=v")
+    assert result.returncode == 2 and "unknown API 'everything'" in result.stderr

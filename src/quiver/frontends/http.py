@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import http_status
 from quiver.protocol.v2_json import decode_request, encode_json, encode_response
 from quiver.service import InferenceService
@@ -52,8 +53,15 @@ def _json(value: Any) -> Response:
 class HttpFrontend:
     """Builds the Starlette application for one :class:`InferenceService`."""
 
-    def __init__(self, service: InferenceService, *, max_input_size: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        service: InferenceService,
+        *,
+        max_input_size: int = 64 * 1024 * 1024,
+        restrictions: Restrictions | None = None,
+    ) -> None:
         self.service = service
+        self.restrictions = restrictions or Restrictions()
         self.max_input_size = max_input_size
         self._app = Starlette(
             routes=self.routes(),
@@ -234,6 +242,12 @@ class HttpFrontend:
     # -- inference: a lean ASGI path, no router or request objects -----------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.restrictions and scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            denied = self.restrictions.denied(http_group(scope["method"], scope["path"]), headers)
+            if denied is not None:
+                await _send(send, 403, _error_body(denied))
+                return
         if scope["type"] == "http" and scope["method"] == "POST":
             path: str = scope["path"]
             if path.startswith("/v2/models/") and path.endswith("/infer"):

@@ -1,0 +1,80 @@
+"""Triton's restricted APIs: ``--http-restricted-api`` / ``--grpc-restricted-protocol``.
+
+A spec ``model-repository,logging:admin-key=s3cret`` makes those API groups answer only
+requests that carry the header ``admin-key: s3cret`` (HTTP 403 / gRPC PERMISSION_DENIED
+otherwise). The groups are Triton's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from quiver.errors import InvalidArgumentError
+
+API_GROUPS = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
+
+
+class Restrictions:
+    """API group -> (header name, value) it requires."""
+
+    def __init__(self, specs: Iterable[str] = ()) -> None:
+        self.required: dict[str, tuple[str, str]] = {}
+        for spec in specs:
+            groups, sep, header = spec.partition(":")
+            key, eq, value = header.partition("=")
+            if not sep or not eq or not key.strip() or not groups.strip():
+                raise InvalidArgumentError(
+                    f"restricted API spec '{spec}' must look like '<api>[,<api>...]:<header>=<value>'"
+                )
+            for group in (g.strip() for g in groups.split(",")):
+                if group not in API_GROUPS:
+                    raise InvalidArgumentError(
+                        f"restricted API spec '{spec}': unknown API '{group}'; known: {', '.join(API_GROUPS)}"
+                    )
+                if group in self.required:
+                    raise InvalidArgumentError(f"restricted API '{group}' is given more than once")
+                self.required[group] = (key.strip().lower(), value)
+
+    def __bool__(self) -> bool:
+        return bool(self.required)
+
+    def denied(self, group: str, headers: Mapping[str, str]) -> str | None:
+        """``None`` when allowed, else the message to send; ``headers`` keys are lower case."""
+        need = self.required.get(group)
+        if need is None or headers.get(need[0]) == need[1]:
+            return None
+        return f"This API is restricted, expecting header '{need[0]}'"
+
+
+def http_group(method: str, path: str) -> str:
+    """The API group of an HTTP request, by Triton's routes."""
+    if path.startswith("/v2/health/"):
+        return "health"
+    if path.startswith("/v2/repository"):
+        return "model-repository"
+    if path.startswith("/v2/logging"):
+        return "logging"
+    if path.startswith("/v2/trace"):
+        return "trace"
+    if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
+        return "shared-memory"
+    if path.startswith("/v2/models/"):
+        if path.endswith("/infer"):
+            return "inference"
+        if path.endswith("/ready"):
+            return "health"
+        if path.endswith("/config"):
+            return "model-config"
+        if path.endswith("/stats"):
+            return "statistics"
+    return "metadata"
