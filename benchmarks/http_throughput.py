@@ -868,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
                 if target not in args.targets:
                     continue
                 if target.startswith("quiver"):
-                    argv_ = [quiver_exe, "serve", "--model-repository", str(repo), "--http-port", "0"]
+                    argv_ = [quiver_exe, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0"]
                     if target == "quiver-threaded":  # the same server without inline execution
                         argv_ += ["--inline-execution-threshold-us", "0"]
                 else:

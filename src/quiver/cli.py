@@ -105,9 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flag(net, "--allow-http", True, "serve KServe v2 over HTTP")
     _flag(net, "--allow-grpc", True, "serve KServe v2 over gRPC")
-    net.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default: 8002)")
+    net.add_argument(
+        "--metrics-port", type=int, default=8002, help="Prometheus metrics port (GET /metrics); 0 picks a free one (default: 8002)"
+    )
     net.add_argument(
         "--metrics-address", default="127.0.0.1", help="metrics bind address (default: 127.0.0.1)"
+    )
+    _flag(net, "--allow-metrics", True, "serve Prometheus metrics with Triton's names on --metrics-port")
+    _flag(net, "--allow-cpu-metrics", True, "report the machine's CPU utilization and memory")
+    _flag(net, "--allow-gpu-metrics", True, "report GPU metrics through NVML (needs quiver[gpu] and a GPU)")
+    net.add_argument(
+        "--metrics-interval-ms",
+        type=int,
+        default=2000,
+        metavar="MS",
+        help=(
+            "CPU, memory and GPU gauges are read when scraped, at most once per this many "
+            "milliseconds (a scrape sooner gets the previous reading); model counters are "
+            "always current (default: 2000)"
+        ),
     )
     net.add_argument(
         "--http-restricted-api",
@@ -217,6 +233,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         grpc_restricted_protocol=args.grpc_restricted_protocol,
         allow_http=args.allow_http,
         allow_grpc=args.allow_grpc,
+        allow_metrics=args.allow_metrics,
+        allow_cpu_metrics=args.allow_cpu_metrics,
+        allow_gpu_metrics=args.allow_gpu_metrics,
+        metrics_interval_ms=args.metrics_interval_ms,
         grpc_max_message_size=args.grpc_max_message_size,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
     )

@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from prometheus_client.registry import CollectorRegistry
 
 from quiver.frontends.grpc import GrpcFrontend
 from quiver.frontends.http import HttpFrontend
+from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.restrictions import Restrictions
 from quiver.lifecycle import ModelRepositoryManager
+from quiver.metrics.prometheus import TritonCollector
 from quiver.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,10 @@ class ServerOptions:
     inline_execution_threshold_us: int = 200
     allow_http: bool = True
     allow_grpc: bool = True
+    allow_metrics: bool = True
+    allow_cpu_metrics: bool = True
+    allow_gpu_metrics: bool = True
+    metrics_interval_ms: int = 2000
     grpc_max_message_size: int = 64 * 1024 * 1024
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -107,6 +114,13 @@ class Runner:
             return 1
 
         opts = self.options
+        metrics = _metrics_frontend(self.manager, opts) if opts.allow_metrics else None
+        if metrics is not None:
+            try:
+                metrics.bind(opts.metrics_address, opts.metrics_port)
+            except OSError:
+                await self.manager.stop()
+                raise
         grpc_frontend: GrpcFrontend | None = None
         if opts.allow_grpc:
             grpc_frontend = GrpcFrontend(self.service, max_message_size=opts.grpc_max_message_size)
@@ -148,6 +162,8 @@ class Runner:
                 await self.manager.stop()
                 serving.result()  # raises what stopped it
                 return 1
+        if metrics is not None:
+            await metrics.start()  # logs 'started Metrics service at HOST:PORT'
         self.service.ready = True
         if grpc_frontend is not None:
             await grpc_frontend.set_serving(True)
@@ -170,6 +186,8 @@ class Runner:
             http_server.should_exit = True
             draining.append(serving)
         await asyncio.gather(*draining)
+        if metrics is not None:
+            await metrics.stop()
         stop_wait.cancel()
         await self.manager.stop()
         if http_socket is not None:
@@ -187,3 +205,16 @@ def _log_model_table(manager: ModelRepositoryManager) -> None:
     lines = [f"{'Model':<{widths[0]}}  {'Version':<{widths[1]}}  Status"]
     lines += [f"{n:<{widths[0]}}  {v:<{widths[1]}}  {s}" for n, v, s in rows]
     logger.info("model repository:\n%s", "\n".join(lines))
+
+
+def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> MetricsFrontend:
+    """Triton's metrics on a registry of this server's own (not prometheus_client's global one)."""
+    collector = TritonCollector(
+        lambda: manager.ready_models,
+        cpu=opts.allow_cpu_metrics,
+        gpu=opts.allow_gpu_metrics,
+        interval_ms=opts.metrics_interval_ms,
+    )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return MetricsFrontend(registry, on_stop=collector.close)

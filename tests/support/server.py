@@ -13,13 +13,15 @@ from pathlib import Path
 from types import TracebackType
 
 _STARTED = re.compile(r"started (HTTP|GRPC) service at ([\d.]+|\[[0-9a-f:]+\]|[0-9a-f:]+):(\d+)")
+_METRICS = re.compile(r"started Metrics service at ([\d.]+|\[[0-9a-f:]+\]|[0-9a-f:]+):(\d+)")
 
 
 class QuiverServer:
     """``with QuiverServer(repo) as server: server.url``; logs are kept in ``server.log``.
 
-    Both listeners get a free port (``--http-port 0 --grpc-port 0``); ``server.url`` is the
-    HTTP one, ``server.grpc_url`` the gRPC one, for ``tritonclient.http``/``.grpc``.
+    Every listener gets a free port (``--http-port 0 --grpc-port 0 --metrics-port 0``);
+    ``server.url`` is the HTTP one, ``server.grpc_url`` the gRPC one, for
+    ``tritonclient.http``/``.grpc``, ``server.metrics_url`` the Prometheus one.
     """
 
     def __init__(self, *repositories: Path, args: tuple[str, ...] = (), timeout: float = 60.0) -> None:
@@ -30,6 +32,7 @@ class QuiverServer:
         self.process: subprocess.Popen[str] | None = None
         self.port = 0
         self.grpc_port = 0
+        self.metrics_port = 0  # 0 until the log says which (it logs before HTTP and gRPC do)
         self._started = threading.Event()
         self._reader: threading.Thread | None = None
 
@@ -42,6 +45,13 @@ class QuiverServer:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def metrics_url(self) -> str:
+        """``http://127.0.0.1:PORT/metrics`` (the server gets ``--metrics-port 0``)."""
+        if not self.metrics_port:
+            raise RuntimeError(f"the server logged no metrics listener:\n{self.log}")
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
@@ -50,7 +60,7 @@ class QuiverServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "quiver", "serve", "--http-port", "0", "--grpc-port", "0"]
+        cmd = [sys.executable, "-m", "quiver", "serve", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
         for repository in self.repositories:
             cmd += ["--model-repository", str(repository)]
         return cmd + list(self.args)
@@ -83,6 +93,9 @@ class QuiverServer:
         for line in self.process.stdout:
             line = line.rstrip("\n")
             self.lines.append(line)
+            metrics = _METRICS.search(line)
+            if metrics:
+                self.metrics_port = int(metrics.group(2))
             match = _STARTED.search(line)
             if match and not self._started.is_set():
                 if match.group(1) == "GRPC":

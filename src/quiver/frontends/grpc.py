@@ -10,6 +10,7 @@ statuses through ``quiver.frontends.status``. The standard health service
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
@@ -61,6 +62,22 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     def __init__(self, service: InferenceService) -> None:
         self.service = service
+        self._in_flight = 0  # inferences received and not yet answered
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def _enter(self) -> None:
+        self._in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._in_flight -= 1
+        if not self._in_flight:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no inference is in flight (open streams with nothing pending are idle)."""
+        await self._idle.wait()
 
     # -- health and metadata ---------------------------------------------------------
 
@@ -103,6 +120,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     # -- inference -------------------------------------------------------------------
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
+        self._enter()
         try:
             response = await self.service.infer(decode_infer_request(request))
             return encode_infer_response(response)
@@ -111,6 +129,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         except Exception as exc:
             logger.exception("inference on model '%s' failed unexpectedly", request.model_name)
             await _abort_internal(context, request.model_name, exc)
+        finally:
+            self._leave()
 
     async def _stream_one(self, request: Any) -> Any:
         try:
@@ -130,19 +150,26 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         """Requests run concurrently; answers go out in request order (Triton's order for
         models that are not decoupled). A failed request is answered with ``error_message``
         and the stream goes on."""
-        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue(STREAM_WINDOW)
+        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+        window = asyncio.Semaphore(STREAM_WINDOW)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    await pending.put(asyncio.create_task(self._stream_one(request)))
+                    await window.acquire()
+                    self._enter()
+                    pending.put_nowait(asyncio.create_task(self._stream_one(request)))
             finally:
-                await pending.put(None)
+                pending.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
             while (task := await pending.get()) is not None:
-                yield await task
+                try:
+                    yield await task
+                finally:  # answered (or abandoned): no longer in flight
+                    window.release()
+                    self._leave()
             await reader  # raises what ended the reading, if it failed
         finally:
             reader.cancel()
@@ -150,6 +177,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 leftover = pending.get_nowait()
                 if leftover is not None:
                     leftover.cancel()
+                    self._leave()
 
 
 class GrpcFrontend:
@@ -201,10 +229,17 @@ class GrpcFrontend:
         await self.health.enter_graceful_shutdown()
 
     async def stop(self, grace: float = 30.0) -> None:
-        """Health NOT_SERVING, refuse new RPCs, let in-flight ones finish within ``grace``."""
+        """Health NOT_SERVING, refuse new RPCs, let in-flight inferences finish within
+        ``grace``, then close what is left: open streams with nothing pending (a stream or
+        health watch a client keeps open must not hold the shutdown for the whole grace)."""
         await self.begin_shutdown()
-        if self.server is not None:
-            await self.server.stop(grace)
+        if self.server is None:
+            return
+        stopping = asyncio.create_task(self.server.stop(grace))  # refuses new RPCs now
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.servicer.wait_idle(), grace)
+        await self.server.stop(0)
+        await stopping
 
 
 __all__ = ["GrpcFrontend", "InferenceServicer"]

@@ -1,0 +1,362 @@
+"""Prometheus metrics with Triton's names, labels, types and HELP texts.
+
+:class:`TritonCollector` is a ``prometheus_client`` collector: at scrape time it reads the
+per model-version :class:`~quiver.metrics.statistics.ModelStatistics` (nothing is recorded
+for it on the request path) and the machine's CPU, memory and, with NVML, GPU gauges.
+:func:`render` writes a registry in the text format exactly as Triton's ``/metrics`` shows
+it: counters keep their names (``nv_inference_request_success``, with ``# TYPE ... counter``,
+where ``prometheus_client``'s own exposition would append ``_total``), labels are sorted by
+name, and values are written in their shortest form (``5``, not ``5.0``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import psutil
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from quiver.metrics.statistics import LATENCY_BUCKETS_US, ModelStatistics
+
+logger = logging.getLogger(__name__)
+
+#: ``Content-Type`` of the classic Prometheus text format, the one Triton serves.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Triton's ``reason`` label values of ``nv_inference_request_failure``; every one is
+#: reported for every model version, zero or not, as Triton does.
+FAIL_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+_MODEL_LABELS = ["model", "version"]
+
+# (name, HELP, the statistic it reads), in Triton's order. HELP texts are Triton's.
+_COUNTERS: tuple[tuple[str, str, Callable[[ModelStatistics], int]], ...] = (
+    (
+        "nv_inference_request_success",
+        "Number of successful inference requests, all batch sizes",
+        lambda s: s.success.count,
+    ),
+    (
+        "nv_inference_count",
+        "Number of inferences performed (does not include cached requests)",
+        lambda s: s.inference_count,
+    ),
+    (
+        "nv_inference_exec_count",
+        "Number of model executions performed (does not include cached requests)",
+        lambda s: s.execution_count,
+    ),
+    (
+        "nv_inference_request_duration_us",
+        "Cumulative inference request duration in microseconds (includes cached requests)",
+        lambda s: s.success.ns // 1000,
+    ),
+    (
+        "nv_inference_queue_duration_us",
+        "Cumulative inference queuing duration in microseconds (includes cached requests)",
+        lambda s: s.queue.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+        lambda s: s.compute_input.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+        lambda s: s.compute_infer.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+        lambda s: s.compute_output.ns // 1000,
+    ),
+)
+
+
+class ModelLike(Protocol):
+    """What the collector reads of a served model version (``lifecycle.Model`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version_str(self) -> str: ...
+
+    @property
+    def stats(self) -> ModelStatistics: ...
+
+    @property
+    def load_seconds(self) -> float: ...
+
+
+class TritonCollector(Collector):
+    """Triton's per model-version metrics and machine gauges, read when scraped.
+
+    ``models`` returns the versions being served (``manager.ready_models``). The CPU, memory
+    and GPU gauges are read at most once per ``interval_ms`` (Triton's
+    ``--metrics-interval-ms``); a scrape sooner gets the previous reading, and
+    ``nv_cpu_utilization`` is the machine's CPU use between two readings, as Triton's
+    polling thread measures it. Per model-version counters are always current.
+    """
+
+    def __init__(
+        self,
+        models: Callable[[], Iterable[ModelLike]],
+        *,
+        cpu: bool = True,
+        gpu: bool = True,
+        interval_ms: int = 2000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._models = models
+        self._interval = max(interval_ms, 0) / 1000
+        self._clock = clock
+        self._read_at: float | None = None
+        self._gauges: list[Metric] = []
+        self._cpu = _CpuReader() if cpu else None
+        self._gpu = _GpuReader.open() if gpu else None
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # nothing to check at registration: collect() only runs when scraped
+
+    def collect(self) -> Iterator[Metric]:
+        models = sorted(self._models(), key=lambda m: (m.name, int(m.version_str)))
+        yield from _model_metrics(models)
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= self._interval:
+            self._read_at = now
+            self._gauges = []
+            if self._cpu is not None:
+                self._gauges += self._cpu.read()
+            if self._gpu is not None:
+                self._gauges += self._gpu.read()
+        yield from self._gauges
+
+    def close(self) -> None:
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
+
+
+def _model_metrics(models: list[ModelLike]) -> Iterator[Metric]:
+    keys = [[m.name, m.version_str] for m in models]
+    success_name, success_help, success = _COUNTERS[0]
+    family = CounterMetricFamily(success_name, success_help, labels=_MODEL_LABELS)
+    for key, model in zip(keys, models, strict=True):
+        family.add_metric(key, success(model.stats))
+    yield family
+    failure = CounterMetricFamily(
+        "nv_inference_request_failure",
+        "Number of failed inference requests, all batch sizes",
+        labels=["model", "reason", "version"],
+    )
+    for model in models:
+        reasons = model.stats.fail_reasons
+        for reason in (*FAIL_REASONS, *sorted(set(reasons) - set(FAIL_REASONS))):
+            failure.add_metric([model.name, reason, model.version_str], reasons.get(reason, 0))
+    yield failure
+    for name, help_text, read in _COUNTERS[1:]:
+        family = CounterMetricFamily(name, help_text, labels=_MODEL_LABELS)
+        for key, model in zip(keys, models, strict=True):
+            family.add_metric(key, read(model.stats))
+        yield family
+    pending = GaugeMetricFamily(
+        "nv_inference_pending_request_count",
+        "Instantaneous number of pending requests awaiting execution per-model.",
+        labels=_MODEL_LABELS,
+    )
+    load = GaugeMetricFamily(
+        "nv_model_load_duration_secs", "Model load time in seconds", labels=_MODEL_LABELS
+    )
+    latency = HistogramMetricFamily(
+        "quiver_inference_request_duration_us",
+        "Inference request duration in microseconds, successful and failed requests",
+        labels=_MODEL_LABELS,
+    )
+    bounds = [format_value(b) for b in LATENCY_BUCKETS_US] + ["+Inf"]
+    for key, model in zip(keys, models, strict=True):
+        stats = model.stats
+        pending.add_metric(key, stats.pending)
+        load.add_metric(key, model.load_seconds)
+        cumulative, buckets = 0, []
+        for bound, count in zip(bounds, stats.latency_buckets, strict=True):
+            cumulative += count
+            buckets.append((bound, float(cumulative)))
+        latency.add_metric(key, buckets, stats.latency_sum_us)
+    yield pending
+    yield load
+    yield latency
+
+
+class _CpuReader:
+    """The machine's CPU use and memory, as Triton reads ``/proc/stat`` and ``/proc/meminfo``."""
+
+    def __init__(self) -> None:
+        self._previous = self._times()
+
+    @staticmethod
+    def _times() -> tuple[float, float]:
+        """(busy, total) seconds of every CPU; idle counts iowait, as Triton's."""
+        t = psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        total = t.user + t.system + t.idle
+        total += sum(getattr(t, f, 0.0) for f in ("nice", "iowait", "irq", "softirq", "steal"))
+        return total - idle, total
+
+    def read(self) -> list[Metric]:
+        busy, total = self._times()
+        busy_before, total_before = self._previous
+        self._previous = (busy, total)
+        elapsed = total - total_before
+        utilization = min(max((busy - busy_before) / elapsed, 0.0), 1.0) if elapsed > 0 else 0.0
+        memory = psutil.virtual_memory()
+        return [
+            GaugeMetricFamily("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", utilization),
+            GaugeMetricFamily(
+                "nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", memory.total
+            ),
+            GaugeMetricFamily(
+                "nv_cpu_memory_used_bytes",
+                "CPU used memory (RAM), in bytes",
+                memory.total - memory.available,
+            ),
+        ]
+
+
+class _GpuReader:
+    """NVML's view of every GPU, labelled by ``gpu_uuid`` as Triton's DCGM metrics are."""
+
+    def __init__(self, nvml: Any, devices: list[tuple[str, Any]]) -> None:
+        self._nvml = nvml
+        self._devices = devices
+
+    @classmethod
+    def open(cls) -> _GpuReader | None:
+        """The reader, or None (with one INFO line saying why) when there is no GPU to read."""
+        try:
+            import pynvml
+        except ImportError:
+            logger.info("GPU metrics off: pynvml is not installed (pip install 'quiver[gpu]')")
+            return None
+        try:
+            pynvml.nvmlInit()
+        except Exception as exc:  # no driver: NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            logger.info("GPU metrics off: NVML is not available (%s)", exc)
+            return None
+        devices = []
+        try:
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+                devices.append((uuid.decode() if isinstance(uuid, bytes) else str(uuid), handle))
+        except Exception as exc:
+            logger.info("GPU metrics off: NVML could not list the GPUs (%s)", exc)
+            _quietly(pynvml.nvmlShutdown)
+            return None
+        if not devices:
+            logger.info("GPU metrics off: NVML found no GPU")
+            _quietly(pynvml.nvmlShutdown)
+            return None
+        logger.info("GPU metrics on for %d GPU(s)", len(devices))
+        return cls(pynvml, devices)
+
+    def read(self) -> list[Metric]:
+        nvml = self._nvml
+        labels = ["gpu_uuid"]
+        utilization = GaugeMetricFamily(
+            "nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)", labels=labels
+        )
+        memory_total = GaugeMetricFamily(
+            "nv_gpu_memory_total_bytes", "GPU total memory, in bytes", labels=labels
+        )
+        memory_used = GaugeMetricFamily(
+            "nv_gpu_memory_used_bytes", "GPU used memory, in bytes", labels=labels
+        )
+        power = GaugeMetricFamily("nv_gpu_power_usage", "GPU power usage in watts", labels=labels)
+        for uuid, handle in self._devices:
+            rates = _quietly(nvml.nvmlDeviceGetUtilizationRates, handle)
+            if rates is not None:
+                utilization.add_metric([uuid], rates.gpu / 100)
+            memory = _quietly(nvml.nvmlDeviceGetMemoryInfo, handle)
+            if memory is not None:
+                memory_total.add_metric([uuid], memory.total)
+                memory_used.add_metric([uuid], memory.used)
+            milliwatts = _quietly(nvml.nvmlDeviceGetPowerUsage, handle)
+            if milliwatts is not None:
+                power.add_metric([uuid], milliwatts / 1000)
+        return [utilization, memory_total, memory_used, power]
+
+    def close(self) -> None:
+        _quietly(self._nvml.nvmlShutdown)
+
+
+def _quietly(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, or None when NVML fails (a GPU that does not support a reading)."""
+    try:
+        return call(*args)
+    except Exception:
+        logger.debug("NVML call %s failed", getattr(call, "__name__", call), exc_info=True)
+        return None
+
+
+# -- exposition -----------------------------------------------------------------------
+
+
+def format_value(value: float) -> str:
+    """A sample value in its shortest form, as Triton's prometheus-cpp writes it: ``5``,
+    ``0.25``, ``+Inf``."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    # Sorted by name, as prometheus-cpp's label map; a histogram's ``le`` comes last.
+    names = sorted(k for k in labels if k != "le") + (["le"] if "le" in labels else [])
+    return "{" + ",".join(f'{k}="{_escape(labels[k])}"' for k in names) + "}"
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The registry in the Prometheus text format as Triton writes it.
+
+    Counters are named as their family with no ``_total`` (``prometheus_client``'s
+    ``generate_latest`` would write ``nv_inference_request_success_total`` in both the
+    ``# TYPE`` line and the samples, which Triton's dashboards do not query); ``_created``
+    samples are left out, as Triton has none.
+    """
+    out: list[str] = []
+    for family in registry.collect():
+        name = family.name
+        help_text = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+        kind = {"unknown": "untyped", "info": "gauge", "stateset": "gauge"}.get(family.type, family.type)
+        out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
+        for sample in family.samples:
+            sample_name = sample.name
+            if family.type == "counter":
+                if sample_name == name + "_created":
+                    continue
+                if sample_name == name + "_total":
+                    sample_name = name
+            out.append(f"{sample_name}{_labels(sample.labels)} {format_value(sample.value)}\n")
+    return "".join(out).encode()
