@@ -123,7 +123,11 @@ class Runner:
                 raise
         grpc_frontend: GrpcFrontend | None = None
         if opts.allow_grpc:
-            grpc_frontend = GrpcFrontend(self.service, max_message_size=opts.grpc_max_message_size)
+            grpc_frontend = GrpcFrontend(
+                self.service,
+                max_message_size=opts.grpc_max_message_size,
+                restrictions=Restrictions(opts.grpc_restricted_protocol),
+            )
             grpc_port = await grpc_frontend.start(opts.grpc_address, opts.grpc_port)
         http_server: _Uvicorn | None = None
         http_socket: socket.socket | None = None

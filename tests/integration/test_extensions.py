@@ -110,3 +110,68 @@ def test_restricted_apis_need_their_header(tmp_path: Path) -> None:
 def test_bad_restricted_api_spec_fails_start_up(tmp_path: Path) -> None:
     result = run_quiver("serve", "--model-repository", str(tmp_path), "--http-restricted-api", "everything:k=v")
     assert result.returncode == 2 and "unknown API 'everything'" in result.stderr
+
+
+def test_grpc_repository_statistics_and_logging(tmp_path: Path) -> None:
+    import json
+
+    import tritonclient.grpc as grpcclient
+
+    from support.models import add_constant_onnx
+
+    write_onnx(tmp_path, "simple", simple_onnx(), SIMPLE_CONFIG)
+    args = ("--model-control-mode=explicit", "--load-model=simple")
+    with QuiverServer(tmp_path, args=args) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        index = client.get_model_repository_index(as_json=True)["models"]
+        assert index == [{"name": "simple", "version": "1", "state": "READY"}]
+        model = add_constant_onnx(4.0).SerializeToString()
+        config = json.dumps(
+            {
+                "name": "uploaded",
+                "backend": "onnxruntime",
+                "max_batch_size": 8,
+                "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
+                "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}],
+            }
+        )
+        client.load_model("uploaded", config=config, files={"file:1/model.onnx": model})
+        assert client.is_model_ready("uploaded")
+        inp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+        inp.set_data_from_numpy(np.zeros((1, 4), dtype=np.float32))
+        assert client.infer("uploaded", [inp]).as_numpy("OUTPUT0").tolist() == [[4.0] * 4]
+        stats = client.get_inference_statistics("uploaded", as_json=True)["model_stats"][0]
+        assert stats["name"] == "uploaded" and int(stats["inference_count"]) == 1
+        assert int(stats["inference_stats"]["success"]["count"]) == 1
+        client.unload_model("uploaded")
+        assert not client.is_model_ready("uploaded")
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("missing")
+        assert info.value.status() == "StatusCode.NOT_FOUND"
+        settings = client.update_log_settings({"log_verbose_level": 2}, as_json=True)["settings"]
+        assert settings["log_verbose_level"] == {"uint32_param": 2}
+        client.update_log_settings({"log_verbose_level": 0})
+        with pytest.raises(InferenceServerException) as info:
+            client.get_inference_statistics("nope")
+        assert info.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_grpc_restricted_protocol(tmp_path: Path) -> None:
+    import tritonclient.grpc as grpcclient
+
+    write_onnx(tmp_path, "simple", simple_onnx(), SIMPLE_CONFIG)
+    with QuiverServer(tmp_path, args=("--grpc-restricted-protocol", "model-repository,inference:api-key=k1")) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        assert client.is_server_live()
+        with pytest.raises(InferenceServerException) as info:
+            client.get_model_repository_index()
+        assert info.value.status() == "StatusCode.PERMISSION_DENIED"
+        assert "expecting header 'api-key'" in info.value.message()
+        assert client.get_model_repository_index(headers={"api-key": "k1"}) is not None
+        inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+        for inp in inputs:
+            inp.set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("simple", inputs)
+        assert info.value.status() == "StatusCode.PERMISSION_DENIED"
+        assert client.infer("simple", inputs, headers={"api-key": "k1"}).as_numpy("OUTPUT0")[0][0] == 2

@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from quiver.errors import QuiverError
+from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import grpc_status
 from quiver.protocol.v2_grpc import decode_infer_request, encode_infer_response
 from quiver.service import InferenceService
@@ -117,6 +119,77 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             await _abort(context, exc)
         return pb.ModelConfigResponse(config=model.config.proto)
 
+    # -- statistics, repository and logging extensions -------------------------------------
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        try:
+            stats = self.service.model_statistics(request.name, request.version)
+        except QuiverError as exc:
+            await _abort(context, exc)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        try:
+            entries = await self.service.repository_index(request.ready)
+        except QuiverError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryIndexResponse(
+            models=[pb.RepositoryIndexResponse.ModelIndex(**entry) for entry in entries]
+        )
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        config: str | None = None
+        files: dict[str, bytes] = {}
+        try:
+            for key, value in request.parameters.items():
+                if key == "config":
+                    if value.WhichOneof("parameter_choice") != "string_param":
+                        raise InvalidArgumentError("load parameter 'config' must be a string_param")
+                    config = value.string_param
+                elif key.startswith("file:"):
+                    if value.WhichOneof("parameter_choice") != "bytes_param":
+                        raise InvalidArgumentError(f"load parameter '{key}' must be a bytes_param")
+                    files[key[5:]] = value.bytes_param
+            await self.service.load_model(request.model_name, config, files or None)
+        except QuiverError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        try:
+            dependents = False
+            if "unload_dependents" in request.parameters:
+                value = request.parameters["unload_dependents"]
+                if value.WhichOneof("parameter_choice") != "bool_param":
+                    raise InvalidArgumentError("unload parameter 'unload_dependents' must be a bool_param")
+                dependents = value.bool_param
+            await self.service.unload_model(request.model_name, dependents)
+        except QuiverError as exc:
+            await _abort(context, exc)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        try:
+            changes: dict[str, Any] = {}
+            for key, value in request.settings.items():
+                kind = value.WhichOneof("parameter_choice")
+                changes[key] = getattr(value, kind) if kind else None
+            settings = (
+                self.service.update_log_settings(changes) if changes else self.service.log_settings()
+            )
+        except QuiverError as exc:
+            await _abort(context, exc)
+        response = pb.LogSettingsResponse()
+        for key, setting in settings.items():
+            entry = response.settings[key]
+            if isinstance(setting, bool):
+                entry.bool_param = setting
+            elif isinstance(setting, int):
+                entry.uint32_param = setting
+            else:
+                entry.string_param = str(setting)
+        return response
+
     # -- inference -------------------------------------------------------------------
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
@@ -180,14 +253,74 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                     self._leave()
 
 
+#: Triton's API group of each RPC, for --grpc-restricted-protocol.
+_RPC_GROUPS = {
+    "ServerLive": "health",
+    "ServerReady": "health",
+    "ModelReady": "health",
+    "ServerMetadata": "metadata",
+    "ModelMetadata": "metadata",
+    "ModelInfer": "inference",
+    "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config",
+    "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository",
+    "RepositoryModelLoad": "model-repository",
+    "RepositoryModelUnload": "model-repository",
+    "SystemSharedMemoryStatus": "shared-memory",
+    "SystemSharedMemoryRegister": "shared-memory",
+    "SystemSharedMemoryUnregister": "shared-memory",
+    "CudaSharedMemoryStatus": "shared-memory",
+    "CudaSharedMemoryRegister": "shared-memory",
+    "CudaSharedMemoryUnregister": "shared-memory",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
+}
+
+
+class _RestrictionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses restricted RPCs whose metadata lacks the required header (PERMISSION_DENIED)."""
+
+    def __init__(self, restrictions: Restrictions) -> None:
+        self.restrictions = restrictions
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        method = details.method.rsplit("/", 1)[-1]
+        group = _RPC_GROUPS.get(method) if details.method.startswith(f"/{SERVICE_NAME}/") else None
+        if group is not None:
+            metadata = {key.lower(): value for key, value in (details.invocation_metadata or ())}
+            denied = self.restrictions.denied(group, metadata)
+            if denied is not None:
+                return _denied_handler(method, denied)
+        return await continuation(details)
+
+
+def _denied_handler(method: str, message: str) -> Any:
+    async def unary(request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+
+    async def stream(request_iterator: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    if method == "ModelStreamInfer":
+        return grpc.stream_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
 class GrpcFrontend:
     """The ``grpc.aio`` server: the inference service, the health service, start and stop."""
 
     def __init__(
-        self, service: InferenceService, *, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+        self,
+        service: InferenceService,
+        *,
+        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+        restrictions: Restrictions | None = None,
     ) -> None:
         self.service = service
         self.max_message_size = max_message_size
+        self.restrictions = restrictions or Restrictions()
         self.servicer = InferenceServicer(service)
         self.health = health.aio.HealthServicer()
         self.server: Any = None
@@ -195,6 +328,7 @@ class GrpcFrontend:
     async def start(self, address: str, port: int) -> int:
         """Bind and start serving (health NOT_SERVING until :meth:`set_serving`); returns the port."""
         server = grpc.aio.server(
+            interceptors=[_RestrictionInterceptor(self.restrictions)] if self.restrictions else None,
             options=[
                 ("grpc.max_receive_message_length", self.max_message_size),
                 ("grpc.max_send_message_length", self.max_message_size),
