@@ -156,9 +156,18 @@ class QuiverServer:
 
 
 def run_quiver(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m quiver ARGS`` to completion (for start-up failures and --help)."""
+    """Run ``python -m quiver ARGS`` to completion (for start-up failures and --help).
+
+    ``serve`` gets port 0 for each listener the arguments leave unset, so a test never
+    collides with a server on the default ports.
+    """
+    extra: list[str] = []
+    if args and args[0] == "serve":
+        for flag in ("--http-port", "--grpc-port", "--metrics-port"):
+            if not any(a == flag or a.startswith(flag + "=") for a in args):
+                extra += [flag, "0"]
     return subprocess.run(
-        [sys.executable, "-m", "quiver", *args],
+        [sys.executable, "-m", "quiver", *args, *extra],
         capture_output=True,
         text=True,
         timeout=timeout,

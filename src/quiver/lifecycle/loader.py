@@ -28,7 +28,7 @@ from quiver.errors import ConfigError, QuiverError
 from quiver.lifecycle.model import Model
 from quiver.metrics.statistics import ModelStatistics
 from quiver.repository.local import ModelSource
-from quiver.scheduling import DirectScheduler
+from quiver.scheduling import create_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,12 @@ def _load_version(
             unload_instance(config.name, instance)
         raise
     stats = ModelStatistics()
-    scheduler = DirectScheduler(config.name, instances, stats, batching=config.max_batch_size > 0)
+    try:
+        scheduler = create_scheduler(config, instances, stats)
+    except BaseException:
+        for instance in instances:
+            unload_instance(config.name, instance)
+        raise
     return Model(source.name, version, config, scheduler, instances, labels, stats)
 
 

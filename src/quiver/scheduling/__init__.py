@@ -1,6 +1,43 @@
-"""Schedulers: how requests reach a model's instances."""
+"""Schedulers: how requests reach a model's instances.
 
+:func:`create_scheduler` picks Triton's scheduler for a configuration: the dynamic batcher
+for ``dynamic_batching``, else the direct scheduler (the next free instance).
+"""
+
+from __future__ import annotations
+
+import time
+
+from quiver.backends.base import ModelInstance
+from quiver.config import ModelConfig
+from quiver.metrics.statistics import ModelStatistics
 from quiver.scheduling.base import Scheduler
-from quiver.scheduling.direct import DirectScheduler
+from quiver.scheduling.direct import Clock, DirectScheduler
+from quiver.scheduling.dynamic import DynamicBatcher, queue_from_config
 
-__all__ = ["DirectScheduler", "Scheduler"]
+
+def create_scheduler(
+    config: ModelConfig,
+    instances: list[ModelInstance],
+    stats: ModelStatistics,
+    clock: Clock = time.monotonic_ns,
+) -> Scheduler:
+    proto = config.proto
+    if proto.HasField("dynamic_batching"):
+        batching = proto.dynamic_batching
+        return DynamicBatcher(
+            config.name,
+            instances,
+            stats,
+            queue_from_config(batching, config.max_batch_size, config.name),
+            priority_levels=int(batching.priority_levels),
+            default_priority_level=int(batching.default_priority_level),
+            preserve_ordering=bool(batching.preserve_ordering),
+            clock=clock,
+        )
+    return DirectScheduler(
+        config.name, instances, stats, batching=config.max_batch_size > 0, clock=clock
+    )
+
+
+__all__ = ["DirectScheduler", "DynamicBatcher", "Scheduler", "create_scheduler"]
