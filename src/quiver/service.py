@@ -116,6 +116,14 @@ class InferenceService:
 
     # -- inference -------------------------------------------------------------------
 
+    def queues(self, name: str, version: str = "") -> bool:
+        """Whether requests for this model may wait in a queue (a batcher), where a client
+        that goes away should take its request out rather than cost compute."""
+        try:
+            return self.manager.get(name, version).scheduler.queueing
+        except QuiverError:
+            return False
+
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         model = self.manager.get(request.model_name, request.model_version)
         try:

@@ -308,6 +308,28 @@ def _denied_handler(method: str, message: str) -> Any:
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
+class _GenericHandlersOnly:
+    """What the generated ``add_*Servicer_to_server`` functions see instead of the server:
+    their generic handler is added, their registered-method handlers are not.
+
+    Behaviour is the same (the generic handler serves every method of the service; an
+    unknown method is UNIMPLEMENTED either way), but ``grpc.aio``'s serving loop keeps one
+    pending request-call future per registered method and waits on all of them
+    (``asyncio.wait``) for every call it accepts: with Triton's 20 methods and the health
+    service's 3 that cost more per RPC than all of Quiver's own conversion code. With the
+    generic handler alone it waits on one future.
+    """
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: Any) -> None:
+        pass
+
+
 class GrpcFrontend:
     """The ``grpc.aio`` server: the inference service, the health service, start and stop."""
 
@@ -335,8 +357,9 @@ class GrpcFrontend:
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared listener
             ]
         )
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        generic_only = _GenericHandlersOnly(server)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, generic_only)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, generic_only)
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
         try:
             bound = int(server.add_insecure_port(target))

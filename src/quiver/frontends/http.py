@@ -6,8 +6,10 @@ This module only does HTTP: read and bound the body, undo ``Content-Encoding``, 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import gzip
 import logging
 import zlib
@@ -26,6 +28,7 @@ from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import http_status
 from quiver.protocol.v2_json import decode_request, encode_json, encode_response
 from quiver.service import InferenceService
+from quiver.types import InferenceResponse
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +286,10 @@ class HttpFrontend:
                         f"'{raw_length.decode('latin-1')}'"
                     ) from None
             infer_request = decode_request(body, header_length, model, version)
-            response = await self.service.infer(infer_request)
+            if self.service.queues(model, version):
+                response = await _unless_disconnected(self.service.infer(infer_request), receive)
+            else:
+                response = await self.service.infer(infer_request)
             payload, json_length = encode_response(response, infer_request)
         except QuiverError as exc:
             await _send(send, http_status(exc.code), _error_body(exc.message))
@@ -337,6 +343,28 @@ class HttpFrontend:
             if name != "identity":
                 body = _decompress(body, name, limit)
         return body
+
+
+async def _unless_disconnected(work: Awaitable[InferenceResponse], receive: Receive) -> InferenceResponse:
+    """Run ``work`` but cancel it if the client disconnects first: a request still waiting
+    in a queue then leaves it without costing compute."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            message = watcher.result()
+            if message.get("type") == "http.disconnect":
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ClientDisconnect()
+            await task
+        return task.result()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
 
 
 _JSON = JSON.encode()

@@ -8,6 +8,10 @@ from quiver.types import InferenceRequest, InferenceResponse
 
 
 class Scheduler(Protocol):
+    #: Whether requests may wait in a queue before they run (frontends then watch for
+    #: clients that go away, to take their requests out of the queue).
+    queueing: bool
+
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
         """Run ``request`` on some instance; raises a QuiverError on failure."""
         ...

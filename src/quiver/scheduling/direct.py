@@ -21,6 +21,8 @@ class DirectScheduler:
     Records queue and compute time per request and per execution in ``stats``.
     """
 
+    queueing = False
+
     def __init__(
         self,
         model: str,

@@ -72,6 +72,8 @@ def queue_from_config(config: pb.ModelDynamicBatching, max_batch_size: int, mode
 
 
 class DynamicBatcher:
+    queueing = True
+
     def __init__(
         self,
         model: str,
