@@ -35,6 +35,7 @@ EXTENSIONS = [
 class InferenceService:
     def __init__(self, manager: ModelRepositoryManager) -> None:
         self.manager = manager
+        manager.bind(self.infer)
         self.ready = False  # set by the runner once start-up finished
 
     # -- health and metadata ---------------------------------------------------------

@@ -24,8 +24,11 @@ from quiver.backends.base import (
 )
 from quiver.config import ModelConfig, parse_model_config
 from quiver.config.model_config import resolve_backend
+from quiver.ensemble.plan import build_plan
+from quiver.ensemble.scheduler import EnsembleScheduler, InferFn
 from quiver.errors import ConfigError, QuiverError
 from quiver.lifecycle.model import Model
+from quiver.lifecycle.warmup import build_warmup_samples, run_warmup
 from quiver.metrics.statistics import ModelStatistics
 from quiver.repository.local import ModelSource
 from quiver.scheduling import create_scheduler
@@ -162,6 +165,7 @@ def _load_version(
     inline_threshold_ns: int,
 ) -> Model:
     files = ModelFiles(source.repository, source.path, version)
+    samples = build_warmup_samples(config, source.path)  # validated before any instance exists
     instances: list[ModelInstance] = []
     try:
         for spec in instance_specs(config):
@@ -169,6 +173,7 @@ def _load_version(
             if isinstance(instance, ThreadedInstance):
                 instance.inline_threshold_ns = inline_threshold_ns
             instances.append(instance)
+        run_warmup(config, version, instances, samples)
     except BaseException:
         for instance in instances:
             unload_instance(config.name, instance)
@@ -198,6 +203,58 @@ def _read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[str]]:
             ) from None
         labels[output.name] = text.splitlines()
     return labels
+
+
+def is_ensemble(source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None) -> tuple[bool, list[str]]:
+    """Whether the model is an ensemble, and the models it is composed of (a quick read of
+    its config; errors are left for the load to report)."""
+    try:
+        proto, _ = read_config(source, strict=strict, override=override)
+    except QuiverError:
+        return False, []
+    if proto.platform != "ensemble":
+        return False, []
+    return True, sorted({s.model_name for s in proto.ensemble_scheduling.step if s.model_name})
+
+
+def load_ensemble(
+    source: ModelSource,
+    *,
+    strict: bool,
+    composing: dict[str, ModelConfig],
+    infer: InferFn,
+    config_override: pb.ModelConfig | None = None,
+) -> LoadOutcome:
+    """Load an ensemble whose composing models are READY (their configs in ``composing``)."""
+    started = time.monotonic()
+    try:
+        proto, _ = read_config(source, strict=strict, override=config_override)
+        versions = source.versions()
+        if not versions:
+            raise ConfigError(f"model '{source.name}': no version folder in {source.path}")
+        config = ModelConfig.from_proto(proto, str(source.config_path))
+        plan = build_plan(config, composing)
+        selected = config.version_policy.select(versions)
+        if not selected:
+            raise ConfigError(
+                f"model '{source.name}': version policy selects none of the versions on disk"
+            )
+        labels = _read_labels(config, source.path)
+    except QuiverError as exc:
+        logger.error("failed to load ensemble '%s': %s", source.name, exc)
+        return LoadOutcome(None, [], {}, str(exc))
+    models = []
+    elapsed = time.monotonic() - started
+    for version in selected:
+        stats = ModelStatistics()
+        scheduler = EnsembleScheduler(plan, infer, stats, batching=config.max_batch_size > 0)
+        model = Model(source.name, version, config, scheduler, [], labels, stats)
+        model.load_seconds = elapsed
+        models.append(model)
+    logger.info(
+        "loaded ensemble '%s' (%s) in %.3f s", source.name, ", ".join(plan.composing_models), elapsed
+    )
+    return LoadOutcome(config, models, {})
 
 
 def unload_instance(model: str, instance: ModelInstance) -> None:

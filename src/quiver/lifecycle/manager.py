@@ -34,7 +34,8 @@ from typing import Any
 from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.backends.base import INLINE_THRESHOLD_NS
-from quiver.config import parse_model_config_json
+from quiver.config import ModelConfig, parse_model_config_json
+from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
     InvalidArgumentError,
     NotFoundError,
@@ -42,7 +43,13 @@ from quiver.errors import (
     UnavailableError,
     UnsupportedError,
 )
-from quiver.lifecycle.loader import LoadOutcome, load_model, unload_instance
+from quiver.lifecycle.loader import (
+    LoadOutcome,
+    is_ensemble,
+    load_ensemble,
+    load_model,
+    unload_instance,
+)
 from quiver.lifecycle.model import Model, ModelState, VersionStatus
 from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSource
 
@@ -92,6 +99,8 @@ class ModelRepositoryManager:
         self._fingerprints: dict[str, str] = {}
         self._overrides: dict[str, Path] = {}  # models loaded from request-supplied files
         self._poll_task: asyncio.Task[None] | None = None
+        self._infer: InferFn | None = None
+        self._composing: dict[str, set[str]] = {}  # loaded ensemble -> its composing models
         self._closed = False
 
     # -- start -------------------------------------------------------------------------
@@ -113,14 +122,25 @@ class ModelRepositoryManager:
                     logger.error("%s", failures[name])
         else:
             wanted = list(sources)
-        results = await asyncio.gather(
-            *(self._load_source(sources[name]) for name in wanted), return_exceptions=True
+        # Composing models first, then ensembles (which load what they still miss).
+        loop = asyncio.get_running_loop()
+        kinds = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._pool, functools.partial(is_ensemble, sources[n], strict=self._strict))
+                for n in wanted
+            )
         )
-        for name, result in zip(wanted, results, strict=True):
-            if isinstance(result, BaseException):
-                failures[name] = str(result)
-            else:
-                failures.update(result)
+        plain = [n for n, (ensemble, _) in zip(wanted, kinds, strict=True) if not ensemble]
+        ensembles = [n for n, (ensemble, _) in zip(wanted, kinds, strict=True) if ensemble]
+        for group in (plain, ensembles):
+            results = await asyncio.gather(
+                *(self._load_source(sources[name]) for name in group), return_exceptions=True
+            )
+            for name, result in zip(group, results, strict=True):
+                if isinstance(result, BaseException):
+                    failures[name] = str(result)
+                else:
+                    failures.update(result)
         if self.control_mode == "poll" and poll_seconds > 0:
             self._poll_task = asyncio.create_task(self._poll_forever(poll_seconds), name="quiver-poll")
         return failures
@@ -137,15 +157,25 @@ class ModelRepositoryManager:
 
     # -- load --------------------------------------------------------------------------
 
+    def bind(self, infer: InferFn) -> None:
+        """The server's inference entry, which ensembles send their steps through."""
+        self._infer = infer
+
     async def _load_source(
-        self, source: ModelSource, config_override: pb.ModelConfig | None = None
+        self,
+        source: ModelSource,
+        config_override: pb.ModelConfig | None = None,
+        visiting: frozenset[str] = frozenset(),
     ) -> dict[str, str]:
         """Load (or reload) one model under its lock; returns its failures."""
         async with self._lock(source.name):
-            return await self._load_locked(source, config_override)
+            return await self._load_locked(source, config_override, visiting)
 
     async def _load_locked(
-        self, source: ModelSource, config_override: pb.ModelConfig | None
+        self,
+        source: ModelSource,
+        config_override: pb.ModelConfig | None,
+        visiting: frozenset[str] = frozenset(),
     ) -> dict[str, str]:
         name = source.name
         loop = asyncio.get_running_loop()
@@ -153,16 +183,41 @@ class ModelRepositoryManager:
         if not serving:
             self._status[name] = [VersionStatus(name, "", ModelState.LOADING)]
         self._fingerprints[name] = await loop.run_in_executor(self._pool, fingerprint, source.path)
-        outcome = await loop.run_in_executor(
+        ensemble, composing = await loop.run_in_executor(
             self._pool,
-            functools.partial(
-                load_model,
-                source,
-                strict=self._strict,
-                inline_threshold_ns=self._inline_threshold_ns,
-                config_override=config_override,
-            ),
+            functools.partial(is_ensemble, source, strict=self._strict, override=config_override),
         )
+        if ensemble:
+            configs, problem = await self._ensure_composing(name, composing, visiting | {name})
+            if problem:
+                outcome = LoadOutcome(None, [], {}, problem)
+                logger.error("failed to load ensemble '%s': %s", name, problem)
+            else:
+                assert self._infer is not None, "bind() the inference entry before loading ensembles"
+                outcome = await loop.run_in_executor(
+                    self._pool,
+                    functools.partial(
+                        load_ensemble,
+                        source,
+                        strict=self._strict,
+                        composing=configs,
+                        infer=self._infer,
+                        config_override=config_override,
+                    ),
+                )
+                if outcome.models:
+                    self._composing[name] = set(composing)
+        else:
+            outcome = await loop.run_in_executor(
+                self._pool,
+                functools.partial(
+                    load_model,
+                    source,
+                    strict=self._strict,
+                    inline_threshold_ns=self._inline_threshold_ns,
+                    config_override=config_override,
+                ),
+            )
         failures: dict[str, str] = {}
         if outcome.error:
             failures[name] = outcome.error
@@ -179,6 +234,39 @@ class ModelRepositoryManager:
         if old:
             await self._unload_models(old)
         return failures
+
+    async def _ensure_composing(
+        self, ensemble: str, names: list[str], visiting: frozenset[str]
+    ) -> tuple[dict[str, ModelConfig], str]:
+        """The READY configs of an ensemble's composing models, loading those that never
+        loaded (or any, in explicit mode); or the reason one is not available."""
+        configs: dict[str, ModelConfig] = {}
+        sources: dict[str, ModelSource] | None = None
+        for dep in names:
+            if dep in visiting:
+                return {}, f"ensemble '{ensemble}' and model '{dep}' contain each other"
+            if dep not in self._ready:
+                attempted = dep in self._status
+                if not attempted or self.control_mode == "explicit":
+                    if sources is None:
+                        sources, _ = await self._scan()
+                    source = sources.get(dep)
+                    if source is None:
+                        return {}, (
+                            f"ensemble '{ensemble}': composing model '{dep}' is not in the "
+                            "model repository"
+                        )
+                    await self._load_source(source, visiting=visiting)
+            model = self._latest.get(dep)
+            if model is None:
+                reason = next((s.reason for s in self._status.get(dep, []) if s.reason), "not loaded")
+                return {}, f"ensemble '{ensemble}': composing model '{dep}' is not available: {reason}"
+            configs[dep] = model.config
+        return configs, ""
+
+    def _dependents(self, name: str) -> list[str]:
+        """Loaded ensembles that have ``name`` among their composing models."""
+        return [e for e, deps in self._composing.items() if name in deps and e in self._ready]
 
     def _install(self, name: str, outcome: LoadOutcome) -> None:
         statuses: list[VersionStatus] = []
@@ -282,8 +370,10 @@ class ModelRepositoryManager:
     # -- unload ------------------------------------------------------------------------
 
     async def unload(self, name: str, *, unload_dependents: bool = False) -> None:
-        """The repository API's unload. ``unload_dependents`` is accepted; ensembles, which
-        are the only dependents, arrive later."""
+        """The repository API's unload. Loaded ensembles that need ``name`` are unloaded
+        first (an ensemble never runs without its composing models); with
+        ``unload_dependents``, an ensemble's composing models that no other loaded ensemble
+        needs are unloaded after it."""
         if self.control_mode != "explicit":
             raise UnsupportedError(
                 f"failed to unload '{name}': explicit model load / unload is not allowed in "
@@ -293,11 +383,26 @@ class ModelRepositoryManager:
             sources, _ = await self._scan()
             if name not in sources:
                 raise NotFoundError(f"failed to unload '{name}': unknown model")
+        composing = set(self._composing.get(name, ()))
+        for dependent in self._dependents(name):
+            await self._unload_cascade(dependent, f"composing model '{name}' was unloaded")
         async with self._lock(name):
             await self._unload_locked(name, "unloaded")
             await self._drop_override(name)
+        if unload_dependents:
+            for dep in sorted(composing):
+                if not self._dependents(dep):
+                    await self._unload_cascade(dep, f"unloaded with ensemble '{name}'")
+
+    async def _unload_cascade(self, name: str, reason: str) -> None:
+        """Unload ``name`` and, first, every loaded ensemble that needs it."""
+        for dependent in self._dependents(name):
+            await self._unload_cascade(dependent, f"composing model '{name}' was unloaded")
+        async with self._lock(name):
+            await self._unload_locked(name, reason)
 
     async def _unload_locked(self, name: str, reason: str) -> None:
+        self._composing.pop(name, None)
         versions = self._ready.pop(name, None)
         self._latest.pop(name, None)
         if not versions:
@@ -360,8 +465,7 @@ class ModelRepositoryManager:
                 logger.error("repository poll: %s", result)
 
     async def _unload_removed(self, name: str) -> None:
-        async with self._lock(name):
-            await self._unload_locked(name, "removed from the model repository")
+        await self._unload_cascade(name, "removed from the model repository")
 
     # -- lookup (hot path) -------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Ensembles: the DAG plan (pure) and the data-flow scheduler."""
