@@ -18,8 +18,8 @@ import enum
 import json
 import logging
 import struct
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -469,6 +469,26 @@ class InferenceTrace:
 _REQUIRED: Any = object()
 
 
+class _BlsExecutor(Protocol):
+    def exec(self, request: InferenceRequest) -> InferenceResponse: ...
+
+    def async_exec(self, request: InferenceRequest) -> Awaitable[InferenceResponse]: ...
+
+
+_bls: list[_BlsExecutor] = []
+
+
+def _set_bls_executor(executor: _BlsExecutor) -> None:
+    """Installed by the server's Python backend; models never call this."""
+    _bls[:] = [executor]
+
+
+def _bls_executor() -> _BlsExecutor:
+    if not _bls:
+        raise TritonModelException("BLS requests can only run inside the Quiver server")
+    return _bls[0]
+
+
 def _parameters_to_json(parameters: Any) -> str:
     if parameters is None:
         return "{}"
@@ -495,8 +515,8 @@ class InferenceRequest:
     The constructor takes Triton's BLS keyword arguments (``model_name``,
     ``requested_output_names``, ``inputs``, ``request_id``, ``correlation_id``,
     ``model_version``, ``flags``, ``timeout``, ``preferred_memory``, ``trace``,
-    ``parameters``). Running such a request (BLS ``exec``/``async_exec``) is not
-    available in Quiver yet.
+    ``parameters``); ``exec()`` and ``async_exec()`` run it on another model of the
+    server (BLS), through the server's normal inference path.
     """
 
     def __init__(
@@ -608,6 +628,25 @@ class InferenceRequest:
 
     def is_cancelled(self) -> bool:
         return False
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Run this request on ``model_name`` and wait for the response (BLS). Errors come
+        back in the response (``has_error()``), as in Triton."""
+        if decoupled:
+            raise TritonModelException("decoupled BLS requests are not supported by Quiver")
+        return _bls_executor().exec(self)
+
+    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse]:
+        """Like :meth:`exec`, for ``async def execute``: ``await request.async_exec()``."""
+        if decoupled:
+            raise TritonModelException("decoupled BLS requests are not supported by Quiver")
+        return _bls_executor().async_exec(self)
 
     def get_response_sender(self) -> Any:
         raise TritonModelException(

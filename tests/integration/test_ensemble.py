@@ -183,3 +183,75 @@ def test_explicit_loading_follows_dependencies(tmp_path: Path) -> None:
         with pytest.raises(InferenceServerException) as info:
             client.load_model("broken_pipeline")
         assert "composing model 'ghost' is not in the model repository" in info.value.message()
+
+
+BLS_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            model = "add_ten" if x.sum() >= 0 else "missing_model"
+            call = pb_utils.InferenceRequest(
+                model_name=model, requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.Tensor("INPUT0", x)],
+            )
+            answer = call.exec()
+            if answer.has_error():
+                responses.append(pb_utils.InferenceResponse(error=answer.error()))
+                continue
+            y = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", y * 3)]))
+        return responses
+"""
+
+ASYNC_BLS_MODEL = """
+import asyncio
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            calls = [
+                pb_utils.InferenceRequest(model_name=name, requested_output_names=["OUTPUT0"],
+                                          inputs=[pb_utils.Tensor("INPUT0", x)]).async_exec()
+                for name in ("add_one", "add_ten")
+            ]
+            one, ten = await asyncio.gather(*calls)
+            total = (pb_utils.get_output_tensor_by_name(one, "OUTPUT0").as_numpy()
+                     + pb_utils.get_output_tensor_by_name(ten, "OUTPUT0").as_numpy())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", total)]))
+        return responses
+"""
+
+BLS_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
+
+def test_python_models_call_other_models(tmp_path: Path) -> None:
+    build(tmp_path)
+    write_python(tmp_path, "bls", BLS_MODEL, BLS_CONFIG)
+    write_python(tmp_path, "bls_async", ASYNC_BLS_MODEL, BLS_CONFIG)
+    with QuiverServer(tmp_path, args=("--exit-on-error=false",)) as server:
+        client = httpclient.InferenceServerClient(server.url)
+        x = np.array([[1, 2, 3, 4]], dtype=np.float32)
+        inp = inputs(x)
+        np.testing.assert_array_equal(client.infer("bls", inp).as_numpy("OUT"), (x + 10) * 3)
+        np.testing.assert_array_equal(client.infer("bls_async", inp).as_numpy("OUT"), (x + 1) + (x + 10))
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("bls", inputs(-x))
+        assert info.value.status() == "404" and "missing_model" in info.value.message()
+        # The called model counts the BLS traffic like any other.
+        stats = client.get_inference_statistics("add_ten")["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] >= 2

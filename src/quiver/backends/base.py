@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,22 @@ class ThreadedInstance(abc.ABC):
             self._executor.submit(self.release).result()
         finally:
             self._executor.shutdown(wait=True)
+
+
+@dataclass(slots=True)
+class ServerContext:
+    """The running server, for backends whose models call other models (Python BLS).
+
+    Set by the model repository manager when the server starts: the inference entry
+    (requests go through the normal path: checks, schedulers, statistics) and the event
+    loop it runs on. One per process, as Triton's Python backend has one server.
+    """
+
+    infer: Callable[[InferenceRequest], Awaitable[InferenceResponse]] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+SERVER = ServerContext()
 
 
 @dataclass(slots=True)

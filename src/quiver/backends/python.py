@@ -12,6 +12,7 @@ Not supported: decoupled models, BLS, GPU tensors (see ``triton_python_backend_u
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib.machinery
 import importlib.util
@@ -24,6 +25,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 import triton_python_backend_utils as pb_utils
 from quiver.backends.base import (
+    SERVER,
     ExecuteResult,
     InstanceSpec,
     ModelFiles,
@@ -47,7 +50,7 @@ from quiver.errors import (
     QuiverError,
     error_for_code,
 )
-from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
+from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -545,5 +548,88 @@ class PythonBackend:
             raise
         return instance
 
+
+class _Bls:
+    """BLS for Python models: ``pb_utils.InferenceRequest.exec()`` / ``async_exec()`` run the
+    request through the server's inference path on its event loop, from the model's
+    thread (exec) or the model's own event loop (async_exec)."""
+
+    def _submit(self, request: pb_utils.InferenceRequest) -> concurrent.futures.Future[InferenceResponse]:
+        infer, loop = SERVER.infer, SERVER.loop
+        if infer is None or loop is None or loop.is_closed():
+            raise pb_utils.TritonModelException("BLS requests can only run inside a running Quiver server")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise pb_utils.TritonModelException(
+                "BLS exec() would block the server's event loop; use 'await request.async_exec()'"
+            )
+        quiver_request = _quiver_request(request)
+
+        async def run() -> InferenceResponse:
+            return await infer(quiver_request)
+
+        return asyncio.run_coroutine_threadsafe(run(), loop)
+
+    def exec(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        future = self._submit(request)
+        timeout = request.timeout() / 1e6 if request.timeout() else None
+        try:
+            return _pb_response(future.result(timeout))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return _pb_error(ErrorCode.UNAVAILABLE, f"BLS request to model '{request.model_name()}' timed out")
+        except QuiverError as exc:
+            return _pb_error(exc.code, exc.message)
+
+    async def _await(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        try:
+            return _pb_response(await asyncio.wrap_future(self._submit(request)))
+        except QuiverError as exc:
+            return _pb_error(exc.code, exc.message)
+
+    def async_exec(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
+        return self._await(request)
+
+
+def _quiver_request(request: pb_utils.InferenceRequest) -> InferenceRequest:
+    inputs = []
+    for tensor in request.inputs():
+        array = tensor.as_numpy()
+        if array.dtype.kind in ("O", "U", "S"):
+            inputs.append(Tensor(tensor.name(), DataType.BYTES, tuple(array.shape), _bytes_array(array)))
+        else:
+            inputs.append(Tensor(tensor.name(), DataType.from_numpy(array.dtype), tuple(array.shape), array))
+    names = request.requested_output_names()
+    parameters: dict[str, Any] = json.loads(request.parameters() or "{}")
+    if request.correlation_id():
+        flags = request.flags()
+        parameters["sequence_id"] = request.correlation_id()
+        parameters["sequence_start"] = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+        parameters["sequence_end"] = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
+    if request.timeout():
+        parameters["timeout"] = request.timeout()
+    version = request.model_version()
+    return InferenceRequest(
+        model_name=request.model_name(),
+        model_version="" if version < 0 else str(version),
+        inputs=inputs,
+        outputs=[RequestedOutput(name) for name in sorted(names)] if names else None,
+        id=request.request_id(),
+        parameters=parameters,
+    )
+
+
+def _pb_response(response: InferenceResponse) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse([pb_utils.Tensor(t.name, t.data) for t in response.outputs])
+
+
+def _pb_error(code: ErrorCode, message: str) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.value)))
+
+
+pb_utils._set_bls_executor(_Bls())
 
 BACKEND = PythonBackend()

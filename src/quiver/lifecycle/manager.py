@@ -33,7 +33,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.backends.base import INLINE_THRESHOLD_NS
+from quiver.backends.base import INLINE_THRESHOLD_NS, SERVER
 from quiver.config import ModelConfig, parse_model_config_json
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
@@ -107,6 +107,7 @@ class ModelRepositoryManager:
 
     async def start(self, poll_seconds: float = 0.0) -> dict[str, str]:
         """Load what the control mode loads at start; returns name -> reason for failures."""
+        SERVER.loop = asyncio.get_running_loop()
         sources, clashes = await self._scan()
         failures = dict(clashes)
         for name, reason in clashes.items():
@@ -158,8 +159,10 @@ class ModelRepositoryManager:
     # -- load --------------------------------------------------------------------------
 
     def bind(self, infer: InferFn) -> None:
-        """The server's inference entry, which ensembles send their steps through."""
+        """The server's inference entry, which ensembles send their steps through (and
+        Python models their BLS requests)."""
         self._infer = infer
+        SERVER.infer = infer
 
     async def _load_source(
         self,

@@ -1068,7 +1068,7 @@ def test_pb_utils_errors_and_responses() -> None:
         pb_utils.InferenceResponse(out)
 
 
-def test_pb_utils_bls_request_constructor_without_exec() -> None:
+def test_pb_utils_bls_request_constructor() -> None:
     tensor = pb_utils.Tensor("IN", np.zeros(2, np.float32))
     request = pb_utils.InferenceRequest(
         model_name="other",
@@ -1086,9 +1086,10 @@ def test_pb_utils_bls_request_constructor_without_exec() -> None:
     assert request.requested_output_names() == {"OUT"}
     assert json.loads(request.parameters()) == {"k": "v"}
     assert pb_utils.get_input_tensor_by_name(request, "IN") is tensor
-    # BLS is not implemented yet: no exec/async_exec at all rather than stubs.
-    assert not hasattr(request, "exec")
-    assert not hasattr(request, "async_exec")
+    assert request.model_name() == "other"
+    # exec() needs a running server (the integration tests run BLS end to end).
+    with pytest.raises(pb_utils.TritonModelException, match="inside a running Quiver server"):
+        request.exec()
     with pytest.raises(TypeError, match="model_name"):
         pb_utils.InferenceRequest(inputs=[], requested_output_names=[])
     with pytest.raises(pb_utils.TritonModelException, match="Correlation ID"):
