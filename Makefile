@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REPOSITORY := examples/model_repository
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench bench-batching clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/http_throughput.py
+
+bench-batching: $(STAMP)
+	$(PY) benchmarks/batching.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(REPOSITORY)

@@ -1,4 +1,4 @@
-"""HTTP throughput of Quiver on Triton's ``simple`` model, next to two floors.
+"""HTTP and gRPC throughput of Quiver on Triton's ``simple`` model, next to floors.
 
 Run: ``.venv/bin/python benchmarks/http_throughput.py`` (or ``make bench``); ``--help`` for options.
 
@@ -6,10 +6,15 @@ What it measures, per trial (fixed duration after a warm-up):
 
 * ``quiver``: ``quiver serve`` on a temporary repository holding only ``simple`` (INT32[16] x2 ->
   sum, difference; max_batch_size 8), driven over HTTP/1.1 keep-alive with one connection per
-  concurrent worker, with JSON and with Triton's binary tensor extension.
+  concurrent worker, with JSON and with Triton's binary tensor extension; and over KServe v2
+  gRPC (encoding ``grpc``: ``inference.GRPCInferenceService/ModelInfer`` with
+  ``raw_input_contents``), one channel shared by the concurrent callers.
 * ``floor: raw HTTP``: a minimal uvloop + httptools server (in this file, run as a subprocess with
   ``--serve-floor``) that answers the same requests with a fixed pre-encoded response. It is the
   cost of HTTP plus this client alone on this machine: no server can beat it here.
+* ``floor: raw gRPC``: a minimal ``grpc.aio`` server on uvloop (``--serve-grpc-floor``) whose
+  ``ModelInfer`` returns a fixed, pre-built ``ModelInferResponse``: the cost of python gRPC (and
+  protobuf) plus this client alone.
 * ``floor: onnxruntime``: ``InferenceSession.run`` on the same model and inputs, in-process, in a
   tight loop: the cost of the model itself.
 
@@ -18,6 +23,11 @@ uvloop event loop, callback-driven ``asyncio.Protocol`` connections that write p
 bytes and frame responses by their status line and Content-Length only. Every response's status is
 checked (non-200 is an error); the first response of each connection and one in ``--check-every``
 after it is decoded and compared with the right answer (a wrong answer is an error too).
+
+The gRPC load generator runs in the same process and loop: a ``grpc.aio`` stub on one channel,
+N caller coroutines each awaiting ``ModelInfer`` with one pre-built ``ModelInferRequest`` in a loop.
+A call that does not end with status OK raises, and counts as an error (in ``non_200``, which for
+gRPC means "status not OK"); each caller's first response and one in ``--check-every`` is checked.
 
 Both the client's CPU time (``time.process_time``) and the server process's (psutil, or
 ``/proc/PID/stat``) are measured over each trial's measured window, as a percentage of one core, so
@@ -77,15 +87,17 @@ SHAPE = [1, 16]
 INPUT0 = np.arange(16, dtype=np.int32).reshape(SHAPE)
 INPUT1 = (np.arange(16, dtype=np.int32) * 3 - 7).reshape(SHAPE)
 EXPECTED = {"OUTPUT0": INPUT0 + INPUT1, "OUTPUT1": INPUT0 - INPUT1}
-ENCODINGS = ("json", "binary")
-TARGETS = ("floor-ort", "floor-http", "quiver", "quiver-threaded")
+ENCODINGS = ("json", "binary", "grpc")
+HTTP_ENCODINGS = ("json", "binary")
+TARGETS = ("floor-ort", "floor-http", "floor-grpc", "quiver", "quiver-threaded")
 TARGET_LABELS = {
     "floor-ort": "floor: onnxruntime in-process",
     "floor-http": "floor: raw HTTP (uvloop+httptools)",
+    "floor-grpc": "floor: raw gRPC (grpc.aio on uvloop)",
     "quiver": "quiver",
     "quiver-threaded": "quiver, every call on the instance thread",
 }
-STARTED = re.compile(r"started (?:floor )?HTTP service at ([0-9.]+):(\d+)")
+STARTED = re.compile(r"started (?:floor )?(HTTP|GRPC) service at ([0-9.]+):(\d+)")
 CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 HEADER_LENGTH = re.compile(rb"\r\ninference-header-content-length:[ \t]*(\d+)", re.IGNORECASE)
 
@@ -193,7 +205,50 @@ def check_answer(body: bytes, header_length: int | None) -> str | None:
     return None
 
 
-# -- the floor server ----------------------------------------------------------------------
+def grpc_request() -> Any:
+    """The pre-built ``ModelInferRequest``: both inputs in ``raw_input_contents``."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=MODEL)
+    for name, arr in (("INPUT0", INPUT0), ("INPUT1", INPUT1)):
+        request.inputs.add(name=name, datatype="INT32", shape=SHAPE)
+        request.raw_input_contents.append(arr.astype("<i4").tobytes())
+    return request
+
+
+def grpc_canned_response() -> Any:
+    """What Triton answers (every output raw), as a ``ModelInferResponse`` (for the floor server)."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    response = pb.ModelInferResponse(model_name=MODEL, model_version="1")
+    for name in ("OUTPUT0", "OUTPUT1"):
+        response.outputs.add(name=name, datatype="INT32", shape=SHAPE)
+        response.raw_output_contents.append(EXPECTED[name].astype("<i4").tobytes())
+    return response
+
+
+def check_grpc_answer(response: Any) -> str | None:
+    """None if a ``ModelInferResponse`` holds the right OUTPUT0 and OUTPUT1, else what is wrong."""
+    try:
+        raw = response.raw_output_contents
+        seen = set()
+        for index, out in enumerate(response.outputs):
+            if out.name not in EXPECTED:
+                continue
+            if out.datatype != "INT32" or list(out.shape) != SHAPE:
+                return f"{out.name}: datatype {out.datatype} shape {list(out.shape)}"
+            got = np.frombuffer(raw[index], dtype="<i4")
+            if not np.array_equal(got, EXPECTED[out.name].ravel()):
+                return f"{out.name}: wrong value {got.tolist()}"
+            seen.add(out.name)
+        if seen != set(EXPECTED):
+            return f"missing outputs: {sorted(set(EXPECTED) - seen)}"
+    except Exception as exc:
+        return f"undecodable response ({type(exc).__name__}: {exc}): {str(response)[:200]!r}"
+    return None
+
+
+# -- the floor servers ---------------------------------------------------------------------
 
 
 class _FloorProtocol(asyncio.Protocol):
@@ -258,6 +313,34 @@ async def _serve_floor(host: str, port: int) -> None:
 
 def run_floor_server(host: str, port: int) -> int:
     _run(_serve_floor(host, port))
+    return 0
+
+
+async def _serve_grpc_floor(host: str, port: int) -> None:
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    response = grpc_canned_response()
+
+    class Floor(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+        async def ModelInfer(self, request: Any, context: Any) -> Any:
+            return response
+
+    loop = asyncio.get_running_loop()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    print(f"started floor GRPC service at {host}:{bound}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1)
+
+
+def run_grpc_floor_server(host: str, port: int) -> int:
+    _run(_serve_grpc_floor(host, port))
     return 0
 
 
@@ -489,7 +572,97 @@ async def run_trial(
         if conn.transport is not None:
             conn.transport.close()
     await asyncio.sleep(0)
+    _finish(result, marks)
+    return result
 
+
+async def run_grpc_trial(
+    host: str,
+    port: int,
+    server_pid: int,
+    target: str,
+    concurrency: int,
+    warmup: float,
+    duration: float,
+    check_every: int,
+) -> TrialResult:
+    """``concurrency`` callers on one ``grpc.aio`` channel, each one ``ModelInfer`` at a time."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    result = TrialResult(target, "grpc", concurrency)
+    request = grpc_request()
+    state = {"measuring": False, "stopping": False, "completed": 0}
+    latencies = result.latencies_ns
+    clock = time.perf_counter_ns
+
+    async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
+        await asyncio.wait_for(channel.channel_ready(), timeout=30)
+        infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+
+        async def caller() -> None:
+            checked = False
+            while not state["stopping"]:
+                t0 = clock()
+                try:
+                    response = await infer(request)
+                except grpc.aio.AioRpcError as exc:
+                    latency = clock() - t0
+                    if state["measuring"]:
+                        latencies.append(latency)
+                        result.non_200 += 1
+                    result.first_error = result.first_error or f"gRPC {exc.code().name}: {exc.details()}"
+                    await asyncio.sleep(0.01)
+                    continue
+                latency = clock() - t0
+                state["completed"] += 1
+                measuring = state["measuring"]
+                if measuring:
+                    latencies.append(latency)
+                if not checked or state["completed"] % check_every == 0:
+                    checked = True
+                    problem = check_grpc_answer(response)
+                    if measuring:
+                        result.answers_checked += 1
+                    if problem is not None:  # a wrong answer in the warm-up still matters
+                        result.wrong_answers += 1
+                        result.first_error = result.first_error or (problem if measuring else f"(warm-up) {problem}")
+
+        marks: dict[str, float] = {}
+
+        def begin() -> None:
+            state["measuring"] = True
+            marks["server0"] = cpu_seconds(server_pid)
+            marks["cpu0"] = time.process_time()
+            marks["t0"] = time.perf_counter()
+
+        def end() -> None:
+            marks["t1"] = time.perf_counter()
+            marks["cpu1"] = time.process_time()
+            state["measuring"] = False
+            state["stopping"] = True
+            marks["server1"] = cpu_seconds(server_pid)
+
+        loop = asyncio.get_running_loop()
+        callers = [loop.create_task(caller()) for _ in range(concurrency)]
+        loop.call_later(warmup, begin)
+        loop.call_later(warmup + duration, end)
+        await asyncio.sleep(warmup + duration)
+        _, late = await asyncio.wait(callers, timeout=30)
+        if late:
+            result.first_error = result.first_error or "requests still in flight 30 s after the trial"
+            result.connection_errors += len(late)
+            for task in late:
+                task.cancel()
+        for task in callers:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                result.connection_errors += 1
+                result.first_error = result.first_error or f"caller failed: {task.exception()!r}"
+    _finish(result, marks)
+    return result
+
+
+def _finish(result: TrialResult, marks: dict[str, float]) -> None:
     seconds = marks["t1"] - marks["t0"]
     lat = np.asarray(result.latencies_ns, dtype=np.int64)
     result.requests = len(lat)
@@ -503,7 +676,6 @@ async def run_trial(
     result.server_cpu_s = marks["server1"] - marks["server0"]
     result.client_cpu_pct = 100 * result.client_cpu_s / seconds
     result.server_cpu_pct = 100 * result.server_cpu_s / seconds
-    return result
 
 
 def run_ort_floor(model_path: Path, warmup: float, duration: float) -> TrialResult:
@@ -562,24 +734,29 @@ class Server:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.host = ""
-        self.port = 0
+        self.port = 0  # HTTP
+        self.grpc_port = 0
 
     def tail(self, lines: int = 30) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, protocols: tuple[str, ...] = ("HTTP",), timeout: float = 120.0) -> None:
+        """Until the log names a port for each of ``protocols`` (HTTP, GRPC), and HTTP health is 200."""
         deadline = time.monotonic() + timeout
-        while not self.port:
+        ports: dict[str, int] = {}
+        while not all(p in ports for p in protocols):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not start in {timeout:.0f} s:\n{self.tail()}")
-            match = STARTED.search(self.log_path.read_text(errors="replace"))
-            if match:
-                self.host, self.port = match.group(1), int(match.group(2))
-            else:
-                time.sleep(0.05)
+            for match in STARTED.finditer(self.log_path.read_text(errors="replace")):
+                self.host = match.group(2)
+                ports[match.group(1)] = int(match.group(3))
+            time.sleep(0.05)
+        self.port, self.grpc_port = ports.get("HTTP", 0), ports.get("GRPC", 0)
+        if not self.port:
+            return
         url = f"http://{self.host}:{self.port}/v2/health/ready"
         while True:
             try:
@@ -628,6 +805,32 @@ def sanity_check(host: str, port: int, encoding: str) -> None:
         conn.close()
 
 
+def sanity_check_grpc(host: str, port: int) -> None:
+    """One ModelInfer over a blocking channel, the answer checked in full, before any trial."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            response = stub.ModelInfer(grpc_request(), timeout=30)
+        except grpc.RpcError as exc:
+            raise RuntimeError(f"grpc request: {exc.code().name}: {exc.details()}") from None
+    problem = check_grpc_answer(response)
+    if problem:
+        raise RuntimeError(f"grpc request: {problem}")
+
+
+def target_encodings(target: str, encodings: list[str]) -> list[str]:
+    """The encodings (protocols) ``target`` serves, of those asked for."""
+    if target == "floor-http":
+        return [e for e in encodings if e in HTTP_ENCODINGS]
+    if target == "floor-grpc":
+        return [e for e in encodings if e == "grpc"]
+    return list(encodings)
+
+
 def _run(coro: Any) -> Any:
     if uvloop is not None:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -636,13 +839,28 @@ def _run(coro: Any) -> Any:
 
 
 def drive(server: Server, target: str, args: argparse.Namespace, results: list[TrialResult]) -> None:
-    for encoding in args.encodings:
-        sanity_check(server.host, server.port, encoding)
-    for encoding in args.encodings:
+    encodings = target_encodings(target, args.encodings)
+    for encoding in encodings:
+        if encoding == "grpc":
+            sanity_check_grpc(server.host, server.grpc_port)
+        else:
+            sanity_check(server.host, server.port, encoding)
+    for encoding in encodings:
         for concurrency in args.concurrency:
             log(f"{target} {encoding} c={concurrency}: {args.warmup:g} s warm-up + {args.duration:g} s ...")
-            res = _run(
-                run_trial(
+            trial = (
+                run_grpc_trial(
+                    server.host,
+                    server.grpc_port,
+                    server.proc.pid,
+                    target,
+                    concurrency,
+                    args.warmup,
+                    args.duration,
+                    args.check_every,
+                )
+                if encoding == "grpc"
+                else run_trial(
                     server.host,
                     server.port,
                     server.proc.pid,
@@ -654,6 +872,7 @@ def drive(server: Server, target: str, args: argparse.Namespace, results: list[T
                     args.check_every,
                 )
             )
+            res = _run(trial)
             results.append(res)
             log(f"  {summary(res)}")
             if res.first_error:
@@ -715,8 +934,11 @@ def environment() -> dict[str, Any]:
         "quiver": version("quiver"),
         "uvloop": version("uvloop"),
         "httptools": version("httptools"),
+        "grpcio": version("grpcio"),
+        "protobuf": version("protobuf"),
         "uvicorn": version("uvicorn"),
         "cpu_time_source": "psutil" if psutil is not None else "/proc/PID/stat",
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -729,27 +951,40 @@ def command_line() -> str:
 
 def markdown_report(env: dict[str, Any], cmd: str, args: argparse.Namespace, results: list[TrialResult], notes: list[str]) -> str:
     lines = [
-        "# HTTP throughput: Triton's `simple` model (INT32[16] x2 -> sum, difference)",
+        "# HTTP and gRPC throughput: Triton's `simple` model (INT32[16] x2 -> sum, difference)",
         "",
         f"- Command: `{cmd}`",
         f"- Date: {env['date']}",
-        f"- Machine: {env['nproc']} cores, {env['cpu_model']} ({env['platform']})",
+        f"- Machine: {env['nproc']} cores, {env['cpu_model']} ({env['platform']});"
+        f" load average at start {' / '.join(str(x) for x in env['load_average_at_start'])} (1/5/15 min:"
+        " anything well above 0 means other processes shared the cores)",
         f"- Versions: Python {env['python']}, onnxruntime {env['onnxruntime']}, quiver {env['quiver']}"
-        f" (uvicorn {env['uvicorn']}, uvloop {env['uvloop']}, httptools {env['httptools']})",
+        f" (uvicorn {env['uvicorn']}, uvloop {env['uvloop']}, httptools {env['httptools']},"
+        f" grpcio {env['grpcio']}, protobuf {env['protobuf']})",
         f"- Trials: {args.warmup:g} s warm-up, then {args.duration:g} s measured, per row;"
-        " one HTTP/1.1 keep-alive connection per concurrent request, one request at a time on each.",
+        " one HTTP/1.1 keep-alive connection per concurrent request, one request at a time on each."
+        " gRPC (encoding `grpc`): one `grpc.aio` channel (one HTTP/2 connection) in the same client"
+        " process and loop, N caller coroutines each awaiting `ModelInfer` with a pre-built"
+        " request (`raw_input_contents`); every call's status is checked, and a sample of answers.",
         "- CPU % is CPU time over the measured window as a percentage of one core"
         f" (this machine has {env['nproc']}, so {100 * (env['nproc'] or 1)}% is all of it); the client"
         " shares the cores with the server. The onnxruntime floor runs in the client process.",
         "- `floor: raw HTTP` answers with a fixed pre-encoded response (same body as Triton's), so it is"
         " the cost of HTTP plus this load generator alone; `floor: onnxruntime` is"
-        " `InferenceSession.run` in a tight loop, the cost of the model alone.",
+        " `InferenceSession.run` in a tight loop, the cost of the model alone. `floor: raw gRPC` is a"
+        " `grpc.aio` server on uvloop whose `ModelInfer` returns a fixed `ModelInferResponse`: what"
+        " python gRPC (with protobuf) costs on this machine before any server logic.",
         "- At concurrency 1 every request is a ping-pong between two processes, so the fast rows are"
         " sensitive to whether the scheduler keeps client and server on one core or wakes the other"
         " (a cross-core wake-up can cost tens of µs on a VM): the raw-HTTP floor's c=1 row can vary"
         " several-fold between runs; a p50 far below the p90 shows the mix. At higher concurrency"
         " the same placement luck decides whether client and floor server get a core each (their"
         " CPU % add up to ~200) or share one (~100), so the floor rows vary between runs too.",
+        "- gRPC costs more than HTTP here before any server logic: `grpc.aio` runs the transport on"
+        " gRPC core's own threads and hands every completion to the event loop through a poller"
+        " thread and a socket pair, several thread wake-ups per call on each side (client and"
+        " server), which is most of the raw-gRPC floor's CPU. The client's share is larger too, so"
+        " the gRPC rows leave the server less of the two cores than the HTTP rows do.",
         "",
         markdown_table(results),
     ]
@@ -782,7 +1017,7 @@ def plot(results: list[TrialResult], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("concurrency")
     ax.set_ylabel("requests/s")
-    ax.set_title("simple model over HTTP")
+    ax.set_title("simple model over HTTP and gRPC")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -811,16 +1046,23 @@ def _csv(kind: type, choices: tuple[str, ...] | None = None) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=(
-            "HTTP throughput of `quiver serve` on Triton's `simple` model (JSON and binary tensor "
-            "encodings, several concurrency levels), next to two floors: onnxruntime called "
-            "in-process, and a minimal uvloop+httptools server answering with a fixed response. "
+            "HTTP and gRPC throughput of `quiver serve` on Triton's `simple` model (JSON and binary "
+            "tensor encodings over HTTP, raw tensors over gRPC, several concurrency levels), next to "
+            "floors: onnxruntime called in-process, and minimal uvloop+httptools and grpc.aio servers "
+            "answering with a fixed response. "
             "Prints a markdown table; writes benchmarks/results/http_throughput.{json,md}."
         ),
     )
     parser.add_argument("--concurrency", type=_csv(int), default=[1, 8, 32], metavar="N,N,...", help="concurrency levels (default: 1,8,32)")
     parser.add_argument("--duration", type=float, default=5.0, metavar="SECONDS", help="measured seconds per trial (default: 5)")
     parser.add_argument("--warmup", type=float, default=1.0, metavar="SECONDS", help="warm-up seconds before each trial (default: 1)")
-    parser.add_argument("--encodings", type=_csv(str, ENCODINGS), default=list(ENCODINGS), metavar="E,E", help="json and/or binary (default: json,binary)")
+    parser.add_argument(
+        "--encodings",
+        type=_csv(str, ENCODINGS),
+        default=list(ENCODINGS),
+        metavar="E,E,...",
+        help="json, binary (HTTP) and/or grpc (KServe v2 gRPC, raw tensors) (default: json,binary,grpc)",
+    )
     parser.add_argument("--targets", type=_csv(str, TARGETS), default=list(TARGETS), metavar="T,T,...", help=f"which of {', '.join(TARGETS)} to run (default: all)")
     parser.add_argument("--check-every", type=int, default=50, metavar="N", help="decode and check one response in N (and each connection's first) (default: 50)")
     parser.add_argument("--output-dir", type=Path, default=HERE / "results", metavar="DIR", help="where results go (default: benchmarks/results)")
@@ -828,6 +1070,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", action="store_true", help="also write OUTPUT_DIR/http_throughput.png (needs matplotlib)")
     parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: next to this Python)")
     parser.add_argument("--serve-floor", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-grpc-floor", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     return parser
 
 
@@ -835,6 +1078,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.serve_floor is not None:
         return run_floor_server("127.0.0.1", args.serve_floor)
+    if args.serve_grpc_floor is not None:
+        return run_grpc_floor_server("127.0.0.1", args.serve_grpc_floor)
     if args.duration <= 0 or args.warmup < 0 or args.check_every < 1:
         raise SystemExit("--duration must be > 0, --warmup >= 0, --check-every >= 1")
     quiver_exe = args.quiver or str(Path(sys.executable).parent / "quiver")
@@ -844,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     exit_codes: dict[str, int | None] = {}
     status = 0
-    log(f"{env['nproc']} cores ({env['cpu_model']}); {len(args.concurrency) * len(args.encodings)} trial(s) per HTTP target")
+    log(f"{env['nproc']} cores ({env['cpu_model']}); {len(args.concurrency) * len(args.encodings)} trial(s) per Quiver target")
 
     with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
         repo = Path(tmp) / "repository"
@@ -864,10 +1109,14 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(res)
                 log(f"  {summary(res)}")
 
-            for target in ("floor-http", "quiver", "quiver-threaded"):
-                if target not in args.targets:
+            for target in ("floor-http", "floor-grpc", "quiver", "quiver-threaded"):
+                encodings = target_encodings(target, args.encodings)
+                if target not in args.targets or not encodings:
                     continue
-                if target.startswith("quiver"):
+                protocols = tuple(sorted({"GRPC" if e == "grpc" else "HTTP" for e in encodings}, reverse=True))
+                if target == "floor-grpc":
+                    argv_ = [sys.executable, str(Path(__file__).resolve()), "--serve-grpc-floor", "0"]
+                elif target.startswith("quiver"):
                     argv_ = [quiver_exe, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0"]
                     if target == "quiver-threaded":  # the same server without inline execution
                         argv_ += ["--inline-execution-threshold-us", "0"]
@@ -876,8 +1125,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{target}: starting {shlex.join(argv_)}")
                 server = Server(target, argv_, Path(tmp) / f"{target}.log")
                 try:
-                    server.wait_ready()
-                    log(f"{target}: ready at {server.host}:{server.port} (pid {server.proc.pid})")
+                    server.wait_ready(protocols)
+                    ports = ", ".join(
+                        f"{p} {port}" for p, port in (("HTTP", server.port), ("gRPC", server.grpc_port)) if port
+                    )
+                    log(f"{target}: ready at {server.host} ({ports}; pid {server.proc.pid})")
                     drive(server, target, args, results)
                 finally:
                     code = server.stop()

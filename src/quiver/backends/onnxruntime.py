@@ -26,8 +26,9 @@ from quiver.backends.base import (
     model_path,
 )
 from quiver.config import ModelConfig
-from quiver.config.model_config import DEFAULT_MODEL_FILENAME
+from quiver.config.model_config import DEFAULT_MODEL_FILENAME, TensorConfig
 from quiver.errors import ConfigError, InternalError, InvalidArgumentError, QuiverError
+from quiver.scheduling.sequence import SequenceSettings, sequence_settings
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,16 @@ class OnnxInstance(ThreadedInstance):
         self._string_inputs = {
             i.name for i in config.inputs if i.datatype is DataType.BYTES
         }
+        # Sequence batching: state outputs are always fetched (the batcher takes them out).
+        self._state_outputs: list[str] = []
+        for state in _sequence(config).states:
+            self._state_outputs.append(state.output_name)
+            if state.output_name not in self._out_cfg:
+                self._out_cfg[state.output_name] = TensorConfig(
+                    state.output_name, state.datatype, state.dims
+                )
+            if state.datatype is DataType.BYTES:
+                self._string_inputs.add(state.input_name)
 
     def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
         if len(requests) == 1:
@@ -161,9 +172,15 @@ class OnnxInstance(ThreadedInstance):
         wanted: set[str] = set()
         for request in requests:
             if request.outputs is None:
-                return self._outputs
+                if not self._state_outputs:
+                    return self._outputs
+                wanted.update(self._outputs)
+                break
             wanted.update(o.name for o in request.outputs)
-        return [name for name in self._outputs if name in wanted]
+        names = [name for name in self._outputs if name in wanted]
+        if self._state_outputs:
+            names += [name for name in self._state_outputs if name not in wanted]
+        return names
 
     def _session_run(self, names: list[str], feed: dict[str, Any]) -> list[Any]:
         try:
@@ -270,14 +287,18 @@ class OnnxRuntimeBackend:
         )
         if config.max_batch_size == 0 and batches and not config.input and not config.output:
             config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
-            if not config.HasField("dynamic_batching"):
+            if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
                 config.dynamic_batching.SetInParent()
             logger.info(
                 "model '%s': auto-completed max_batch_size to %d", config.name, DEFAULT_MAX_BATCH_SIZE
             )
         skip = 1 if config.max_batch_size > 0 else 0
-        _complete_io(config, config.input, inputs, skip)
-        _complete_io(config, config.output, outputs, skip)
+        # A sequence model's control and state tensors come from the batcher, not the client.
+        batcher = config.sequence_batching
+        injected = {c.name for c in batcher.control_input} | {s.input_name for s in batcher.state}
+        state_outputs = {s.output_name for s in batcher.state}
+        _complete_io(config, config.input, [n for n in inputs if n.name not in injected], skip)
+        _complete_io(config, config.output, [n for n in outputs if n.name not in state_outputs], skip)
 
     def create_instance(
         self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec
@@ -325,9 +346,43 @@ def _complete_io(config: pb.ModelConfig, entries: Any, nodes: list[Any], skip: i
             entry.dims.extend(_dims(node.shape)[skip:])
 
 
+def _sequence(config: ModelConfig) -> SequenceSettings:
+    """The validated ``sequence_batching`` section (empty settings without one)."""
+    if not config.proto.HasField("sequence_batching"):
+        return SequenceSettings()
+    return sequence_settings(config)
+
+
 def _check_io(config: ModelConfig, session: ort.InferenceSession) -> None:
-    """The configured tensors must exist in the model with the same datatype."""
+    """The configured tensors must exist in the model with the same datatype.
+
+    Control and state inputs of a sequence model are not in the configuration's ``input``
+    list (the sequence batcher supplies them); they count as declared.
+    """
     inputs, outputs = _io_of(session)
+    sequence = _sequence(config)
+    by_input = {n.name: n for n in inputs}
+    for name, datatype in sequence.injected_inputs.items():
+        node = by_input.get(name)
+        if node is None:
+            raise ConfigError(
+                f"{config.source}: sequence_batching input '{name}' of model '{config.name}' is "
+                f"not an input of the ONNX model; it has inputs: {', '.join(sorted(by_input))}"
+            )
+        if _ort_datatype(node, config.name) is not datatype:
+            raise ConfigError(
+                f"{config.source}: sequence_batching input '{name}' of model '{config.name}' is "
+                f"{datatype.config_name} in the configuration but "
+                f"{_ort_datatype(node, config.name).config_name} in the model"
+            )
+    output_names = {n.name for n in outputs}
+    for state in sequence.states:
+        if state.output_name not in output_names:
+            raise ConfigError(
+                f"{config.source}: sequence_batching state output '{state.output_name}' of model "
+                f"'{config.name}' is not an output of the ONNX model; it has outputs: "
+                f"{', '.join(sorted(output_names))}"
+            )
     skip = 1 if config.max_batch_size > 0 else 0
     for kind, configured, nodes in (("input", config.inputs, inputs), ("output", config.outputs, outputs)):
         by_name = {n.name: n for n in nodes}
@@ -355,6 +410,7 @@ def _check_io(config: ModelConfig, session: ort.InferenceSession) -> None:
                     )
         if kind == "input":
             required = {n.name for n in nodes} - {t.name for t in configured}
+            required -= set(sequence.injected_inputs)
             if required:
                 raise ConfigError(
                     f"{config.source}: model '{config.name}' needs input(s) "

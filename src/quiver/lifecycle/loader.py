@@ -180,7 +180,7 @@ def _load_version(
         raise
     stats = ModelStatistics()
     try:
-        scheduler = create_scheduler(config, instances, stats)
+        scheduler = create_scheduler(config, instances, stats, version_dir=files.version_dir)
     except BaseException:
         for instance in instances:
             unload_instance(config.name, instance)

@@ -118,6 +118,9 @@ def _input_tensor(
 ) -> Tensor:
     where = f"input '{name}'"
     declared = config.input_map.get(name)
+    if declared is None and name in _sequence_inputs(config):
+        # A sequence model's control or state input: Triton lets warmup give it as is.
+        return _control_tensor(config, model_dir, label, name, spec, rng)
     if declared is None:
         known = ", ".join(i.name for i in config.inputs) or "none"
         raise _fail(config, label, f"{where} is not an input of the model (its inputs: {known})")
@@ -147,9 +150,40 @@ def _input_tensor(
     elif kind == "random_data":
         data = _random(datatype, count, rng)
     elif kind == "input_data_file":
-        data = _from_file(config, model_dir, label, where, spec.input_data_file, datatype, count)
+        data = _from_file(config, model_dir, label, name, spec.input_data_file, datatype, count)
     else:
         raise _fail(config, label, f"{where} sets none of zero_data, random_data, input_data_file")
+    return Tensor(name, datatype, shape, data.reshape(shape))
+
+
+def _sequence_inputs(config: ModelConfig) -> set[str]:
+    batching = config.proto.sequence_batching
+    names = {c.name for c in batching.control_input}
+    names.update(state.input_name for state in batching.state)
+    return names
+
+
+def _control_tensor(
+    config: ModelConfig, model_dir: Path, label: str, name: str, spec: Any, rng: np.random.Generator
+) -> Tensor:
+    where = f"input '{name}'"
+    try:
+        datatype = DataType.from_config(pb.DataType.Name(spec.data_type))
+    except (KeyError, ValueError):
+        raise _fail(config, label, f"{where} has no valid data_type") from None
+    shape = tuple(int(d) for d in spec.dims)
+    if any(d < 0 for d in shape):
+        raise _fail(config, label, f"{where}: dims {list(shape)} must all be given (no -1)")
+    if config.max_batch_size > 0:
+        shape = (1, *shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    kind = spec.WhichOneof("input_data_type")
+    if kind == "input_data_file":
+        data = _from_file(config, model_dir, label, name, spec.input_data_file, datatype, count)
+    elif kind == "random_data" and datatype is not DataType.BYTES:
+        data = _random(datatype, count, rng)
+    else:
+        data = _zeros(datatype, count)
     return Tensor(name, datatype, shape, data.reshape(shape))
 
 
@@ -174,11 +208,12 @@ def _from_file(
     config: ModelConfig,
     model_dir: Path,
     label: str,
-    where: str,
+    name: str,
     filename: str,
     datatype: DataType,
     count: int,
 ) -> np.ndarray[Any, Any]:
+    where = f"input '{name}'"
     folder = (model_dir / WARMUP_FOLDER).resolve()
     path = (folder / filename).resolve()
     if not filename or not path.is_relative_to(folder):
@@ -190,7 +225,7 @@ def _from_file(
         raise _fail(config, label, f"{where}: cannot read input_data_file {path}: {reason}") from None
     if datatype is DataType.BYTES:
         try:
-            return deserialize_bytes(raw, count, where)
+            return deserialize_bytes(raw, count, name)
         except InvalidArgumentError as exc:
             raise _fail(
                 config, label, f"input_data_file {path} does not hold {count} BYTES element(s): {exc}"

@@ -31,6 +31,18 @@ from quiver.types import (
 )
 
 _WIRE = {dt.value: dt for dt in DataType}
+_WIRE_NAME = {dt: dt.value for dt in DataType}
+
+#: wire name -> (datatype, numpy dtype, bytes per element when a raw buffer can go straight to
+#: ``np.frombuffer``, else 0: BYTES, and BF16 without ml_dtypes, take :func:`_from_raw`).
+_DECODE: dict[str, tuple[DataType, np.dtype[Any], int]] = {
+    dt.value: (
+        dt,
+        dt.numpy_dtype,
+        0 if dt is DataType.BYTES or (dt is DataType.BF16 and not HAVE_BF16) else dt.itemsize,
+    )
+    for dt in DataType
+}
 
 #: datatype -> the InferTensorContents field that carries it (None: raw only).
 CONTENTS_FIELD: dict[DataType, str | None] = {
@@ -193,42 +205,54 @@ def decode_infer_request(message: Any) -> InferenceRequest:
             f"for model '{model}'"
         )
     inputs: list[Tensor] = []
+    append = inputs.append
+    # This loop is on every gRPC request: the common case (raw fixed-size tensors, no
+    # parameters) is inlined; the checks and their messages are _shape's and _from_raw's.
     for index, tensor in enumerate(tensors):
         name = tensor.name
-        datatype = _WIRE.get(tensor.datatype)
-        if datatype is None:
+        decode = _DECODE.get(tensor.datatype)
+        if decode is None:
             raise _bad(f"input '{name}': unknown datatype '{tensor.datatype}'")
-        shape = _shape(tensor.shape, name)
-        params = parameters_to_dict(tensor.parameters)
-        if params:
-            _no_shared_memory(params, f"input '{name}'")
-        has_contents = tensor.HasField("contents")
+        datatype, dtype, itemsize = decode
+        shape = tuple(tensor.shape[:])  # a slice is a list: quicker than iterating the field
+        if shape and min(shape) < 0:
+            _shape(shape, name)  # raises
+        params: dict[str, Any] = {}
+        if tensor.parameters:
+            params = parameters_to_dict(tensor.parameters)
+            if params:
+                _no_shared_memory(params, f"input '{name}'")
         if raw_count:
-            if has_contents:
+            if tensor.HasField("contents"):
                 raise _bad(
                     f"input '{name}': contents must not be given when raw_input_contents is "
                     f"used (model '{model}')"
                 )
-            data = _from_raw(raw[index], datatype, shape, name)
+            buffer = raw[index]
+            if itemsize and len(buffer) == math.prod(shape) * itemsize:
+                data = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+            else:  # BYTES, or a size that is wrong: _from_raw says what is wrong
+                data = _from_raw(buffer, datatype, shape, name)
         else:
-            data = _from_contents(tensor.contents if has_contents else None, datatype, shape, name)
-        inputs.append(Tensor(name, datatype, shape, data, params))
+            contents = tensor.contents if tensor.HasField("contents") else None
+            data = _from_contents(contents, datatype, shape, name)
+        append(Tensor(name, datatype, shape, data, params))
 
     outputs: list[RequestedOutput] | None = None
     if message.outputs:
         outputs = []
         for requested in message.outputs:
-            params = parameters_to_dict(requested.parameters)
-            if params:
-                _no_shared_memory(params, f"output '{requested.name}'")
-            outputs.append(RequestedOutput(requested.name, params))
+            out_params = parameters_to_dict(requested.parameters)
+            if out_params:
+                _no_shared_memory(out_params, f"output '{requested.name}'")
+            outputs.append(RequestedOutput(requested.name, out_params))
     return InferenceRequest(
         model_name=model,
         model_version=message.model_version,
         inputs=inputs,
         outputs=outputs,
         id=message.id,
-        parameters=parameters_to_dict(message.parameters),
+        parameters=parameters_to_dict(message.parameters) if message.parameters else {},
     )
 
 
@@ -269,7 +293,10 @@ def encode_infer_request(request: InferenceRequest, *, raw: bool = True) -> Any:
 def _raw_bytes(tensor: Tensor) -> bytes:
     if tensor.datatype is DataType.BYTES:
         return serialize_bytes(tensor.data)
-    return np.ascontiguousarray(tensor.data).tobytes()
+    data = tensor.data
+    if type(data) is np.ndarray:
+        return data.tobytes()  # C order whatever the layout: no contiguous copy first
+    return np.ascontiguousarray(data).tobytes()
 
 
 def encode_infer_response(response: InferenceResponse) -> Any:
@@ -279,13 +306,18 @@ def encode_infer_response(response: InferenceResponse) -> Any:
     )
     if response.parameters:
         set_parameters(message.parameters, response.parameters)
-    outputs = message.outputs
+    add = message.outputs.add
     buffers: list[bytes] = []
     for tensor in response.outputs:
-        entry = outputs.add(name=tensor.name, datatype=tensor.datatype.value, shape=tensor.shape)
+        datatype = tensor.datatype
+        entry = add(name=tensor.name, datatype=_WIRE_NAME[datatype], shape=tensor.shape)
         if tensor.parameters:
             set_parameters(entry.parameters, tensor.parameters)
-        buffers.append(_raw_bytes(tensor))
+        data = tensor.data
+        if datatype is not DataType.BYTES and type(data) is np.ndarray:
+            buffers.append(data.tobytes())  # C order whatever the layout (as _raw_bytes)
+        else:
+            buffers.append(_raw_bytes(tensor))
     message.raw_output_contents.extend(buffers)
     return message
 

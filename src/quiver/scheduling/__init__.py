@@ -1,12 +1,14 @@
 """Schedulers: how requests reach a model's instances.
 
-:func:`create_scheduler` picks Triton's scheduler for a configuration: the dynamic batcher
-for ``dynamic_batching``, else the direct scheduler (the next free instance).
+:func:`create_scheduler` picks Triton's scheduler for a configuration: the sequence batcher
+for ``sequence_batching``, the dynamic batcher for ``dynamic_batching``, else the direct
+scheduler (the next free instance).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from quiver.backends.base import ModelInstance
 from quiver.config import ModelConfig
@@ -14,6 +16,7 @@ from quiver.metrics.statistics import ModelStatistics
 from quiver.scheduling.base import Scheduler
 from quiver.scheduling.direct import Clock, DirectScheduler
 from quiver.scheduling.dynamic import DynamicBatcher, queue_from_config
+from quiver.scheduling.sequence import SequenceBatcher, create_sequence_batcher
 
 
 def create_scheduler(
@@ -21,8 +24,12 @@ def create_scheduler(
     instances: list[ModelInstance],
     stats: ModelStatistics,
     clock: Clock = time.monotonic_ns,
+    *,
+    version_dir: Path | None = None,
 ) -> Scheduler:
     proto = config.proto
+    if proto.HasField("sequence_batching"):
+        return create_sequence_batcher(config, instances, stats, version_dir=version_dir, clock=clock)
     if proto.HasField("dynamic_batching"):
         batching = proto.dynamic_batching
         return DynamicBatcher(
@@ -40,4 +47,4 @@ def create_scheduler(
     )
 
 
-__all__ = ["DirectScheduler", "DynamicBatcher", "Scheduler", "create_scheduler"]
+__all__ = ["DirectScheduler", "DynamicBatcher", "Scheduler", "SequenceBatcher", "create_scheduler"]

@@ -1,0 +1,737 @@
+"""Dynamic batching on a ResNet-50-sized ONNX model: Quiver over HTTP next to onnxruntime's ceiling.
+
+Run: ``.venv/bin/python benchmarks/batching.py`` (or ``make bench-batching``); ``--help`` for options.
+
+What it measures:
+
+* ``ceiling``: the same model called in-process with onnxruntime (default session options, as
+  ``quiver serve`` opens it), one ``InferenceSession.run`` after another, at every batch size in
+  ``--ceiling-batches`` (default 1..32): images/s per batch size, and the best. No server can
+  beat the best on this machine; it is the line the server rows are compared with.
+* ``quiver``: ``quiver serve`` on a temporary repository holding the model with
+  ``max_batch_size: 32``, once without ``dynamic_batching`` (each request runs alone) and once per
+  ``--variants`` entry with it (``max_queue_delay_microseconds`` and optionally
+  ``preferred_batch_size``, instance count, ``intra_op_thread_count``), driven over HTTP/1.1 with
+  the binary tensor extension (one FP32 [1, 3, 224, 224] image, 602,112 bytes, per request; the
+  output FP32 [1, 1000] asked for as binary) at each ``--concurrency``: one keep-alive connection
+  per concurrent request, a fixed ``--duration`` measured after a ``--warmup``.
+
+The load generator is the lean one of ``http_throughput.py``: one process, one uvloop event loop,
+``asyncio.Protocol`` connections writing one pre-encoded request and framing responses by
+Content-Length. Every status is checked; each connection's first answer and one in ``--check-every``
+is decoded and compared with onnxruntime's answer for the same image. Client CPU
+(``time.process_time``) and server CPU (psutil or /proc) over the measured window are reported
+as a percentage of one core.
+
+Results: a markdown table on stdout and in ``benchmarks/results/batching.md``, JSON in
+``benchmarks/results/batching.json``, and with ``--plot`` ``benchmarks/results/batching.png`` if
+matplotlib is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import http.client
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a Quiver dependency on Linux
+    uvloop = None  # type: ignore[assignment]
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - optional
+    psutil = None  # type: ignore[assignment]
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from resnet50 import CLASSES, IMAGE_SHAPE, INPUT, OUTPUT, parameter_count, resnet50_onnx  # noqa: E402
+
+MODEL = "resnet50"
+INFER_PATH = f"/v2/models/{MODEL}/infer"
+MAX_BATCH = 32
+STARTED = re.compile(r"started HTTP service at ([0-9.]+):(\d+)")
+CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
+HEADER_LENGTH = re.compile(rb"\r\ninference-header-content-length:[ \t]*(\d+)", re.IGNORECASE)
+
+CONFIG = """
+name: "resnet50"
+backend: "onnxruntime"
+max_batch_size: {max_batch}
+input [ {{ name: "{input}" data_type: TYPE_FP32 dims: [ 3, 224, 224 ] }} ]
+output [ {{ name: "{output}" data_type: TYPE_FP32 dims: [ {classes} ] }} ]
+instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
+{parameters}
+{batching}
+model_warmup [ {{ name: "one_image" batch_size: 1
+  inputs {{ key: "{input}" value: {{ data_type: TYPE_FP32 dims: [ 3, 224, 224 ] zero_data: true }} }} }} ]
+"""
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- server configurations -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One server configuration: ``delay_us`` None means no dynamic batching."""
+
+    delay_us: int | None
+    preferred: tuple[int, ...] = ()
+    instances: int = 1
+    intra_threads: int = 0  # 0: onnxruntime's default
+
+    @property
+    def label(self) -> str:
+        if self.delay_us is None:
+            text = "no dynamic batching"
+        else:
+            text = f"dynamic batching, delay {self.delay_us} us"
+            if self.preferred:
+                text += f", preferred {'/'.join(map(str, self.preferred))}"
+        if self.instances != 1:
+            text += f", {self.instances} instances"
+        if self.intra_threads:
+            text += f", intra_op {self.intra_threads}"
+        return text
+
+    def config(self) -> str:
+        batching = ""
+        if self.delay_us is not None:
+            preferred = "".join(f" preferred_batch_size: {p}" for p in self.preferred)
+            batching = f"dynamic_batching {{ max_queue_delay_microseconds: {self.delay_us}{preferred} }}"
+        parameters = ""
+        if self.intra_threads:
+            parameters = (
+                f'parameters {{ key: "intra_op_thread_count" value: {{ string_value: "{self.intra_threads}" }} }}'
+            )
+        return CONFIG.format(
+            max_batch=MAX_BATCH, input=INPUT, output=OUTPUT, classes=CLASSES,
+            instances=self.instances, parameters=parameters, batching=batching,
+        )
+
+
+def parse_variant(text: str) -> Variant:
+    """``none`` | ``DELAY_US[:p=P/P][:i=N][:t=N]`` (preferred sizes, instances, intra-op threads)."""
+    parts = text.strip().split(":")
+    delay = None if parts[0] == "none" else int(parts[0])
+    preferred: tuple[int, ...] = ()
+    instances, threads = 1, 0
+    for part in parts[1:]:
+        key, _, value = part.partition("=")
+        if key == "p":
+            preferred = tuple(int(v) for v in value.split("/") if v)
+        elif key == "i":
+            instances = int(value)
+        elif key == "t":
+            threads = int(value)
+        else:
+            raise argparse.ArgumentTypeError(f"variant '{text}': unknown part '{part}'")
+    return Variant(delay, preferred, instances, threads)
+
+
+# -- payloads ------------------------------------------------------------------------------
+
+
+def request_bytes(image: np.ndarray[Any, Any], host: str, port: int) -> bytes:
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": INPUT,
+                    "datatype": "FP32",
+                    "shape": [1, *IMAGE_SHAPE],
+                    "parameters": {"binary_data_size": image.nbytes},
+                }
+            ],
+            "outputs": [{"name": OUTPUT, "parameters": {"binary_data": True}}],
+        }
+    )
+    body = header + image.astype("<f4").tobytes()
+    head = (
+        f"POST {INFER_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {len(body)}\r\n"
+        f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {len(header)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def check_answer(body: bytes, header_length: int, expected: np.ndarray[Any, Any]) -> str | None:
+    try:
+        header = orjson.loads(body[:header_length])
+        (out,) = header["outputs"]
+        size = out["parameters"]["binary_data_size"]
+        got = np.frombuffer(body, dtype="<f4", count=size // 4, offset=header_length)
+        if out["name"] != OUTPUT or list(out["shape"]) != [1, CLASSES]:
+            return f"wrong output {out['name']} shape {out['shape']}"
+        if not np.allclose(got, expected.ravel(), rtol=1e-3, atol=1e-3):
+            return f"wrong values: max difference {float(np.abs(got - expected.ravel()).max()):.3g}"
+    except Exception as exc:
+        return f"undecodable response ({type(exc).__name__}: {exc}): {body[:200]!r}"
+    return None
+
+
+# -- load generator ------------------------------------------------------------------------
+
+
+@dataclass
+class TrialResult:
+    variant: str
+    concurrency: int
+    requests: int = 0
+    seconds: float = 0.0
+    req_per_s: float = 0.0
+    p50_ms: float | None = None
+    p90_ms: float | None = None
+    p99_ms: float | None = None
+    errors: int = 0
+    answers_checked: int = 0
+    client_cpu_pct: float = 0.0
+    server_cpu_pct: float = 0.0
+    mean_batch: float | None = None  # rows per execution over the window, from the server's statistics
+    compute_pct: float | None = None  # executions' compute time over the window / window, per instance
+    ceiling_ratio: float | None = None
+    first_error: str | None = None
+    latencies_ns: list[int] = field(default_factory=list, repr=False)
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection with at most one request in flight."""
+
+    def __init__(self, trial: _Trial) -> None:
+        self.trial = trial
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.need = -1
+        self.head_end = 0
+        self.t0 = 0
+        self.checked = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self) -> None:
+        assert self.transport is not None
+        self.t0 = time.perf_counter_ns()
+        self.transport.write(self.trial.request)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if self.need < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            match = CONTENT_LENGTH.search(bytes(buf[: end + 2]))
+            if match is None:
+                self.trial.fail(self, "response without Content-Length")
+                return
+            self.head_end = end + 4
+            self.need = end + 4 + int(match.group(1))
+        if len(buf) < self.need:
+            return
+        head, body = bytes(buf[: self.head_end]), bytes(buf[self.head_end : self.need])
+        buf.clear()
+        self.need = -1
+        self.trial.on_response(self, head, body)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.trial.on_lost(self)
+
+
+class _Trial:
+    def __init__(self, request: bytes, expected: np.ndarray[Any, Any], check_every: int, result: TrialResult) -> None:
+        self.request = request
+        self.expected = expected
+        self.check_every = check_every
+        self.result = result
+        self.measuring = False
+        self.stopping = False
+        self.completed = 0
+        self.conns: list[_Conn] = []
+        self.idle: asyncio.Future[None] | None = None
+
+    def on_response(self, conn: _Conn, head: bytes, body: bytes) -> None:
+        latency = time.perf_counter_ns() - conn.t0
+        conn.t0 = 0
+        res = self.result
+        status = int(head[9:12])
+        self.completed += 1
+        if status != 200:
+            res.errors += 1
+            res.first_error = res.first_error or f"HTTP {status}: {body[:200]!r}"
+        elif not conn.checked or self.completed % self.check_every == 0:
+            conn.checked = True
+            match = HEADER_LENGTH.search(head)
+            problem = check_answer(body, int(match.group(1)) if match else -1, self.expected)
+            res.answers_checked += 1
+            if problem is not None:
+                res.errors += 1
+                res.first_error = res.first_error or problem
+        if self.measuring:
+            res.latencies_ns.append(latency)
+        if self.stopping:
+            self.settle()
+        else:
+            conn.send()
+
+    def fail(self, conn: _Conn, message: str) -> None:
+        self.result.first_error = self.result.first_error or message
+        if conn.transport is not None:
+            conn.transport.abort()
+
+    def on_lost(self, conn: _Conn) -> None:
+        if conn.t0:
+            self.result.errors += 1
+            self.result.first_error = self.result.first_error or "connection lost mid-request"
+            conn.t0 = 0
+        if conn in self.conns:
+            self.conns.remove(conn)
+        self.settle()
+
+    def settle(self) -> None:
+        if self.stopping and self.idle is not None and not self.idle.done() and all(c.t0 == 0 for c in self.conns):
+            self.idle.set_result(None)
+
+
+def cpu_seconds(pid: int) -> float:
+    if psutil is not None:
+        return float(sum(psutil.Process(pid).cpu_times()[:2]))
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_stats(host: str, port: int) -> tuple[int, int, int]:
+    """(inference_count, execution_count, compute ns summed over executions), from the statistics extension."""
+    with urllib.request.urlopen(f"http://{host}:{port}/v2/models/{MODEL}/stats", timeout=30) as resp:
+        stats = json.loads(resp.read())["model_stats"][0]
+    compute = sum(
+        int(b[phase]["ns"]) for b in stats.get("batch_stats", []) for phase in ("compute_input", "compute_infer", "compute_output")
+    )
+    return int(stats["inference_count"]), int(stats["execution_count"]), compute
+
+
+async def run_trial(
+    host: str, port: int, pid: int, variant: str, concurrency: int, args: argparse.Namespace,
+    image: np.ndarray[Any, Any], expected: np.ndarray[Any, Any], instances: int = 1,
+) -> TrialResult:
+    result = TrialResult(variant, concurrency)
+    trial = _Trial(request_bytes(image, host, port), expected, args.check_every, result)
+    loop = asyncio.get_running_loop()
+    trial.idle = loop.create_future()
+    for _ in range(concurrency):
+        _, conn = await loop.create_connection(lambda: _Conn(trial), host, port)
+        trial.conns.append(conn)
+    for conn in trial.conns:
+        conn.send()
+    await asyncio.sleep(args.warmup)
+    counts0 = await loop.run_in_executor(None, server_stats, host, port)
+    trial.measuring = True
+    server0, cpu0, t0 = cpu_seconds(pid), time.process_time(), time.perf_counter()
+    await asyncio.sleep(args.duration)
+    t1, cpu1, server1 = time.perf_counter(), time.process_time(), cpu_seconds(pid)
+    trial.measuring = False
+    trial.stopping = True
+    counts1 = await loop.run_in_executor(None, server_stats, host, port)
+    trial.settle()
+    try:
+        await asyncio.wait_for(trial.idle, timeout=120)
+    except TimeoutError:
+        result.errors += 1
+        result.first_error = result.first_error or "requests still in flight 120 s after the trial"
+    for conn in trial.conns:
+        if conn.transport is not None:
+            conn.transport.close()
+    seconds = t1 - t0
+    lat = np.asarray(result.latencies_ns, dtype=np.int64)
+    result.requests = len(lat)
+    result.seconds = seconds
+    result.req_per_s = len(lat) / seconds
+    if len(lat):
+        p50, p90, p99 = np.percentile(lat, [50, 90, 99]) / 1e6
+        result.p50_ms, result.p90_ms, result.p99_ms = float(p50), float(p90), float(p99)
+    result.client_cpu_pct = 100 * (cpu1 - cpu0) / seconds
+    result.server_cpu_pct = 100 * (server1 - server0) / seconds
+    executions = counts1[1] - counts0[1]
+    if executions > 0:
+        result.mean_batch = (counts1[0] - counts0[0]) / executions
+        result.compute_pct = 100 * (counts1[2] - counts0[2]) / 1e9 / seconds / instances
+    return result
+
+
+def _run(coro: Any) -> Any:
+    if uvloop is not None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    return asyncio.run(coro)
+
+
+# -- the ceiling ---------------------------------------------------------------------------
+
+
+def run_ceiling(model_path: Path, batches: list[int], seconds: float, image: np.ndarray[Any, Any]) -> dict[int, float]:
+    """Images/s of in-process onnxruntime per batch size (default session options)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(model_path), sess_options=options, providers=["CPUExecutionProvider"])
+    rates: dict[int, float] = {}
+    for batch in batches:
+        feed = {INPUT: np.repeat(image, batch, axis=0)}
+        session.run([OUTPUT], feed)  # first run of a shape allocates
+        runs, start = 0, time.perf_counter()
+        while runs < 2 or time.perf_counter() - start < seconds:
+            session.run([OUTPUT], feed)
+            runs += 1
+        rates[batch] = runs * batch / (time.perf_counter() - start)
+        log(f"  ceiling batch {batch:2d}: {rates[batch]:6.1f} images/s")
+    return rates
+
+
+# -- servers -------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.host, self.port = "", 0
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.port:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"quiver exited with {self.proc.returncode}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"quiver did not start in {timeout:.0f} s:\n{self.tail()}")
+            match = STARTED.search(self.log_path.read_text(errors="replace"))
+            if match:
+                self.host, self.port = match.group(1), int(match.group(2))
+            time.sleep(0.1)
+        url = f"http://{self.host}:{self.port}/v2/models/{MODEL}/ready"
+        while True:
+            with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{MODEL} never became ready:\n{self.tail()}")
+            time.sleep(0.1)
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            code = None
+        self._log.close()
+        return code
+
+
+def sanity_check(host: str, port: int, image: np.ndarray[Any, Any], expected: np.ndarray[Any, Any]) -> None:
+    raw = request_bytes(image, host, port)
+    head, body = raw.split(b"\r\n\r\n", 1)
+    header_length = int(HEADER_LENGTH.search(head + b"\r\n").group(1))  # type: ignore[union-attr]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    try:
+        conn.request(
+            "POST", INFER_PATH, body,
+            {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_length)},
+        )
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"sanity check: HTTP {resp.status}: {data[:300]!r}")
+        problem = check_answer(data, int(resp.getheader("Inference-Header-Content-Length") or -1), expected)
+        if problem:
+            raise RuntimeError(f"sanity check: {problem}")
+    finally:
+        conn.close()
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) -> str:
+    rows = [
+        "| server | concurrency | req/s | % of ceiling | mean batch | instance busy % | p50 ms | p90 ms | p99 ms | errors | client CPU % | server CPU % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| ceiling: onnxruntime in-process, best batch size {best_batch} | - | {ceiling:.1f} img/s | 100 | {best_batch} | 100 | - | - | - | - | - | - |",
+    ]
+    for r in results:
+        batch = "-" if r.mean_batch is None else f"{r.mean_batch:.1f}"
+        busy = "-" if r.compute_pct is None else f"{r.compute_pct:.0f}"
+        rows.append(
+            f"| {r.variant} | {r.concurrency} | {r.req_per_s:.1f} | {r.ceiling_ratio or 0:.0f} | {batch} | {busy} "
+            f"| {_ms(r.p50_ms)} | {_ms(r.p90_ms)} | {_ms(r.p99_ms)} | {r.errors} "
+            f"| {r.client_cpu_pct:.0f} | {r.server_cpu_pct:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def environment() -> dict[str, Any]:
+    cpu_model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "onnxruntime": version("onnxruntime"),
+        "onnx": version("onnx"),
+        "quiver": version("quiver"),
+        "uvloop": version("uvloop"),
+    }
+
+
+def command_line() -> str:
+    script = Path(sys.argv[0]).resolve()
+    with contextlib.suppress(ValueError):
+        script = script.relative_to(Path.cwd())
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+def plot(results: list[TrialResult], ceiling: float, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("--plot: matplotlib is not importable; skipping the plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[TrialResult]] = {}
+    for r in results:
+        series.setdefault(r.variant, []).append(r)
+    for label, rows in series.items():
+        rows.sort(key=lambda r: r.concurrency)
+        ax.plot([r.concurrency for r in rows], [r.req_per_s for r in rows], marker="o", label=label)
+    ax.axhline(ceiling, linestyle="--", color="grey", label="ceiling: onnxruntime in-process, best batch")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (HTTP connections, one image per request)")
+    ax.set_ylabel("images/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("ResNet-50 (ONNX, CPU) through quiver serve")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+def _ints(text: str) -> list[int]:
+    items: list[int] = []
+    for part in text.split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            items += range(int(lo), int(hi) + 1)
+        elif part.strip():
+            items.append(int(part))
+    if not items or min(items) < 1:
+        raise argparse.ArgumentTypeError("expected positive integers: 1,4,16 or 1-32")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=(
+            "Throughput of `quiver serve` with and without dynamic batching on a ResNet-50-sized ONNX "
+            "model (HTTP, binary tensors), next to the best in-process onnxruntime throughput. Writes "
+            "benchmarks/results/batching.{md,json}."
+        )
+    )
+    parser.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 32], metavar="N,N", help="default: 1,4,16,32")
+    parser.add_argument("--duration", type=float, default=20.0, metavar="S", help="measured seconds per trial (default: 20)")
+    parser.add_argument("--warmup", type=float, default=6.0, metavar="S", help="warm-up seconds per trial (default: 6)")
+    parser.add_argument(
+        "--variants",
+        type=lambda t: [parse_variant(v) for v in t.split(",")],
+        default=[parse_variant(v) for v in ("none", "0", "5000", "20000", "5000:p=16/32")],
+        metavar="V,V",
+        help=(
+            "server configurations: 'none' (no dynamic batching) or DELAY_US[:p=P/P][:i=INSTANCES][:t=THREADS]"
+            " (default: none,0,5000,20000,5000:p=16/32)"
+        ),
+    )
+    parser.add_argument("--ceiling-batches", type=_ints, default=list(range(1, 33)), metavar="B", help="default: 1-32")
+    parser.add_argument("--ceiling-seconds", type=float, default=3.0, metavar="S", help="per batch size (default: 3)")
+    parser.add_argument("--check-every", type=int, default=20, metavar="N", help="check one answer in N (default: 20)")
+    parser.add_argument("--output-dir", type=Path, default=HERE / "results", metavar="DIR")
+    parser.add_argument("--plot", action="store_true", help="also write batching.png (needs matplotlib)")
+    parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: next to this Python)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="extra `quiver serve` argument (repeatable)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    quiver_exe = args.quiver or str(Path(sys.executable).parent / "quiver")
+    env = environment()
+    cmd = command_line()
+    results: list[TrialResult] = []
+    notes: list[str] = []
+    status = 0
+    image = np.random.default_rng(7).random((1, *IMAGE_SHAPE), dtype=np.float32)
+
+    with tempfile.TemporaryDirectory(prefix="quiver-batching-") as tmp:
+        repo = Path(tmp) / "repository"
+        model_path = repo / MODEL / "1" / "model.onnx"
+        model_path.parent.mkdir(parents=True)
+        import onnx
+        import onnxruntime as ort
+
+        model = resnet50_onnx()
+        onnx.checker.check_model(model)
+        onnx.save(model, str(model_path))
+        log(f"ResNet-50: {parameter_count(model):,} parameters, {model_path.stat().st_size / 1e6:.0f} MB")
+        expected = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]).run([OUTPUT], {INPUT: image})[0]
+
+        log(f"ceiling: onnxruntime in-process over batch sizes {args.ceiling_batches[0]}..{args.ceiling_batches[-1]}")
+        rates = run_ceiling(model_path, args.ceiling_batches, args.ceiling_seconds, image)
+        best_batch = max(rates, key=lambda b: rates[b])
+        ceiling = rates[best_batch]
+        log(f"ceiling: {ceiling:.1f} images/s at batch size {best_batch}")
+
+        for variant in args.variants:
+            (repo / MODEL / "config.pbtxt").write_text(variant.config())
+            argv_ = [quiver_exe, "serve", "--model-repository", str(repo), "--http-port", "0",
+                     "--allow-grpc=false", "--allow-metrics=false", *args.server_arg]
+            log(f"{variant.label}: starting {shlex.join(argv_)}")
+            server = Server(argv_, Path(tmp) / "server.log")
+            try:
+                server.wait_ready()
+                sanity_check(server.host, server.port, image, expected)
+                for concurrency in args.concurrency:
+                    log(f"{variant.label} c={concurrency}: {args.warmup:g} s warm-up + {args.duration:g} s ...")
+                    res = _run(run_trial(server.host, server.port, server.proc.pid, variant.label, concurrency, args, image, expected, variant.instances))
+                    res.ceiling_ratio = 100 * res.req_per_s / ceiling
+                    results.append(res)
+                    log(
+                        f"  {res.req_per_s:.1f} req/s ({res.ceiling_ratio:.0f}% of ceiling), mean batch "
+                        f"{res.mean_batch or 0:.1f}, instance busy {res.compute_pct or 0:.0f}%, p50 {res.p50_ms or 0:.0f} ms, p99 {res.p99_ms or 0:.0f} ms, "
+                        f"errors {res.errors}, client CPU {res.client_cpu_pct:.0f}%, server CPU {res.server_cpu_pct:.0f}%"
+                    )
+                    if res.first_error:
+                        log(f"  first error: {res.first_error}")
+            except (RuntimeError, OSError) as exc:
+                log(f"error: {exc}")
+                notes.append(f"{variant.label}: aborted: {exc}")
+                status = 1
+            finally:
+                code = server.stop()
+                if code != 0:
+                    notes.append(f"{variant.label}: server exit code {code} after SIGTERM (expected 0)")
+                    status = 1
+
+    if any(r.errors for r in results):
+        notes.append("errors: " + "; ".join(f"{r.variant}/c{r.concurrency}: {r.first_error}" for r in results if r.errors))
+        status = 1
+    batched = [r for r in results if r.concurrency == 16 and r.variant != "no dynamic batching"]
+    best16 = max(batched, key=lambda r: r.req_per_s, default=None)
+    table = markdown_table(results, ceiling, best_batch)
+    print(table)
+    out: Path = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    goal = ""
+    if best16 is not None:
+        goal = (
+            f"- At concurrency 16 the best dynamic-batching configuration ({best16.variant}) serves "
+            f"{best16.req_per_s:.1f} images/s, {best16.ceiling_ratio:.0f}% of the ceiling (goal: 90%)."
+        )
+    report = [
+        "# Dynamic batching: ResNet-50 (ONNX, FP32 [3, 224, 224]) over HTTP with binary tensors",
+        "",
+        f"- Command: `{cmd}`",
+        f"- Date: {env['date']}",
+        f"- Machine: {env['nproc']} cores, {env['cpu_model']} ({env['platform']}), no GPU",
+        f"- Versions: Python {env['python']}, onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, quiver {env['quiver']}",
+        f"- Model: `benchmarks/resnet50.py`, ResNet-50 v1.5 with batch norm folded, random weights, opset 17,"
+        f" {parameter_count(model):,} parameters; `max_batch_size: {MAX_BATCH}`, one instance unless the row says otherwise.",
+        f"- Trials: {args.warmup:g} s warm-up, then {args.duration:g} s measured; one HTTP/1.1 keep-alive connection"
+        " per concurrent request, one image (602,112 bytes) per request. `mean batch` is rows per execution over"
+        " the window and `instance busy %` the share of the window the instance spent executing (server"
+        " statistics: compute input + infer + output, per instance). CPU % is of one core (200% is the whole machine); the client shares it.",
+        "- Ceiling: the same model in-process, `InferenceSession.run` back to back at each batch size "
+        f"{args.ceiling_batches[0]}..{args.ceiling_batches[-1]}: "
+        + ", ".join(f"{b}: {rates[b]:.1f}" for b in sorted(rates))
+        + " images/s.",
+        goal,
+        "",
+        table,
+    ]
+    if notes:
+        report += ["", *[f"- {n}" for n in notes]]
+    (out / "batching.md").write_text("\n".join(line for line in report if line is not None) + "\n")
+    payload = {
+        "benchmark": "batching",
+        "command": cmd,
+        "environment": env,
+        "settings": {
+            "concurrency": args.concurrency,
+            "duration_s": args.duration,
+            "warmup_s": args.warmup,
+            "variants": [asdict(v) | {"label": v.label} for v in args.variants],
+            "max_batch_size": MAX_BATCH,
+        },
+        "ceiling": {"best_images_per_s": ceiling, "best_batch_size": best_batch, "images_per_s_by_batch": rates},
+        "notes": notes,
+        "results": [{k: v for k, v in asdict(r).items() if k != "latencies_ns"} for r in results],
+    }
+    (out / "batching.json").write_text(json.dumps(payload, indent=2) + "\n")
+    log(f"wrote {out / 'batching.md'} and {out / 'batching.json'}")
+    if args.plot:
+        plot(results, ceiling, out / "batching.png")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
