@@ -25,7 +25,10 @@ as a percentage of one core.
 
 Results: a markdown table on stdout and in ``benchmarks/results/batching.md``, JSON in
 ``benchmarks/results/batching.json``, and with ``--plot`` ``benchmarks/results/batching.png`` if
-matplotlib is importable.
+matplotlib is importable (``--plot-from batching.json`` draws it later, e.g. from a Python that has
+matplotlib; it needs numpy, orjson and onnx too).
+
+``benchmarks/resnet50.py`` holds the model builder, ``resnet50_onnx()``, for reuse.
 """
 
 from __future__ import annotations
@@ -216,6 +219,7 @@ class TrialResult:
     mean_batch: float | None = None  # rows per execution over the window, from the server's statistics
     compute_pct: float | None = None  # executions' compute time over the window / window, per instance
     ceiling_ratio: float | None = None
+    load_avg: float = 0.0  # the machine's 1-minute load average at the end: other work on the cores shows here
     first_error: str | None = None
     latencies_ns: list[int] = field(default_factory=list, repr=False)
 
@@ -377,6 +381,7 @@ async def run_trial(
         p50, p90, p99 = np.percentile(lat, [50, 90, 99]) / 1e6
         result.p50_ms, result.p90_ms, result.p99_ms = float(p50), float(p90), float(p99)
     result.client_cpu_pct = 100 * (cpu1 - cpu0) / seconds
+    result.load_avg = os.getloadavg()[0]
     result.server_cpu_pct = 100 * (server1 - server0) / seconds
     executions = counts1[1] - counts0[1]
     if executions > 0:
@@ -491,9 +496,9 @@ def _ms(value: float | None) -> str:
 
 def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) -> str:
     rows = [
-        "| server | concurrency | req/s | % of ceiling | mean batch | instance busy % | p50 ms | p90 ms | p99 ms | errors | client CPU % | server CPU % |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| ceiling: onnxruntime in-process, best batch size {best_batch} | - | {ceiling:.1f} img/s | 100 | {best_batch} | 100 | - | - | - | - | - | - |",
+        "| server | concurrency | req/s | % of ceiling | mean batch | instance busy % | p50 ms | p90 ms | p99 ms | errors | client CPU % | server CPU % | load avg |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| ceiling: onnxruntime in-process, best batch size {best_batch} | - | {ceiling:.1f} img/s | 100 | {best_batch} | 100 | - | - | - | - | - | - | - |",
     ]
     for r in results:
         batch = "-" if r.mean_batch is None else f"{r.mean_batch:.1f}"
@@ -501,7 +506,7 @@ def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) 
         rows.append(
             f"| {r.variant} | {r.concurrency} | {r.req_per_s:.1f} | {r.ceiling_ratio or 0:.0f} | {batch} | {busy} "
             f"| {_ms(r.p50_ms)} | {_ms(r.p90_ms)} | {_ms(r.p99_ms)} | {r.errors} "
-            f"| {r.client_cpu_pct:.0f} | {r.server_cpu_pct:.0f} |"
+            f"| {r.client_cpu_pct:.0f} | {r.server_cpu_pct:.0f} | {r.load_avg:.1f} |"
         )
     return "\n".join(rows)
 
@@ -595,11 +600,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variants",
         type=lambda t: [parse_variant(v) for v in t.split(",")],
-        default=[parse_variant(v) for v in ("none", "0", "5000", "20000", "5000:p=16/32")],
+        default=[parse_variant(v) for v in ("none", "0", "5000", "20000:p=16/32", "0:i=2:t=1")],
         metavar="V,V",
         help=(
             "server configurations: 'none' (no dynamic batching) or DELAY_US[:p=P/P][:i=INSTANCES][:t=THREADS]"
-            " (default: none,0,5000,20000,5000:p=16/32)"
+            " (default: none,0,5000,20000:p=16/32,0:i=2:t=1)"
         ),
     )
     parser.add_argument("--ceiling-batches", type=_ints, default=list(range(1, 33)), metavar="B", help="default: 1-32")
@@ -607,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-every", type=int, default=20, metavar="N", help="check one answer in N (default: 20)")
     parser.add_argument("--output-dir", type=Path, default=HERE / "results", metavar="DIR")
     parser.add_argument("--plot", action="store_true", help="also write batching.png (needs matplotlib)")
+    parser.add_argument(
+        "--plot-from", type=Path, default=None, metavar="JSON",
+        help="only draw OUTPUT_DIR/batching.png from an earlier batching.json (e.g. with a Python that has matplotlib)",
+    )
     parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: next to this Python)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="extra `quiver serve` argument (repeatable)")
     return parser
@@ -614,6 +623,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.plot_from is not None:
+        data = json.loads(args.plot_from.read_text())
+        fields = set(TrialResult.__dataclass_fields__)
+        saved = [TrialResult(**{k: v for k, v in r.items() if k in fields}) for r in data["results"]]
+        plot(saved, data["ceiling"]["best_images_per_s"], args.output_dir / "batching.png")
+        return 0
     quiver_exe = args.quiver or str(Path(sys.executable).parent / "quiver")
     env = environment()
     cmd = command_line()
@@ -639,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         rates = run_ceiling(model_path, args.ceiling_batches, args.ceiling_seconds, image)
         best_batch = max(rates, key=lambda b: rates[b])
         ceiling = rates[best_batch]
+        ceiling_load = os.getloadavg()[0]
         log(f"ceiling: {ceiling:.1f} images/s at batch size {best_batch}")
 
         for variant in args.variants:
@@ -658,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(
                         f"  {res.req_per_s:.1f} req/s ({res.ceiling_ratio:.0f}% of ceiling), mean batch "
                         f"{res.mean_batch or 0:.1f}, instance busy {res.compute_pct or 0:.0f}%, p50 {res.p50_ms or 0:.0f} ms, p99 {res.p99_ms or 0:.0f} ms, "
-                        f"errors {res.errors}, client CPU {res.client_cpu_pct:.0f}%, server CPU {res.server_cpu_pct:.0f}%"
+                        f"errors {res.errors}, load {res.load_avg:.1f}, client CPU {res.client_cpu_pct:.0f}%, server CPU {res.server_cpu_pct:.0f}%"
                     )
                     if res.first_error:
                         log(f"  first error: {res.first_error}")
@@ -703,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         "- Ceiling: the same model in-process, `InferenceSession.run` back to back at each batch size "
         f"{args.ceiling_batches[0]}..{args.ceiling_batches[-1]}: "
         + ", ".join(f"{b}: {rates[b]:.1f}" for b in sorted(rates))
-        + " images/s.",
+        + f" images/s (load average {ceiling_load:.1f} at the end).",
         goal,
         "",
         table,
@@ -722,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
             "variants": [asdict(v) | {"label": v.label} for v in args.variants],
             "max_batch_size": MAX_BATCH,
         },
-        "ceiling": {"best_images_per_s": ceiling, "best_batch_size": best_batch, "images_per_s_by_batch": rates},
+        "ceiling": {"load_avg": ceiling_load, "best_images_per_s": ceiling, "best_batch_size": best_batch, "images_per_s_by_batch": rates},
         "notes": notes,
         "results": [{k: v for k, v in asdict(r).items() if k != "latencies_ns"} for r in results],
     }
