@@ -182,12 +182,16 @@ class _Registry:
             "onnxruntime": "quiver.backends.onnxruntime",
             "python": "quiver.backends.python",
             "identity": "quiver.backends.identity",
+            "pytorch": "quiver.backends.pytorch",
         }
     )
     loaded: dict[str, Backend] = field(default_factory=dict)
 
 
 _registry = _Registry()
+
+#: Optional framework package -> the Quiver extra that installs it.
+_EXTRAS = {"torch": "torch"}
 
 
 def get_backend(name: str) -> Backend:
@@ -203,8 +207,10 @@ def get_backend(name: str) -> Backend:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        extra = _EXTRAS.get(str(exc.name).partition(".")[0])
+        hint = f"; install it with: pip install 'quiver[{extra}]'" if extra else ""
         raise UnsupportedError(
-            f"backend '{name}' needs the Python package '{exc.name}', which is not installed"
+            f"backend '{name}' needs the Python package '{exc.name}', which is not installed{hint}"
         ) from None
     backend: Backend = module.BACKEND
     _registry.loaded[name] = backend
