@@ -181,10 +181,10 @@ def _validate(config: ModelConfig, request: InferenceRequest) -> None:
         for got, want in zip(shape, dims, strict=True):
             if want != -1 and got != want:
                 raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name)
-    if len(request.inputs) != len(inputs):
-        given = {t.name for t in request.inputs}
-        if len(given) != len(request.inputs):
-            raise InvalidArgumentError(f"an input is given twice in the request for model '{name}'")
+    given = {t.name for t in request.inputs}
+    if len(given) != len(request.inputs):
+        raise InvalidArgumentError(f"an input is given twice in the request for model '{name}'")
+    if len(given) != len(inputs):
         missing = [t.name for t in config.inputs if t.name not in given and not t.optional]
         if missing:
             raise InvalidArgumentError(

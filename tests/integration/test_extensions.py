@@ -175,3 +175,15 @@ def test_grpc_restricted_protocol(tmp_path: Path) -> None:
             client.infer("simple", inputs)
         assert info.value.status() == "StatusCode.PERMISSION_DENIED"
         assert client.infer("simple", inputs, headers={"api-key": "k1"}).as_numpy("OUTPUT0")[0][0] == 2
+
+
+def test_restriction_groups_follow_the_route_not_the_model_name(tmp_path: Path) -> None:
+    from build_repository import simple_onnx as model
+
+    write_onnx(tmp_path, "ready", model(), SIMPLE_CONFIG.replace('name: "simple"', 'name: "ready"'))
+    with QuiverServer(tmp_path, args=("--http-restricted-api", "metadata:k=v")) as server:
+        client = httpclient.InferenceServerClient(server.url)
+        assert client.is_model_ready("ready")  # health stays open
+        with pytest.raises(InferenceServerException) as info:
+            client.get_model_metadata("ready")  # GET /v2/models/ready is metadata
+        assert info.value.status() == "403"

@@ -167,3 +167,44 @@ def test_corrupt_and_unknown_content_encoding(server: QuiverServer) -> None:
     assert status == 400 and "not valid gzip" in error
     status, error = infer(server, "simple", json.dumps(simple_body()).encode(), {"Content-Encoding": "br"})
     assert status == 400 and "unsupported Content-Encoding 'br'" in error
+
+
+def test_a_repeated_input_is_a_client_error(server: QuiverServer) -> None:
+    tensor = {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))}
+    status, error = infer(server, "simple", {"inputs": [tensor, tensor]})
+    assert status == 400 and "given twice" in error
+
+
+def test_empty_outputs_list_means_every_output(server: QuiverServer) -> None:
+    status, payload, _ = request(server, "POST", "/v2/models/simple/infer", json.dumps(simple_body(outputs=[])).encode())
+    assert status == 200 and payload is not None
+    assert [o["name"] for o in payload["outputs"]] == ["OUTPUT0", "OUTPUT1"]
+
+
+def test_bytes_count_larger_than_the_data_is_refused_before_allocating(server: QuiverServer) -> None:
+    header = json.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [2**40], "parameters": {"binary_data_size": 0}}]}
+    ).encode()
+    status, error = infer(server, "identity_bytes", header, {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400 and "need at least" in error
+
+
+def test_chunked_body_over_the_limit_on_the_repository_api(server: QuiverServer) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v2/repository/index")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        chunk = b"x" * 65536
+        sent = 0
+        try:
+            while sent <= MAX_INPUT_SIZE * 2:
+                conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+            conn.send(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed before the whole body went out
+        response = conn.getresponse()
+        assert response.status == 413
+    finally:
+        conn.close()

@@ -235,3 +235,60 @@ def test_poll_mode_follows_the_repository(tmp_path: Path) -> None:
         shutil.rmtree(tmp_path / "add_b")
         eventually(lambda: not client.is_model_ready("add_b"))
         assert index(client)["add_b"]["reason"] == "removed from the model repository"
+
+
+def test_config_file_names_cannot_leave_the_model_folder(explicit) -> None:  # type: ignore[no-untyped-def]
+    _, client, _ = explicit
+    config = client.get_model_config("simple")
+    for field, value in (("default_model_filename", "/etc/passwd"), ("default_model_filename", "../simple/1/model.onnx")):
+        bad = dict(config, **{field: value})
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("simple", config=json.dumps(bad))
+        assert info.value.status() == "400" and "inside the model's folder" in info.value.message()
+    bad = json.loads(json.dumps(config))
+    bad["output"][0]["label_filename"] = "/etc/passwd"
+    with pytest.raises(InferenceServerException) as info:
+        client.load_model("simple", config=json.dumps(bad))
+    assert "label_filename" in info.value.message()
+    assert client.is_model_ready("simple")
+
+
+def test_model_names_from_requests_are_folder_names(explicit) -> None:  # type: ignore[no-untyped-def]
+    import tritonclient.grpc as grpcclient
+
+    server, _, _ = explicit
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    for name in ("a/../../escape", "..", "x\\y"):
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model(name, config="{}", files={"file:1/model.py": b"x"})
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT", name
+        assert "not a valid model name" in info.value.message()
+
+
+def test_a_failed_reload_keeps_the_served_files(explicit) -> None:  # type: ignore[no-untyped-def]
+    _, client, _ = explicit
+    reader = (
+        b"import numpy as np, triton_python_backend_utils as pb_utils\\n"
+        b"from pathlib import Path\\n"
+        b"class TritonPythonModel:\\n"
+        b"    def initialize(self, args):\\n"
+        b"        self.path = Path(__file__).parent / 'data.txt'\\n"
+        b"    def execute(self, requests):\\n"
+        b"        v = float(self.path.read_text())\\n"
+        b"        return [pb_utils.InferenceResponse([pb_utils.Tensor('OUTPUT0', np.array([v], np.float32))]) for r in requests]\\n"
+    ).decode("unicode_escape").encode()
+    config = json.dumps(
+        {
+            "name": "ov",
+            "backend": "python",
+            "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [1]}],
+            "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [1]}],
+        }
+    )
+    client.load_model("ov", config=config, files={"file:1/model.py": reader, "file:1/data.txt": b"5"})
+    inp = httpclient.InferInput("INPUT0", [1], "FP32")
+    inp.set_data_from_numpy(np.zeros(1, np.float32))
+    assert client.infer("ov", [inp]).as_numpy("OUTPUT0").tolist() == [5.0]
+    with pytest.raises(InferenceServerException):
+        client.load_model("ov", config=config, files={"file:1/model.py": b"raise SystemExit('broken')"})
+    assert client.infer("ov", [inp]).as_numpy("OUTPUT0").tolist() == [5.0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import importlib
 import logging
 import time
@@ -147,7 +148,15 @@ class ThreadedInstance(abc.ABC):
         if self.runs_inline:
             return self._timed(requests)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._timed, requests)
+        running = loop.run_in_executor(self._executor, self._timed, requests)
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: the instance stays busy until the execution
+            # ends, so the caller (and the scheduler that hands out instances) waits for it.
+            with contextlib.suppress(Exception):
+                await running
+            raise
 
     def release(self) -> None:  # noqa: B027 - optional hook, most instances need none
         """Framework clean-up; runs on the instance's own thread."""

@@ -129,7 +129,9 @@ class _LoadedModule:
     def forget(self) -> None:
         """Drop the private package and everything under it from ``sys.modules``."""
         prefix = self.package + "."
-        for name in [n for n in sys.modules if n == self.package or n.startswith(prefix)]:
+        # list() copies the keys in one step: another thread (a model loading in parallel) may
+        # import while this runs, and iterating sys.modules itself would then fail.
+        for name in [n for n in list(sys.modules) if n == self.package or n.startswith(prefix)]:
             sys.modules.pop(name, None)
 
 

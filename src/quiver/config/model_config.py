@@ -8,7 +8,7 @@ and the field that is wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from google.protobuf import json_format, text_format
@@ -161,6 +161,10 @@ def parse_model_config_json(text: str | bytes, source: str, model_name: str) -> 
 
 
 def _check_name(proto: pb.ModelConfig, source: str | Path, model_name: str) -> None:
+    # File names first: auto-complete opens the model file before full validation runs.
+    _check_relative(proto.default_model_filename, "default_model_filename", str(source))
+    for output in proto.output:
+        _check_relative(output.label_filename, "label_filename", f"{source}: output '{output.name}'")
     if not proto.name:
         proto.name = model_name
     elif proto.name != model_name:
@@ -194,6 +198,7 @@ def _build(proto: pb.ModelConfig, source: str) -> ModelConfig:
     if proto.max_batch_size < 0:
         raise ConfigError(f"{where}: field 'max_batch_size' must be >= 0, got {proto.max_batch_size}")
 
+    _check_relative(proto.default_model_filename, "default_model_filename", where)
     inputs = [_tensor(t, "input", where, is_input=True) for t in proto.input]
     outputs = [_tensor(t, "output", where, is_input=False) for t in proto.output]
     for kind, tensors in (("input", inputs), ("output", outputs)):
@@ -254,6 +259,22 @@ def _build(proto: pb.ModelConfig, source: str) -> ModelConfig:
     )
 
 
+def _relative(name: str, field_name: str, where: str) -> str:
+    _check_relative(name, field_name, where)
+    return name
+
+
+def _check_relative(name: str, field_name: str, where: str) -> None:
+    """File names in a config are relative to the model's folder and stay inside it."""
+    if not name:
+        return
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if PurePosixPath(name).is_absolute() or name.startswith(("/", "\\")) or ".." in parts or "\0" in name:
+        raise ConfigError(
+            f"{where}: field '{field_name}' must name a file inside the model's folder, got '{name}'"
+        )
+
+
 def _tensor(t: pb.ModelInput | pb.ModelOutput, kind: str, where: str, *, is_input: bool) -> TensorConfig:
     if not t.name:
         raise ConfigError(f"{where}: an {kind} has no 'name'")
@@ -272,7 +293,7 @@ def _tensor(t: pb.ModelInput | pb.ModelOutput, kind: str, where: str, *, is_inpu
         dims=tuple(t.dims),
         reshape=reshape,
         optional=bool(getattr(t, "optional", False)) if is_input else False,
-        label_filename="" if is_input else t.label_filename,
+        label_filename="" if is_input else _relative(t.label_filename, "label_filename", f"{where}: {kind} '{t.name}'"),
         is_shape_tensor=t.is_shape_tensor,
     )
 

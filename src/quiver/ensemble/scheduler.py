@@ -76,7 +76,7 @@ class EnsembleScheduler:
         except asyncio.CancelledError:
             self._stats.record_failure(self._clock() - start, "CANCELED")
             raise
-        except QuiverError:
+        except Exception:
             self._stats.record_failure(self._clock() - start, "BACKEND")
             raise
         finally:
@@ -126,8 +126,11 @@ class EnsembleScheduler:
                         tensors[name] = Tensor(name, tensor.datatype, tensor.shape, tensor.data)
                 launch()
         finally:
-            for task in running:
-                task.cancel()
+            if running:
+                for task in running:
+                    task.cancel()
+                # Collect them, so a second failure is not reported as never retrieved.
+                await asyncio.gather(*running, return_exceptions=True)
         missing = [name for name in plan.outputs if name not in tensors]
         if missing:  # pragma: no cover - the plan's validation rules this out
             raise InternalError(f"ensemble '{plan.name}': output(s) {', '.join(missing)} were not produced")
@@ -137,5 +140,6 @@ class EnsembleScheduler:
     async def stop(self) -> None:
         self._stopping = True
         if self._inflight:
-            self._idle = asyncio.Event()
+            if self._idle is None:
+                self._idle = asyncio.Event()
             await self._idle.wait()

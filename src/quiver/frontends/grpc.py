@@ -241,6 +241,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 try:
                     yield await task
                 finally:  # answered (or abandoned): no longer in flight
+                    if not task.done():
+                        task.cancel()  # the client went away while it ran
                     window.release()
                     self._leave()
             await reader  # raises what ended the reading, if it failed

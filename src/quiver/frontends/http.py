@@ -10,6 +10,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import gzip
 import logging
 import zlib
@@ -165,12 +166,18 @@ class HttpFrontend:
 
     async def _json_body(self, request: Request) -> dict[str, Any]:
         """A small JSON object body (empty means ``{}``), bounded by the input size limit."""
+        limit = self.max_input_size
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_input_size:
-            raise BodyTooLarge(self.max_input_size)
-        body = await request.body()
-        if len(body) > self.max_input_size:
-            raise BodyTooLarge(self.max_input_size)
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise BodyTooLarge(limit)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            chunks.append(chunk)
+        body = b"".join(chunks)
         if not body.strip():
             return {}
         try:
@@ -188,6 +195,11 @@ class HttpFrontend:
             return error_response(exc)
         except BodyTooLarge as exc:
             return _error(413, str(exc))
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except Exception as exc:
+            logger.exception("%s %s failed unexpectedly", request.method, request.url.path)
+            return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     async def repository_index(self, request: Request) -> Response:
         async def handle(body: dict[str, Any]) -> Response:
@@ -310,7 +322,7 @@ class HttpFrontend:
             headers.append((b"inference-header-content-length", str(json_length).encode()))
             content_type = _BINARY
         if accept is not None:
-            payload = _compress(payload, accept.decode("latin-1"), headers)
+            payload = await _compress(payload, accept.decode("latin-1"), headers)
         await _send(send, 200, payload, content_type, headers)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None, encoding: bytes | None) -> bytes:
@@ -419,16 +431,39 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
-def _compress(payload: bytes, accept: str, headers: list[tuple[bytes, bytes]]) -> bytes:
+#: Smaller responses go out as they are: compressing them costs more than it saves.
+MIN_COMPRESS_BYTES = 1024
+#: Larger ones are compressed on a thread, so one big answer does not stall the event loop.
+THREAD_COMPRESS_BYTES = 256 * 1024
+
+
+def _accepted(accept: str) -> set[str]:
+    """Codings the client accepts (``Accept-Encoding``), without those it refuses (``q=0``)."""
+    codings = set()
+    for part in accept.split(","):
+        name, _, params = part.partition(";")
+        q = params.strip().lower()
+        if q.startswith("q=") and q[2:].strip() in ("0", "0.0", "0.00", "0.000"):
+            continue
+        codings.add(name.strip().lower())
+    return codings
+
+
+async def _compress(payload: bytes, accept: str, headers: list[tuple[bytes, bytes]]) -> bytes:
     """Compress for a client that asked (``Accept-Encoding``); gzip preferred."""
-    accepted = {part.split(";")[0].strip().lower() for part in accept.split(",")}
+    if len(payload) < MIN_COMPRESS_BYTES:
+        return payload
+    accepted = _accepted(accept)
     if "gzip" in accepted:
-        headers.append((b"content-encoding", b"gzip"))
-        return gzip.compress(payload, compresslevel=1)
-    if "deflate" in accepted:
-        headers.append((b"content-encoding", b"deflate"))
-        return zlib.compress(payload, 1)
-    return payload
+        coding, compress = b"gzip", functools.partial(gzip.compress, compresslevel=1)
+    elif "deflate" in accepted:
+        coding, compress = b"deflate", functools.partial(zlib.compress, level=1)
+    else:
+        return payload
+    headers.append((b"content-encoding", coding))
+    if len(payload) >= THREAD_COMPRESS_BYTES:
+        return await asyncio.to_thread(compress, payload)
+    return compress(payload)
 
 
 __all__ = ["HttpFrontend"]

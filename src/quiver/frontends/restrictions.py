@@ -56,25 +56,37 @@ class Restrictions:
         return f"This API is restricted, expecting header '{need[0]}'"
 
 
+_ACTIONS = {
+    "": "metadata",
+    "infer": "inference",
+    "ready": "health",
+    "config": "model-config",
+    "stats": "statistics",
+    "trace": "trace",
+}
+_TOP = {
+    "health": "health",
+    "repository": "model-repository",
+    "logging": "logging",
+    "trace": "trace",
+    "systemsharedmemory": "shared-memory",
+    "cudasharedmemory": "shared-memory",
+}
+
+
 def http_group(method: str, path: str) -> str:
-    """The API group of an HTTP request, by Triton's routes."""
-    if path.startswith("/v2/health/"):
-        return "health"
-    if path.startswith("/v2/repository"):
-        return "model-repository"
-    if path.startswith("/v2/logging"):
-        return "logging"
-    if path.startswith("/v2/trace"):
-        return "trace"
-    if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):
-        return "shared-memory"
-    if path.startswith("/v2/models/"):
-        if path.endswith("/infer"):
-            return "inference"
-        if path.endswith("/ready"):
-            return "health"
-        if path.endswith("/config"):
-            return "model-config"
-        if path.endswith("/stats"):
-            return "statistics"
-    return "metadata"
+    """The API group of an HTTP request, by the structure of Triton's routes (so a model
+    named ``ready`` or ``stats`` does not change the group of its metadata route)."""
+    parts = path.strip("/").split("/")
+    if parts[0] != "v2" or len(parts) == 1:
+        return "metadata"
+    head, tail = parts[1], parts[2:]
+    if head != "models":
+        return _TOP.get(head, "metadata")
+    if tail == ["stats"]:
+        return "statistics"
+    if len(tail) >= 3 and tail[1] == "versions":
+        action = tail[3] if len(tail) > 3 else ""
+    else:
+        action = tail[1] if len(tail) > 1 else ""
+    return _ACTIONS.get(action, "metadata")

@@ -37,6 +37,7 @@ from quiver.backends.base import INLINE_THRESHOLD_NS, SERVER
 from quiver.config import ModelConfig, parse_model_config_json
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     QuiverError,
@@ -56,6 +57,15 @@ from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSourc
 logger = logging.getLogger(__name__)
 
 CONTROL_MODES = ("none", "explicit", "poll")
+
+
+def check_model_name(name: str) -> None:
+    """A model name from a request becomes a folder name: no separators, no '.' or '..'."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise InvalidArgumentError(
+            f"'{name}' is not a valid model name: it must be a folder name, without '/', "
+            "'\\' or NUL, and not '.' or '..'"
+        )
 
 
 def fingerprint(path: Path) -> str:
@@ -179,6 +189,22 @@ class ModelRepositoryManager:
         source: ModelSource,
         config_override: pb.ModelConfig | None,
         visiting: frozenset[str] = frozenset(),
+    ) -> dict[str, str]:
+        try:
+            return await self._load_inner(source, config_override, visiting)
+        except Exception as exc:  # a bug or an OS error must cost this load, not leave it LOADING
+            name = source.name
+            logger.exception("loading model '%s' failed unexpectedly", name)
+            reason = f"model '{name}': {type(exc).__name__}: {exc}"
+            if name not in self._ready:
+                self._status[name] = [VersionStatus(name, "", ModelState.UNAVAILABLE, reason)]
+            return {name: reason}
+
+    async def _load_inner(
+        self,
+        source: ModelSource,
+        config_override: pb.ModelConfig | None,
+        visiting: frozenset[str],
     ) -> dict[str, str]:
         name = source.name
         loop = asyncio.get_running_loop()
@@ -307,13 +333,16 @@ class ModelRepositoryManager:
             if config_json
             else None
         )
+        check_model_name(name)
         async with self._lock(name):
+            new_root: Path | None = None
             if files:
                 if override is None:
                     raise InvalidArgumentError(
                         f"failed to load '{name}': 'file:' parameters need the 'config' parameter too"
                     )
                 source = await self._write_override(name, files)
+                new_root = source.repository
             else:
                 sources, _ = await self._scan()
                 source = sources.get(name)  # type: ignore[assignment]
@@ -321,8 +350,20 @@ class ModelRepositoryManager:
                     raise NotFoundError(
                         f"failed to load '{name}': no model named '{name}' in the model repository"
                     )
-                await self._drop_override(name)
-            failures = await self._load_locked(source, override)
+            try:
+                failures = await self._load_locked(source, override)
+            except BaseException:
+                failures = {name: "load interrupted"}
+                raise
+            finally:
+                # The files of the versions that serve stay until a load replaced them.
+                loaded = name not in failures and name in self._ready
+                if loaded:
+                    await self._drop_override(name)
+                    if new_root is not None:
+                        self._overrides[name] = new_root
+                elif new_root is not None:
+                    await self._remove_tree(new_root)
         if name in failures or name not in self._ready:
             reason = failures.get(name) or next(iter(failures.values()), "no version loaded")
             kept = " (the loaded versions keep serving)" if name in self._ready else ""
@@ -348,27 +389,35 @@ class ModelRepositoryManager:
                 )
 
         def write() -> Path:
-            root = Path(tempfile.mkdtemp(prefix=f"quiver-{name}-"))
-            folder = root / name
-            folder.mkdir()
-            for relative, content in files.items():
-                target = folder / relative
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(content)
-            (folder / CONFIG_FILENAME).write_text("")  # the config comes from the request
+            root = Path(tempfile.mkdtemp(prefix="quiver-load-"))
+            try:
+                folder = root / name
+                folder.mkdir()
+                for relative, content in files.items():
+                    target = folder / relative
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(content)
+                (folder / CONFIG_FILENAME).write_text("")  # the config comes from the request
+            except BaseException:
+                shutil.rmtree(root, ignore_errors=True)
+                raise
             return root
 
         loop = asyncio.get_running_loop()
-        root = await loop.run_in_executor(self._pool, write)
-        await self._drop_override(name)
-        self._overrides[name] = root
+        try:
+            root = await loop.run_in_executor(self._pool, write)
+        except OSError as exc:
+            raise InternalError(f"failed to load '{name}': cannot write its files: {exc}") from None
         return ModelSource(name, root, root / name)
 
     async def _drop_override(self, name: str) -> None:
         root = self._overrides.pop(name, None)
         if root is not None:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._pool, functools.partial(shutil.rmtree, root, True))
+            await self._remove_tree(root)
+
+    async def _remove_tree(self, root: Path) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, functools.partial(shutil.rmtree, root, True))
 
     # -- unload ------------------------------------------------------------------------
 
@@ -382,6 +431,7 @@ class ModelRepositoryManager:
                 f"failed to unload '{name}': explicit model load / unload is not allowed in "
                 f"model control mode '{self.control_mode}' (start with --model-control-mode=explicit)"
             )
+        check_model_name(name)
         if name not in self._status and name not in self._ready:
             sources, _ = await self._scan()
             if name not in sources:

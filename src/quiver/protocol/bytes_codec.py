@@ -30,6 +30,11 @@ def deserialize_bytes(buffer: bytes | memoryview, count: int, name: str) -> np.n
     """Decode ``count`` elements; the buffer must hold exactly that many, no more, no less."""
     view = memoryview(buffer)
     size = len(view)
+    if count * 4 > size:  # each element needs at least its 4-byte length: check before allocating
+        raise InvalidArgumentError(
+            f"input '{name}': {count} BYTES elements need at least {count * 4} bytes, the data "
+            f"has {size}"
+        )
     out = np.empty(count, dtype=object)
     offset = 0
     unpack = _LEN.unpack_from

@@ -189,6 +189,8 @@ def decode_request(
 
     outputs: list[RequestedOutput] | None = None
     raw_outputs = header.get("outputs")
+    if raw_outputs == []:
+        raw_outputs = None  # an empty list asks for nothing in particular: every output
     if raw_outputs is not None:
         if not isinstance(raw_outputs, list):
             raise _bad("'outputs' must be a list")

@@ -111,5 +111,6 @@ class DirectScheduler:
     async def stop(self) -> None:
         self._stopping = True
         if self._inflight:
-            self._idle = asyncio.Event()
+            if self._idle is None:
+                self._idle = asyncio.Event()
             await self._idle.wait()

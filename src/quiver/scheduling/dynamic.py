@@ -207,8 +207,8 @@ class DynamicBatcher:
         while True:
             now = self._clock()
             for pending in queue.expire(now):
-                self._stats.record_failure(now - pending.enqueued_ns, "REJECTED")
-                if not pending.future.done():
+                if not pending.future.done():  # a caller that left was counted as CANCELED
+                    self._stats.record_failure(now - pending.enqueued_ns, "REJECTED")
                     pending.future.set_exception(
                         UnavailableError(
                             f"model '{self._model}': request timed out in the queue after "

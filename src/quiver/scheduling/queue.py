@@ -83,6 +83,11 @@ class BatchQueue:
         policy = self.policies[pending.level]
         queue = self.levels[pending.level]
         if policy.max_queue_size and len(queue) >= policy.max_queue_size:
+            # Requests whose callers left do not hold places in the queue.
+            live = deque(p for p in queue if not p.gone)
+            self.size -= len(queue) - len(live)
+            self.levels[pending.level] = queue = live
+        if policy.max_queue_size and len(queue) >= policy.max_queue_size:
             raise UnavailableError(
                 f"model '{pending.request.model_name}': request rejected, the queue of "
                 f"priority level {pending.level + 1} is full ({policy.max_queue_size} requests)"

@@ -158,3 +158,13 @@ def test_no_batching_takes_one_request(loop: asyncio.AbstractEventLoop) -> None:
     queue.push(pending(loop, name="a"))
     queue.push(pending(loop, name="b"))
     assert ids(queue.form(now=0)[0]) == ["a"]
+
+
+def test_callers_that_left_do_not_fill_the_queue(loop: asyncio.AbstractEventLoop) -> None:
+    queue = BatchQueue(max_batch_size=8, policies=[QueuePolicy(max_queue_size=2)])
+    queue.push(pending(loop, name="live"))
+    gone = pending(loop, name="gone")
+    queue.push(gone)
+    gone.future.cancel()
+    queue.push(pending(loop, name="new"))  # the cancelled one gave its place up
+    assert ids(queue.form(now=0)[0]) == ["live", "new"]
