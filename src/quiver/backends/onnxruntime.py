@@ -27,8 +27,8 @@ from quiver.backends.base import (
 )
 from quiver.config import ModelConfig
 from quiver.config.model_config import DEFAULT_MODEL_FILENAME, TensorConfig
+from quiver.config.sequence import SequenceSettings, sequence_settings
 from quiver.errors import ConfigError, InternalError, InvalidArgumentError, QuiverError
-from quiver.scheduling.sequence import SequenceSettings, sequence_settings
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)

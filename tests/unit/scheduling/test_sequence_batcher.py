@@ -15,15 +15,11 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.backends.base import ExecuteResult, ExecutionTiming
 from quiver.config import ModelConfig
+from quiver.config.sequence import sequence_settings
 from quiver.errors import ConfigError, InvalidArgumentError, UnavailableError, UnsupportedError
 from quiver.metrics.statistics import ModelStatistics
 from quiver.scheduling import SequenceBatcher, create_scheduler
-from quiver.scheduling.sequence import (
-    SequenceItem,
-    SequenceTable,
-    correlation_id,
-    sequence_settings,
-)
+from quiver.scheduling.sequence import SequenceItem, SequenceTable, correlation_id
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 US = 1000
