@@ -7,8 +7,12 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import quiver
+
+if TYPE_CHECKING:
+    from quiver.runner import ServerOptions
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -106,6 +110,37 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(net, "--allow-http", True, "serve KServe v2 over HTTP")
     _flag(net, "--allow-grpc", True, "serve KServe v2 over gRPC")
     net.add_argument(
+        "--allow-sagemaker",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="true|false",
+        help=(
+            "serve the SageMaker container contract (GET /ping, POST /invocations, the "
+            "multi-model /models API) on --sagemaker-port (default: true when "
+            "SAGEMAKER_MULTI_MODEL or any SAGEMAKER_TRITON_* variable is set, else false)"
+        ),
+    )
+    net.add_argument(
+        "--sagemaker-port",
+        type=int,
+        default=None,
+        help="SageMaker port; 0 picks a free one (default: SAGEMAKER_BIND_TO_PORT, else 8080)",
+    )
+    net.add_argument(
+        "--sagemaker-address", default="127.0.0.1", help="SageMaker bind address (default: 127.0.0.1)"
+    )
+    net.add_argument(
+        "--sagemaker-safe-port-range",
+        default=None,
+        metavar="LOW-HIGH",
+        help=(
+            "refuse a --sagemaker-port outside this range; port 0 then picks a free port in "
+            "it (default: SAGEMAKER_SAFE_PORT_RANGE, else any port)"
+        ),
+    )
+    net.add_argument(
         "--metrics-port", type=int, default=8002, help="Prometheus metrics port (GET /metrics); 0 picks a free one (default: 8002)"
     )
     net.add_argument(
@@ -146,13 +181,40 @@ def build_parser() -> argparse.ArgumentParser:
     models = serve.add_argument_group("models")
     models.add_argument(
         "--model-control-mode",
-        choices=["none", "explicit", "poll"],
+        choices=["none", "explicit", "poll", "on_demand"],
         default="none",
         help=(
             "'none' loads every model at start; 'explicit' loads only --load-model models "
             "and lets the repository API load and unload; 'poll' loads every model and "
-            "rescans the repositories every --repository-poll-secs (default: none)"
+            "rescans the repositories every --repository-poll-secs; 'on_demand' is explicit "
+            "plus: the first request for a model that is not loaded loads it (default: none)"
         ),
+    )
+    models.add_argument(
+        "--model-memory-limit",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help=(
+            "host memory for models, e.g. 8G: each model's footprint is measured when it "
+            "loads, and the least recently used models not in use are unloaded to make room "
+            "(default: no limit)"
+        ),
+    )
+    models.add_argument(
+        "--model-eviction-policy",
+        choices=["lru", "gds"],
+        default="lru",
+        help="which models go first under --model-memory-limit: least recently used, or "
+        "GreedyDual-Size (favours keeping small, often used models) (default: lru)",
+    )
+    models.add_argument(
+        "--model-load-wait-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with on_demand, how long a request waits for its model to load before it "
+        "gets UNAVAILABLE (the load goes on) (default: 60)",
     )
     models.add_argument(
         "--load-model",
@@ -224,6 +286,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         model_control_mode=args.model_control_mode,
         load_models=args.load_model,
+        model_memory_limit=args.model_memory_limit or 0,
+        model_eviction_policy=args.model_eviction_policy,
+        model_load_wait_timeout=args.model_load_wait_timeout,
         repository_poll_secs=args.repository_poll_secs,
         strict_model_config=args.strict_model_config,
         exit_on_error=args.exit_on_error,
@@ -240,6 +305,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         grpc_max_message_size=args.grpc_max_message_size,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
     )
+    if not _sagemaker_options(args, options):
+        return 2
     from quiver.errors import InvalidArgumentError
     from quiver.frontends.restrictions import Restrictions
 
@@ -268,6 +335,47 @@ def _run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         logging.getLogger("quiver").error("%s", exc)
         return 1
+
+
+def _sagemaker_options(args: argparse.Namespace, options: ServerOptions) -> bool:
+    """Fill the SageMaker fields from the flags and Triton's SAGEMAKER_* variables; False
+    (after printing why) when they make no sense."""
+    import os
+
+    from quiver.errors import InvalidArgumentError
+    from quiver.frontends.sagemaker import (
+        DEFAULT_PORT,
+        SageMakerSettings,
+        check_port,
+        enabled_by_env,
+        parse_port_range,
+    )
+
+    allow = args.allow_sagemaker if args.allow_sagemaker is not None else enabled_by_env()
+    port = args.sagemaker_port
+    if port is None:
+        bind = os.environ.get("SAGEMAKER_BIND_TO_PORT", "").strip()
+        if bind and not bind.isdigit():
+            print(f"quiver: error: SAGEMAKER_BIND_TO_PORT must be a port number, got '{bind}'", file=sys.stderr)
+            return False
+        port = int(bind) if bind else DEFAULT_PORT
+    safe = args.sagemaker_safe_port_range
+    if safe is None:
+        safe = os.environ.get("SAGEMAKER_SAFE_PORT_RANGE", "").strip()
+    settings = None
+    if allow:
+        try:
+            settings = SageMakerSettings.from_env()
+            check_port(port, parse_port_range(safe) if safe else None)
+        except InvalidArgumentError as exc:
+            print(f"quiver: error: {exc}", file=sys.stderr)
+            return False
+    options.allow_sagemaker = allow
+    options.sagemaker_address = args.sagemaker_address
+    options.sagemaker_port = port
+    options.sagemaker_safe_port_range = safe
+    options.sagemaker_settings = settings
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

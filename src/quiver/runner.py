@@ -19,10 +19,17 @@ from pathlib import Path
 import uvicorn
 from prometheus_client.registry import CollectorRegistry
 
+from quiver.errors import QuiverError
 from quiver.frontends.grpc import GrpcFrontend
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.restrictions import Restrictions
+from quiver.frontends.sagemaker import (
+    SageMakerFrontend,
+    SageMakerSettings,
+    check_port,
+    parse_port_range,
+)
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.metrics.prometheus import TritonCollector
 from quiver.service import InferenceService
@@ -41,6 +48,9 @@ class ServerOptions:
     metrics_port: int = 8002
     model_control_mode: str = "none"
     load_models: list[str] = field(default_factory=list)
+    model_memory_limit: int = 0
+    model_eviction_policy: str = "lru"
+    model_load_wait_timeout: float = 60.0
     repository_poll_secs: float = 15.0
     strict_model_config: bool = False
     exit_on_error: bool = True
@@ -56,6 +66,11 @@ class ServerOptions:
     allow_gpu_metrics: bool = True
     metrics_interval_ms: int = 2000
     grpc_max_message_size: int = 64 * 1024 * 1024
+    allow_sagemaker: bool = False
+    sagemaker_address: str = "127.0.0.1"
+    sagemaker_port: int = 8080
+    sagemaker_safe_port_range: str = ""  # "LOW-HIGH"; empty: any port
+    sagemaker_settings: SageMakerSettings | None = None  # None: from the SAGEMAKER_* variables
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -87,6 +102,9 @@ class Runner:
         self.manager = ModelRepositoryManager(
             options.model_repositories,
             control_mode=options.model_control_mode,
+            memory_limit_bytes=options.model_memory_limit,
+            eviction_policy=options.model_eviction_policy,
+            load_wait_timeout=options.model_load_wait_timeout,
             startup_models=options.load_models,
             strict_config=options.strict_model_config,
             load_threads=options.model_load_thread_count,
@@ -118,6 +136,13 @@ class Runner:
         if metrics is not None:
             try:
                 metrics.bind(opts.metrics_address, opts.metrics_port)
+            except OSError:
+                await self.manager.stop()
+                raise
+        sagemaker: tuple[_Uvicorn, asyncio.Task[None], socket.socket] | None = None
+        if opts.allow_sagemaker:
+            try:
+                sagemaker = await _start_sagemaker(self.service, opts)
             except OSError:
                 await self.manager.stop()
                 raise
@@ -169,6 +194,9 @@ class Runner:
         if metrics is not None:
             await metrics.start()  # logs 'started Metrics service at HOST:PORT'
         self.service.ready = True
+        if sagemaker is not None:
+            sm_host, sm_port = sagemaker[2].getsockname()[:2]
+            logger.info("started SageMaker service at %s:%d", sm_host, sm_port)
         if grpc_frontend is not None:
             await grpc_frontend.set_serving(True)
             logger.info("started GRPC service at %s:%d", opts.grpc_address, grpc_port)
@@ -179,6 +207,8 @@ class Runner:
         waits: set[asyncio.Task[None] | asyncio.Task[bool]] = {stop_wait}
         if serving is not None:
             waits.add(serving)
+        if sagemaker is not None:
+            waits.add(sagemaker[1])
         _done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         self.service.ready = False
         logger.info("stopping: draining in-flight requests")
@@ -189,6 +219,9 @@ class Runner:
         if http_server is not None and serving is not None:
             http_server.should_exit = True
             draining.append(serving)
+        if sagemaker is not None:
+            sagemaker[0].should_exit = True
+            draining.append(sagemaker[1])
         await asyncio.gather(*draining)
         if metrics is not None:
             await metrics.stop()
@@ -196,6 +229,8 @@ class Runner:
         await self.manager.stop()
         if http_socket is not None:
             http_socket.close()
+        if sagemaker is not None:
+            sagemaker[2].close()
         logger.info("stopped")
         return 0
 
@@ -222,3 +257,55 @@ def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> M
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     return MetricsFrontend(registry, on_stop=collector.close)
+
+
+async def _start_sagemaker(
+    service: InferenceService, opts: ServerOptions
+) -> tuple[_Uvicorn, asyncio.Task[None], socket.socket]:
+    """Open the SageMaker listener (``--sagemaker-port``; port 0 picks a free one, inside
+    the safe port range when there is one) and serve it; raises OSError with the reason."""
+    try:
+        settings = opts.sagemaker_settings or SageMakerSettings.from_env()
+        safe = parse_port_range(opts.sagemaker_safe_port_range) if opts.sagemaker_safe_port_range else None
+        check_port(opts.sagemaker_port, safe)
+    except QuiverError as exc:
+        raise OSError(str(exc)) from None
+    if opts.sagemaker_port == 0 and safe is not None:
+        sock = _listen_in_range(opts.sagemaker_address, safe)
+    else:
+        sock = _listen(opts.sagemaker_address, opts.sagemaker_port)
+    frontend = SageMakerFrontend(
+        service,
+        settings,
+        repositories=opts.model_repositories,
+        max_input_size=opts.http_max_input_size,
+    )
+    config = uvicorn.Config(
+        frontend,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        http="httptools",
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
+        timeout_graceful_shutdown=30,
+    )
+    server = _Uvicorn(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        sock.close()
+        raise OSError(f"the SageMaker listener stopped at start: {task.exception()}")
+    return server, task, sock
+
+
+def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket:
+    low, high = port_range
+    for port in range(low, high + 1):
+        try:
+            return _listen(address, port)
+        except OSError:
+            continue
+    raise OSError(f"no free port for the SageMaker listener in the safe port range {low}-{high}")

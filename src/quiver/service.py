@@ -15,7 +15,13 @@ import numpy as np
 import quiver
 from quiver import logs
 from quiver.config import ModelConfig
-from quiver.errors import InternalError, InvalidArgumentError, QuiverError
+from quiver.errors import (
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    QuiverError,
+    UnavailableError,
+)
 from quiver.lifecycle import Model, ModelRepositoryManager, ModelState
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
@@ -126,7 +132,12 @@ class InferenceService:
             return False
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        model = self.manager.get(request.model_name, request.model_version)
+        try:
+            model = self.manager.get(request.model_name, request.model_version)
+        except (NotFoundError, UnavailableError):
+            if not self.manager.on_demand:
+                raise
+            model = await self.manager.acquire(request.model_name, request.model_version)
         try:
             _validate(model.config, request)
         except QuiverError:

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -44,6 +45,7 @@ from quiver.errors import (
     UnavailableError,
     UnsupportedError,
 )
+from quiver.lifecycle.eviction import Candidate, EvictionPolicy, GreedyDualSizePolicy, LRUPolicy
 from quiver.lifecycle.loader import (
     LoadOutcome,
     is_ensemble,
@@ -51,12 +53,26 @@ from quiver.lifecycle.loader import (
     load_model,
     unload_instance,
 )
+from quiver.lifecycle.memory import (
+    Admission,
+    MemoryBudget,
+    MemoryMeter,
+    ModelIdentity,
+    OutOfMemoryError,
+    SizePredictor,
+    release_free_memory,
+)
 from quiver.lifecycle.model import Model, ModelState, VersionStatus
 from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSource
 
 logger = logging.getLogger(__name__)
 
-CONTROL_MODES = ("none", "explicit", "poll")
+CONTROL_MODES = ("none", "explicit", "poll", "on_demand")
+#: Modes in which the repository API may load and unload models.
+_API_MODES = ("explicit", "on_demand")
+
+
+_monotonic = time.monotonic
 
 
 def check_model_name(name: str) -> None:
@@ -93,6 +109,9 @@ class ModelRepositoryManager:
         strict_config: bool = False,
         load_threads: int = 4,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
+        memory_limit_bytes: int = 0,
+        eviction_policy: str = "lru",
+        load_wait_timeout: float = 60.0,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -110,6 +129,16 @@ class ModelRepositoryManager:
         self._overrides: dict[str, Path] = {}  # models loaded from request-supplied files
         self._poll_task: asyncio.Task[None] | None = None
         self._infer: InferFn | None = None
+        # The multi-model parts: loads on demand, a byte budget, eviction.
+        self._load_wait_timeout = load_wait_timeout
+        self._loading: dict[str, asyncio.Task[None]] = {}  # single flight of on-demand loads
+        self._budget = MemoryBudget(memory_limit_bytes) if memory_limit_bytes > 0 else None
+        self._policy: EvictionPolicy = (
+            GreedyDualSizePolicy() if eviction_policy in ("gds", "greedy-dual-size") else LRUPolicy()
+        )
+        self._touch_policy = not isinstance(self._policy, LRUPolicy)
+        self._meter = MemoryMeter()
+        self._predictor = SizePredictor()
         self._composing: dict[str, set[str]] = {}  # loaded ensemble -> its composing models
         self._closed = False
 
@@ -123,7 +152,7 @@ class ModelRepositoryManager:
         for name, reason in clashes.items():
             logger.error("%s", reason)
             self._status[name] = [VersionStatus(name, "", ModelState.UNAVAILABLE, reason)]
-        if self.control_mode == "explicit" and "*" not in self._startup_models:
+        if self.control_mode in _API_MODES and "*" not in self._startup_models:
             wanted = []
             for name in self._startup_models:
                 if name in sources:
@@ -192,6 +221,12 @@ class ModelRepositoryManager:
     ) -> dict[str, str]:
         try:
             return await self._load_inner(source, config_override, visiting)
+        except QuiverError as exc:  # e.g. out of memory: recorded, and the caller learns why
+            if source.name not in self._ready:
+                self._status[source.name] = [
+                    VersionStatus(source.name, "", ModelState.UNAVAILABLE, exc.message)
+                ]
+            raise
         except Exception as exc:  # a bug or an OS error must cost this load, not leave it LOADING
             name = source.name
             logger.exception("loading model '%s' failed unexpectedly", name)
@@ -237,16 +272,7 @@ class ModelRepositoryManager:
                 if outcome.models:
                     self._composing[name] = set(composing)
         else:
-            outcome = await loop.run_in_executor(
-                self._pool,
-                functools.partial(
-                    load_model,
-                    source,
-                    strict=self._strict,
-                    inline_threshold_ns=self._inline_threshold_ns,
-                    config_override=config_override,
-                ),
-            )
+            outcome = await self._load_within_budget(source, config_override, serving)
         failures: dict[str, str] = {}
         if outcome.error:
             failures[name] = outcome.error
@@ -264,6 +290,118 @@ class ModelRepositoryManager:
             await self._unload_models(old)
         return failures
 
+    async def _load_within_budget(
+        self, source: ModelSource, config_override: pb.ModelConfig | None, serving: bool
+    ) -> LoadOutcome:
+        """Load a (non-ensemble) model; under a memory budget, first make room for its
+        predicted size by evicting the least valuable models not in use, then measure what
+        it really took."""
+        name = source.name
+        loop = asyncio.get_running_loop()
+        load = functools.partial(
+            load_model,
+            source,
+            strict=self._strict,
+            inline_threshold_ns=self._inline_threshold_ns,
+            config_override=config_override,
+        )
+        budget = self._budget
+        if budget is None:
+            return await loop.run_in_executor(self._pool, load)
+        identity = ModelIdentity(name, "", self._fingerprints.get(name, ""))
+        prediction = self._predictor.predict(identity, source.path)
+        admission = await self._admit(name, prediction.bytes)
+        try:
+            await self._evict(admission, name)
+            outcome, footprint = await loop.run_in_executor(
+                self._pool, functools.partial(self._meter.measure, load)
+            )
+        except BaseException:
+            (budget.cancel if serving else budget.release)(name)
+            raise
+        if not outcome.models:
+            (budget.cancel if serving else budget.release)(name)
+            return outcome
+        # RSS growth undercounts when the load reuses memory an eviction just freed (the heap
+        # does not always shrink): a model never counts for less than its files suggest.
+        from_files = await loop.run_in_executor(self._pool, self._predictor.from_files, source.path)
+        size = max(footprint.host_bytes, int((from_files or 0) / self._predictor.file_factor))
+        self._predictor.record(identity, size)
+        logger.info(
+            "model '%s' takes %d bytes of host memory (measured %d, predicted %d from %s); "
+            "%d of %d bytes in use",
+            name,
+            size,
+            footprint.host_bytes,
+            prediction.bytes,
+            prediction.source,
+            budget.used + size - budget.reserved.get(name, 0),
+            budget.limit_bytes,
+        )
+        for model in outcome.models:
+            model.size_bytes = size
+            model.last_used = time.monotonic()
+        self._policy.touch(name, size, time.monotonic(), load_cost_s=footprint.seconds)
+        over = budget.commit(name, size)
+        if over > 0:  # it measured larger than predicted: make up the difference
+            victims = self._policy.victims(self._candidates(name), over, 0)
+            await self._evict(Admission(victims, frozenset(victims)), name)
+        return outcome
+
+    async def _admit(self, name: str, predicted: int) -> Admission:
+        """Reserve room for a load. When the room is held by models that requests are using
+        right now (pins last milliseconds), wait for them with a short backoff, up to the load
+        wait timeout; a model larger than the whole budget fails at once."""
+        assert self._budget is not None
+        deadline = time.monotonic() + self._load_wait_timeout
+        delay = 0.005
+        while True:
+            try:
+                return self._budget.admit(name, predicted, self._policy, self._candidates(name))
+            except OutOfMemoryError:
+                if predicted > self._budget.limit_bytes or time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _candidates(self, loading: str) -> list[Candidate]:
+        """Loaded models as eviction candidates; pinned when a request or a load uses them
+        (or an in-flight ensemble that they are part of)."""
+        busy_ensembles = {
+            e for e in self._composing if any(m.scheduler.inflight for m in self._ready.get(e, {}).values())
+        }
+        candidates = []
+        for name, versions in self._ready.items():
+            if name == loading or not versions:
+                continue
+            pinned = (
+                self._lock(name).locked()
+                or any(m.scheduler.inflight for m in versions.values())
+                or any(name in self._composing[e] for e in busy_ensembles)
+            )
+            candidates.append(
+                Candidate(
+                    name,
+                    sum(m.size_bytes for m in versions.values()),
+                    max(m.last_used for m in versions.values()),
+                    pinned,
+                )
+            )
+        return candidates
+
+    async def _evict(self, admission: Admission, loading: str) -> None:
+        """Unload the admission's victims (ensembles that need them first), then wait for the
+        other evictions this load counts on."""
+        for victim in admission.victims:
+            await self._unload_cascade(victim, f"evicted to make room for model '{loading}'")
+        if admission.victims:
+            await asyncio.get_running_loop().run_in_executor(self._pool, release_free_memory)
+        for name in admission.wait_for:
+            lock = self._locks.get(name)
+            if lock is not None and name not in admission.victims:
+                async with lock:  # its unload holds the lock until it finished
+                    pass
+
     async def _ensure_composing(
         self, ensemble: str, names: list[str], visiting: frozenset[str]
     ) -> tuple[dict[str, ModelConfig], str]:
@@ -276,7 +414,7 @@ class ModelRepositoryManager:
                 return {}, f"ensemble '{ensemble}' and model '{dep}' contain each other"
             if dep not in self._ready:
                 attempted = dep in self._status
-                if not attempted or self.control_mode == "explicit":
+                if not attempted or self.control_mode in _API_MODES:
                     if sources is None:
                         sources, _ = await self._scan()
                     source = sources.get(dep)
@@ -323,7 +461,7 @@ class ModelRepositoryManager:
     ) -> None:
         """The repository API's load: (re)load ``name``, optionally with a config and files
         given in the request instead of the repository's. Raises if nothing could load."""
-        if self.control_mode != "explicit":
+        if self.control_mode not in _API_MODES:
             raise UnsupportedError(
                 f"failed to load '{name}': explicit model load / unload is not allowed in "
                 f"model control mode '{self.control_mode}' (start with --model-control-mode=explicit)"
@@ -426,7 +564,7 @@ class ModelRepositoryManager:
         first (an ensemble never runs without its composing models); with
         ``unload_dependents``, an ensemble's composing models that no other loaded ensemble
         needs are unloaded after it."""
-        if self.control_mode != "explicit":
+        if self.control_mode not in _API_MODES:
             raise UnsupportedError(
                 f"failed to unload '{name}': explicit model load / unload is not allowed in "
                 f"model control mode '{self.control_mode}' (start with --model-control-mode=explicit)"
@@ -455,6 +593,14 @@ class ModelRepositoryManager:
             await self._unload_locked(name, reason)
 
     async def _unload_locked(self, name: str, reason: str) -> None:
+        try:
+            await self._unload_and_record(name, reason)
+        finally:
+            if self._budget is not None:
+                self._budget.release(name)
+                self._policy.forget(name)
+
+    async def _unload_and_record(self, name: str, reason: str) -> None:
         self._composing.pop(name, None)
         versions = self._ready.pop(name, None)
         self._latest.pop(name, None)
@@ -527,6 +673,9 @@ class ModelRepositoryManager:
         if not version or version == "-1":
             model = self._latest.get(name)
             if model is not None:
+                model.last_used = _monotonic()
+                if self._touch_policy:
+                    self._policy.touch(name, model.size_bytes, model.last_used)
                 return model
         else:
             try:
@@ -537,6 +686,7 @@ class ModelRepositoryManager:
                 ) from None
             found = self._ready.get(name, {}).get(number)
             if found is not None:
+                found.last_used = _monotonic()
                 return found
         raise self._missing(name, version)
 
@@ -557,6 +707,61 @@ class ModelRepositoryManager:
         status = statuses[0]
         detail = f": {status.reason}" if status.reason else ""
         return UnavailableError(f"{what} is not ready ({status.state.value}){detail}")
+
+    # -- on demand -----------------------------------------------------------------------
+
+    @property
+    def on_demand(self) -> bool:
+        return self.control_mode == "on_demand"
+
+    async def acquire(self, name: str, version: str = "") -> Model:
+        """The READY model for ``name``, loading it first in on-demand mode. Concurrent
+        requests for a model that is not loaded wait for one load (single flight); a request
+        gives up after the load wait timeout with UNAVAILABLE while the load goes on; a failed
+        load is reported to every waiting request, and the next request tries again."""
+        try:
+            return self.get(name, version)
+        except (NotFoundError, UnavailableError):
+            if not self.on_demand:
+                raise
+        check_model_name(name)
+        deadline = time.monotonic() + self._load_wait_timeout
+        while True:
+            task = self._loading.get(name)
+            if task is None:
+                task = asyncio.ensure_future(self._load_on_demand(name))
+                self._loading[name] = task
+                task.add_done_callback(functools.partial(self._loaded_on_demand, name))
+            try:
+                await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise UnavailableError(
+                    f"model '{name}' is still loading after {self._load_wait_timeout:g} s "
+                    "(--model-load-wait-timeout); the load goes on: try again"
+                ) from None
+            try:
+                return self.get(name, version)
+            except (NotFoundError, UnavailableError):
+                # Evicted again before this request got to it (every other model was in
+                # use): load it again while the wait allows.
+                if time.monotonic() >= deadline or name in self._ready:
+                    raise
+
+    def _loaded_on_demand(self, name: str, task: asyncio.Task[None]) -> None:
+        if self._loading.get(name) is task:
+            del self._loading[name]
+        if not task.cancelled():
+            task.exception()  # retrieved: waiters that timed out must not leave it unobserved
+
+    async def _load_on_demand(self, name: str) -> None:
+        sources, _ = await self._scan()
+        source = sources.get(name)
+        if source is None:
+            raise NotFoundError(f"unknown model: '{name}' (no such model in the model repository)")
+        failures = await self._load_source(source)
+        if name not in self._ready:
+            reason = failures.get(name) or next(iter(failures.values()), "no version loaded")
+            raise UnavailableError(f"model '{name}' failed to load: {reason}")
 
     def is_ready(self, name: str, version: str = "") -> bool:
         try:

@@ -33,6 +33,8 @@ class Model:
     labels: dict[str, list[str]] = field(default_factory=dict)
     stats: ModelStatistics = field(default_factory=ModelStatistics)
     load_seconds: float = 0.0
+    last_used: float = 0.0  # time.monotonic() of the last lookup, for eviction
+    size_bytes: int = 0  # measured host footprint (0 when not measured)
 
     @property
     def version_str(self) -> str:
