@@ -14,6 +14,7 @@ from types import TracebackType
 
 _STARTED = re.compile(r"started (HTTP|GRPC) service at ([\d.]+|\[[0-9a-f:]+\]|[0-9a-f:]+):(\d+)")
 _METRICS = re.compile(r"started Metrics service at ([\d.]+|\[[0-9a-f:]+\]|[0-9a-f:]+):(\d+)")
+_SAGEMAKER = re.compile(r"started SageMaker service at ([\d.]+|\[[0-9a-f:]+\]|[0-9a-f:]+):(\d+)")
 
 
 class QuiverServer:
@@ -22,12 +23,29 @@ class QuiverServer:
     Every listener gets a free port (``--http-port 0 --grpc-port 0 --metrics-port 0``);
     ``server.url`` is the HTTP one, ``server.grpc_url`` the gRPC one, for
     ``tritonclient.http``/``.grpc``, ``server.metrics_url`` the Prometheus one.
+
+    ``sagemaker=True``, or SageMaker variables in ``env``, also opens the SageMaker listener
+    on a free port (``--sagemaker-port 0``): ``server.sagemaker_url``. ``env`` adds variables
+    to the server's environment; ``SAGEMAKER_*`` variables of the test process are not
+    passed on, so only a test's own ``env`` turns SageMaker modes on.
     """
 
-    def __init__(self, *repositories: Path, args: tuple[str, ...] = (), timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *repositories: Path,
+        args: tuple[str, ...] = (),
+        timeout: float = 60.0,
+        sagemaker: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.repositories = repositories
         self.args = args
         self.timeout = timeout
+        self.env = dict(env or {})
+        self.sagemaker = sagemaker or any(
+            k == "SAGEMAKER_MULTI_MODEL" or k.startswith("SAGEMAKER_TRITON_") for k in self.env
+        )
+        self.sagemaker_port = 0
         self.lines: list[str] = []
         self.process: subprocess.Popen[str] | None = None
         self.port = 0
@@ -52,6 +70,13 @@ class QuiverServer:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     @property
+    def sagemaker_url(self) -> str:
+        """``http://127.0.0.1:PORT`` of the SageMaker listener (``sagemaker=True``)."""
+        if not self.sagemaker_port:
+            raise RuntimeError(f"the server logged no SageMaker listener:\n{self.log}")
+        return f"http://127.0.0.1:{self.sagemaker_port}"
+
+    @property
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
@@ -63,10 +88,15 @@ class QuiverServer:
         cmd = [sys.executable, "-m", "quiver", "serve", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
         for repository in self.repositories:
             cmd += ["--model-repository", str(repository)]
+        if self.sagemaker and not any(a.startswith("--sagemaker-port") for a in self.args):
+            cmd += ["--sagemaker-port", "0"]
+        if self.sagemaker and not any(a.startswith("--allow-sagemaker") for a in self.args):
+            cmd += ["--allow-sagemaker"]
         return cmd + list(self.args)
 
     def start(self) -> QuiverServer:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SAGEMAKER_")}
+        env.update(self.env, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             self.command(),
             stdout=subprocess.PIPE,
@@ -96,6 +126,12 @@ class QuiverServer:
             metrics = _METRICS.search(line)
             if metrics:
                 self.metrics_port = int(metrics.group(2))
+            sagemaker = _SAGEMAKER.search(line)
+            if sagemaker:
+                self.sagemaker_port = int(sagemaker.group(2))
+                # SageMaker alone (as Triton's SageMaker container runs): its line is the last.
+                if self._disabled("--allow-http") and self._disabled("--allow-grpc"):
+                    self._started.set()
             match = _STARTED.search(line)
             if match and not self._started.is_set():
                 if match.group(1) == "GRPC":
@@ -108,13 +144,16 @@ class QuiverServer:
                 self._started.set()
 
     def _http_disabled(self) -> bool:
-        """``--allow-http=false`` (or ``--allow-http false``) among the args; the last one wins."""
+        return self._disabled("--allow-http")
+
+    def _disabled(self, flag: str) -> bool:
+        """``FLAG=false`` (or ``FLAG false``) among the args; the last one wins."""
         args = list(self.args)
         disabled = False
         for index, arg in enumerate(args):
-            if arg.startswith("--allow-http="):
+            if arg.startswith(flag + "="):
                 disabled = arg.split("=", 1)[1].lower() in ("false", "0", "no", "off")
-            elif arg == "--allow-http":
+            elif arg == flag:
                 value = args[index + 1] if index + 1 < len(args) else "true"
                 disabled = value.lower() in ("false", "0", "no", "off")
         return disabled

@@ -326,35 +326,42 @@ class HttpFrontend:
         await _send(send, 200, payload, content_type, headers)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None, encoding: bytes | None) -> bytes:
-        limit = self.max_input_size
-        if content_length is not None and content_length.isdigit() and int(content_length) > limit:
-            raise BodyTooLarge(limit)
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        body: bytes = message.get("body", b"")
-        if message.get("more_body", False):
-            chunks = [body]
-            size = len(body)
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientDisconnect()
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(limit)
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-            body = b"".join(chunks)
-        elif len(body) > limit:
-            raise BodyTooLarge(limit)
-        if encoding is not None:
-            name = encoding.decode("latin-1").strip().lower()
-            if name != "identity":
-                body = _decompress(body, name, limit)
-        return body
+        return await read_body(receive, content_length, encoding, self.max_input_size)
+
+
+async def read_body(
+    receive: Receive, content_length: bytes | None, encoding: bytes | None, limit: int
+) -> bytes:
+    """The whole request body from ASGI ``receive``, refused past ``limit`` bytes (before and
+    after undoing ``Content-Encoding``); the SageMaker frontend reads its bodies with it too."""
+    if content_length is not None and content_length.isdigit() and int(content_length) > limit:
+        raise BodyTooLarge(limit)
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientDisconnect()
+    body: bytes = message.get("body", b"")
+    if message.get("more_body", False):
+        chunks = [body]
+        size = len(body)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+    elif len(body) > limit:
+        raise BodyTooLarge(limit)
+    if encoding is not None:
+        name = encoding.decode("latin-1").strip().lower()
+        if name != "identity":
+            body = _decompress(body, name, limit)
+    return body
 
 
 async def _unless_disconnected(work: Awaitable[InferenceResponse], receive: Receive) -> InferenceResponse:

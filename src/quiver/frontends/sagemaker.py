@@ -1,0 +1,647 @@
+"""The SageMaker container contract, as Triton's SageMaker frontend serves it.
+
+One ASGI app on ``--sagemaker-port`` (8080, or ``SAGEMAKER_BIND_TO_PORT``):
+
+- ``GET /ping``: 200 when the server is ready (``SAGEMAKER_TRITON_PING_MODE=ready``, the
+  default; in single-model mode the default model must be READY too) or merely live
+  (``live``), else 503.
+- ``POST /invocations``: single-model mode infers on ``SAGEMAKER_TRITON_DEFAULT_MODEL_NAME``
+  (or the only model loaded that is not a step of a loaded ensemble); multi-model mode
+  (``SAGEMAKER_MULTI_MODEL=true``) on the model the ``X-Amzn-SageMaker-Target-Model``
+  header names (missing: 400).
+- The multi-model API: ``POST /models`` ``{"model_name", "url"}`` (load; 409 when
+  ``model_name`` is loaded, 507 out of memory), ``GET /models`` (``max_results``,
+  ``next_page_token`` -> ``nextPageToken``), ``GET /models/{name}``, ``DELETE
+  /models/{name}`` (unload with the ensemble's composing models nothing else uses) and
+  ``POST /models/{name}/invoke``.
+
+Inference bodies are KServe v2 JSON, or JSON followed by binary tensors with content type
+``application/vnd.sagemaker-triton.binary+json;json-header-size=N`` (SageMaker allows no
+custom headers, so the JSON length travels in the content type); answers mirror that.
+Errors are ``{"error": message}`` with the status of ``quiver.frontends.status``, except
+that running out of memory or disk (:class:`~quiver.lifecycle.memory.OutOfMemoryError`,
+:class:`~quiver.repository.cache.CacheFullError`) is 507, the status that makes SageMaker
+unload models and try again.
+
+``model_name`` in the multi-model API is SageMaker's opaque name (a hash of the
+TargetModel); the frontend keeps the map from it to the Quiver model serving it and the
+``url`` it came from. A local ``url`` that is a model folder, or a Triton repository (the
+model is its only folder, else its one ensemble, as Triton picks), inside a
+``--model-repository`` loads through the repository API (explicit mode), or is
+registered as it is when that model is already READY. Other locations (S3, archives,
+folders outside the repositories) go to the ``load_from`` callable the runner passes,
+once the multi-model manager provides one; without it they answer 501.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+import orjson
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from quiver.config import ModelConfig
+from quiver.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    QuiverError,
+    UnavailableError,
+    UnsupportedError,
+)
+from quiver.frontends.http import BodyTooLarge, _unless_disconnected, read_body
+from quiver.frontends.status import http_status
+from quiver.lifecycle.memory import OutOfMemoryError
+from quiver.protocol.v2_json import decode_request, encode_json, encode_response
+from quiver.repository.cache import CacheFullError
+from quiver.service import InferenceService
+from quiver.types import InferenceResponse
+
+logger = logging.getLogger(__name__)
+
+BINARY_JSON = "application/vnd.sagemaker-triton.binary+json"
+BINARY_JSON_PREFIX = BINARY_JSON + ";json-header-size="
+TARGET_MODEL_HEADER = "x-amzn-sagemaker-target-model"
+DEFAULT_PORT = 8080
+#: ``GET /models`` pages hold at most this many models unless ``max_results`` says fewer.
+MAX_PAGE = 1000
+#: Errors SageMaker must see as 507: "no room; unload something and try again".
+CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullError)
+#: Where Triton's frontend refuses to look for models.
+_FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
+
+#: ``load_from(model_name, url, target_model)`` loads the model at ``url`` (any location the
+#: multi-model manager understands: S3, an archive, a folder) and returns the name of the
+#: Quiver model that serves it. Raises QuiverError subclasses (capacity errors -> 507).
+LoadFrom = Callable[[str, str, str], Awaitable[str]]
+
+_TRUE = {"true", "1", "yes", "on"}
+
+
+def _env_true(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in _TRUE
+
+
+def enabled_by_env(env: Mapping[str, str] | None = None) -> bool:
+    """SageMaker variables turn the frontend on, as Triton's SageMaker container does."""
+    env = os.environ if env is None else env
+    return "SAGEMAKER_MULTI_MODEL" in env or any(k.startswith("SAGEMAKER_TRITON_") for k in env)
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``SAGEMAKER_SAFE_PORT_RANGE`` / ``--sagemaker-safe-port-range``: ``LOW-HIGH``."""
+    low, sep, high = text.strip().partition("-")
+    try:
+        first, last = int(low), int(high)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"SageMaker safe port range must be LOW-HIGH, such as 8000-9999; got '{text}'"
+        ) from None
+    if not sep or not 0 < first <= last <= 65535:
+        raise InvalidArgumentError(
+            f"SageMaker safe port range must be LOW-HIGH with 0 < LOW <= HIGH <= 65535; got '{text}'"
+        )
+    return first, last
+
+
+def check_port(port: int, safe_range: tuple[int, int] | None) -> None:
+    """Refuse a SageMaker port outside the safe range (port 0 means: a free one inside it)."""
+    if safe_range is None or port == 0:
+        return
+    low, high = safe_range
+    if not low <= port <= high:
+        raise InvalidArgumentError(
+            f"SageMaker port {port} is outside the safe port range {low}-{high} "
+            "(SAGEMAKER_SAFE_PORT_RANGE / --sagemaker-safe-port-range)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SageMakerSettings:
+    """What Triton's SageMaker variables say; :meth:`from_env` reads them."""
+
+    multi_model: bool = False
+    default_model: str = ""
+    ping_mode: str = "ready"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SageMakerSettings:
+        env = os.environ if env is None else env
+        ping = env.get("SAGEMAKER_TRITON_PING_MODE", "ready").strip().lower() or "ready"
+        if ping not in ("ready", "live"):
+            raise InvalidArgumentError(
+                f"SAGEMAKER_TRITON_PING_MODE must be 'ready' or 'live', got '{ping}'"
+            )
+        return cls(
+            multi_model=_env_true(env.get("SAGEMAKER_MULTI_MODEL")),
+            default_model=env.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME", "").strip(),
+            ping_mode=ping,
+        )
+
+
+@dataclass(slots=True)
+class Registration:
+    """A model loaded through ``POST /models``: SageMaker's name -> the Quiver model."""
+
+    name: str
+    model: str
+    url: str
+    target: str = ""
+
+
+@dataclass(slots=True)
+class _Reply:
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+def _error(status: int, message: str) -> _Reply:
+    return _Reply(status, encode_json({"error": message}))
+
+
+def error_status(exc: QuiverError) -> int:
+    """The status table's code, except capacity errors, which are 507."""
+    if isinstance(exc, CAPACITY_ERRORS):
+        return 507
+    return http_status(exc.code)
+
+
+def _json(value: Any, status: int = 200) -> _Reply:
+    return _Reply(status, encode_json(value))
+
+
+def header_length_from_content_type(content_type: str, body_size: int) -> int | None:
+    """N from ``application/vnd.sagemaker-triton.binary+json;json-header-size=N``; None for
+    any other content type (the whole body is JSON)."""
+    media, _, params = content_type.partition(";")
+    if media.strip().lower() != BINARY_JSON:
+        if BINARY_JSON in content_type.lower():
+            raise InvalidArgumentError(
+                f"expected the content type for binary data to start with '{BINARY_JSON_PREFIX}', "
+                f"got '{content_type}'"
+            )
+        return None
+    size: str | None = None
+    for param in params.split(";"):
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "json-header-size":
+            size = value.strip()
+    if size is None:
+        raise InvalidArgumentError(
+            f"content type '{content_type}' needs the JSON header length: '{BINARY_JSON_PREFIX}N'"
+        )
+    if not size.isdigit():
+        raise InvalidArgumentError(f"json-header-size must be a non-negative integer, got '{size}'")
+    length = int(size)
+    if length > body_size:
+        raise InvalidArgumentError(
+            f"json-header-size is {length} but the body has only {body_size} bytes"
+        )
+    return length
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+class SageMakerFrontend:
+    """The ASGI application of the SageMaker listener for one :class:`InferenceService`."""
+
+    def __init__(
+        self,
+        service: InferenceService,
+        settings: SageMakerSettings | None = None,
+        *,
+        repositories: list[Path] | None = None,
+        max_input_size: int = 64 * 1024 * 1024,
+        load_from: LoadFrom | None = None,
+    ) -> None:
+        self.service = service
+        self.settings = settings or SageMakerSettings()
+        self.repositories = [p.resolve() for p in repositories or []]
+        self.max_input_size = max_input_size
+        self.load_from = load_from
+        #: SageMaker model_name -> registration; TargetModel header value -> model_name.
+        self.registered: dict[str, Registration] = {}
+        self._targets: dict[str, str] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- ASGI ------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no websockets, no lifespan
+        method: str = scope["method"]
+        path: str = scope["path"]
+        try:
+            reply = await self._route(method, path, scope, receive)
+        except ClientDisconnect:
+            return  # nobody to answer
+        if reply is None:
+            return
+        headers = [
+            (b"content-type", reply.content_type.encode("latin-1")),
+            (b"content-length", str(len(reply.body)).encode()),
+            *reply.headers,
+        ]
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await send({"type": "http.response.body", "body": reply.body})
+
+    async def _route(self, method: str, path: str, scope: Scope, receive: Receive) -> _Reply | None:
+        if path == "/ping":
+            if method not in ("GET", "HEAD"):
+                return _not_allowed(method, path)
+            return self.ping()
+        if path == "/invocations":
+            if method != "POST":
+                return _not_allowed(method, path)
+            return await self._guard(self._invocations(scope, receive), path)
+        if path in ("/models", "/models/"):
+            if method == "GET":
+                return await self._guard(self._list(scope), path)
+            if method == "POST":
+                return await self._guard(self._load(scope, receive), path)
+            return _not_allowed(method, path)
+        if path.startswith("/models/"):
+            rest = path[len("/models/") :]
+            parts = rest.split("/")
+            if len(parts) == 2 and parts[0] and parts[1] == "invoke":
+                if method != "POST":
+                    return _not_allowed(method, path)
+                name = unquote(parts[0])
+                return await self._guard(self._invoke_named(name, scope, receive), path)
+            if len(parts) == 1 and parts[0]:
+                name = unquote(parts[0])
+                if method == "GET":
+                    return await self._guard(self._get(name), path)
+                if method == "DELETE":
+                    return await self._guard(self._unload(name), path)
+                return _not_allowed(method, path)
+        return _error(404, f"no route for {method} {path}")
+
+    async def _guard(self, work: Awaitable[_Reply | None], path: str) -> _Reply | None:
+        try:
+            return await work
+        except QuiverError as exc:
+            return _error(error_status(exc), exc.message)
+        except BodyTooLarge as exc:
+            return _error(413, str(exc))
+        except ClientDisconnect:
+            raise
+        except Exception as exc:
+            logger.exception("SageMaker %s failed unexpectedly", path)
+            return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    # -- ping --------------------------------------------------------------------------
+
+    def ping(self) -> _Reply:
+        if self.settings.ping_mode == "live":
+            return _Reply(200)
+        if not self.service.ready:
+            return _Reply(503)
+        default = self.settings.default_model
+        if not self.settings.multi_model and default and not self.service.model_ready(default):
+            return _Reply(503)
+        return _Reply(200)
+
+    # -- inference ---------------------------------------------------------------------
+
+    def default_model(self) -> str:
+        """Single-model mode's model: the configured one, else the only one loaded."""
+        if self.settings.default_model:
+            return self.settings.default_model
+        tops = self._top_level_models()
+        if len(tops) == 1:
+            return tops[0]
+        if not tops:
+            raise UnavailableError("no model is loaded to serve /invocations")
+        raise NotFoundError(
+            f"/invocations cannot choose among {len(tops)} loaded models ({', '.join(tops)}); "
+            "set SAGEMAKER_TRITON_DEFAULT_MODEL_NAME, or SAGEMAKER_MULTI_MODEL=true and the "
+            "X-Amzn-SageMaker-Target-Model header"
+        )
+
+    def _top_level_models(self) -> list[str]:
+        """READY models that are not composing models of a READY ensemble, sorted."""
+        models = self.service.manager.ready_models
+        names = {m.name for m in models}
+        steps: set[str] = set()
+        for model in models:
+            steps |= _steps(model.config) - {model.name}
+        return sorted(names - steps)
+
+    def resolve_target(self, target: str) -> str:
+        """The Quiver model for a SageMaker name (``model_name`` of ``POST /models``, or the
+        TargetModel that came with it); any other name is a Quiver model name."""
+        registration = self.registered.get(target)
+        if registration is None:
+            alias = self._targets.get(target)
+            registration = self.registered.get(alias) if alias is not None else None
+        return registration.model if registration is not None else target
+
+    async def _invocations(self, scope: Scope, receive: Receive) -> _Reply | None:
+        if self.settings.multi_model:
+            target = _headers(scope).get(TARGET_MODEL_HEADER, "").strip()
+            if not target:
+                raise InvalidArgumentError(
+                    "multi-model endpoint: the X-Amzn-SageMaker-Target-Model header (TargetModel) "
+                    "is required"
+                )
+            model = self.resolve_target(target)
+        else:
+            model = self.default_model()
+        return await self._infer(model, scope, receive)
+
+    async def _invoke_named(self, name: str, scope: Scope, receive: Receive) -> _Reply | None:
+        return await self._infer(self.resolve_target(name), scope, receive)
+
+    async def _infer(self, model: str, scope: Scope, receive: Receive) -> _Reply | None:
+        content_length = content_type = encoding = raw_length = None
+        for key, value in scope["headers"]:
+            if key == b"content-length":
+                content_length = value
+            elif key == b"content-type":
+                content_type = value.decode("latin-1")
+            elif key == b"content-encoding":
+                encoding = value
+            elif key == b"inference-header-content-length":
+                raw_length = value
+        body = await read_body(receive, content_length, encoding, self.max_input_size)
+        header_length = (
+            header_length_from_content_type(content_type, len(body)) if content_type else None
+        )
+        if header_length is None and raw_length is not None:
+            # Not SageMaker's way (it allows no custom headers), but what tritonclient sends.
+            try:
+                header_length = int(raw_length)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"Inference-Header-Content-Length must be an integer, got '{raw_length.decode('latin-1')}'"
+                ) from None
+        request = decode_request(body, header_length, model, "")
+        response: InferenceResponse
+        if self.service.queues(model):
+            response = await _unless_disconnected(self.service.infer(request), receive)
+        else:
+            response = await self.service.infer(request)
+        payload, json_length = encode_response(response, request)
+        if json_length is None:
+            return _Reply(200, payload)
+        return _Reply(200, payload, BINARY_JSON_PREFIX + str(json_length))
+
+    # -- multi-model API ---------------------------------------------------------------
+
+    def _loaded(self, name: str) -> Registration | None:
+        """The registration of a SageMaker name whose model is READY (stale ones dropped)."""
+        registration = self.registered.get(name)
+        if registration is None:
+            return None
+        if self.service.model_ready(registration.model):
+            return registration
+        self._forget(name)
+        return None
+
+    def _forget(self, name: str) -> None:
+        registration = self.registered.pop(name, None)
+        if registration is not None and registration.target:
+            self._targets.pop(registration.target, None)
+
+    def _entries(self) -> dict[str, str]:
+        """modelName -> modelUrl of every loaded model: registered ones under their SageMaker
+        name, other READY top-level models (loaded at start, by the v2 repository API, or on
+        demand) under their own name."""
+        entries: dict[str, str] = {}
+        served: set[str] = set()
+        for name in list(self.registered):
+            registration = self._loaded(name)
+            if registration is not None:
+                entries[name] = registration.url
+                served.add(registration.model)
+        for model in self._top_level_models():
+            if model not in served and model not in entries:
+                entries[model] = self._model_url(model)
+        return entries
+
+    def _model_url(self, model: str) -> str:
+        for root in self.repositories:
+            if (root / model).is_dir():
+                return str(root / model)
+        return ""
+
+    async def _list(self, scope: Scope) -> _Reply:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        limit = MAX_PAGE
+        raw_max = query.get("max_results", [""])[-1]
+        if raw_max:
+            if not raw_max.isdigit() or int(raw_max) < 1:
+                raise InvalidArgumentError(f"max_results must be a positive integer, got '{raw_max}'")
+            limit = min(int(raw_max), MAX_PAGE)
+        after = ""
+        token = query.get("next_page_token", [""])[-1]
+        if token:
+            after = _decode_token(token)
+        entries = self._entries()
+        names = sorted(n for n in entries if n > after)
+        page = names[:limit]
+        reply: dict[str, Any] = {"models": [{"modelName": n, "modelUrl": entries[n]} for n in page]}
+        if len(names) > limit:
+            reply["nextPageToken"] = _encode_token(page[-1])
+        return _json(reply)
+
+    async def _get(self, name: str) -> _Reply:
+        url = self._entries().get(name)
+        if url is None:
+            raise NotFoundError(f"model '{name}' is not loaded")
+        return _json({"modelName": name, "modelUrl": url})
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
+
+    async def _load(self, scope: Scope, receive: Receive) -> _Reply:
+        headers = _headers(scope)
+        body = await read_body(
+            receive,
+            headers.get("content-length", "").encode("latin-1") or None,
+            headers.get("content-encoding", "").encode("latin-1") or None,
+            self.max_input_size,
+        )
+        try:
+            value = orjson.loads(body) if body.strip() else None
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgumentError(f"malformed JSON in load request: {exc}") from None
+        if not isinstance(value, dict):
+            raise InvalidArgumentError('load request must be a JSON object {"model_name": ..., "url": ...}')
+        name, url = value.get("model_name"), value.get("url")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError("load request needs 'model_name', a non-empty string")
+        if not isinstance(url, str) or not url:
+            raise InvalidArgumentError("load request needs 'url', a non-empty string")
+        target = headers.get(TARGET_MODEL_HEADER, "").strip()
+        async with self._lock(name):
+            if name in self._entries():
+                raise AlreadyExistsError(f"model '{name}' is already loaded")
+            model = await self._load_url(name, url, target)
+            self.registered[name] = Registration(name, model, url, target)
+            if target and target != name:
+                self._targets[target] = name
+        logger.info("SageMaker: loaded model '%s' (Quiver model '%s') from %s", name, model, url)
+        return _Reply(200)
+
+    async def _load_url(self, name: str, url: str, target: str) -> str:
+        """Load what ``url`` holds; returns the Quiver model serving it."""
+        local = url.removeprefix("file://")
+        if "://" in local or local.endswith((".tar.gz", ".tgz", ".tar")):
+            return await self._delegate(name, url, target, "it is not a local folder")
+        path = Path(os.path.abspath(os.path.normpath(local)))
+        if str(path).startswith(_FORBIDDEN_ROOTS) or str(path) in ("/dev", "/proc", "/sys"):
+            raise InvalidArgumentError(f"url '{url}' may not be under /dev, /proc or /sys")
+        if not path.is_dir():
+            raise NotFoundError(f"url '{url}' is not a folder")
+        root, folder = await asyncio.to_thread(_locate_model, path)
+        if root.resolve() not in self.repositories:
+            return await self._delegate(
+                name, url, target, "it is outside the --model-repository folders"
+            )
+        for registration in self.registered.values():
+            if registration.model == folder and self.service.model_ready(folder):
+                raise AlreadyExistsError(
+                    f"model '{folder}' at '{url}' is already loaded as '{registration.name}'"
+                )
+        if not self.service.model_ready(folder):
+            await self.service.load_model(folder)
+        return folder
+
+    async def _delegate(self, name: str, url: str, target: str, why: str) -> str:
+        if self.load_from is None:
+            raise UnsupportedError(
+                f"cannot load '{name}' from '{url}': {why}, and loading from other locations "
+                "(S3, archives, other folders) needs the multi-model manager"
+            )
+        return await self.load_from(name, url, target)
+
+    async def _unload(self, name: str) -> _Reply:
+        async with self._lock(name):
+            registration = self._loaded(name)
+            if registration is not None:
+                model = registration.model
+            elif name in self._entries():
+                model = name
+            else:
+                raise NotFoundError(f"model '{name}' is not loaded")
+            self._forget(name)
+            try:
+                if not self._in_use(model):
+                    await self._unload_with_dependents(model)
+            except BaseException:
+                if registration is not None and self.service.model_ready(model):
+                    self.registered[name] = registration  # still loaded: still registered
+                    if registration.target and registration.target != name:
+                        self._targets[registration.target] = name
+                raise
+        logger.info("SageMaker: unloaded model '%s' (Quiver model '%s')", name, model)
+        return _Reply(200)
+
+    def _in_use(self, model: str) -> bool:
+        """Whether a SageMaker name still maps to ``model``, or a READY ensemble runs it."""
+        if any(r.model == model for r in self.registered.values()):
+            return True
+        return any(model in _steps(m.config) for m in self.service.manager.ready_models)
+
+    async def _unload_with_dependents(self, model: str) -> None:
+        """Unload ``model``, then its composing models (if an ensemble) that nothing else
+        uses: no other READY ensemble, and no other SageMaker name."""
+        composing: set[str] = set()
+        for loaded in self.service.manager.ready_models:
+            if loaded.name == model:
+                composing |= _steps(loaded.config)
+        await self.service.unload_model(model, unload_dependents=False)
+        for dep in sorted(composing - {model}):
+            if self.service.model_ready(dep) and not self._in_use(dep):
+                await self._unload_with_dependents(dep)
+
+
+def _steps(config: ModelConfig) -> set[str]:
+    """The models an ensemble's steps run (empty for any other model)."""
+    if config.platform != "ensemble":
+        return set()
+    return {step.model_name for step in config.proto.ensemble_scheduling.step}
+
+
+def _encode_token(last: str) -> str:
+    """A page token: the last name of the page, URL-safe base64 without padding."""
+    return base64.urlsafe_b64encode(last.encode("utf-8")).decode("ascii").rstrip("=")
+
+
+def _decode_token(token: str) -> str:
+    try:
+        if not token.isascii() or not token.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(token)
+        raw = base64.b64decode(token + "=" * (-len(token) % 4), altchars=b"-_", validate=True)
+        return raw.decode("utf-8")
+    except (binascii.Error, UnicodeError, ValueError):
+        raise InvalidArgumentError(f"next_page_token '{token}' is not one this server gave") from None
+
+
+def _not_allowed(method: str, path: str) -> _Reply:
+    return _error(405, f"method {method} is not allowed on {path}")
+
+
+def _is_model_folder(path: Path) -> bool:
+    return (path / "config.pbtxt").is_file() or any(
+        e.name.isdigit() and e.is_dir() for e in path.iterdir()
+    )
+
+
+def _is_ensemble_folder(path: Path) -> bool:
+    try:
+        text = (path / "config.pbtxt").read_text(errors="replace")
+    except OSError:
+        return False
+    compact = "".join(text.split())
+    return 'platform:"ensemble"' in compact
+
+
+def _locate_model(path: Path) -> tuple[Path, str]:
+    """(repository root, model folder name) for a ``url`` folder: a model folder itself, or a
+    Triton repository whose model is its only folder, else its one ensemble (Triton's rule)."""
+    if _is_model_folder(path):
+        return path.parent, path.name
+    folders = sorted(e for e in path.iterdir() if e.is_dir() and not e.name.startswith("."))
+    if not folders:
+        raise InvalidArgumentError(f"'{path}' holds no model: no config.pbtxt and no model folders")
+    if len(folders) == 1:
+        return path, folders[0].name
+    ensembles = [f for f in folders if _is_ensemble_folder(f)]
+    if len(ensembles) == 1:
+        return path, ensembles[0].name
+    names = ", ".join(f.name for f in (ensembles or folders))
+    raise InvalidArgumentError(
+        f"'{path}' is a repository of several models ({names}) and "
+        + ("several ensembles" if ensembles else "no ensemble")
+        + ": cannot tell which one to load; point 'url' at the model's folder"
+    )
+
+
+__all__ = [
+    "BINARY_JSON_PREFIX",
+    "SageMakerFrontend",
+    "SageMakerSettings",
+    "check_port",
+    "enabled_by_env",
+    "parse_port_range",
+]
