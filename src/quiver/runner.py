@@ -31,7 +31,7 @@ from quiver.frontends.sagemaker import (
     parse_port_range,
 )
 from quiver.lifecycle import ModelRepositoryManager
-from quiver.metrics.prometheus import TritonCollector
+from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -248,8 +248,16 @@ def _log_model_table(manager: ModelRepositoryManager) -> None:
 
 def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> MetricsFrontend:
     """Triton's metrics on a registry of this server's own (not prometheus_client's global one)."""
+    def multi_model() -> MultiModelView | None:
+        used, limit = manager.memory
+        if not manager.on_demand and not limit:
+            return None
+        resident = {m.name: m.size_bytes for m in manager.ready_models}
+        return MultiModelView(manager.multi_model, resident, used, limit)
+
     collector = TritonCollector(
         lambda: manager.ready_models,
+        multi_model=multi_model,
         cpu=opts.allow_cpu_metrics,
         gpu=opts.allow_gpu_metrics,
         interval_ms=opts.metrics_interval_ms,

@@ -132,12 +132,16 @@ class InferenceService:
             return False
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        manager = self.manager
         try:
-            model = self.manager.get(request.model_name, request.model_version)
+            model = manager.get(request.model_name, request.model_version)
         except (NotFoundError, UnavailableError):
-            if not self.manager.on_demand:
+            if not manager.on_demand:
                 raise
-            model = await self.manager.acquire(request.model_name, request.model_version)
+            model = await manager.acquire(request.model_name, request.model_version)
+        else:
+            if manager.on_demand:
+                manager.multi_model.cache_hits += 1
         try:
             _validate(model.config, request)
         except QuiverError:

@@ -239,3 +239,31 @@ def test_a_model_larger_than_the_budget(repository: Path) -> None:
         with pytest.raises(InferenceServerException) as info:
             client.infer("m01", x())
         assert info.value.status() == "503" and "not enough memory to load model 'm01'" in info.value.message()
+
+
+def test_multi_model_metrics(repository: Path) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    args = ("--model-control-mode=on_demand", "--model-memory-limit", f"{WEIGHT_MB + 12}M")
+    with QuiverServer(repository, args=args) as server:
+        client = httpclient.InferenceServerClient(server.url)
+        for name in ("m00", "m00", "m01", "m00"):
+            client.infer(name, x())
+        with urllib.request.urlopen(server.metrics_url) as response:
+            text = response.read().decode()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        assert samples[("quiver_model_cache_miss_total", ())] == 3  # m00, m01, m00 again
+        assert samples[("quiver_model_cache_hit_total", ())] == 1
+        assert samples[("quiver_model_evictions_total", ())] == 2
+        assert samples[("quiver_loaded_model_count", ())] == 1
+        assert samples[("quiver_model_loading_time_us_count", ())] == 3
+        assert samples[("quiver_model_loading_wait_time_us_count", ())] == 3
+        assert samples[("quiver_model_eviction_age_seconds_count", ())] == 2
+        assert samples[("quiver_model_resident_bytes", (("model", "m00"),))] > WEIGHT_MB * MB // 2
+        assert 0 < samples[("quiver_model_memory_used_bytes", ())] <= samples[("quiver_model_memory_limit_bytes", ())]

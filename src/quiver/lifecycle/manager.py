@@ -63,6 +63,7 @@ from quiver.lifecycle.memory import (
     release_free_memory,
 )
 from quiver.lifecycle.model import Model, ModelState, VersionStatus
+from quiver.metrics.statistics import MultiModelStatistics
 from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSource
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class ModelRepositoryManager:
         self._touch_policy = not isinstance(self._policy, LRUPolicy)
         self._meter = MemoryMeter()
         self._predictor = SizePredictor()
+        self.multi_model = MultiModelStatistics()
         self._composing: dict[str, set[str]] = {}  # loaded ensemble -> its composing models
         self._closed = False
 
@@ -219,9 +221,16 @@ class ModelRepositoryManager:
         config_override: pb.ModelConfig | None,
         visiting: frozenset[str] = frozenset(),
     ) -> dict[str, str]:
+        started = time.monotonic()
         try:
-            return await self._load_inner(source, config_override, visiting)
-        except QuiverError as exc:  # e.g. out of memory: recorded, and the caller learns why
+            failures = await self._load_inner(source, config_override, visiting)
+            if source.name in self._ready and source.name not in failures:
+                self.multi_model.loading_time_us.observe((time.monotonic() - started) * 1e6)
+            else:
+                self.multi_model.load_failures += 1
+            return failures
+        except QuiverError as exc:
+            self.multi_model.load_failures += 1  # e.g. out of memory: recorded, and the caller learns why
             if source.name not in self._ready:
                 self._status[source.name] = [
                     VersionStatus(source.name, "", ModelState.UNAVAILABLE, exc.message)
@@ -393,6 +402,10 @@ class ModelRepositoryManager:
         """Unload the admission's victims (ensembles that need them first), then wait for the
         other evictions this load counts on."""
         for victim in admission.victims:
+            loaded = self._latest.get(victim)
+            if loaded is not None:
+                self.multi_model.evictions += 1
+                self.multi_model.eviction_age_s.observe(max(0.0, time.monotonic() - loaded.loaded_at))
             await self._unload_cascade(victim, f"evicted to make room for model '{loading}'")
         if admission.victims:
             await asyncio.get_running_loop().run_in_executor(self._pool, release_free_memory)
@@ -611,7 +624,9 @@ class ModelRepositoryManager:
             return
         models = list(versions.values())
         self._status[name] = [VersionStatus(name, m.version_str, ModelState.UNLOADING) for m in models]
+        started = time.monotonic()
         await self._unload_models(models)
+        self.multi_model.unloading_time_us.observe((time.monotonic() - started) * 1e6)
         self._status[name] = [
             VersionStatus(name, m.version_str, ModelState.UNAVAILABLE, reason) for m in models
         ]
@@ -725,7 +740,14 @@ class ModelRepositoryManager:
             if not self.on_demand:
                 raise
         check_model_name(name)
-        deadline = time.monotonic() + self._load_wait_timeout
+        self.multi_model.cache_misses += 1
+        waited_from = time.monotonic()
+        try:
+            return await self._acquire_loading(name, version, waited_from + self._load_wait_timeout)
+        finally:
+            self.multi_model.loading_wait_time_us.observe((time.monotonic() - waited_from) * 1e6)
+
+    async def _acquire_loading(self, name: str, version: str, deadline: float) -> Model:
         while True:
             task = self._loading.get(name)
             if task is None:
@@ -785,6 +807,13 @@ class ModelRepositoryManager:
             VersionStatus(name, "", ModelState.UNKNOWN) for name in sources if name not in known
         ]
         return sorted(entries, key=lambda s: (s.name, int(s.version) if s.version else -1))
+
+    @property
+    def memory(self) -> tuple[int, int]:
+        """Bytes of the memory budget in use and its limit (0, 0 without a budget)."""
+        if self._budget is None:
+            return 0, 0
+        return self._budget.used, self._budget.limit_bytes
 
     @property
     def ready_models(self) -> list[Model]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from quiver.backends.base import ModelInstance
@@ -34,6 +35,7 @@ class Model:
     stats: ModelStatistics = field(default_factory=ModelStatistics)
     load_seconds: float = 0.0
     last_used: float = 0.0  # time.monotonic() of the last lookup, for eviction
+    loaded_at: float = field(default_factory=time.monotonic)
     size_bytes: int = 0  # measured host footprint (0 when not measured)
 
     @property

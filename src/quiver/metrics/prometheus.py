@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psutil
@@ -26,7 +27,12 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from quiver.metrics.statistics import LATENCY_BUCKETS_US, ModelStatistics
+from quiver.metrics.statistics import (
+    LATENCY_BUCKETS_US,
+    Histogram,
+    ModelStatistics,
+    MultiModelStatistics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +120,14 @@ class TritonCollector(Collector):
         self,
         models: Callable[[], Iterable[ModelLike]],
         *,
+        multi_model: Callable[[], MultiModelView | None] | None = None,
         cpu: bool = True,
         gpu: bool = True,
         interval_ms: int = 2000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._models = models
+        self._multi_model = multi_model
         self._interval = max(interval_ms, 0) / 1000
         self._clock = clock
         self._read_at: float | None = None
@@ -133,6 +141,9 @@ class TritonCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         models = sorted(self._models(), key=lambda m: (m.name, int(m.version_str)))
         yield from _model_metrics(models)
+        view = self._multi_model() if self._multi_model is not None else None
+        if view is not None:
+            yield from _multi_model_metrics(view)
         now = self._clock()
         if self._read_at is None or now - self._read_at >= self._interval:
             self._read_at = now
@@ -147,6 +158,83 @@ class TritonCollector(Collector):
         if self._gpu is not None:
             self._gpu.close()
             self._gpu = None
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModelView:
+    """What the multi-model metrics read: the server-wide counters, the resident bytes of
+    each loaded model, and the memory budget (used, limit; 0, 0 without one)."""
+
+    stats: MultiModelStatistics
+    resident: dict[str, int]
+    memory_used: int
+    memory_limit: int
+
+
+def _histogram(name: str, help_text: str, histogram: Histogram) -> Metric:
+    family = HistogramMetricFamily(name, help_text)
+    bounds = [format_value(b) for b in histogram.bounds] + ["+Inf"]
+    cumulative, buckets = 0, []
+    for bound, count in zip(bounds, histogram.buckets, strict=True):
+        cumulative += count
+        buckets.append((bound, float(cumulative)))
+    family.add_metric([], buckets, histogram.total)
+    return family
+
+
+def _multi_model_metrics(view: MultiModelView) -> Iterator[Metric]:
+    """SageMaker's multi-model endpoint metrics, in Prometheus style (``quiver_`` names)."""
+    stats = view.stats
+    yield GaugeMetricFamily(
+        "quiver_loaded_model_count", "Models loaded now", value=len(view.resident)
+    )
+    yield _histogram(
+        "quiver_model_loading_wait_time_us",
+        "How long requests waited for their model to load, in microseconds",
+        stats.loading_wait_time_us,
+    )
+    yield _histogram(
+        "quiver_model_loading_time_us", "Model load time in microseconds", stats.loading_time_us
+    )
+    yield _histogram(
+        "quiver_model_unloading_time_us",
+        "Model unload time in microseconds",
+        stats.unloading_time_us,
+    )
+    yield _histogram(
+        "quiver_model_eviction_age_seconds",
+        "Seconds a model had been loaded when it was evicted",
+        stats.eviction_age_s,
+    )
+    for name, help_text, value in (
+        ("quiver_model_cache_hit", "Requests whose model was loaded already", stats.cache_hits),
+        (
+            "quiver_model_cache_miss",
+            "Requests that had to wait for their model to load",
+            stats.cache_misses,
+        ),
+        ("quiver_model_evictions", "Models unloaded to make room for others", stats.evictions),
+        ("quiver_model_load_failures", "Model loads that failed", stats.load_failures),
+    ):
+        yield CounterMetricFamily(name, help_text, value=value)  # exposed as NAME_total
+    resident = GaugeMetricFamily(
+        "quiver_model_resident_bytes",
+        "Host memory a loaded model takes, as measured",
+        labels=["model"],
+    )
+    for name, size in sorted(view.resident.items()):
+        resident.add_metric([name], size)
+    yield resident
+    yield GaugeMetricFamily(
+        "quiver_model_memory_used_bytes",
+        "Bytes of the model memory budget in use",
+        value=view.memory_used,
+    )
+    yield GaugeMetricFamily(
+        "quiver_model_memory_limit_bytes",
+        "The model memory budget (--model-memory-limit)",
+        value=view.memory_limit,
+    )
 
 
 def _model_metrics(models: list[ModelLike]) -> Iterator[Metric]:
@@ -222,7 +310,9 @@ class _CpuReader:
         utilization = min(max((busy - busy_before) / elapsed, 0.0), 1.0) if elapsed > 0 else 0.0
         memory = psutil.virtual_memory()
         return [
-            GaugeMetricFamily("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", utilization),
+            GaugeMetricFamily(
+                "nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", utilization
+            ),
             GaugeMetricFamily(
                 "nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", memory.total
             ),
@@ -340,7 +430,7 @@ def _labels(labels: dict[str, str]) -> str:
 def render(registry: CollectorRegistry) -> bytes:
     """The registry in the Prometheus text format as Triton writes it.
 
-    Counters are named as their family with no ``_total`` (``prometheus_client``'s
+    Triton's counters (``nv_*``) are named as their family with no ``_total`` (``prometheus_client``'s
     ``generate_latest`` would write ``nv_inference_request_success_total`` in both the
     ``# TYPE`` line and the samples, which Triton's dashboards do not query); ``_created``
     samples are left out, as Triton has none.
@@ -349,14 +439,16 @@ def render(registry: CollectorRegistry) -> bytes:
     for family in registry.collect():
         name = family.name
         help_text = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
-        kind = {"unknown": "untyped", "info": "gauge", "stateset": "gauge"}.get(family.type, family.type)
+        kind = {"unknown": "untyped", "info": "gauge", "stateset": "gauge"}.get(
+            family.type, family.type
+        )
         out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
         for sample in family.samples:
             sample_name = sample.name
             if family.type == "counter":
                 if sample_name == name + "_created":
                     continue
-                if sample_name == name + "_total":
-                    sample_name = name
+                if sample_name == name + "_total" and name.startswith("nv_"):
+                    sample_name = name  # Triton's names; Quiver's own keep Prometheus' _total
             out.append(f"{sample_name}{_labels(sample.labels)} {format_value(sample.value)}\n")
     return "".join(out).encode()

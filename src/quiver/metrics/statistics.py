@@ -147,3 +147,56 @@ class ModelStatistics:
             ],
             "memory_usage": [],
         }
+
+
+#: Upper bounds (microseconds) of the model loading/unloading/waiting histograms.
+LOAD_BUCKETS_US: tuple[float, ...] = (
+    1_000, 10_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000,
+    10_000_000, 30_000_000, 60_000_000, 120_000_000,
+)
+#: Upper bounds (seconds) of the age-at-eviction histogram.
+AGE_BUCKETS_S: tuple[float, ...] = (1, 10, 60, 300, 900, 3_600, 21_600, 86_400)
+
+
+class Histogram:
+    """Fixed buckets, a count and a sum: what a Prometheus histogram is made of."""
+
+    __slots__ = ("bounds", "buckets", "count", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.buckets = [0] * (len(bounds) + 1)
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.buckets[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.total += value
+
+
+class MultiModelStatistics:
+    """What the multi-model machinery did, server-wide (SageMaker's MME metrics, in
+    Prometheus style): loads, unloads, how long requests waited for loads, cache hits and
+    misses (a request that found its model loaded, or had to wait for a load), evictions."""
+
+    __slots__ = (
+        "cache_hits",
+        "cache_misses",
+        "eviction_age_s",
+        "evictions",
+        "load_failures",
+        "loading_time_us",
+        "loading_wait_time_us",
+        "unloading_time_us",
+    )
+
+    def __init__(self) -> None:
+        self.loading_time_us = Histogram(LOAD_BUCKETS_US)
+        self.unloading_time_us = Histogram(LOAD_BUCKETS_US)
+        self.loading_wait_time_us = Histogram(LOAD_BUCKETS_US)
+        self.eviction_age_s = Histogram(AGE_BUCKETS_S)
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.evictions = 0
+        self.load_failures = 0
