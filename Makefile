@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REPOSITORY := examples/model_repository
 
-.PHONY: setup serve test lint bench bench-batching bench-pipelines clean
+.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,9 @@ bench: $(STAMP)
 
 bench-batching: $(STAMP)
 	$(PY) benchmarks/batching.py $(ARGS)
+
+bench-multi-model: $(STAMP)
+	$(PY) benchmarks/multi_model.py $(ARGS)
 
 bench-pipelines: $(REPOSITORY)/.built
 	$(PY) benchmarks/pipelines.py --repository $(REPOSITORY) $(ARGS)
