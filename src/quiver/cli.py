@@ -81,9 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="model_repository",
         action="append",
         required=True,
-        type=Path,
         metavar="PATH",
-        help="a Triton model repository folder; repeat for several",
+        help=(
+            "a Triton model repository: a local folder (model folders, and .tar.gz archives "
+            "served by key on demand) or s3://bucket/prefix; repeat for several"
+        ),
     )
     net = serve.add_argument_group("listeners (addresses default to 127.0.0.1: pass 0.0.0.0 to serve the network)")
     net.add_argument("--http-port", type=int, default=8000, help="HTTP port; 0 picks a free one (default: 8000)")
@@ -261,6 +263,42 @@ def build_parser() -> argparse.ArgumentParser:
             "thread hand-off costs more than the model; 0 always uses the thread (default: 200)"
         ),
     )
+    store = serve.add_argument_group(
+        "model cache and S3 (credentials, region and endpoint also come from the usual AWS "
+        "variables: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL_S3, "
+        "AWS_ENDPOINT_URL, AWS_PROFILE)"
+    )
+    store.add_argument(
+        "--model-cache-dir",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=(
+            "where archives and S3 models are downloaded and extracted (default: "
+            "$QUIVER_CACHE_DIR, else quiver-model-cache-UID under the system temp folder)"
+        ),
+    )
+    store.add_argument(
+        "--model-cache-size",
+        type=_size,
+        default=20 << 30,
+        metavar="BYTES",
+        help="bytes of extracted models the disk cache keeps, e.g. 20G; models not loaded go "
+        "first, least recently used (default: 20G)",
+    )
+    store.add_argument(
+        "--s3-endpoint-url", default=None, metavar="URL",
+        help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)",
+    )  # fmt: skip
+    store.add_argument("--s3-region", default=None, metavar="REGION", help="S3 region (default: AWS_REGION)")
+    store.add_argument(
+        "--s3-retries", type=int, default=5, metavar="N",
+        help="attempts per S3 call (backoff with jitter between them) before UNAVAILABLE (default: 5)",
+    )  # fmt: skip
+    store.add_argument(
+        "--s3-timeout", type=float, default=None, metavar="SECONDS",
+        help="S3 connect and read timeout of one attempt (default: 5 s connect, 30 s read)",
+    )  # fmt: skip
     logs = serve.add_argument_group("logging")
     logs.add_argument(
         "--log-verbose", type=int, default=0, metavar="LEVEL", help="verbose logging level; >0 logs debug (default: 0)"
@@ -274,10 +312,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from quiver.repository.storage import RetryPolicy
     from quiver.runner import Runner, ServerOptions
 
+    local: list[Path] = []
+    remote: list[str] = []
+    for location in args.model_repository:
+        if location.startswith("s3://"):
+            remote.append(location)
+        elif "://" in location and not location.startswith("file://"):
+            print(f"quiver: error: unsupported model repository location '{location}'", file=sys.stderr)
+            return 2
+        else:
+            local.append(Path(location.removeprefix("file://")).resolve())
+    if args.s3_retries < 1:
+        print("quiver: error: --s3-retries must be at least 1", file=sys.stderr)
+        return 2
+    s3_options: dict[str, object] = {}
+    if args.s3_endpoint_url:
+        s3_options["endpoint_url"] = args.s3_endpoint_url
+    if args.s3_region:
+        s3_options["region"] = args.s3_region
+    if args.s3_retries != 5 or args.s3_timeout is not None:
+        retry = RetryPolicy(attempts=args.s3_retries)
+        if args.s3_timeout is not None:
+            retry = RetryPolicy(
+                attempts=args.s3_retries, connect_timeout=args.s3_timeout, read_timeout=args.s3_timeout
+            )
+        s3_options["retry"] = retry
     options = ServerOptions(
-        model_repositories=[p.resolve() for p in args.model_repository],
+        model_repositories=local,
+        s3_repositories=remote,
+        s3_options=s3_options,
+        model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
+        model_cache_size=args.model_cache_size,
         http_address=args.http_address,
         http_port=args.http_port,
         grpc_address=args.grpc_address,

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from prometheus_client.registry import CollectorRegistry
@@ -31,6 +32,7 @@ from quiver.frontends.sagemaker import (
     parse_port_range,
 )
 from quiver.lifecycle import ModelRepositoryManager
+from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.service import InferenceService
 
@@ -71,6 +73,10 @@ class ServerOptions:
     sagemaker_port: int = 8080
     sagemaker_safe_port_range: str = ""  # "LOW-HIGH"; empty: any port
     sagemaker_settings: SageMakerSettings | None = None  # None: from the SAGEMAKER_* variables
+    s3_repositories: list[str] = field(default_factory=list)  # s3://bucket/prefix locations
+    s3_options: dict[str, Any] = field(default_factory=dict)  # S3Storage options (endpoint, ...)
+    model_cache_dir: Path | None = None  # None: $QUIVER_CACHE_DIR or a folder under the temp dir
+    model_cache_size: int = DEFAULT_CACHE_BYTES
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -109,6 +115,10 @@ class Runner:
             strict_config=options.strict_model_config,
             load_threads=options.model_load_thread_count,
             inline_threshold_ns=options.inline_execution_threshold_us * 1000,
+            remote_repositories=options.s3_repositories,
+            s3_options=options.s3_options,
+            cache_dir=options.model_cache_dir,
+            cache_size=options.model_cache_size,
         )
         self.service = InferenceService(self.manager)
         self._stop = asyncio.Event()
@@ -253,7 +263,18 @@ def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> M
         if not manager.on_demand and not limit:
             return None
         resident = {m.name: m.size_bytes for m in manager.ready_models}
-        return MultiModelView(manager.multi_model, resident, used, limit)
+        disk = manager.disk_cache_stats
+        cache_used, cache_size = manager.disk_cache_usage
+        return MultiModelView(
+            manager.multi_model,
+            resident,
+            used,
+            limit,
+            disk_cache_hits=disk.hits + disk.stale_hits if disk else 0,
+            disk_cache_misses=disk.misses if disk else 0,
+            disk_cache_used=cache_used,
+            disk_cache_size=cache_size,
+        )
 
     collector = TritonCollector(
         lambda: manager.ready_models,
@@ -282,11 +303,18 @@ async def _start_sagemaker(
         sock = _listen_in_range(opts.sagemaker_address, safe)
     else:
         sock = _listen(opts.sagemaker_address, opts.sagemaker_port)
+    manager = service.manager
+
+    async def load_from(name: str, url: str, target: str) -> str:
+        return await manager.load_url(name, url)
+
     frontend = SageMakerFrontend(
         service,
         settings,
         repositories=opts.model_repositories,
         max_input_size=opts.http_max_input_size,
+        # S3 locations, archives and folders outside the repositories: the multi-model manager.
+        load_from=load_from if manager.on_demand else None,
     )
     config = uvicorn.Config(
         frontend,

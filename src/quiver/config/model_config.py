@@ -138,14 +138,19 @@ class ModelConfig:
         return _build(proto, source)
 
 
-def parse_model_config(text: str, source: str | Path, model_name: str) -> pb.ModelConfig:
-    """Parse config.pbtxt text into the ModelConfig message (not yet validated)."""
+def parse_model_config(
+    text: str, source: str | Path, model_name: str, *, name_must_match: bool = True
+) -> pb.ModelConfig:
+    """Parse config.pbtxt text into the ModelConfig message (not yet validated).
+
+    With ``name_must_match`` false (models from archives, served under the archive's key
+    or a namespaced name), the config's ``name`` is replaced by ``model_name``."""
     proto = pb.ModelConfig()
     try:
         text_format.Parse(text, proto)
     except text_format.ParseError as exc:
         raise ConfigError(f"{source}: invalid model configuration: {exc}") from None
-    _check_name(proto, source, model_name)
+    _check_name(proto, source, model_name, must_match=name_must_match)
     return proto
 
 
@@ -160,12 +165,14 @@ def parse_model_config_json(text: str | bytes, source: str, model_name: str) -> 
     return proto
 
 
-def _check_name(proto: pb.ModelConfig, source: str | Path, model_name: str) -> None:
+def _check_name(
+    proto: pb.ModelConfig, source: str | Path, model_name: str, *, must_match: bool = True
+) -> None:
     # File names first: auto-complete opens the model file before full validation runs.
     _check_relative(proto.default_model_filename, "default_model_filename", str(source))
     for output in proto.output:
         _check_relative(output.label_filename, "label_filename", f"{source}: output '{output.name}'")
-    if not proto.name:
+    if not proto.name or not must_match:
         proto.name = model_name
     elif proto.name != model_name:
         raise ConfigError(

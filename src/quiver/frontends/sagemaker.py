@@ -29,8 +29,9 @@ TargetModel); the frontend keeps the map from it to the Quiver model serving it 
 model is its only folder, else its one ensemble, as Triton picks), inside a
 ``--model-repository`` loads through the repository API (explicit mode), or is
 registered as it is when that model is already READY. Other locations (S3, archives,
-folders outside the repositories) go to the ``load_from`` callable the runner passes,
-once the multi-model manager provides one; without it they answer 501.
+folders outside the repositories) go to the ``load_from`` callable the runner passes in
+``on_demand`` mode (the manager's ``load_url``: fetched through the disk cache, each archive
+its own namespace); without it they answer 501.
 """
 
 from __future__ import annotations
@@ -530,7 +531,8 @@ class SageMakerFrontend:
         if self.load_from is None:
             raise UnsupportedError(
                 f"cannot load '{name}' from '{url}': {why}, and loading from other locations "
-                "(S3, archives, other folders) needs the multi-model manager"
+                "(S3, archives, other folders) needs the multi-model manager "
+                "(--model-control-mode=on_demand)"
             )
         return await self.load_from(name, url, target)
 

@@ -62,13 +62,21 @@ def read_config(
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: cannot read model configuration: {exc}") from None
-        proto = parse_model_config(text, path, source.name)
+        proto = parse_model_config(text, path, source.name, name_must_match=not source.archive)
     elif strict:
         raise ConfigError(
             f"model '{source.name}': {path} does not exist, and --strict-model-config is set"
         )
     else:
         proto = pb.ModelConfig(name=source.name)
+    if source.archive:
+        proto.name = source.name
+    if source.aliases:
+        # An archive is a namespace: its ensembles' steps name models of the same archive,
+        # which are served under namespaced names.
+        aliases = dict(source.aliases)
+        for step in proto.ensemble_scheduling.step:
+            step.model_name = aliases.get(step.model_name, step.model_name)
     resolve_backend(proto, path)
     if not proto.backend and proto.platform != "ensemble":
         _guess_backend(proto, source)

@@ -14,6 +14,13 @@ lock, so loads and unloads of one model happen one after another while other mod
 parallel. A reload keeps the old versions serving until the new ones are READY; a failed
 reload leaves the old ones serving. An unload lets in-flight requests finish; new ones get
 UNAVAILABLE.
+
+``on_demand`` is ``explicit`` plus loading on the first request. A name that is not a local
+model folder is looked up as a key: an archive (``resnet_v0.tar.gz``) next to the model
+folders of a local repository, or an archive or folder in an ``s3://`` repository. It is
+fetched through the :class:`~quiver.repository.cache.DiskCache` the manager owns, whose
+lease is held while the model is loaded; each archive is its own namespace (see
+:mod:`quiver.lifecycle.archives`), loaded, pinned, evicted and unloaded as one.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from quiver.backends.base import INLINE_THRESHOLD_NS, SERVER
 from quiver.config import ModelConfig, parse_model_config_json
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
+    AlreadyExistsError,
     InternalError,
     InvalidArgumentError,
     NotFoundError,
@@ -45,6 +53,7 @@ from quiver.errors import (
     UnavailableError,
     UnsupportedError,
 )
+from quiver.lifecycle.archives import archive_layout, check_key_name, is_namespaced
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, GreedyDualSizePolicy, LRUPolicy
 from quiver.lifecycle.loader import (
     LoadOutcome,
@@ -64,7 +73,16 @@ from quiver.lifecycle.memory import (
 )
 from quiver.lifecycle.model import Model, ModelState, VersionStatus
 from quiver.metrics.statistics import MultiModelStatistics
+from quiver.repository.cache import CacheLease, CacheStats, DiskCache
 from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSource
+from quiver.repository.storage import (
+    LocalStorage,
+    S3Storage,
+    Storage,
+    is_archive_key,
+    parse_s3_url,
+    storage_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +92,17 @@ _API_MODES = ("explicit", "on_demand")
 
 
 _monotonic = time.monotonic
+
+#: ``--model-cache-size`` when none is given.
+DEFAULT_CACHE_BYTES = 20 << 30
+
+
+def default_cache_dir() -> Path:
+    """``$QUIVER_CACHE_DIR``, else ``quiver-model-cache-<uid>`` under the system temp folder."""
+    configured = os.environ.get("QUIVER_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    return Path(tempfile.gettempdir()) / f"quiver-model-cache-{os.getuid()}"
 
 
 def check_model_name(name: str) -> None:
@@ -113,10 +142,30 @@ class ModelRepositoryManager:
         memory_limit_bytes: int = 0,
         eviction_policy: str = "lru",
         load_wait_timeout: float = 60.0,
+        remote_repositories: Iterable[str] = (),
+        s3_options: dict[str, Any] | None = None,
+        cache_dir: Path | None = None,
+        cache_size: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
         self._repository = LocalRepository(repositories)
+        # Where keys (archives, S3 folders) are looked up, in order: local folders, then S3.
+        self._s3_options = dict(s3_options or {})
+        self._stores: list[Storage] = [LocalStorage(root) for root in repositories]
+        self._stores += [storage_for(url, **self._s3_options) for url in remote_repositories]
+        self._url_stores: dict[str, Storage] = {}
+        self._cache_dir = cache_dir
+        self._cache_size = cache_size
+        self._cache: DiskCache | None = None
+        self._cache_private: Path | None = None  # a fallback folder of our own, deleted at stop
+        self._cache_lock = asyncio.Lock()
+        # Archives: served name -> the cache lease held while it is loaded; its namespace's
+        # composing models (namespaced names); namespaced name -> served name and source.
+        self._leases: dict[str, CacheLease] = {}
+        self._namespace: dict[str, set[str]] = {}
+        self._namespace_of: dict[str, str] = {}
+        self._members: dict[str, ModelSource] = {}
         self.control_mode = control_mode
         self._startup_models = list(startup_models)
         self._strict = strict_config
@@ -379,6 +428,12 @@ class ModelRepositoryManager:
         busy_ensembles = {
             e for e in self._composing if any(m.scheduler.inflight for m in self._ready.get(e, {}).values())
         }
+        # An archive is pinned as a whole: while it loads, or while any of its models is in use.
+        busy_namespaces = {
+            served
+            for served, members in self._namespace.items()
+            if any(self._in_use(n) for n in (served, *members))
+        }
         candidates = []
         for name, versions in self._ready.items():
             if name == loading or not versions:
@@ -387,6 +442,7 @@ class ModelRepositoryManager:
                 self._lock(name).locked()
                 or any(m.scheduler.inflight for m in versions.values())
                 or any(name in self._composing[e] for e in busy_ensembles)
+                or self._namespace_of.get(name) in busy_namespaces
             )
             candidates.append(
                 Candidate(
@@ -397,6 +453,12 @@ class ModelRepositoryManager:
                 )
             )
         return candidates
+
+    def _in_use(self, name: str) -> bool:
+        """Being loaded or unloaded, or serving a request now."""
+        return self._lock(name).locked() or any(
+            m.scheduler.inflight for m in self._ready.get(name, {}).values()
+        )
 
     async def _evict(self, admission: Admission, loading: str) -> None:
         """Unload the admission's victims (ensembles that need them first), then wait for the
@@ -428,9 +490,11 @@ class ModelRepositoryManager:
             if dep not in self._ready:
                 attempted = dep in self._status
                 if not attempted or self.control_mode in _API_MODES:
-                    if sources is None:
-                        sources, _ = await self._scan()
-                    source = sources.get(dep)
+                    source = self._members.get(dep)  # a model of the same archive
+                    if source is None:
+                        if sources is None:
+                            sources, _ = await self._scan()
+                        source = sources.get(dep)
                     if source is None:
                         return {}, (
                             f"ensemble '{ensemble}': composing model '{dep}' is not in the "
@@ -612,12 +676,36 @@ class ModelRepositoryManager:
             if self._budget is not None:
                 self._budget.release(name)
                 self._policy.forget(name)
+            if name in self._leases or name in self._namespace:
+                await self._drop_namespace(name, f"archive model '{name}' was unloaded")
+
+    async def _drop_namespace(self, served: str, reason: str) -> None:
+        """Unload the composing models of the archive served as ``served``, forget them,
+        and release the archive's cache lease (the cache may then evict its files)."""
+        members = self._namespace.pop(served, set())
+        try:
+            for member in sorted(members):
+                if member in self._ready:
+                    await self._unload_cascade(member, reason)
+        finally:
+            for member in members:
+                self._namespace_of.pop(member, None)
+                self._members.pop(member, None)
+                if member not in self._ready:
+                    self._status.pop(member, None)
+                    self._fingerprints.pop(member, None)
+            lease = self._leases.pop(served, None)
+            if lease is not None:
+                lease.release()
 
     async def _unload_and_record(self, name: str, reason: str) -> None:
         self._composing.pop(name, None)
         versions = self._ready.pop(name, None)
         self._latest.pop(name, None)
         if not versions:
+            if is_namespaced(name) and name not in self._namespace_of:
+                self._status.pop(name, None)  # a forgotten archive's model: nothing to show
+                return
             if name in self._status and not any(s.state is ModelState.READY for s in self._status[name]):
                 return
             self._status[name] = [VersionStatus(name, "", ModelState.UNAVAILABLE, reason)]
@@ -779,11 +867,170 @@ class ModelRepositoryManager:
         sources, _ = await self._scan()
         source = sources.get(name)
         if source is None:
-            raise NotFoundError(f"unknown model: '{name}' (no such model in the model repository)")
+            if is_namespaced(name):
+                raise NotFoundError(
+                    f"unknown model: '{name}' (a model of an archive is served only while the "
+                    "archive's own model is loaded)"
+                )
+            check_key_name(name)
+            archive = is_archive_key(name)
+            # Local repositories hold archives next to their model folders; S3 ones hold
+            # archives and folders.
+            stores = [s for s in self._stores if archive or not isinstance(s, LocalStorage)]
+            if not stores:
+                raise NotFoundError(f"unknown model: '{name}' (no such model in the model repository)")
+            await self._load_archive(name, name, stores)
+            return
         failures = await self._load_source(source)
         if name not in self._ready:
             reason = failures.get(name) or next(iter(failures.values()), "no version loaded")
             raise UnavailableError(f"model '{name}' failed to load: {reason}")
+
+    # -- archives and storage keys -------------------------------------------------------
+
+    async def _disk_cache(self) -> DiskCache:
+        """The model cache, started on first use. When the default folder is held by another
+        server process, a private folder under the temp folder is used instead."""
+        async with self._cache_lock:
+            if self._cache is not None:
+                return self._cache
+            explicit = self._cache_dir is not None
+            cache = self._new_cache(self._cache_dir or default_cache_dir())
+            try:
+                await cache.start()
+            except InvalidArgumentError as exc:  # another process holds the folder
+                if explicit:
+                    raise UnavailableError(f"model cache: {exc}") from None
+                private = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="quiver-model-cache-"))
+                logger.warning("%s; using %s for this process", exc, private)
+                self._cache_private = private
+                cache = self._new_cache(private)
+                await cache.start()
+            except OSError as exc:
+                raise UnavailableError(f"model cache: cannot open {cache.root}: {exc}") from None
+            self._cache = cache
+            return cache
+
+    def _new_cache(self, root: Path) -> DiskCache:
+        def downloaded(key: str, size: int, duration_ns: int) -> None:
+            self.multi_model.downloading_time_us.observe(duration_ns / 1000)
+
+        return DiskCache(root, self._cache_size, on_download=downloaded)
+
+    @property
+    def disk_cache_stats(self) -> CacheStats | None:
+        """The disk cache's counters (None until a model was fetched through it)."""
+        return self._cache.stats if self._cache is not None else None
+
+    @property
+    def disk_cache_usage(self) -> tuple[int, int]:
+        """Bytes of the disk cache in use and its size (0, 0 before it is used)."""
+        if self._cache is None:
+            return 0, 0
+        return self._cache.bytes_used + self._cache.bytes_reserved, self._cache.max_bytes
+
+    async def _fetch(self, served: str, key: str, stores: list[Storage]) -> CacheLease:
+        """A lease on ``key`` from the first store that has it (fetched into the cache)."""
+        cache = await self._disk_cache()
+        for store in stores:
+            try:
+                return await cache.acquire(key, store)
+            except NotFoundError:
+                continue
+        where = ", ".join(s.location for s in stores)
+        raise NotFoundError(f"unknown model: '{served}' (no archive or folder '{key}' in {where})")
+
+    async def _load_archive(self, served: str, key: str, stores: list[Storage]) -> None:
+        """Fetch ``key`` through the disk cache and load the model it holds as ``served``,
+        with the archive's other models in its namespace; the cache lease is kept until
+        ``served`` is unloaded."""
+        if served in self._namespace or served in self._leases:
+            await self._drop_namespace(served, f"archive model '{served}' is loaded again")
+        lease = await self._fetch(served, key, stores)
+        loop = asyncio.get_running_loop()
+        try:
+            source, members = await loop.run_in_executor(
+                self._pool, archive_layout, served, key, lease.path
+            )
+        except BaseException:
+            lease.release()
+            raise
+        self._leases[served] = lease
+        self._namespace[served] = {m.name for m in members}
+        for member in members:
+            self._members[member.name] = member
+            self._namespace_of[member.name] = served
+        try:
+            failures = await self._load_source(source)
+        except BaseException:
+            if served not in self._ready:
+                await self._drop_namespace(served, f"archive '{key}' failed to load")
+            raise
+        if served not in self._ready:
+            await self._drop_namespace(served, f"archive '{key}' failed to load")
+            reason = failures.get(served) or next(iter(failures.values()), "no version loaded")
+            raise UnavailableError(f"model '{served}' failed to load: {reason}")
+        logger.info(
+            "model '%s' served from '%s' (%s)%s",
+            served,
+            key,
+            lease.path,
+            f" with {', '.join(sorted(self._namespace[served]))}" if self._namespace.get(served) else "",
+        )
+
+    async def load_url(self, name: str, url: str) -> str:
+        """Load the model at ``url`` (``s3://bucket/prefix/key.tar.gz``, an S3 folder, a
+        local archive or folder) as ``name``: SageMaker's ``POST /models``. Returns the name
+        it is served under. AlreadyExistsError when ``name`` is loaded."""
+        if not self.on_demand:
+            raise UnsupportedError(
+                f"cannot load '{name}' from '{url}': loading from S3, archives and other "
+                "folders needs the multi-model manager (--model-control-mode=on_demand)"
+            )
+        check_key_name(name)
+        if name in self._ready:
+            raise AlreadyExistsError(f"model '{name}' is already loaded")
+        loop = asyncio.get_running_loop()
+        store, key = await loop.run_in_executor(self._pool, self._store_for_url, url)
+        task = self._loading.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._load_archive(name, key, [store]))
+            self._loading[name] = task
+            task.add_done_callback(functools.partial(self._loaded_on_demand, name))
+        await asyncio.shield(task)
+        return name
+
+    def _store_for_url(self, url: str) -> tuple[Storage, str]:
+        """(storage, key) for a model location (blocking: it looks at the local disk)."""
+        if url.startswith("s3://"):
+            bucket, prefix = parse_s3_url(url)
+            path = prefix.rstrip("/")
+            if not path:
+                raise InvalidArgumentError(f"url '{url}' names a bucket, not a model in it")
+            parent, _, key = path.rpartition("/")
+            location = f"s3://{bucket}/{parent}/" if parent else f"s3://{bucket}/"
+            for store in self._stores:
+                if store.location == location:
+                    return store, key
+            known = self._url_stores.get(location)
+            if known is None:
+                known = self._url_stores[location] = S3Storage(location, **self._s3_options)
+            return known, key
+        local = url.removeprefix("file://")
+        if "://" in local:
+            raise UnsupportedError(f"cannot load from '{url}': only s3:// URLs and local paths are supported")
+        target = Path(os.path.abspath(local))
+        if str(target).startswith(("/dev/", "/proc/", "/sys/")) or str(target) in ("/dev", "/proc", "/sys"):
+            raise InvalidArgumentError(f"url '{url}' may not be under /dev, /proc or /sys")
+        if not target.exists():
+            raise NotFoundError(f"url '{url}' does not exist")
+        if not target.is_dir() and not is_archive_key(target.name):
+            raise InvalidArgumentError(f"url '{url}' is neither a folder nor a .tar.gz archive")
+        folder = str(target.parent)
+        local_store = self._url_stores.get(folder)
+        if local_store is None:
+            local_store = self._url_stores[folder] = LocalStorage(target.parent)
+        return local_store, target.name
 
     def is_ready(self, name: str, version: str = "") -> bool:
         try:
@@ -836,4 +1083,14 @@ class ModelRepositoryManager:
         await self._unload_models(models)
         for name in list(self._overrides):
             await self._drop_override(name)
+        for lease in self._leases.values():
+            lease.release()
+        self._leases.clear()
+        self._namespace.clear()
+        self._namespace_of.clear()
+        self._members.clear()
+        if self._cache is not None:
+            await self._cache.close()
+        if self._cache_private is not None:
+            await self._remove_tree(self._cache_private)
         self._pool.shutdown(wait=False)

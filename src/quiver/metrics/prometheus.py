@@ -163,12 +163,17 @@ class TritonCollector(Collector):
 @dataclass(frozen=True, slots=True)
 class MultiModelView:
     """What the multi-model metrics read: the server-wide counters, the resident bytes of
-    each loaded model, and the memory budget (used, limit; 0, 0 without one)."""
+    each loaded model, the memory budget (used, limit; 0, 0 without one), and the disk
+    cache's hits, misses and bytes (zeros before it is used)."""
 
     stats: MultiModelStatistics
     resident: dict[str, int]
     memory_used: int
     memory_limit: int
+    disk_cache_hits: int = 0
+    disk_cache_misses: int = 0
+    disk_cache_used: int = 0
+    disk_cache_size: int = 0
 
 
 def _histogram(name: str, help_text: str, histogram: Histogram) -> Metric:
@@ -202,6 +207,11 @@ def _multi_model_metrics(view: MultiModelView) -> Iterator[Metric]:
         stats.unloading_time_us,
     )
     yield _histogram(
+        "quiver_model_downloading_time_us",
+        "Model download time into the disk cache in microseconds",
+        stats.downloading_time_us,
+    )
+    yield _histogram(
         "quiver_model_eviction_age_seconds",
         "Seconds a model had been loaded when it was evicted",
         stats.eviction_age_s,
@@ -215,6 +225,12 @@ def _multi_model_metrics(view: MultiModelView) -> Iterator[Metric]:
         ),
         ("quiver_model_evictions", "Models unloaded to make room for others", stats.evictions),
         ("quiver_model_load_failures", "Model loads that failed", stats.load_failures),
+        (
+            "quiver_disk_cache_hit",
+            "Model fetches the disk cache answered without a download",
+            view.disk_cache_hits,
+        ),
+        ("quiver_disk_cache_miss", "Model fetches that downloaded", view.disk_cache_misses),
     ):
         yield CounterMetricFamily(name, help_text, value=value)  # exposed as NAME_total
     resident = GaugeMetricFamily(
@@ -234,6 +250,16 @@ def _multi_model_metrics(view: MultiModelView) -> Iterator[Metric]:
         "quiver_model_memory_limit_bytes",
         "The model memory budget (--model-memory-limit)",
         value=view.memory_limit,
+    )
+    yield GaugeMetricFamily(
+        "quiver_disk_cache_used_bytes",
+        "Bytes of the model disk cache in use (extracted models and downloads in flight)",
+        value=view.disk_cache_used,
+    )
+    yield GaugeMetricFamily(
+        "quiver_disk_cache_size_bytes",
+        "The model disk cache size (--model-cache-size)",
+        value=view.disk_cache_size,
     )
 
 

@@ -178,11 +178,13 @@ class Histogram:
 class MultiModelStatistics:
     """What the multi-model machinery did, server-wide (SageMaker's MME metrics, in
     Prometheus style): loads, unloads, how long requests waited for loads, cache hits and
-    misses (a request that found its model loaded, or had to wait for a load), evictions."""
+    misses (a request that found its model loaded, or had to wait for a load), evictions,
+    and how long model downloads into the disk cache took."""
 
     __slots__ = (
         "cache_hits",
         "cache_misses",
+        "downloading_time_us",
         "eviction_age_s",
         "evictions",
         "load_failures",
@@ -196,6 +198,7 @@ class MultiModelStatistics:
         self.unloading_time_us = Histogram(LOAD_BUCKETS_US)
         self.loading_wait_time_us = Histogram(LOAD_BUCKETS_US)
         self.eviction_age_s = Histogram(AGE_BUCKETS_S)
+        self.downloading_time_us = Histogram(LOAD_BUCKETS_US)
         self.cache_hits = 0
         self.cache_misses = 0
         self.evictions = 0

@@ -12,11 +12,19 @@ CONFIG_FILENAME = "config.pbtxt"
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """One model folder found in a repository."""
+    """One model folder found in a repository, or in an archive (a namespace of its own).
+
+    ``archive`` is the key of the archive (or storage folder) the model came from: its
+    config's ``name`` need not match ``name``, which is the name it is served under.
+    ``aliases`` maps the model names an ensemble's steps use inside that archive to the
+    (namespaced) names those models are served under.
+    """
 
     name: str
     repository: Path
     path: Path
+    archive: str = ""
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def config_path(self) -> Path:

@@ -1,0 +1,158 @@
+"""Archives in a local repository folder, served by key on demand through the disk cache:
+HTTP and gRPC, namespacing (two archives with a composing model of the same name), hostile
+archives, a new upload under the same key, a deleted archive, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.http.aio as aiohttpclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from support.archives import (
+    ADD,
+    configless_archive,
+    pipeline_archive,
+    single_archive,
+    tar_gz,
+    traversal_archive,
+)
+from support.models import add_constant_onnx, write_onnx
+from support.server import QuiverServer
+
+
+def x(value: float = 0.0, name: str = "INPUT0") -> list[httpclient.InferInput]:
+    inp = httpclient.InferInput(name, [1, 4], "FP32")
+    inp.set_data_from_numpy(np.full((1, 4), value, np.float32))
+    return [inp]
+
+
+def metrics(server: QuiverServer) -> dict[str, float]:
+    with urllib.request.urlopen(server.metrics_url) as response:
+        text = response.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("archives")
+    write_onnx(repo, "plain", add_constant_onnx(7.0), ADD.format(name="plain"))
+    (repo / "single_v0.tar.gz").write_bytes(single_archive(3.0))
+    (repo / "nested.tgz").write_bytes(single_archive(4.0, folder="resnet", name="resnet"))
+    (repo / "pipe_a.tar.gz").write_bytes(pipeline_archive(1.0))
+    (repo / "pipe_b.tar.gz").write_bytes(pipeline_archive(2.0))
+    (repo / "evil.tar.gz").write_bytes(traversal_archive())
+    (repo / "notgz.tar.gz").write_bytes(b"this is not a gzip file at all")
+    (repo / "noconfig.tar.gz").write_bytes(configless_archive())
+    (repo / "two_models.tar.gz").write_bytes(
+        tar_gz({"a/config.pbtxt": ADD.format(name="a").encode(), "b/config.pbtxt": ADD.format(name="b").encode()})
+    )
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
+    cache = tmp_path_factory.mktemp("archive_cache")
+    args = ("--model-control-mode=on_demand", "--model-cache-dir", str(cache), "--model-cache-size", "64M")
+    with QuiverServer(repo, args=args) as server:
+        yield server
+
+
+def test_archives_served_by_key_over_http_and_grpc(server: QuiverServer) -> None:
+    http = httpclient.InferenceServerClient(server.url)
+    out = http.infer("single_v0.tar.gz", x(1.0)).as_numpy("OUTPUT0")
+    np.testing.assert_array_equal(out, np.full((1, 4), 4.0))
+    assert http.get_model_metadata("single_v0.tar.gz")["name"] == "single_v0.tar.gz"
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    inp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.full((1, 4), 2.0, np.float32))
+    np.testing.assert_array_equal(grpc.infer("nested.tgz", [inp]).as_numpy("OUTPUT0"), np.full((1, 4), 6.0))
+    np.testing.assert_array_equal(grpc.infer("single_v0.tar.gz", [inp]).as_numpy("OUTPUT0"), np.full((1, 4), 5.0))
+    # Local model folders keep working as before.
+    np.testing.assert_array_equal(http.infer("plain", x(1.0)).as_numpy("OUTPUT0"), np.full((1, 4), 8.0))
+
+
+def test_each_archive_is_its_own_namespace(server: QuiverServer) -> None:
+    """pipe_a and pipe_b both hold 'preprocess' (adding 1 and 2) and 'post': served side by
+    side, each ensemble runs its own archive's models."""
+
+    async def main() -> None:
+        async with aiohttpclient.InferenceServerClient(server.url) as client:
+            calls = []
+            for i in range(12):
+                inp = aiohttpclient.InferInput("IN", [1, 4], "FP32")
+                inp.set_data_from_numpy(np.full((1, 4), float(i), np.float32))
+                calls.append(client.infer("pipe_a.tar.gz" if i % 2 else "pipe_b.tar.gz", [inp]))
+            results = await asyncio.gather(*calls)
+            for i, result in enumerate(results):
+                expected = i + (1.0 if i % 2 else 2.0) + 100.0
+                np.testing.assert_array_equal(result.as_numpy("OUT"), np.full((1, 4), expected))
+
+    asyncio.run(main())
+    http = httpclient.InferenceServerClient(server.url)
+    ready = {e["name"] for e in http.get_model_repository_index() if e.get("state") == "READY"}
+    assert {"pipe_a.tar.gz", "pipe_a.tar.gz::preprocess", "pipe_b.tar.gz::preprocess"} <= ready
+    steps = http.get_model_config("pipe_a.tar.gz")["ensemble_scheduling"]["step"]
+    assert [s["model_name"] for s in steps] == ["pipe_a.tar.gz::preprocess", "pipe_a.tar.gz::post"]
+    # Unloading the archive's model unloads its namespace; the other archive keeps serving.
+    http.unload_model("pipe_a.tar.gz")
+    ready = {e["name"] for e in http.get_model_repository_index() if e.get("state") == "READY"}
+    assert not any(n.startswith("pipe_a.tar.gz") for n in ready)
+    assert "pipe_b.tar.gz::preprocess" in ready
+    inp = httpclient.InferInput("IN", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    np.testing.assert_array_equal(http.infer("pipe_a.tar.gz", [inp]).as_numpy("OUT"), np.full((1, 4), 101.0))
+
+
+@pytest.mark.parametrize(
+    ("name", "texts"),
+    [
+        ("evil.tar.gz", ["archive 'evil.tar.gz'", "'../escape.txt'"]),
+        ("notgz.tar.gz", ["archive 'notgz.tar.gz'", "not a valid tar.gz"]),
+        ("noconfig.tar.gz", ["archive 'noconfig.tar.gz'", "config.pbtxt"]),
+        ("two_models.tar.gz", ["archive 'two_models.tar.gz'", "cannot tell which"]),
+        ("bad$name.tar.gz", ["'bad$name.tar.gz' is not a valid model name"]),
+    ],
+)
+def test_hostile_archives_and_names_are_invalid_arguments(server: QuiverServer, name: str, texts: list[str]) -> None:
+    http = httpclient.InferenceServerClient(server.url)
+    with pytest.raises(InferenceServerException) as info:
+        http.infer(name, x())
+    assert info.value.status() == "400", info.value.message()
+    for text in texts:
+        assert text in info.value.message()
+    assert http.infer("single_v0.tar.gz", x()).as_numpy("OUTPUT0") is not None  # still serving
+
+
+def test_new_upload_is_served_after_unload_and_deleted_stops(server: QuiverServer, repo: Path) -> None:
+    http = httpclient.InferenceServerClient(server.url)
+    (repo / "swap.tar.gz").write_bytes(single_archive(10.0))
+    assert http.infer("swap.tar.gz", x()).as_numpy("OUTPUT0").tolist() == [[10.0] * 4]
+    (repo / "swap.tar.gz").write_bytes(single_archive(20.0))
+    assert http.infer("swap.tar.gz", x()).as_numpy("OUTPUT0").tolist() == [[10.0] * 4]  # still loaded
+    http.unload_model("swap.tar.gz")
+    assert http.infer("swap.tar.gz", x()).as_numpy("OUTPUT0").tolist() == [[20.0] * 4]
+    (repo / "swap.tar.gz").unlink()
+    assert http.infer("swap.tar.gz", x()).as_numpy("OUTPUT0").tolist() == [[20.0] * 4]  # loaded: serves
+    http.unload_model("swap.tar.gz")
+    with pytest.raises(InferenceServerException) as info:
+        http.infer("swap.tar.gz", x())
+    assert info.value.status() == "404"
+
+
+def test_download_metrics(server: QuiverServer) -> None:
+    http = httpclient.InferenceServerClient(server.url)
+    http.infer("single_v0.tar.gz", x())
+    values = metrics(server)
+    assert values["quiver_model_downloading_time_us_count"] >= 2
+    assert values["quiver_disk_cache_miss_total"] >= 2
+    assert "quiver_disk_cache_hit_total" in values
+    assert 0 < values["quiver_disk_cache_used_bytes"] <= values["quiver_disk_cache_size_bytes"]

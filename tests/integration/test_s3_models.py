@@ -1,0 +1,224 @@
+"""Models in S3 (a real SeaweedFS server on 127.0.0.1), served on demand through the disk
+cache: single flight, a memory budget over ~30 archives under a skewed concurrent mix, S3
+down and back, a new upload under the same key, and SageMaker's POST /models with s3:// and
+local archive URLs."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import tritonclient.http.aio as aiohttpclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from support.archives import ADD, onnx_bytes, pipeline_archive, single_archive
+from support.models import add_constant_onnx
+from support.s3 import SeaweedS3
+from support.server import QuiverServer
+
+BUCKET = "models"
+N_ARCHIVES = 30
+WEIGHT_MB = 8
+MB = 1 << 20
+TARGET = "X-Amzn-SageMaker-Target-Model"
+
+
+def x(value: float = 0.0) -> list[httpclient.InferInput]:
+    inp = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.full((1, 4), value, np.float32))
+    return [inp]
+
+
+def ax(value: float = 0.0) -> list[aiohttpclient.InferInput]:
+    inp = aiohttpclient.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.full((1, 4), value, np.float32))
+    return [inp]
+
+
+def metrics(server: QuiverServer) -> dict[str, float]:
+    with urllib.request.urlopen(server.metrics_url) as response:
+        text = response.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def ready(client: httpclient.InferenceServerClient) -> list[str]:
+    return [e["name"] for e in client.get_model_repository_index() if e.get("state") == "READY"]
+
+
+def post(base: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        data = response.read()
+        return response.status, json.loads(data) if data else None
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    with SeaweedS3(tmp_path_factory.mktemp("s3_models")) as server:
+        client = server.client()
+        client.create_bucket(Bucket=BUCKET)
+        put = client.put_object
+        put(Bucket=BUCKET, Key="repo/one.tar.gz", Body=single_archive(1.0))
+        put(Bucket=BUCKET, Key="repo/pipe.tar.gz", Body=pipeline_archive(5.0))
+        put(Bucket=BUCKET, Key="repo/folder_model/config.pbtxt", Body=ADD.format(name="folder_model").encode())
+        put(Bucket=BUCKET, Key="repo/folder_model/1/model.onnx", Body=onnx_bytes(add_constant_onnx(9.0)))
+        for i in range(N_ARCHIVES):
+            body = single_archive(float(i), folder=f"z{i}", name=f"z{i}", weight_mb=WEIGHT_MB)
+            put(Bucket=BUCKET, Key=f"repo/z{i:02d}.tar.gz", Body=body)
+        put(Bucket=BUCKET, Key="elsewhere/sm_model.tar.gz", Body=single_archive(40.0))
+        yield server
+
+
+@pytest.fixture(scope="module")
+def local_archives(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("sm_local")
+    (folder / "local_model.tar.gz").write_bytes(pipeline_archive(50.0))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
+    cache = tmp_path_factory.mktemp("s3_cache")
+    args = (
+        "--model-repository", f"s3://{BUCKET}/repo",
+        "--model-control-mode=on_demand",
+        "--model-memory-limit", f"{3 * WEIGHT_MB + 20}M",
+        "--model-cache-dir", str(cache),
+        "--model-cache-size", f"{10 * WEIGHT_MB}M",
+        "--s3-timeout", "0.5", "--s3-retries", "2",
+        "--model-load-wait-timeout", "30",
+    )  # fmt: skip
+    env = {
+        "AWS_ACCESS_KEY_ID": s3.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": s3.endpoint,
+        "SAGEMAKER_MULTI_MODEL": "true",
+    }
+    with QuiverServer(args=args, env=env) as server:
+        yield server
+
+
+def test_single_flight_one_download(server: QuiverServer) -> None:
+    async def main() -> None:
+        async with aiohttpclient.InferenceServerClient(server.url) as client:
+            results = await asyncio.gather(*(client.infer("one.tar.gz", ax(float(i))) for i in range(10)))
+            for i, result in enumerate(results):
+                np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 4), i + 1.0))
+
+    asyncio.run(main())
+    assert server.log.count("model cache: fetched 'one.tar.gz'") == 1
+    assert server.log.count("loaded model 'one.tar.gz' version") == 1
+    # A folder of objects in S3 is a model too; an S3 ensemble archive is its own namespace.
+    client = httpclient.InferenceServerClient(server.url)
+    assert client.infer("folder_model", x(1.0)).as_numpy("OUTPUT0").tolist() == [[10.0] * 4]
+    inp = httpclient.InferInput("IN", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    assert client.infer("pipe.tar.gz", [inp]).as_numpy("OUT").tolist() == [[105.0] * 4]
+    values = metrics(server)
+    assert values["quiver_model_downloading_time_us_count"] == values["quiver_disk_cache_miss_total"] >= 3
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("missing.tar.gz", x())
+    assert info.value.status() == "404"
+
+
+def test_budget_holds_a_few_of_many_archives(server: QuiverServer) -> None:
+    """A skewed concurrent mix over 30 archives with memory for about 3: every answer right,
+    models evicted (and their archives evicted from the disk cache, which holds about 10)."""
+    client = httpclient.InferenceServerClient(server.url)
+    rng = random.Random(11)
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(N_ARCHIVES)]
+    trace = rng.choices(range(N_ARCHIVES), weights, k=90)
+    most = 0
+
+    async def main() -> None:
+        nonlocal most
+        async with aiohttpclient.InferenceServerClient(server.url) as aclient:
+            for start in range(0, len(trace), 6):
+                chunk = trace[start : start + 6]
+                results = await asyncio.gather(*(aclient.infer(f"z{i:02d}.tar.gz", ax(1.0)) for i in chunk))
+                for i, result in zip(chunk, results, strict=True):
+                    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 4), 1.0 + i))
+                most = max(most, len([n for n in ready(client) if n.startswith("z")]))
+
+    asyncio.run(main())
+    sizes = {m: int(b) for m, b in re.findall(r"model '(z\d\d\.tar\.gz)' takes (\d+) bytes", server.log)}
+    resident = [n for n in ready(client) if n in sizes]
+    assert sum(sizes[m] for m in resident) <= (3 * WEIGHT_MB + 20) * MB
+    assert most < len(set(trace))
+    loads = len(re.findall(r"loaded model 'z\d\d\.tar\.gz' version", server.log))
+    evicted = len(re.findall(r"unloaded model 'z\d\d\.tar\.gz' \(evicted to make room", server.log))
+    assert evicted > 0
+    assert loads == evicted + len(resident)  # each model loaded once per miss
+    values = metrics(server)
+    assert values["quiver_model_memory_used_bytes"] <= values["quiver_model_memory_limit_bytes"]
+    assert "model cache: evicting 'z" in server.log  # archives of models not loaded left the disk
+
+
+def test_s3_down_is_unavailable_then_served(server: QuiverServer, s3: SeaweedS3) -> None:
+    client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+    s3.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("z29.tar.gz", x())
+        assert info.value.status() == "503", info.value.message()
+        assert "failed after 2 attempts" in info.value.message()
+        assert time.monotonic() - started < 20
+    finally:
+        s3.resume()
+    assert client.infer("z29.tar.gz", x(1.0)).as_numpy("OUTPUT0").tolist() == [[30.0] * 4]
+
+
+def test_new_upload_under_the_same_key_after_unload(server: QuiverServer, s3: SeaweedS3) -> None:
+    bucket = s3.client()
+    bucket.put_object(Bucket=BUCKET, Key="repo/swap.tar.gz", Body=single_archive(10.0))
+    client = httpclient.InferenceServerClient(server.url)
+    assert client.infer("swap.tar.gz", x()).as_numpy("OUTPUT0").tolist() == [[10.0] * 4]
+    bucket.put_object(Bucket=BUCKET, Key="repo/swap.tar.gz", Body=single_archive(20.0))
+    assert client.infer("swap.tar.gz", x()).as_numpy("OUTPUT0").tolist() == [[10.0] * 4]
+    client.unload_model("swap.tar.gz")
+    assert client.infer("swap.tar.gz", x()).as_numpy("OUTPUT0").tolist() == [[20.0] * 4]
+    bucket.delete_object(Bucket=BUCKET, Key="repo/swap.tar.gz")
+    client.unload_model("swap.tar.gz")
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("swap.tar.gz", x())
+    assert info.value.status() == "404"
+
+
+def test_sagemaker_load_from_s3_and_local_archive(server: QuiverServer, local_archives: Path) -> None:
+    base = server.sagemaker_url
+    url = f"s3://{BUCKET}/elsewhere/sm_model.tar.gz"
+    status, _ = post(base, "/models", {"model_name": "sm-hash-1", "url": url}, {TARGET: "sm_model.tar.gz"})
+    assert status == 200
+    status, body = post(base, "/models", {"model_name": "sm-hash-1", "url": url})
+    assert status == 409, body
+    status, body = post(base, "/models", {"model_name": "sm-hash-2", "url": str(local_archives / "local_model.tar.gz")})
+    assert status == 200, body
+    request = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}]}
+    status, body = post(base, "/invocations", request, {TARGET: "sm_model.tar.gz"})
+    assert status == 200 and body["outputs"][0]["data"] == [41.0] * 4, body
+    request = {"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}]}
+    status, body = post(base, "/invocations", request, {TARGET: "sm-hash-2"})
+    assert status == 200 and body["outputs"][0]["data"] == [151.0] * 4, body
+    status, body = post(base, "/models", {"model_name": "sm-hash-3", "url": f"s3://{BUCKET}/elsewhere/ghost.tar.gz"})
+    assert status == 404, body
+    status, body = post(base, "/models", {"model_name": "sm-hash-4", "url": str(local_archives / "nope.tar.gz")})
+    assert status == 404, body

@@ -1,0 +1,119 @@
+"""Model archives (``.tar.gz``) built at test time: one model, or a Triton repository with an
+ensemble, as SageMaker multi-model endpoints take them; and hostile ones."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import textwrap
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from support.models import add_constant_onnx, make_model
+
+ADD = """
+name: "{name}"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+"""
+
+#: IN -> preprocess -> post -> OUT, the steps named as the archive's folders name them.
+PIPE = """
+name: "pipe"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [
+  { model_name: "preprocess" model_version: -1 input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "mid" } },
+  { model_name: "post" model_version: -1 input_map { key: "INPUT0" value: "mid" } output_map { key: "OUTPUT0" value: "OUT" } }
+] }
+"""
+
+
+def tar_gz(files: dict[str, bytes], *, dirs: tuple[str, ...] = ()) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name in dirs:
+            info = tarfile.TarInfo(name)
+            info.type = tarfile.DIRTYPE
+            info.mode = 0o755
+            tar.addfile(info)
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def onnx_bytes(model: onnx.ModelProto) -> bytes:
+    return bytes(model.SerializeToString())
+
+
+def weighted_add(value: float, weight_mb: int) -> onnx.ModelProto:
+    """OUTPUT0 = INPUT0 + value, carrying ``weight_mb`` of weights read at run time (so the
+    model's memory footprint is real)."""
+    rows = weight_mb * (1 << 20) // 16
+    graph = helper.make_graph(
+        [
+            helper.make_node("Slice", ["INPUT0", "starts", "ends", "axes"], ["first"]),
+            helper.make_node("Mul", ["first", "zero"], ["nothing"]),
+            helper.make_node("Cast", ["nothing"], ["index"], to=TensorProto.INT64),
+            helper.make_node("Gather", ["W", "index"], ["rows"], axis=0),
+            helper.make_node("ReduceSum", ["rows", "axes"], ["picked"], keepdims=0),
+            helper.make_node("Add", ["INPUT0", "picked"], ["shifted"]),
+            helper.make_node("Add", ["shifted", "C"], ["OUTPUT0"]),
+        ],
+        "weighted",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[
+            numpy_helper.from_array(np.zeros((rows, 4), np.float32), "W"),
+            numpy_helper.from_array(np.array([0], np.int64), "starts"),
+            numpy_helper.from_array(np.array([1], np.int64), "ends"),
+            numpy_helper.from_array(np.array([1], np.int64), "axes"),
+            numpy_helper.from_array(np.array(0, np.float32), "zero"),
+            helper.make_tensor("C", TensorProto.FLOAT, [1], [value]),
+        ],
+    )
+    return make_model(graph)
+
+
+def single_archive(value: float, *, folder: str = "", name: str = "model", weight_mb: int = 0) -> bytes:
+    """One model adding ``value``: at the archive's top (``folder`` empty) or in ``folder/``."""
+    model = weighted_add(value, weight_mb) if weight_mb else add_constant_onnx(value)
+    prefix = f"{folder}/" if folder else ""
+    return tar_gz(
+        {
+            f"{prefix}config.pbtxt": textwrap.dedent(ADD.format(name=name)).encode(),
+            f"{prefix}1/model.onnx": onnx_bytes(model),
+        }
+    )
+
+
+def pipeline_archive(pre: float, post: float = 100.0) -> bytes:
+    """A Triton repository: ensemble ``pipe`` = ``preprocess`` (adds ``pre``) then ``post``
+    (adds ``post``): OUT = IN + pre + post."""
+    return tar_gz(
+        {
+            "pipe/config.pbtxt": textwrap.dedent(PIPE).encode(),
+            "preprocess/config.pbtxt": textwrap.dedent(ADD.format(name="preprocess")).encode(),
+            "preprocess/1/model.onnx": onnx_bytes(add_constant_onnx(pre)),
+            "post/config.pbtxt": textwrap.dedent(ADD.format(name="post")).encode(),
+            "post/1/model.onnx": onnx_bytes(add_constant_onnx(post)),
+        },
+        dirs=("pipe", "pipe/1"),
+    )
+
+
+def traversal_archive() -> bytes:
+    return tar_gz({"model/config.pbtxt": b"", "../escape.txt": b"gotcha"})
+
+
+def configless_archive() -> bytes:
+    return tar_gz({"1/model.onnx": onnx_bytes(add_constant_onnx(1.0))})
