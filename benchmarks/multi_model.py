@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper
 
-from quiver.lifecycle.eviction import LRUPolicy, belady, simulate, zipf_trace
+from quiver.lifecycle.eviction import GreedyDualSizePolicy, LRUPolicy, belady, simulate, zipf_trace
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIG = """name: "{name}"
@@ -193,6 +193,7 @@ def main() -> int:
     capacity = most_loaded or args.resident
     sizes = dict.fromkeys(set(trace), 1)
     lru = simulate(LRUPolicy(), trace, sizes, capacity)
+    gds = simulate(GreedyDualSizePolicy(), trace, sizes, capacity)
     best = belady(trace, sizes, capacity)
     served_hit_rate = len(hits) / len(trace)
     result = {
@@ -207,6 +208,7 @@ def main() -> int:
         "most_models_loaded_at_once": capacity,
         "server_hit_rate": served_hit_rate,
         "lru_simulated_hit_rate": lru.hit_rate,
+        "gds_simulated_hit_rate": gds.hit_rate,
         "belady_hit_rate": best.hit_rate,
         "loads": len(misses),
         "evictions": evictions,
@@ -233,6 +235,7 @@ def main() -> int:
             f"| most models loaded at once (the room the simulations get) | {capacity} |",
             f"| hit rate, Quiver (LRU) | {served_hit_rate:.3f} |",
             f"| hit rate, LRU simulated on the same trace | {lru.hit_rate:.3f} |",
+            f"| hit rate, GreedyDual-Size simulated on the same trace | {gds.hit_rate:.3f} |",
             f"| hit rate, offline optimum (Belady MIN) | {best.hit_rate:.3f} |",
             f"| loads (misses) / evictions | {len(misses)} / {int(evictions)} |",
             f"| loads per second | {result['loads_per_second']:.1f} |",

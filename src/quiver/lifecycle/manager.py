@@ -864,8 +864,12 @@ class ModelRepositoryManager:
             task.exception()  # retrieved: waiters that timed out must not leave it unobserved
 
     async def _load_on_demand(self, name: str) -> None:
-        sources, _ = await self._scan()
-        source = sources.get(name)
+        loop = asyncio.get_running_loop()
+        # A direct look at <repository>/<name> first: listing 1,000 folders per miss costs.
+        source = await loop.run_in_executor(self._pool, self._repository.find, name)
+        if source is None:
+            sources, _ = await self._scan()
+            source = sources.get(name)
         if source is None:
             if is_namespaced(name):
                 raise NotFoundError(

@@ -46,6 +46,14 @@ class LocalRepository:
                 raise InvalidArgumentError(f"model repository '{root}' is not a directory")
         self.roots = roots
 
+    def find(self, name: str) -> ModelSource | None:
+        """The model folder ``name`` when exactly one repository has it (one ``stat`` per
+        repository, no listing); ``None`` otherwise, for :meth:`scan` to explain."""
+        found = [root for root in self.roots if (root / name).is_dir()]
+        if len(found) != 1 or name.startswith("."):
+            return None
+        return ModelSource(name, found[0], found[0] / name)
+
     def scan(self) -> tuple[dict[str, ModelSource], dict[str, str]]:
         """Every model folder by name, and the names that clash between repositories."""
         models: dict[str, ModelSource] = {}
