@@ -369,28 +369,44 @@ class ModelRepositoryManager:
         identity = ModelIdentity(name, "", self._fingerprints.get(name, ""))
         prediction = self._predictor.predict(identity, source.path)
         admission = await self._admit(name, prediction.bytes)
+        # A model measured before (same files) is not measured again: measuring serialises
+        # loads and costs two garbage collections; its size is known.
+        known = prediction.source == "measured"
         try:
             await self._evict(admission, name)
-            outcome, footprint = await loop.run_in_executor(
-                self._pool, functools.partial(self._meter.measure, load)
-            )
+            started = time.monotonic()
+            if known:
+                outcome = await loop.run_in_executor(
+                    self._pool, functools.partial(self._meter.shared, load)
+                )
+                measured = prediction.bytes
+            else:
+                outcome, footprint = await loop.run_in_executor(
+                    self._pool, functools.partial(self._meter.measure, load)
+                )
+                measured = footprint.host_bytes
+            seconds = time.monotonic() - started
         except BaseException:
             (budget.cancel if serving else budget.release)(name)
             raise
         if not outcome.models:
             (budget.cancel if serving else budget.release)(name)
             return outcome
-        # RSS growth undercounts when the load reuses memory an eviction just freed (the heap
-        # does not always shrink): a model never counts for less than its files suggest.
-        from_files = await loop.run_in_executor(self._pool, self._predictor.from_files, source.path)
-        size = max(footprint.host_bytes, int((from_files or 0) / self._predictor.file_factor))
-        self._predictor.record(identity, size)
+        if known:
+            size = prediction.bytes
+        else:
+            # RSS growth undercounts when the load reuses memory an eviction just freed (the
+            # heap does not always shrink): a model never counts for less than its files suggest.
+            from_files = await loop.run_in_executor(self._pool, self._predictor.from_files, source.path)
+            size = max(measured, int((from_files or 0) / self._predictor.file_factor))
+            self._predictor.record(identity, size)
         logger.info(
-            "model '%s' takes %d bytes of host memory (measured %d, predicted %d from %s); "
+            "model '%s' takes %d bytes of host memory (%s %d, predicted %d from %s); "
             "%d of %d bytes in use",
             name,
             size,
-            footprint.host_bytes,
+            "known" if known else "measured",
+            measured,
             prediction.bytes,
             prediction.source,
             budget.used + size - budget.reserved.get(name, 0),
@@ -399,7 +415,7 @@ class ModelRepositoryManager:
         for model in outcome.models:
             model.size_bytes = size
             model.last_used = time.monotonic()
-        self._policy.touch(name, size, time.monotonic(), load_cost_s=footprint.seconds)
+        self._policy.touch(name, size, time.monotonic(), load_cost_s=seconds)
         over = budget.commit(name, size)
         if over > 0:  # it measured larger than predicted: make up the difference
             victims = self._policy.victims(self._candidates(name), over, 0)
