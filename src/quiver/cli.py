@@ -27,6 +27,17 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
 
 
+def _fraction(value: str) -> float:
+    """A fraction in (0, 1], for --model-load-gpu-limit."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a fraction in (0, 1]")
+    return number
+
+
 def _size(value: str) -> int:
     """Bytes, with an optional K/M/G suffix (powers of 1024)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -204,6 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     models.add_argument(
+        "--model-load-gpu-limit",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help=(
+            "a model load may not take any GPU's used memory (NVML) past this fraction of its "
+            "total, 0 < FRACTION <= 1: models not in use that hold memory there are unloaded "
+            "to make room, else the load fails; no effect without a GPU (default: "
+            "SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT, else no limit)"
+        ),
+    )
+    models.add_argument(
         "--model-eviction-policy",
         choices=["lru", "gds"],
         default="lru",
@@ -340,6 +363,17 @@ def _run_serve(args: argparse.Namespace) -> int:
                 attempts=args.s3_retries, connect_timeout=args.s3_timeout, read_timeout=args.s3_timeout
             )
         s3_options["retry"] = retry
+    gpu_limit = args.model_load_gpu_limit
+    if gpu_limit is None:
+        import os
+
+        variable = os.environ.get("SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT", "").strip()
+        if variable:
+            try:
+                gpu_limit = _fraction(variable)
+            except argparse.ArgumentTypeError as exc:
+                print(f"quiver: error: SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT: {exc}", file=sys.stderr)
+                return 2
     options = ServerOptions(
         model_repositories=local,
         s3_repositories=remote,
@@ -355,6 +389,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         model_control_mode=args.model_control_mode,
         load_models=args.load_model,
         model_memory_limit=args.model_memory_limit or 0,
+        model_load_gpu_limit=gpu_limit or 0.0,
         model_eviction_policy=args.model_eviction_policy,
         model_load_wait_timeout=args.model_load_wait_timeout,
         repository_poll_secs=args.repository_poll_secs,

@@ -51,6 +51,7 @@ class ServerOptions:
     model_control_mode: str = "none"
     load_models: list[str] = field(default_factory=list)
     model_memory_limit: int = 0
+    model_load_gpu_limit: float = 0.0  # fraction of each GPU's memory; 0: no limit
     model_eviction_policy: str = "lru"
     model_load_wait_timeout: float = 60.0
     repository_poll_secs: float = 15.0
@@ -109,6 +110,7 @@ class Runner:
             options.model_repositories,
             control_mode=options.model_control_mode,
             memory_limit_bytes=options.model_memory_limit,
+            gpu_limit=options.model_load_gpu_limit,
             eviction_policy=options.model_eviction_policy,
             load_wait_timeout=options.model_load_wait_timeout,
             startup_models=options.load_models,

@@ -156,3 +156,74 @@ def test_download_metrics(server: QuiverServer) -> None:
     assert values["quiver_disk_cache_miss_total"] >= 2
     assert "quiver_disk_cache_hit_total" in values
     assert 0 < values["quiver_disk_cache_used_bytes"] <= values["quiver_disk_cache_size_bytes"]
+
+
+def test_repository_index_lists_archives_never_loaded(server: QuiverServer, repo: Path) -> None:
+    """Archives next to the model folders are in the index before any request, with only a
+    name (as never-loaded folders are); other files and hidden archives are not."""
+    (repo / "listed_only.tar.gz").write_bytes(single_archive(5.0))
+    (repo / ".hidden.tar.gz").write_bytes(single_archive(5.0))
+    (repo / "notes.txt").write_text("not a model")
+    for client in (
+        httpclient.InferenceServerClient(server.url),
+        grpcclient.InferenceServerClient(server.grpc_url),
+    ):
+        index = client.get_model_repository_index()
+        entries = index if isinstance(index, list) else [
+            {k: v for k, v in (("name", m.name), ("version", m.version), ("state", m.state)) if v}
+            for m in index.models
+        ]
+        by_name = {e["name"]: e for e in entries}
+        assert by_name["listed_only.tar.gz"] == {"name": "listed_only.tar.gz"}
+        assert {"nested.tgz", "pipe_b.tar.gz", "evil.tar.gz"} <= set(by_name)
+        assert ".hidden.tar.gz" not in by_name and "notes.txt" not in by_name
+    http = httpclient.InferenceServerClient(server.url)
+    http.infer("listed_only.tar.gz", x())
+    entry = next(e for e in http.get_model_repository_index() if e["name"] == "listed_only.tar.gz")
+    assert entry["state"] == "READY"
+    # Deleted and unloaded: gone from the index too (its namespace is forgotten).
+    (repo / "listed_only.tar.gz").unlink()
+    http.unload_model("listed_only.tar.gz")
+    entries = [e for e in http.get_model_repository_index() if e["name"] == "listed_only.tar.gz"]
+    assert all(e.get("state") != "READY" for e in entries)
+
+
+def test_repository_api_loads_archive_keys(server: QuiverServer, repo: Path) -> None:
+    """POST /v2/repository/models/<key>/load and gRPC RepositoryModelLoad load an archive key
+    as an on-demand request would; loading a loaded key again fetches it again (a new upload
+    is served); config overrides, unknown keys and bad archives are refused."""
+    http = httpclient.InferenceServerClient(server.url)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    (repo / "api_a.tar.gz").write_bytes(single_archive(30.0))
+    (repo / "api_b.tgz").write_bytes(pipeline_archive(3.0))
+    http.load_model("api_a.tar.gz")
+    assert http.is_model_ready("api_a.tar.gz")
+    grpc.load_model("api_b.tgz")
+    assert grpc.is_model_ready("api_b.tgz") and http.is_model_ready("api_b.tgz::preprocess")
+    assert http.infer("api_a.tar.gz", x(1.0)).as_numpy("OUTPUT0").tolist() == [[31.0] * 4]
+    inp = httpclient.InferInput("IN", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    assert http.infer("api_b.tgz", [inp]).as_numpy("OUT").tolist() == [[103.0] * 4]
+    # A new upload, then load again: the new archive serves.
+    (repo / "api_a.tar.gz").write_bytes(single_archive(40.0))
+    http.load_model("api_a.tar.gz")
+    assert http.infer("api_a.tar.gz", x(1.0)).as_numpy("OUTPUT0").tolist() == [[41.0] * 4]
+    http.unload_model("api_a.tar.gz")
+    grpc.unload_model("api_b.tgz")
+    assert not http.is_model_ready("api_a.tar.gz") and not http.is_model_ready("api_b.tgz::preprocess")
+
+    with pytest.raises(InferenceServerException) as info:
+        http.load_model("api_a.tar.gz", config='{"backend": "onnxruntime"}')
+    assert info.value.status() == "400" and "not supported for archive" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:
+        http.load_model("missing.tar.gz")
+    assert info.value.status() == "404", info.value.message()
+    with pytest.raises(InferenceServerException) as info:
+        grpc.load_model("evil.tar.gz")
+    assert "'../escape.txt'" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:
+        http.load_model("pipe_a.tar.gz::preprocess")
+    assert info.value.status() == "404", info.value.message()
+    # Folders load through the API as before.
+    http.load_model("plain")
+    assert http.is_model_ready("plain")

@@ -222,3 +222,18 @@ def test_sagemaker_load_from_s3_and_local_archive(server: QuiverServer, local_ar
     assert status == 404, body
     status, body = post(base, "/models", {"model_name": "sm-hash-4", "url": str(local_archives / "nope.tar.gz")})
     assert status == 404, body
+
+
+def test_index_lists_s3_keys_and_the_repository_api_loads_them(server: QuiverServer) -> None:
+    """The repository index lists the archives and folders under the S3 prefix, loaded or
+    not (names only until loaded); the repository API's load takes an S3 key."""
+    client = httpclient.InferenceServerClient(server.url)
+    entries = client.get_model_repository_index()
+    names = {e["name"] for e in entries}
+    assert {"one.tar.gz", "pipe.tar.gz", "folder_model"} <= names
+    assert {f"z{i:02d}.tar.gz" for i in range(N_ARCHIVES)} <= names
+    assert "sm_model.tar.gz" not in names  # outside the repository's prefix
+    client.load_model("folder_model")
+    assert client.infer("folder_model", x(1.0)).as_numpy("OUTPUT0").tolist() == [[10.0] * 4]
+    entry = next(e for e in client.get_model_repository_index() if e["name"] == "folder_model" and "version" in e)
+    assert entry["state"] == "READY"

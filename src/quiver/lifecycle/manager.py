@@ -34,8 +34,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -64,6 +65,7 @@ from quiver.lifecycle.loader import (
 )
 from quiver.lifecycle.memory import (
     Admission,
+    GpuMemoryLimit,
     MemoryBudget,
     MemoryMeter,
     ModelIdentity,
@@ -80,6 +82,7 @@ from quiver.repository.storage import (
     S3Storage,
     Storage,
     is_archive_key,
+    model_keys,
     parse_s3_url,
     storage_for,
 )
@@ -146,6 +149,8 @@ class ModelRepositoryManager:
         s3_options: dict[str, Any] | None = None,
         cache_dir: Path | None = None,
         cache_size: int = DEFAULT_CACHE_BYTES,
+        gpu_limit: float = 0.0,
+        gpu_reader: Callable[[], Mapping[int, tuple[int, int]] | None] | None = None,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -189,6 +194,19 @@ class ModelRepositoryManager:
         self._touch_policy = not isinstance(self._policy, LRUPolicy)
         self._meter = MemoryMeter()
         self._predictor = SizePredictor()
+        # --model-load-gpu-limit: on only when a GPU can be read; loaded name -> GPU bytes per device.
+        self._gpu: GpuMemoryLimit | None = None
+        self._gpu_sizes: dict[str, dict[int, int]] = {}
+        if gpu_limit > 0:
+            gpu = GpuMemoryLimit(gpu_limit, **({"reader": gpu_reader} if gpu_reader else {}))
+            if gpu.read() is None:
+                logger.info(
+                    "--model-load-gpu-limit %g has no effect: no GPU memory reading (no GPU, "
+                    "or NVML / pynvml not available)",
+                    gpu_limit,
+                )
+            else:
+                self._gpu = gpu
         self.multi_model = MultiModelStatistics()
         self._composing: dict[str, set[str]] = {}  # loaded ensemble -> its composing models
         self._closed = False
@@ -353,9 +371,8 @@ class ModelRepositoryManager:
     ) -> LoadOutcome:
         """Load a (non-ensemble) model; under a memory budget, first make room for its
         predicted size by evicting the least valuable models not in use, then measure what
-        it really took."""
+        it really took. Under a GPU load limit, first make room on the GPUs it would grow."""
         name = source.name
-        loop = asyncio.get_running_loop()
         load = functools.partial(
             load_model,
             source,
@@ -363,10 +380,70 @@ class ModelRepositoryManager:
             inline_threshold_ns=self._inline_threshold_ns,
             config_override=config_override,
         )
-        budget = self._budget
-        if budget is None:
-            return await loop.run_in_executor(self._pool, load)
+        gpu = self._gpu
+        if gpu is None:
+            return await self._load_host_budget(source, load, serving)
         identity = ModelIdentity(name, "", self._fingerprints.get(name, ""))
+        predicted = gpu.predict(identity)
+        await self._admit_gpu(name, predicted)
+        try:
+            outcome = await self._load_host_budget(source, load, serving)
+        finally:
+            gpu.settle(name)
+        if outcome.models and name not in self._gpu_sizes and predicted is not None:
+            self._gpu_sizes[name] = predicted  # loaded unmeasured: its known size
+        return outcome
+
+    async def _admit_gpu(self, name: str, predicted: Mapping[int, int] | None) -> None:
+        """Make room under the GPU load limit: evict models not in use that hold GPU memory
+        on the devices the load would take past the limit (re-reading the devices after each
+        eviction), wait for pinned ones within the load wait timeout, or refuse the load."""
+        gpu = self._gpu
+        assert gpu is not None
+        deadline = time.monotonic() + self._load_wait_timeout
+        delay = 0.005
+        while True:
+            over = gpu.over(predicted, exclude=name)
+            if not over:
+                gpu.reserve(name, predicted)
+                return
+            offered = [
+                replace(c, size_bytes=sum(self._gpu_sizes.get(c.name, {}).get(d, 0) for d in over))
+                for c in self._candidates(name)
+            ]
+            offered = [c for c in offered if c.size_bytes > 0]
+            victims = self._policy.victims(offered, sum(over.values()), 0)
+            if not victims:  # not enough evictable: evict what there is, the readings decide
+                victims = [c.name for c in offered if not c.pinned]
+            if victims:
+                await self._evict(Admission(victims, frozenset(victims)), name)
+                continue
+            if not any(c.pinned for c in offered) or time.monotonic() + delay > deadline:
+                raise OutOfMemoryError(gpu.describe(name, over))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _remember_gpu(self, identity: ModelIdentity, gpu_bytes: Mapping[int, int] | None) -> None:
+        if self._gpu is not None and gpu_bytes is not None:
+            self._gpu.record(identity, gpu_bytes)
+            self._gpu_sizes[identity.name] = dict(gpu_bytes)
+
+    async def _load_host_budget(
+        self, source: ModelSource, load: Callable[[], LoadOutcome], serving: bool
+    ) -> LoadOutcome:
+        name = source.name
+        loop = asyncio.get_running_loop()
+        budget = self._budget
+        identity = ModelIdentity(name, "", self._fingerprints.get(name, ""))
+        if budget is None:
+            if self._gpu is None or self._gpu.predict(identity) is not None:
+                return await loop.run_in_executor(self._pool, load)
+            outcome, footprint = await loop.run_in_executor(
+                self._pool, functools.partial(self._meter.measure, load)
+            )
+            if outcome.models:
+                self._remember_gpu(identity, footprint.gpu_bytes)
+            return outcome
         prediction = self._predictor.predict(identity, source.path)
         admission = await self._admit(name, prediction.bytes)
         # A model measured before (same files) is not measured again: measuring serialises
@@ -385,6 +462,8 @@ class ModelRepositoryManager:
                     self._pool, functools.partial(self._meter.measure, load)
                 )
                 measured = footprint.host_bytes
+                if outcome.models:
+                    self._remember_gpu(identity, footprint.gpu_bytes)
             seconds = time.monotonic() - started
         except BaseException:
             (budget.cancel if serving else budget.release)(name)
@@ -565,6 +644,17 @@ class ModelRepositoryManager:
             else None
         )
         check_model_name(name)
+        if self.on_demand and not files and await self._is_key(name):
+            # An archive (or S3) key: the same path as an on-demand request, sharing its
+            # single flight; a loaded key is fetched and loaded again (a new upload is served).
+            if override is not None:
+                raise InvalidArgumentError(
+                    f"failed to load '{name}': the 'config' parameter is not supported for "
+                    "archive and S3 keys (the archive holds the configuration)"
+                )
+            stores = self._key_stores(name)
+            await self._single_flight(name, functools.partial(self._load_archive, name, name, stores))
+            return
         async with self._lock(name):
             new_root: Path | None = None
             if files:
@@ -601,6 +691,19 @@ class ModelRepositoryManager:
             raise InvalidArgumentError(f"failed to load '{name}': {reason}{kept}")
         if failures:
             logger.warning("model '%s' loaded, some versions failed: %s", name, failures)
+
+    async def _is_key(self, name: str) -> bool:
+        """Whether ``name`` is served from a storage key (archive, S3 folder) rather than a
+        local model folder: loaded from one, or no local model folder has that name."""
+        if name in self._leases or name in self._namespace:
+            return True
+        if name in self._overrides:
+            return False
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(self._pool, self._repository.find, name) is not None:
+            return False
+        sources, clashes = await self._scan()
+        return name not in sources and name not in clashes
 
     async def _write_override(self, name: str, files: dict[str, bytes]) -> ModelSource:
         """Write request-supplied model files to a private folder: ``<version>/<file>`` paths only."""
@@ -689,6 +792,7 @@ class ModelRepositoryManager:
         try:
             await self._unload_and_record(name, reason)
         finally:
+            self._gpu_sizes.pop(name, None)
             if self._budget is not None:
                 self._budget.release(name)
                 self._policy.forget(name)
@@ -887,19 +991,7 @@ class ModelRepositoryManager:
             sources, _ = await self._scan()
             source = sources.get(name)
         if source is None:
-            if is_namespaced(name):
-                raise NotFoundError(
-                    f"unknown model: '{name}' (a model of an archive is served only while the "
-                    "archive's own model is loaded)"
-                )
-            check_key_name(name)
-            archive = is_archive_key(name)
-            # Local repositories hold archives next to their model folders; S3 ones hold
-            # archives and folders.
-            stores = [s for s in self._stores if archive or not isinstance(s, LocalStorage)]
-            if not stores:
-                raise NotFoundError(f"unknown model: '{name}' (no such model in the model repository)")
-            await self._load_archive(name, name, stores)
+            await self._load_archive(name, name, self._key_stores(name))
             return
         failures = await self._load_source(source)
         if name not in self._ready:
@@ -907,6 +999,33 @@ class ModelRepositoryManager:
             raise UnavailableError(f"model '{name}' failed to load: {reason}")
 
     # -- archives and storage keys -------------------------------------------------------
+
+    def _key_stores(self, name: str) -> list[Storage]:
+        """The stores in which ``name``, not a local model folder, is looked up as a key:
+        local repositories hold archives next to their model folders; S3 ones hold archives
+        and folders. NotFoundError when none may hold it."""
+        if is_namespaced(name):
+            raise NotFoundError(
+                f"unknown model: '{name}' (a model of an archive is served only while the "
+                "archive's own model is loaded)"
+            )
+        check_key_name(name)
+        archive = is_archive_key(name)
+        stores = [s for s in self._stores if archive or not isinstance(s, LocalStorage)]
+        if not stores:
+            raise NotFoundError(f"unknown model: '{name}' (no such model in the model repository)")
+        return stores
+
+    async def _single_flight(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Wait for the load of ``name`` under way (on-demand, ``POST /models`` or the
+        repository API), or start one with ``start()``; the load goes on if the caller
+        is cancelled."""
+        task = self._loading.get(name)
+        if task is None:
+            task = asyncio.ensure_future(start())
+            self._loading[name] = task
+            task.add_done_callback(functools.partial(self._loaded_on_demand, name))
+        await asyncio.shield(task)
 
     async def _disk_cache(self) -> DiskCache:
         """The model cache, started on first use. When the default folder is held by another
@@ -1012,12 +1131,7 @@ class ModelRepositoryManager:
             raise AlreadyExistsError(f"model '{name}' is already loaded")
         loop = asyncio.get_running_loop()
         store, key = await loop.run_in_executor(self._pool, self._store_for_url, url)
-        task = self._loading.get(name)
-        if task is None:
-            task = asyncio.ensure_future(self._load_archive(name, key, [store]))
-            self._loading[name] = task
-            task.add_done_callback(functools.partial(self._loaded_on_demand, name))
-        await asyncio.shield(task)
+        await self._single_flight(name, functools.partial(self._load_archive, name, key, [store]))
         return name
 
     def _store_for_url(self, url: str) -> tuple[Storage, str]:
@@ -1067,13 +1181,42 @@ class ModelRepositoryManager:
         return [s for name in sorted(self._status) for s in self._status[name]]
 
     async def repository_index(self) -> list[VersionStatus]:
-        """Like :meth:`index`, plus models in the repositories never loaded (no state)."""
+        """Like :meth:`index`, plus models in the repositories never loaded (no state): model
+        folders and, in on-demand mode, the keys it would load: archives in the local
+        repositories, archives and folders in the S3 ones (an S3 repository that cannot be
+        listed is left out, with a warning)."""
         sources, _ = await self._scan()
+        names = set(sources)
+        if self.on_demand:
+            loop = asyncio.get_running_loop()
+            for store in self._stores:
+                names.update(await loop.run_in_executor(self._pool, self._stored_keys, store))
         known = {s.name for s in self.index()}
         entries = self.index() + [
-            VersionStatus(name, "", ModelState.UNKNOWN) for name in sources if name not in known
+            VersionStatus(name, "", ModelState.UNKNOWN) for name in names if name not in known
         ]
         return sorted(entries, key=lambda s: (s.name, int(s.version) if s.version else -1))
+
+    @staticmethod
+    def _stored_keys(store: Storage) -> list[str]:
+        """The keys a store serves (blocking): archives next to a local repository's model
+        folders (top level only; no walk through the folders), archives and folders in S3."""
+        if isinstance(store, LocalStorage):
+            try:
+                with os.scandir(store.root) as entries:
+                    return [
+                        e.name
+                        for e in entries
+                        if is_archive_key(e.name) and not e.name.startswith(".") and e.is_file()
+                    ]
+            except OSError as exc:
+                logger.warning("listing archives in %s failed: %s", store.location, exc)
+                return []
+        try:
+            return model_keys(store.list())
+        except Exception as exc:  # a store that is down must not take the index down with it
+            logger.warning("listing models in %s failed: %s", store.location, exc)
+            return []
 
     @property
     def memory(self) -> tuple[int, int]:
