@@ -227,3 +227,58 @@ def test_repository_api_loads_archive_keys(server: QuiverServer, repo: Path) -> 
     # Folders load through the API as before.
     http.load_model("plain")
     assert http.is_model_ready("plain")
+
+
+def test_hundreds_of_archives_hammered_under_a_budget(tmp_path: Path) -> None:
+    """200 small archives, memory for about 12 (each counts at least its files plus the
+    2 MiB per-model overhead), a skewed concurrent mix: every answer right, the budget never
+    exceeded, every load one miss."""
+    import random
+    import re
+
+    repo = tmp_path / "archives"
+    repo.mkdir()
+    for i in range(200):
+        (repo / f"a{i:03d}.tar.gz").write_bytes(single_archive(float(i)))
+    limit = 12 * (2 << 20) + (16 << 20)  # plus the first session's one-time cost
+    args = ("--model-control-mode=on_demand", "--model-memory-limit", str(limit))
+    with QuiverServer(repo, args=args) as server:
+        rng = random.Random(3)
+        weights = [1 / (rank + 1) for rank in range(200)]
+        trace = rng.choices(range(200), weights, k=400)
+        used: list[float] = []
+
+        def memory_used() -> float:
+            with urllib.request.urlopen(server.metrics_url) as response:
+                text = response.read().decode()
+            return next(
+                s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name == "quiver_model_memory_used_bytes"
+            )
+
+        async def main() -> None:
+            async with aiohttpclient.InferenceServerClient(server.url, conn_limit=16) as client:
+                for start in range(0, len(trace), 8):
+                    chunk = trace[start : start + 8]
+
+                    async def one(i: int) -> None:
+                        inp = aiohttpclient.InferInput("INPUT0", [1, 4], "FP32")
+                        inp.set_data_from_numpy(np.zeros((1, 4), np.float32))
+                        result = await client.infer(f"a{i:03d}.tar.gz", [inp])
+                        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 4), float(i)))
+
+                    await asyncio.gather(*(one(i) for i in chunk))
+                    used.append(memory_used())
+
+        asyncio.run(main())
+        assert max(used) <= limit
+        with urllib.request.urlopen(server.metrics_url) as response:
+            text = response.read().decode()
+        misses = int(re.search(r"^quiver_model_cache_miss_total (\S+)$", text, re.M).group(1).split(".")[0])  # type: ignore[union-attr]
+        loads = len(re.findall(r"loaded model 'a\d{3}\.tar\.gz' version", server.log))
+        evictions = len(re.findall(r"evicted to make room", server.log))
+        assert evictions > 0
+        assert loads <= misses  # concurrent first requests share one load
+        assert loads >= len(set(trace))  # every distinct archive loaded at least once
