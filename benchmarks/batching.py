@@ -36,12 +36,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import http.client
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import shlex
 import signal
@@ -71,6 +68,7 @@ except ImportError:  # pragma: no cover - optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from common import command_line, cpu_seconds, environment, run_async  # noqa: E402
 from resnet50 import CLASSES, IMAGE_SHAPE, INPUT, OUTPUT, parameter_count, resnet50_onnx  # noqa: E402
 
 MODEL = "resnet50"
@@ -323,14 +321,6 @@ class _Trial:
             self.idle.set_result(None)
 
 
-def cpu_seconds(pid: int) -> float:
-    if psutil is not None:
-        return float(sum(psutil.Process(pid).cpu_times()[:2]))
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def server_stats(host: str, port: int) -> tuple[int, int, int]:
     """(inference_count, execution_count, compute ns summed over executions), from the statistics extension."""
     with urllib.request.urlopen(f"http://{host}:{port}/v2/models/{MODEL}/stats", timeout=30) as resp:
@@ -388,13 +378,6 @@ async def run_trial(
         result.mean_batch = (counts1[0] - counts0[0]) / executions
         result.compute_pct = 100 * (counts1[2] - counts0[2]) / 1e9 / seconds / instances
     return result
-
-
-def _run(coro: Any) -> Any:
-    if uvloop is not None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(coro)
-    return asyncio.run(coro)
 
 
 # -- the ceiling ---------------------------------------------------------------------------
@@ -511,40 +494,6 @@ def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) 
     return "\n".join(rows)
 
 
-def environment() -> dict[str, Any]:
-    cpu_model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    return {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "nproc": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "onnxruntime": version("onnxruntime"),
-        "onnx": version("onnx"),
-        "quiver": version("quiver"),
-        "uvloop": version("uvloop"),
-    }
-
-
-def command_line() -> str:
-    script = Path(sys.argv[0]).resolve()
-    with contextlib.suppress(ValueError):
-        script = script.relative_to(Path.cwd())
-    return shlex.join(["python", str(script), *sys.argv[1:]])
-
-
 def plot(results: list[TrialResult], ceiling: float, path: Path) -> None:
     try:
         import matplotlib
@@ -630,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(saved, data["ceiling"]["best_images_per_s"], args.output_dir / "batching.png")
         return 0
     quiver_exe = args.quiver or str(Path(sys.executable).parent / "quiver")
-    env = environment()
+    env = environment(("onnxruntime", "onnx", "quiver", "uvloop"))
     cmd = command_line()
     results: list[TrialResult] = []
     notes: list[str] = []
@@ -668,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
                 sanity_check(server.host, server.port, image, expected)
                 for concurrency in args.concurrency:
                     log(f"{variant.label} c={concurrency}: {args.warmup:g} s warm-up + {args.duration:g} s ...")
-                    res = _run(run_trial(server.host, server.port, server.proc.pid, variant.label, concurrency, args, image, expected, variant.instances))
+                    res = run_async(run_trial(server.host, server.port, server.proc.pid, variant.label, concurrency, args, image, expected, variant.instances))
                     res.ceiling_ratio = 100 * res.req_per_s / ceiling
                     results.append(res)
                     log(

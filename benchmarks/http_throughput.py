@@ -42,13 +42,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime as dt
 import http.client
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import shlex
 import signal
@@ -80,6 +76,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 from build_repository import SIMPLE_CONFIG, simple_onnx  # noqa: E402
+
+import common  # noqa: E402
+from common import command_line, cpu_seconds, run_async  # noqa: E402
 
 MODEL = "simple"
 INFER_PATH = f"/v2/models/{MODEL}/infer"
@@ -312,7 +311,7 @@ async def _serve_floor(host: str, port: int) -> None:
 
 
 def run_floor_server(host: str, port: int) -> int:
-    _run(_serve_floor(host, port))
+    run_async(_serve_floor(host, port))
     return 0
 
 
@@ -340,7 +339,7 @@ async def _serve_grpc_floor(host: str, port: int) -> None:
 
 
 def run_grpc_floor_server(host: str, port: int) -> int:
-    _run(_serve_grpc_floor(host, port))
+    run_async(_serve_grpc_floor(host, port))
     return 0
 
 
@@ -507,20 +506,6 @@ class _Trial:
     def _settle(self) -> None:
         if self.idle is not None and not self.idle.done() and all(c.t0 == 0 for c in self.conns):
             self.idle.set_result(None)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its live children."""
-    if psutil is not None:
-        proc = psutil.Process(pid)
-        total = sum(proc.cpu_times()[:2])
-        for child in proc.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                total += sum(child.cpu_times()[:2])
-        return total
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def run_trial(
@@ -831,13 +816,6 @@ def target_encodings(target: str, encodings: list[str]) -> list[str]:
     return list(encodings)
 
 
-def _run(coro: Any) -> Any:
-    if uvloop is not None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(coro)
-    return asyncio.run(coro)
-
-
 def drive(server: Server, target: str, args: argparse.Namespace, results: list[TrialResult]) -> None:
     encodings = target_encodings(target, args.encodings)
     for encoding in encodings:
@@ -872,7 +850,7 @@ def drive(server: Server, target: str, args: argparse.Namespace, results: list[T
                     args.check_every,
                 )
             )
-            res = _run(trial)
+            res = run_async(trial)
             results.append(res)
             log(f"  {summary(res)}")
             if res.first_error:
@@ -911,42 +889,13 @@ def markdown_table(results: list[TrialResult]) -> str:
 
 
 def environment() -> dict[str, Any]:
-    cpu_model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
     return {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "nproc": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "onnxruntime": version("onnxruntime"),
-        "quiver": version("quiver"),
-        "uvloop": version("uvloop"),
-        "httptools": version("httptools"),
-        "grpcio": version("grpcio"),
-        "protobuf": version("protobuf"),
-        "uvicorn": version("uvicorn"),
+        **common.environment(
+            ("onnxruntime", "quiver", "uvloop", "httptools", "grpcio", "protobuf", "uvicorn")
+        ),
         "cpu_time_source": "psutil" if psutil is not None else "/proc/PID/stat",
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
-
-
-def command_line() -> str:
-    script = Path(sys.argv[0]).resolve()
-    with contextlib.suppress(ValueError):
-        script = script.relative_to(Path.cwd())
-    return shlex.join(["python", str(script), *sys.argv[1:]])
 
 
 def markdown_report(env: dict[str, Any], cmd: str, args: argparse.Namespace, results: list[TrialResult], notes: list[str]) -> str:

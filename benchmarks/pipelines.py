@@ -31,14 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime as dt
 import importlib.metadata
 import importlib.util
 import io
 import json
 import os
-import platform
 import re
 import shlex
 import signal
@@ -67,6 +64,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 import build_repository  # noqa: E402
+
+from common import command_line, environment  # noqa: E402
 
 RESULTS = HERE / "results"
 STARTED = re.compile(r"started HTTP service at ([0-9.]+):(\d+)")
@@ -306,36 +305,6 @@ async def drive(server: Server, pipeline: Pipeline, concurrency: int, warmup: fl
     return _row(pipeline, "quiver, HTTP binary", concurrency, len(latencies), elapsed, latencies, errors, mean_batch, server_cpu)
 
 
-def environment() -> dict[str, Any]:
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    cpu_model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "nproc": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        **{name: version(name) for name in ("quiver", "onnxruntime", "torch", "tokenizers", "pillow")},
-    }
-
-
-def command_line() -> str:
-    script = Path(sys.argv[0]).resolve()
-    with contextlib.suppress(ValueError):
-        script = script.relative_to(Path.cwd())
-    return shlex.join(["python", str(script), *sys.argv[1:]])
-
-
 def markdown_table(rows: list[Row]) -> str:
     lines = [
         "| pipeline | target | concurrency | req/s | p50 ms | p90 ms | p99 ms | errors | network mean batch | server CPU % | load avg |",
@@ -381,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "text_pipeline": Pipeline("text_pipeline", "minilm", "TEXT", "EMBEDDING", sentence),
     }
     pipelines = [catalogue[name] for name in args.pipelines.split(",") if name]
-    env = environment()
+    env = environment(("quiver", "onnxruntime", "torch", "tokenizers", "pillow"))
     rows: list[Row] = []
 
     floors = Floors(repository)
