@@ -12,15 +12,15 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from prometheus_client.registry import CollectorRegistry
 
 from quiver.errors import QuiverError
+from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
@@ -79,14 +79,6 @@ class ServerOptions:
     model_cache_dir: Path | None = None  # None: $QUIVER_CACHE_DIR or a folder under the temp dir
     model_cache_size: int = DEFAULT_CACHE_BYTES
     extra: dict[str, object] = field(default_factory=dict)
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the runner owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def _listen(address: str, port: int) -> socket.socket:
@@ -151,7 +143,7 @@ class Runner:
             except OSError:
                 await self.manager.stop()
                 raise
-        sagemaker: tuple[_Uvicorn, asyncio.Task[None], socket.socket] | None = None
+        sagemaker: tuple[AsgiServer, asyncio.Task[None], socket.socket] | None = None
         if opts.allow_sagemaker:
             try:
                 sagemaker = await _start_sagemaker(self.service, opts)
@@ -166,7 +158,7 @@ class Runner:
                 restrictions=Restrictions(opts.grpc_restricted_protocol),
             )
             grpc_port = await grpc_frontend.start(opts.grpc_address, opts.grpc_port)
-        http_server: _Uvicorn | None = None
+        http_server: AsgiServer | None = None
         http_socket: socket.socket | None = None
         serving: asyncio.Task[None] | None = None
         if opts.allow_http:
@@ -181,28 +173,14 @@ class Runner:
                 if grpc_frontend is not None:
                     await grpc_frontend.stop(0)
                 raise
-            config = uvicorn.Config(
-                frontend.app(),
-                log_level="warning",
-                access_log=False,
-                lifespan="off",
-                http="httptools",
-                proxy_headers=False,
-                server_header=False,
-                date_header=False,
-                timeout_graceful_shutdown=30,
-            )
-            http_server = _Uvicorn(config)
             host, port = http_socket.getsockname()[:2]
-            serving = asyncio.create_task(http_server.serve(sockets=[http_socket]))
-            while not http_server.started and not serving.done():
-                await asyncio.sleep(0.01)
-            if serving.done():
+            try:
+                http_server, serving = await serve(frontend.app(), http_socket, graceful_seconds=30)
+            except BaseException:
                 if grpc_frontend is not None:
                     await grpc_frontend.stop(0)
                 await self.manager.stop()
-                serving.result()  # raises what stopped it
-                return 1
+                raise
         if metrics is not None:
             await metrics.start()  # logs 'started Metrics service at HOST:PORT'
         self.service.ready = True
@@ -292,7 +270,7 @@ def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> M
 
 async def _start_sagemaker(
     service: InferenceService, opts: ServerOptions
-) -> tuple[_Uvicorn, asyncio.Task[None], socket.socket]:
+) -> tuple[AsgiServer, asyncio.Task[None], socket.socket]:
     """Open the SageMaker listener (``--sagemaker-port``; port 0 picks a free one, inside
     the safe port range when there is one) and serve it; raises OSError with the reason."""
     try:
@@ -318,24 +296,11 @@ async def _start_sagemaker(
         # S3 locations, archives and folders outside the repositories: the multi-model manager.
         load_from=load_from if manager.on_demand else None,
     )
-    config = uvicorn.Config(
-        frontend,
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        http="httptools",
-        proxy_headers=False,
-        server_header=False,
-        date_header=False,
-        timeout_graceful_shutdown=30,
-    )
-    server = _Uvicorn(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.01)
-    if task.done():
+    try:
+        server, task = await serve(frontend, sock, graceful_seconds=30)
+    except BaseException as exc:
         sock.close()
-        raise OSError(f"the SageMaker listener stopped at start: {task.exception()}")
+        raise OSError(f"the SageMaker listener stopped at start: {exc}") from None
     return server, task, sock
 
 

@@ -7,29 +7,20 @@ rendered from the registry when scraped (:mod:`quiver.metrics.prometheus`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import uvicorn
 from prometheus_client.registry import CollectorRegistry
 
+from quiver.frontends.asgi import AsgiServer, serve
 from quiver.metrics.prometheus import CONTENT_TYPE, render
 
 logger = logging.getLogger(__name__)
 
 _Receive = Callable[[], Any]
 _Send = Callable[[dict[str, Any]], Any]
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the runner owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class MetricsFrontend:
@@ -39,7 +30,7 @@ class MetricsFrontend:
         self.registry = registry
         self._on_stop = on_stop
         self._socket: socket.socket | None = None
-        self._server: _Server | None = None
+        self._server: AsgiServer | None = None
         self._serving: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: _Receive, send: _Send) -> None:
@@ -70,25 +61,7 @@ class MetricsFrontend:
     async def start(self) -> tuple[str, int]:
         """Serve on the bound socket; logs and returns the address (the real port, for port 0)."""
         assert self._socket is not None, "bind() first"
-        config = uvicorn.Config(
-            self,
-            interface="asgi3",
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            http="httptools",
-            proxy_headers=False,
-            server_header=False,
-            date_header=False,
-            timeout_graceful_shutdown=5,
-        )
-        self._server = _Server(config)
-        self._serving = asyncio.create_task(self._server.serve(sockets=[self._socket]))
-        while not self._server.started and not self._serving.done():
-            await asyncio.sleep(0.01)
-        if self._serving.done():
-            self._serving.result()  # raises what stopped it
+        self._server, self._serving = await serve(self, self._socket, graceful_seconds=5)
         host, port = self._socket.getsockname()[:2]
         logger.info("started Metrics service at %s:%d", host, port)
         return host, port
