@@ -492,6 +492,11 @@ _MAX_HEAD = 1 << 16
 class _Conn(asyncio.Protocol):
     """One keep-alive connection with at most one request in flight."""
 
+    __slots__ = (
+        "body_start", "buf", "checked", "chunks", "close_after", "head", "index", "mode", "need", "pos",
+        "run", "status", "t0", "transport",
+    )
+
     def __init__(self, run: _HttpRun) -> None:
         self.run = run
         self.transport: asyncio.Transport | None = None
