@@ -18,16 +18,16 @@ What it measures, per trial (fixed duration after a warm-up):
 * ``floor: onnxruntime``: ``InferenceSession.run`` on the same model and inputs, in-process, in a
   tight loop: the cost of the model itself.
 
-The load generator is deliberately lean, so that it leaves the cores to the server: one process, one
-uvloop event loop, callback-driven ``asyncio.Protocol`` connections that write pre-encoded request
-bytes and frame responses by their status line and Content-Length only. Every response's status is
+The load generator is ``benchmarks/loadgen.py``, deliberately lean so that it leaves the cores to
+the server: one process, one uvloop event loop, callback-driven ``asyncio.Protocol`` connections
+that write pre-encoded request bytes and frame responses by their head. Every response's status is
 checked (non-200 is an error); the first response of each connection and one in ``--check-every``
 after it is decoded and compared with the right answer (a wrong answer is an error too).
 
-The gRPC load generator runs in the same process and loop: a ``grpc.aio`` stub on one channel,
-N caller coroutines each awaiting ``ModelInfer`` with one pre-built ``ModelInferRequest`` in a loop.
-A call that does not end with status OK raises, and counts as an error (in ``non_200``, which for
-gRPC means "status not OK"); each caller's first response and one in ``--check-every`` is checked.
+Over gRPC it runs in the same process and loop: a ``grpc.aio`` stub on one channel, N caller
+coroutines each awaiting ``ModelInfer`` with one pre-built ``ModelInferRequest`` in a loop. A call
+that does not end with status OK counts as an error (in ``non_200``, which for gRPC means "status
+not OK"); each caller's first response and one in ``--check-every`` is checked.
 
 Both the client's CPU time (``time.process_time``) and the server process's (psutil, or
 ``/proc/PID/stat``) are measured over each trial's measured window, as a percentage of one core, so
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
 import re
@@ -54,17 +53,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is a Quiver dependency on Linux
-    uvloop = None  # type: ignore[assignment]
 
 try:
     import psutil
@@ -78,7 +72,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 from build_repository import SIMPLE_CONFIG, simple_onnx  # noqa: E402
 
 import common  # noqa: E402
-from common import command_line, cpu_seconds, run_async  # noqa: E402
+import loadgen  # noqa: E402
+from common import command_line, run_async  # noqa: E402
 
 MODEL = "simple"
 INFER_PATH = f"/v2/models/{MODEL}/infer"
@@ -86,6 +81,7 @@ SHAPE = [1, 16]
 INPUT0 = np.arange(16, dtype=np.int32).reshape(SHAPE)
 INPUT1 = (np.arange(16, dtype=np.int32) * 3 - 7).reshape(SHAPE)
 EXPECTED = {"OUTPUT0": INPUT0 + INPUT1, "OUTPUT1": INPUT0 - INPUT1}
+PAYLOAD = loadgen.Payload(MODEL, {"INPUT0": INPUT0, "INPUT1": INPUT1}, expected=EXPECTED)
 ENCODINGS = ("json", "binary", "grpc")
 HTTP_ENCODINGS = ("json", "binary")
 TARGETS = ("floor-ort", "floor-http", "floor-grpc", "quiver", "quiver-threaded")
@@ -97,8 +93,6 @@ TARGET_LABELS = {
     "quiver-threaded": "quiver, every call on the instance thread",
 }
 STARTED = re.compile(r"started (?:floor )?(HTTP|GRPC) service at ([0-9.]+):(\d+)")
-CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
-HEADER_LENGTH = re.compile(rb"\r\ninference-header-content-length:[ \t]*(\d+)", re.IGNORECASE)
 
 
 def log(message: str) -> None:
@@ -106,53 +100,6 @@ def log(message: str) -> None:
 
 
 # -- payloads ------------------------------------------------------------------------------
-
-
-def request_body(encoding: str) -> tuple[bytes, int | None]:
-    """The request body, and the JSON header length for the binary extension."""
-    if encoding == "json":
-        body = {
-            "inputs": [
-                {"name": name, "datatype": "INT32", "shape": SHAPE, "data": arr.ravel().tolist()}
-                for name, arr in (("INPUT0", INPUT0), ("INPUT1", INPUT1))
-            ]
-        }
-        return orjson.dumps(body), None
-    header = orjson.dumps(
-        {
-            "inputs": [
-                {
-                    "name": name,
-                    "datatype": "INT32",
-                    "shape": SHAPE,
-                    "parameters": {"binary_data_size": arr.nbytes},
-                }
-                for name, arr in (("INPUT0", INPUT0), ("INPUT1", INPUT1))
-            ],
-            "outputs": [
-                {"name": "OUTPUT0", "parameters": {"binary_data": True}},
-                {"name": "OUTPUT1", "parameters": {"binary_data": True}},
-            ],
-        }
-    )
-    raw = INPUT0.astype("<i4").tobytes() + INPUT1.astype("<i4").tobytes()
-    return header + raw, len(header)
-
-
-def http_request(encoding: str, host: str, port: int) -> bytes:
-    """The complete pre-encoded HTTP/1.1 request."""
-    body, header_length = request_body(encoding)
-    lines = [
-        f"POST {INFER_PATH} HTTP/1.1",
-        f"Host: {host}:{port}",
-        f"Content-Length: {len(body)}",
-    ]
-    if header_length is None:
-        lines.append("Content-Type: application/json")
-    else:
-        lines.append("Content-Type: application/octet-stream")
-        lines.append(f"Inference-Header-Content-Length: {header_length}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
 def canned_response(encoding: str) -> bytes:
@@ -179,42 +126,6 @@ def canned_response(encoding: str) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-def check_answer(body: bytes, header_length: int | None) -> str | None:
-    """None if ``body`` holds the right OUTPUT0 and OUTPUT1, else what is wrong."""
-    try:
-        header = orjson.loads(body[:header_length] if header_length is not None else body)
-        offset = header_length or 0
-        seen = set()
-        for out in header["outputs"]:
-            name = out["name"]
-            size = (out.get("parameters") or {}).get("binary_data_size")
-            if size is not None:
-                got = np.frombuffer(body, dtype="<i4", count=size // 4, offset=offset)
-                offset += size
-            else:
-                got = np.asarray(out["data"], dtype=np.int32)
-            if name in EXPECTED:
-                if list(out["shape"]) != SHAPE or not np.array_equal(got.ravel(), EXPECTED[name].ravel()):
-                    return f"{name}: wrong value {got.tolist()} shape {out['shape']}"
-                seen.add(name)
-        if seen != set(EXPECTED):
-            return f"missing outputs: {sorted(set(EXPECTED) - seen)}"
-    except Exception as exc:
-        return f"undecodable response ({type(exc).__name__}: {exc}): {body[:200]!r}"
-    return None
-
-
-def grpc_request() -> Any:
-    """The pre-built ``ModelInferRequest``: both inputs in ``raw_input_contents``."""
-    from tritonclient.grpc import service_pb2 as pb
-
-    request = pb.ModelInferRequest(model_name=MODEL)
-    for name, arr in (("INPUT0", INPUT0), ("INPUT1", INPUT1)):
-        request.inputs.add(name=name, datatype="INT32", shape=SHAPE)
-        request.raw_input_contents.append(arr.astype("<i4").tobytes())
-    return request
-
-
 def grpc_canned_response() -> Any:
     """What Triton answers (every output raw), as a ``ModelInferResponse`` (for the floor server)."""
     from tritonclient.grpc import service_pb2 as pb
@@ -224,27 +135,6 @@ def grpc_canned_response() -> Any:
         response.outputs.add(name=name, datatype="INT32", shape=SHAPE)
         response.raw_output_contents.append(EXPECTED[name].astype("<i4").tobytes())
     return response
-
-
-def check_grpc_answer(response: Any) -> str | None:
-    """None if a ``ModelInferResponse`` holds the right OUTPUT0 and OUTPUT1, else what is wrong."""
-    try:
-        raw = response.raw_output_contents
-        seen = set()
-        for index, out in enumerate(response.outputs):
-            if out.name not in EXPECTED:
-                continue
-            if out.datatype != "INT32" or list(out.shape) != SHAPE:
-                return f"{out.name}: datatype {out.datatype} shape {list(out.shape)}"
-            got = np.frombuffer(raw[index], dtype="<i4")
-            if not np.array_equal(got, EXPECTED[out.name].ravel()):
-                return f"{out.name}: wrong value {got.tolist()}"
-            seen.add(out.name)
-        if seen != set(EXPECTED):
-            return f"missing outputs: {sorted(set(EXPECTED) - seen)}"
-    except Exception as exc:
-        return f"undecodable response ({type(exc).__name__}: {exc}): {str(response)[:200]!r}"
-    return None
 
 
 # -- the floor servers ---------------------------------------------------------------------
@@ -343,324 +233,14 @@ def run_grpc_floor_server(host: str, port: int) -> int:
     return 0
 
 
-# -- the load generator --------------------------------------------------------------------
-
-
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection with at most one request in flight."""
-
-    __slots__ = ("buf", "checked", "head_end", "need", "t0", "transport", "trial")
-
-    def __init__(self, trial: _Trial) -> None:
-        self.trial = trial
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.need = -1  # index in buf where the current response ends, once its head is parsed
-        self.head_end = 0
-        self.t0 = 0  # perf_counter_ns() of the in-flight request, 0 when idle
-        self.checked = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def send(self) -> None:
-        assert self.transport is not None
-        self.t0 = time.perf_counter_ns()
-        self.transport.write(self.trial.request)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        if self.need < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = bytes(buf[:end + 2])
-            match = CONTENT_LENGTH.search(head)
-            if match is None:  # this client frames by Content-Length only
-                self.trial.fail(self, f"response without Content-Length: {head[:200]!r}")
-                return
-            self.head_end = end + 4
-            self.need = end + 4 + int(match.group(1))
-        if len(buf) < self.need:
-            return
-        if len(buf) > self.need:
-            self.trial.fail(self, "more bytes than one response")
-            return
-        head = bytes(buf[: self.head_end])
-        body = bytes(buf[self.head_end : self.need])
-        buf.clear()
-        self.need = -1
-        self.trial.on_response(self, head, body)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.trial.on_lost(self)
+# -- results -------------------------------------------------------------------------------
 
 
 @dataclass
-class TrialResult:
-    target: str
-    encoding: str
-    concurrency: int
-    requests: int = 0
-    seconds: float = 0.0
-    req_per_s: float = 0.0
-    p50_ms: float | None = None
-    p90_ms: float | None = None
-    p99_ms: float | None = None
-    errors: int = 0
-    non_200: int = 0
-    wrong_answers: int = 0
-    connection_errors: int = 0
-    answers_checked: int = 0
-    client_cpu_s: float = 0.0
-    server_cpu_s: float | None = None
-    client_cpu_pct: float = 0.0
-    server_cpu_pct: float | None = None
-    first_error: str | None = None
-    latencies_ns: list[int] = field(default_factory=list, repr=False)
+class TrialResult(loadgen.TrialResult):
+    """A row of the table: a load generator trial (or the onnxruntime floor) against ``target``."""
 
-
-class _Trial:
-    def __init__(self, request: bytes, binary: bool, check_every: int, result: TrialResult) -> None:
-        self.request = request
-        self.binary = binary
-        self.check_every = check_every
-        self.result = result
-        self.measuring = False
-        self.stopping = False
-        self.completed = 0  # all responses, warm-up included, to spread the answer checks
-        self.conns: list[_Conn] = []
-        self.inflight = 0
-        self.idle: asyncio.Future[None] | None = None
-        self.reconnects: set[asyncio.Task[None]] = set()
-        self.host = ""
-        self.port = 0
-
-    def on_response(self, conn: _Conn, head: bytes, body: bytes) -> None:
-        latency = time.perf_counter_ns() - conn.t0
-        conn.t0 = 0
-        res = self.result
-        status = int(head[9:12])
-        self.completed += 1
-        if self.measuring:
-            res.latencies_ns.append(latency)
-            if status != 200:
-                res.non_200 += 1
-                res.first_error = res.first_error or f"HTTP {status}: {body[:200]!r}"
-        if status == 200 and (not conn.checked or self.completed % self.check_every == 0):
-            conn.checked = True
-            header_length = None
-            if self.binary:
-                match = HEADER_LENGTH.search(head)
-                header_length = int(match.group(1)) if match else -1
-            problem = check_answer(body, header_length)
-            if self.measuring:
-                res.answers_checked += 1
-                if problem is not None:
-                    res.wrong_answers += 1
-                    res.first_error = res.first_error or problem
-            elif problem is not None:  # a wrong answer in the warm-up still matters
-                res.wrong_answers += 1
-                res.first_error = res.first_error or f"(warm-up) {problem}"
-        if self.stopping:
-            self._settle()
-        else:
-            conn.send()
-
-    def fail(self, conn: _Conn, message: str) -> None:
-        self.result.first_error = self.result.first_error or message
-        if conn.transport is not None:
-            conn.transport.abort()  # connection_lost counts it and reconnects
-
-    def on_lost(self, conn: _Conn) -> None:
-        in_flight = conn.t0 != 0
-        if not in_flight and self.stopping:
-            return  # closed by us at the end
-        conn.t0 = 0
-        if in_flight:
-            if self.measuring:
-                self.result.connection_errors += 1
-            self.result.first_error = self.result.first_error or "connection lost mid-request"
-        if conn in self.conns:
-            self.conns.remove(conn)
-        if self.stopping:
-            self._settle()
-            return
-        task = asyncio.get_running_loop().create_task(self._reconnect())
-        self.reconnects.add(task)
-        task.add_done_callback(self.reconnects.discard)
-
-    async def _reconnect(self) -> None:
-        await asyncio.sleep(0.05)
-        conn = await self.connect()
-        if not self.stopping:
-            conn.send()
-
-    async def connect(self) -> _Conn:
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
-        self.conns.append(conn)
-        return conn
-
-    def _settle(self) -> None:
-        if self.idle is not None and not self.idle.done() and all(c.t0 == 0 for c in self.conns):
-            self.idle.set_result(None)
-
-
-async def run_trial(
-    host: str,
-    port: int,
-    server_pid: int,
-    target: str,
-    encoding: str,
-    concurrency: int,
-    warmup: float,
-    duration: float,
-    check_every: int,
-) -> TrialResult:
-    result = TrialResult(target, encoding, concurrency)
-    trial = _Trial(http_request(encoding, host, port), encoding == "binary", check_every, result)
-    trial.host, trial.port = host, port
-    loop = asyncio.get_running_loop()
-    trial.idle = loop.create_future()
-    await asyncio.gather(*(trial.connect() for _ in range(concurrency)))
-    marks: dict[str, float] = {}
-
-    def begin() -> None:
-        trial.measuring = True
-        marks["server0"] = cpu_seconds(server_pid)
-        marks["cpu0"] = time.process_time()
-        marks["t0"] = time.perf_counter()
-
-    def end() -> None:
-        marks["t1"] = time.perf_counter()
-        marks["cpu1"] = time.process_time()
-        trial.measuring = False
-        trial.stopping = True
-        marks["server1"] = cpu_seconds(server_pid)
-        trial._settle()
-
-    for conn in list(trial.conns):
-        conn.send()
-    loop.call_later(warmup, begin)
-    loop.call_later(warmup + duration, end)
-    await asyncio.sleep(warmup + duration)
-    try:
-        await asyncio.wait_for(trial.idle, timeout=30)
-    except TimeoutError:
-        result.first_error = result.first_error or "requests still in flight 30 s after the trial"
-        result.connection_errors += sum(1 for c in trial.conns if c.t0)
-    for task in list(trial.reconnects):
-        task.cancel()
-    for conn in trial.conns:
-        if conn.transport is not None:
-            conn.transport.close()
-    await asyncio.sleep(0)
-    _finish(result, marks)
-    return result
-
-
-async def run_grpc_trial(
-    host: str,
-    port: int,
-    server_pid: int,
-    target: str,
-    concurrency: int,
-    warmup: float,
-    duration: float,
-    check_every: int,
-) -> TrialResult:
-    """``concurrency`` callers on one ``grpc.aio`` channel, each one ``ModelInfer`` at a time."""
-    import grpc
-    from tritonclient.grpc import service_pb2_grpc
-
-    result = TrialResult(target, "grpc", concurrency)
-    request = grpc_request()
-    state = {"measuring": False, "stopping": False, "completed": 0}
-    latencies = result.latencies_ns
-    clock = time.perf_counter_ns
-
-    async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
-        await asyncio.wait_for(channel.channel_ready(), timeout=30)
-        infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
-
-        async def caller() -> None:
-            checked = False
-            while not state["stopping"]:
-                t0 = clock()
-                try:
-                    response = await infer(request)
-                except grpc.aio.AioRpcError as exc:
-                    latency = clock() - t0
-                    if state["measuring"]:
-                        latencies.append(latency)
-                        result.non_200 += 1
-                    result.first_error = result.first_error or f"gRPC {exc.code().name}: {exc.details()}"
-                    await asyncio.sleep(0.01)
-                    continue
-                latency = clock() - t0
-                state["completed"] += 1
-                measuring = state["measuring"]
-                if measuring:
-                    latencies.append(latency)
-                if not checked or state["completed"] % check_every == 0:
-                    checked = True
-                    problem = check_grpc_answer(response)
-                    if measuring:
-                        result.answers_checked += 1
-                    if problem is not None:  # a wrong answer in the warm-up still matters
-                        result.wrong_answers += 1
-                        result.first_error = result.first_error or (problem if measuring else f"(warm-up) {problem}")
-
-        marks: dict[str, float] = {}
-
-        def begin() -> None:
-            state["measuring"] = True
-            marks["server0"] = cpu_seconds(server_pid)
-            marks["cpu0"] = time.process_time()
-            marks["t0"] = time.perf_counter()
-
-        def end() -> None:
-            marks["t1"] = time.perf_counter()
-            marks["cpu1"] = time.process_time()
-            state["measuring"] = False
-            state["stopping"] = True
-            marks["server1"] = cpu_seconds(server_pid)
-
-        loop = asyncio.get_running_loop()
-        callers = [loop.create_task(caller()) for _ in range(concurrency)]
-        loop.call_later(warmup, begin)
-        loop.call_later(warmup + duration, end)
-        await asyncio.sleep(warmup + duration)
-        _, late = await asyncio.wait(callers, timeout=30)
-        if late:
-            result.first_error = result.first_error or "requests still in flight 30 s after the trial"
-            result.connection_errors += len(late)
-            for task in late:
-                task.cancel()
-        for task in callers:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                result.connection_errors += 1
-                result.first_error = result.first_error or f"caller failed: {task.exception()!r}"
-    _finish(result, marks)
-    return result
-
-
-def _finish(result: TrialResult, marks: dict[str, float]) -> None:
-    seconds = marks["t1"] - marks["t0"]
-    lat = np.asarray(result.latencies_ns, dtype=np.int64)
-    result.requests = len(lat)
-    result.seconds = seconds
-    result.req_per_s = len(lat) / seconds
-    if len(lat):
-        p50, p90, p99 = np.percentile(lat, [50, 90, 99]) / 1e6
-        result.p50_ms, result.p90_ms, result.p99_ms = float(p50), float(p90), float(p99)
-    result.errors = result.non_200 + result.wrong_answers + result.connection_errors
-    result.client_cpu_s = marks["cpu1"] - marks["cpu0"]
-    result.server_cpu_s = marks["server1"] - marks["server0"]
-    result.client_cpu_pct = 100 * result.client_cpu_s / seconds
-    result.server_cpu_pct = 100 * result.server_cpu_s / seconds
+    target: str = ""
 
 
 def run_ort_floor(model_path: Path, warmup: float, duration: float) -> TrialResult:
@@ -692,9 +272,9 @@ def run_ort_floor(model_path: Path, warmup: float, duration: float) -> TrialResu
     arr = np.asarray(lat, dtype=np.int64)
     p50, p90, p99 = np.percentile(arr, [50, 90, 99]) / 1e6
     return TrialResult(
-        "floor-ort",
-        "-",
-        1,
+        target="floor-ort",
+        encoding="-",
+        concurrency=1,
         requests=len(arr),
         seconds=seconds,
         req_per_s=len(arr) / seconds,
@@ -769,44 +349,6 @@ class Server:
         return code
 
 
-def sanity_check(host: str, port: int, encoding: str) -> None:
-    """One request over http.client, the answer checked in full, before any trial."""
-    body, header_length = request_body(encoding)
-    headers = {"Content-Type": "application/json" if header_length is None else "application/octet-stream"}
-    if header_length is not None:
-        headers["Inference-Header-Content-Length"] = str(header_length)
-    conn = http.client.HTTPConnection(host, port, timeout=30)
-    try:
-        conn.request("POST", INFER_PATH, body, headers)
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"{encoding} request: HTTP {resp.status}: {data[:300]!r}")
-        raw = resp.getheader("Inference-Header-Content-Length")
-        problem = check_answer(data, int(raw) if raw is not None else None)
-        if problem:
-            raise RuntimeError(f"{encoding} request: {problem}")
-    finally:
-        conn.close()
-
-
-def sanity_check_grpc(host: str, port: int) -> None:
-    """One ModelInfer over a blocking channel, the answer checked in full, before any trial."""
-    import grpc
-    from tritonclient.grpc import service_pb2_grpc
-
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
-        grpc.channel_ready_future(channel).result(timeout=30)
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        try:
-            response = stub.ModelInfer(grpc_request(), timeout=30)
-        except grpc.RpcError as exc:
-            raise RuntimeError(f"grpc request: {exc.code().name}: {exc.details()}") from None
-    problem = check_grpc_answer(response)
-    if problem:
-        raise RuntimeError(f"grpc request: {problem}")
-
-
 def target_encodings(target: str, encodings: list[str]) -> list[str]:
     """The encodings (protocols) ``target`` serves, of those asked for."""
     if target == "floor-http":
@@ -818,39 +360,24 @@ def target_encodings(target: str, encodings: list[str]) -> list[str]:
 
 def drive(server: Server, target: str, args: argparse.Namespace, results: list[TrialResult]) -> None:
     encodings = target_encodings(target, args.encodings)
+    port_of = {"json": server.port, "binary": server.port, "grpc": server.grpc_port}
     for encoding in encodings:
-        if encoding == "grpc":
-            sanity_check_grpc(server.host, server.grpc_port)
-        else:
-            sanity_check(server.host, server.port, encoding)
+        loadgen.sanity_check(server.host, port_of[encoding], encoding, PAYLOAD)
     for encoding in encodings:
         for concurrency in args.concurrency:
             log(f"{target} {encoding} c={concurrency}: {args.warmup:g} s warm-up + {args.duration:g} s ...")
-            trial = (
-                run_grpc_trial(
-                    server.host,
-                    server.grpc_port,
-                    server.proc.pid,
-                    target,
-                    concurrency,
-                    args.warmup,
-                    args.duration,
-                    args.check_every,
-                )
-                if encoding == "grpc"
-                else run_trial(
-                    server.host,
-                    server.port,
-                    server.proc.pid,
-                    target,
-                    encoding,
-                    concurrency,
-                    args.warmup,
-                    args.duration,
-                    args.check_every,
-                )
+            res = loadgen.run_trial(
+                server.host,
+                port_of[encoding],
+                encoding,
+                concurrency,
+                args.warmup,
+                args.duration,
+                PAYLOAD,
+                server.proc.pid,
+                args.check_every,
+                result=TrialResult(target=target),
             )
-            res = run_async(trial)
             results.append(res)
             log(f"  {summary(res)}")
             if res.first_error:
@@ -1122,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_exit_codes": exit_codes,
         "notes": notes,
         "results": [
-            {**{k: v for k, v in asdict(r).items() if k != "latencies_ns"}, "label": TARGET_LABELS[r.target]}
+            {"target": r.target, **r.to_dict(), "label": TARGET_LABELS[r.target]}
             for r in results
         ],
     }
