@@ -16,9 +16,9 @@ What it measures:
   output FP32 [1, 1000] asked for as binary) at each ``--concurrency``: one keep-alive connection
   per concurrent request, a fixed ``--duration`` measured after a ``--warmup``.
 
-The load generator is the lean one of ``http_throughput.py``: one process, one uvloop event loop,
-``asyncio.Protocol`` connections writing one pre-encoded request and framing responses by
-Content-Length. Every status is checked; each connection's first answer and one in ``--check-every``
+The load generator is ``benchmarks/loadgen.py`` (as in ``http_throughput.py``): one process, one
+uvloop event loop, ``asyncio.Protocol`` connections writing one pre-encoded request and framing
+responses by their head. Every status is checked; each connection's first answer and one in ``--check-every``
 is decoded and compared with onnxruntime's answer for the same image. Client CPU
 (``time.process_time``) and server CPU (psutil or /proc) over the measured window are reported
 as a percentage of one core.
@@ -34,9 +34,7 @@ matplotlib; it needs numpy, orjson and onnx too).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import http.client
 import json
 import os
 import re
@@ -48,35 +46,23 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
-
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is a Quiver dependency on Linux
-    uvloop = None  # type: ignore[assignment]
-
-try:
-    import psutil
-except ImportError:  # pragma: no cover - optional
-    psutil = None  # type: ignore[assignment]
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import command_line, cpu_seconds, environment, run_async  # noqa: E402
+import loadgen  # noqa: E402
+from common import command_line, environment  # noqa: E402
 from resnet50 import CLASSES, IMAGE_SHAPE, INPUT, OUTPUT, parameter_count, resnet50_onnx  # noqa: E402
 
 MODEL = "resnet50"
 INFER_PATH = f"/v2/models/{MODEL}/infer"
 MAX_BATCH = 32
 STARTED = re.compile(r"started HTTP service at ([0-9.]+):(\d+)")
-CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
-HEADER_LENGTH = re.compile(rb"\r\ninference-header-content-length:[ \t]*(\d+)", re.IGNORECASE)
 
 CONFIG = """
 name: "resnet50"
@@ -157,168 +143,23 @@ def parse_variant(text: str) -> Variant:
     return Variant(delay, preferred, instances, threads)
 
 
-# -- payloads ------------------------------------------------------------------------------
+# -- load ----------------------------------------------------------------------------------
 
 
-def request_bytes(image: np.ndarray[Any, Any], host: str, port: int) -> bytes:
-    header = orjson.dumps(
-        {
-            "inputs": [
-                {
-                    "name": INPUT,
-                    "datatype": "FP32",
-                    "shape": [1, *IMAGE_SHAPE],
-                    "parameters": {"binary_data_size": image.nbytes},
-                }
-            ],
-            "outputs": [{"name": OUTPUT, "parameters": {"binary_data": True}}],
-        }
-    )
-    body = header + image.astype("<f4").tobytes()
-    head = (
-        f"POST {INFER_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: {len(body)}\r\n"
-        f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {len(header)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-def check_answer(body: bytes, header_length: int, expected: np.ndarray[Any, Any]) -> str | None:
-    try:
-        header = orjson.loads(body[:header_length])
-        (out,) = header["outputs"]
-        size = out["parameters"]["binary_data_size"]
-        got = np.frombuffer(body, dtype="<f4", count=size // 4, offset=header_length)
-        if out["name"] != OUTPUT or list(out["shape"]) != [1, CLASSES]:
-            return f"wrong output {out['name']} shape {out['shape']}"
-        if not np.allclose(got, expected.ravel(), rtol=1e-3, atol=1e-3):
-            return f"wrong values: max difference {float(np.abs(got - expected.ravel()).max()):.3g}"
-    except Exception as exc:
-        return f"undecodable response ({type(exc).__name__}: {exc}): {body[:200]!r}"
-    return None
-
-
-# -- load generator ------------------------------------------------------------------------
+def image_payload(image: np.ndarray[Any, Any], expected: np.ndarray[Any, Any]) -> loadgen.Payload:
+    """One image as binary tensors, the output asked for as binary, checked against onnxruntime's."""
+    return loadgen.Payload(MODEL, {INPUT: image}, expected={OUTPUT: expected}, rtol=1e-3, atol=1e-3)
 
 
 @dataclass
-class TrialResult:
-    variant: str
-    concurrency: int
-    requests: int = 0
-    seconds: float = 0.0
-    req_per_s: float = 0.0
-    p50_ms: float | None = None
-    p90_ms: float | None = None
-    p99_ms: float | None = None
-    errors: int = 0
-    answers_checked: int = 0
-    client_cpu_pct: float = 0.0
-    server_cpu_pct: float = 0.0
+class TrialResult(loadgen.TrialResult):
+    """A row of the table: a load generator trial against one server configuration."""
+
+    variant: str = ""
     mean_batch: float | None = None  # rows per execution over the window, from the server's statistics
     compute_pct: float | None = None  # executions' compute time over the window / window, per instance
     ceiling_ratio: float | None = None
     load_avg: float = 0.0  # the machine's 1-minute load average at the end: other work on the cores shows here
-    first_error: str | None = None
-    latencies_ns: list[int] = field(default_factory=list, repr=False)
-
-
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection with at most one request in flight."""
-
-    def __init__(self, trial: _Trial) -> None:
-        self.trial = trial
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.need = -1
-        self.head_end = 0
-        self.t0 = 0
-        self.checked = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def send(self) -> None:
-        assert self.transport is not None
-        self.t0 = time.perf_counter_ns()
-        self.transport.write(self.trial.request)
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        if self.need < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            match = CONTENT_LENGTH.search(bytes(buf[: end + 2]))
-            if match is None:
-                self.trial.fail(self, "response without Content-Length")
-                return
-            self.head_end = end + 4
-            self.need = end + 4 + int(match.group(1))
-        if len(buf) < self.need:
-            return
-        head, body = bytes(buf[: self.head_end]), bytes(buf[self.head_end : self.need])
-        buf.clear()
-        self.need = -1
-        self.trial.on_response(self, head, body)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.trial.on_lost(self)
-
-
-class _Trial:
-    def __init__(self, request: bytes, expected: np.ndarray[Any, Any], check_every: int, result: TrialResult) -> None:
-        self.request = request
-        self.expected = expected
-        self.check_every = check_every
-        self.result = result
-        self.measuring = False
-        self.stopping = False
-        self.completed = 0
-        self.conns: list[_Conn] = []
-        self.idle: asyncio.Future[None] | None = None
-
-    def on_response(self, conn: _Conn, head: bytes, body: bytes) -> None:
-        latency = time.perf_counter_ns() - conn.t0
-        conn.t0 = 0
-        res = self.result
-        status = int(head[9:12])
-        self.completed += 1
-        if status != 200:
-            res.errors += 1
-            res.first_error = res.first_error or f"HTTP {status}: {body[:200]!r}"
-        elif not conn.checked or self.completed % self.check_every == 0:
-            conn.checked = True
-            match = HEADER_LENGTH.search(head)
-            problem = check_answer(body, int(match.group(1)) if match else -1, self.expected)
-            res.answers_checked += 1
-            if problem is not None:
-                res.errors += 1
-                res.first_error = res.first_error or problem
-        if self.measuring:
-            res.latencies_ns.append(latency)
-        if self.stopping:
-            self.settle()
-        else:
-            conn.send()
-
-    def fail(self, conn: _Conn, message: str) -> None:
-        self.result.first_error = self.result.first_error or message
-        if conn.transport is not None:
-            conn.transport.abort()
-
-    def on_lost(self, conn: _Conn) -> None:
-        if conn.t0:
-            self.result.errors += 1
-            self.result.first_error = self.result.first_error or "connection lost mid-request"
-            conn.t0 = 0
-        if conn in self.conns:
-            self.conns.remove(conn)
-        self.settle()
-
-    def settle(self) -> None:
-        if self.stopping and self.idle is not None and not self.idle.done() and all(c.t0 == 0 for c in self.conns):
-            self.idle.set_result(None)
 
 
 def server_stats(host: str, port: int) -> tuple[int, int, int]:
@@ -331,52 +172,26 @@ def server_stats(host: str, port: int) -> tuple[int, int, int]:
     return int(stats["inference_count"]), int(stats["execution_count"]), compute
 
 
-async def run_trial(
+def run_trial(
     host: str, port: int, pid: int, variant: str, concurrency: int, args: argparse.Namespace,
-    image: np.ndarray[Any, Any], expected: np.ndarray[Any, Any], instances: int = 1,
+    request: loadgen.Payload, instances: int = 1,
 ) -> TrialResult:
-    result = TrialResult(variant, concurrency)
-    trial = _Trial(request_bytes(image, host, port), expected, args.check_every, result)
-    loop = asyncio.get_running_loop()
-    trial.idle = loop.create_future()
-    for _ in range(concurrency):
-        _, conn = await loop.create_connection(lambda: _Conn(trial), host, port)
-        trial.conns.append(conn)
-    for conn in trial.conns:
-        conn.send()
-    await asyncio.sleep(args.warmup)
-    counts0 = await loop.run_in_executor(None, server_stats, host, port)
-    trial.measuring = True
-    server0, cpu0, t0 = cpu_seconds(pid), time.process_time(), time.perf_counter()
-    await asyncio.sleep(args.duration)
-    t1, cpu1, server1 = time.perf_counter(), time.process_time(), cpu_seconds(pid)
-    trial.measuring = False
-    trial.stopping = True
-    counts1 = await loop.run_in_executor(None, server_stats, host, port)
-    trial.settle()
-    try:
-        await asyncio.wait_for(trial.idle, timeout=120)
-    except TimeoutError:
-        result.errors += 1
-        result.first_error = result.first_error or "requests still in flight 120 s after the trial"
-    for conn in trial.conns:
-        if conn.transport is not None:
-            conn.transport.close()
-    seconds = t1 - t0
-    lat = np.asarray(result.latencies_ns, dtype=np.int64)
-    result.requests = len(lat)
-    result.seconds = seconds
-    result.req_per_s = len(lat) / seconds
-    if len(lat):
-        p50, p90, p99 = np.percentile(lat, [50, 90, 99]) / 1e6
-        result.p50_ms, result.p90_ms, result.p99_ms = float(p50), float(p90), float(p99)
-    result.client_cpu_pct = 100 * (cpu1 - cpu0) / seconds
+    counts: list[tuple[int, int, int]] = []  # the server's statistics as the window opens, and as it closes
+
+    def read_stats() -> None:
+        counts.append(server_stats(host, port))
+
+    result = loadgen.run_trial(
+        host, port, "binary", concurrency, args.warmup, args.duration, request, pid, args.check_every,
+        result=TrialResult(variant=variant), on_begin=read_stats, on_end=read_stats, drain_timeout_s=120,
+    )
+    assert isinstance(result, TrialResult)
     result.load_avg = os.getloadavg()[0]
-    result.server_cpu_pct = 100 * (server1 - server0) / seconds
-    executions = counts1[1] - counts0[1]
-    if executions > 0:
-        result.mean_batch = (counts1[0] - counts0[0]) / executions
-        result.compute_pct = 100 * (counts1[2] - counts0[2]) / 1e9 / seconds / instances
+    if len(counts) == 2:
+        (rows0, executions0, compute0), (rows1, executions1, compute1) = counts
+        if executions1 > executions0:
+            result.mean_batch = (rows1 - rows0) / (executions1 - executions0)
+            result.compute_pct = 100 * (compute1 - compute0) / 1e9 / result.seconds / instances
     return result
 
 
@@ -449,27 +264,6 @@ class Server:
         return code
 
 
-def sanity_check(host: str, port: int, image: np.ndarray[Any, Any], expected: np.ndarray[Any, Any]) -> None:
-    raw = request_bytes(image, host, port)
-    head, body = raw.split(b"\r\n\r\n", 1)
-    header_length = int(HEADER_LENGTH.search(head + b"\r\n").group(1))  # type: ignore[union-attr]
-    conn = http.client.HTTPConnection(host, port, timeout=60)
-    try:
-        conn.request(
-            "POST", INFER_PATH, body,
-            {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(header_length)},
-        )
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"sanity check: HTTP {resp.status}: {data[:300]!r}")
-        problem = check_answer(data, int(resp.getheader("Inference-Header-Content-Length") or -1), expected)
-        if problem:
-            raise RuntimeError(f"sanity check: {problem}")
-    finally:
-        conn.close()
-
-
 # -- reporting -----------------------------------------------------------------------------
 
 
@@ -489,7 +283,7 @@ def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) 
         rows.append(
             f"| {r.variant} | {r.concurrency} | {r.req_per_s:.1f} | {r.ceiling_ratio or 0:.0f} | {batch} | {busy} "
             f"| {_ms(r.p50_ms)} | {_ms(r.p90_ms)} | {_ms(r.p99_ms)} | {r.errors} "
-            f"| {r.client_cpu_pct:.0f} | {r.server_cpu_pct:.0f} | {r.load_avg:.1f} |"
+            f"| {r.client_cpu_pct:.0f} | {r.server_cpu_pct or 0:.0f} | {r.load_avg:.1f} |"
         )
     return "\n".join(rows)
 
@@ -598,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         onnx.save(model, str(model_path))
         log(f"ResNet-50: {parameter_count(model):,} parameters, {model_path.stat().st_size / 1e6:.0f} MB")
         expected = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]).run([OUTPUT], {INPUT: image})[0]
+        request = image_payload(image, expected)
 
         log(f"ceiling: onnxruntime in-process over batch sizes {args.ceiling_batches[0]}..{args.ceiling_batches[-1]}")
         rates = run_ceiling(model_path, args.ceiling_batches, args.ceiling_seconds, image)
@@ -614,16 +409,16 @@ def main(argv: list[str] | None = None) -> int:
             server = Server(argv_, Path(tmp) / "server.log")
             try:
                 server.wait_ready()
-                sanity_check(server.host, server.port, image, expected)
+                loadgen.sanity_check(server.host, server.port, "binary", request, timeout=60)
                 for concurrency in args.concurrency:
                     log(f"{variant.label} c={concurrency}: {args.warmup:g} s warm-up + {args.duration:g} s ...")
-                    res = run_async(run_trial(server.host, server.port, server.proc.pid, variant.label, concurrency, args, image, expected, variant.instances))
+                    res = run_trial(server.host, server.port, server.proc.pid, variant.label, concurrency, args, request, variant.instances)
                     res.ceiling_ratio = 100 * res.req_per_s / ceiling
                     results.append(res)
                     log(
                         f"  {res.req_per_s:.1f} req/s ({res.ceiling_ratio:.0f}% of ceiling), mean batch "
                         f"{res.mean_batch or 0:.1f}, instance busy {res.compute_pct or 0:.0f}%, p50 {res.p50_ms or 0:.0f} ms, p99 {res.p99_ms or 0:.0f} ms, "
-                        f"errors {res.errors}, load {res.load_avg:.1f}, client CPU {res.client_cpu_pct:.0f}%, server CPU {res.server_cpu_pct:.0f}%"
+                        f"errors {res.errors}, load {res.load_avg:.1f}, client CPU {res.client_cpu_pct:.0f}%, server CPU {res.server_cpu_pct or 0:.0f}%"
                     )
                     if res.first_error:
                         log(f"  first error: {res.first_error}")
@@ -689,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "ceiling": {"load_avg": ceiling_load, "best_images_per_s": ceiling, "best_batch_size": best_batch, "images_per_s_by_batch": rates},
         "notes": notes,
-        "results": [{k: v for k, v in asdict(r).items() if k != "latencies_ns"} for r in results],
+        "results": [{"variant": r.variant, **r.to_dict()} for r in results],
     }
     (out / "batching.json").write_text(json.dumps(payload, indent=2) + "\n")
     log(f"wrote {out / 'batching.md'} and {out / 'batching.json'}")
