@@ -95,25 +95,30 @@ def _listen(address: str, port: int) -> socket.socket:
     return sock
 
 
+def repository_manager(options: ServerOptions) -> ModelRepositoryManager:
+    """The model repository manager the options describe (not started)."""
+    return ModelRepositoryManager(
+        options.model_repositories,
+        control_mode=options.model_control_mode,
+        memory_limit_bytes=options.model_memory_limit,
+        gpu_limit=options.model_load_gpu_limit,
+        eviction_policy=options.model_eviction_policy,
+        load_wait_timeout=options.model_load_wait_timeout,
+        startup_models=options.load_models,
+        strict_config=options.strict_model_config,
+        load_threads=options.model_load_thread_count,
+        inline_threshold_ns=options.inline_execution_threshold_us * 1000,
+        remote_repositories=options.s3_repositories,
+        s3_options=options.s3_options,
+        cache_dir=options.model_cache_dir,
+        cache_size=options.model_cache_size,
+    )
+
+
 class Runner:
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
-        self.manager = ModelRepositoryManager(
-            options.model_repositories,
-            control_mode=options.model_control_mode,
-            memory_limit_bytes=options.model_memory_limit,
-            gpu_limit=options.model_load_gpu_limit,
-            eviction_policy=options.model_eviction_policy,
-            load_wait_timeout=options.model_load_wait_timeout,
-            startup_models=options.load_models,
-            strict_config=options.strict_model_config,
-            load_threads=options.model_load_thread_count,
-            inline_threshold_ns=options.inline_execution_threshold_us * 1000,
-            remote_repositories=options.s3_repositories,
-            s3_options=options.s3_options,
-            cache_dir=options.model_cache_dir,
-            cache_size=options.model_cache_size,
-        )
+        self.manager = repository_manager(options)
         self.service = InferenceService(self.manager)
         self._stop = asyncio.Event()
 
@@ -283,12 +288,25 @@ async def _start_sagemaker(
         sock = _listen_in_range(opts.sagemaker_address, safe)
     else:
         sock = _listen(opts.sagemaker_address, opts.sagemaker_port)
+    frontend = sagemaker_frontend(service, opts, settings)
+    try:
+        server, task = await serve(frontend, sock, graceful_seconds=30)
+    except BaseException as exc:
+        sock.close()
+        raise OSError(f"the SageMaker listener stopped at start: {exc}") from None
+    return server, task, sock
+
+
+def sagemaker_frontend(
+    service: InferenceService, opts: ServerOptions, settings: SageMakerSettings
+) -> SageMakerFrontend:
+    """The SageMaker routes' ASGI application for ``service``."""
     manager = service.manager
 
     async def load_from(name: str, url: str, target: str) -> str:
         return await manager.load_url(name, url)
 
-    frontend = SageMakerFrontend(
+    return SageMakerFrontend(
         service,
         settings,
         repositories=opts.model_repositories,
@@ -296,12 +314,6 @@ async def _start_sagemaker(
         # S3 locations, archives and folders outside the repositories: the multi-model manager.
         load_from=load_from if manager.on_demand else None,
     )
-    try:
-        server, task = await serve(frontend, sock, graceful_seconds=30)
-    except BaseException as exc:
-        sock.close()
-        raise OSError(f"the SageMaker listener stopped at start: {exc}") from None
-    return server, task, sock
 
 
 def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket:

@@ -209,7 +209,22 @@ class ModelRepositoryManager:
                 self._gpu = gpu
         self.multi_model = MultiModelStatistics()
         self._composing: dict[str, set[str]] = {}  # loaded ensemble -> its composing models
+        self._residency_listeners: list[Callable[[str, bool], None]] = []
         self._closed = False
+
+    def add_residency_listener(self, listener: Callable[[str, bool], None]) -> None:
+        """Call ``listener(name, resident)`` whenever a model becomes READY (True) or stops
+        being served (False): loads, reloads, failed loads, unloads and evictions alike. A
+        cluster router (Ray Serve's model multiplexing) keeps its view of this process in
+        step through it."""
+        self._residency_listeners.append(listener)
+
+    def _tell_residency(self, name: str, resident: bool) -> None:
+        for listener in self._residency_listeners:
+            try:
+                listener(name, resident)
+            except Exception:
+                logger.exception("residency listener failed for model '%s'", name)
 
     # -- start -------------------------------------------------------------------------
 
@@ -618,8 +633,10 @@ class ModelRepositoryManager:
             self._ready[name] = versions
             self._latest[name] = versions[max(versions)]
             statuses.extend(VersionStatus(name, m.version_str, ModelState.READY) for m in outcome.models)
+            self._tell_residency(name, True)
         else:
-            self._ready.pop(name, None)
+            if self._ready.pop(name, None):
+                self._tell_residency(name, False)
             self._latest.pop(name, None)
         statuses.sort(key=lambda s: (int(s.version) if s.version else -1))
         self._status[name] = statuses
@@ -822,6 +839,8 @@ class ModelRepositoryManager:
         self._composing.pop(name, None)
         versions = self._ready.pop(name, None)
         self._latest.pop(name, None)
+        if versions:
+            self._tell_residency(name, False)
         if not versions:
             if is_namespaced(name) and name not in self._namespace_of:
                 self._status.pop(name, None)  # a forgotten archive's model: nothing to show
