@@ -195,12 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument(
         "--model-control-mode",
         choices=["none", "explicit", "poll", "on_demand"],
-        default="none",
+        default=None,
         help=(
             "'none' loads every model at start; 'explicit' loads only --load-model models "
             "and lets the repository API load and unload; 'poll' loads every model and "
             "rescans the repositories every --repository-poll-secs; 'on_demand' is explicit "
-            "plus: the first request for a model that is not loaded loads it (default: none)"
+            "plus: the first request for a model that is not loaded loads it (default: none; "
+            "on_demand with --ray)"
         ),
     )
     models.add_argument(
@@ -322,6 +323,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--s3-timeout", type=float, default=None, metavar="SECONDS",
         help="S3 connect and read timeout of one attempt (default: 5 s connect, 30 s read)",
     )  # fmt: skip
+    cluster = serve.add_argument_group(
+        "Ray cluster (quiver[ray]): serve from Ray Serve replicas, each with its own model "
+        "manager, memory budget and disk cache; requests go to a replica holding their model"
+    )
+    cluster.add_argument(
+        "--ray", action="store_true",
+        help="deploy on Ray Serve instead of serving from this process: the v2 HTTP and the "
+        "SageMaker routes share --http-port (no gRPC or metrics listener)",
+    )
+    cluster.add_argument(
+        "--ray-address", default="", metavar="ADDRESS",
+        help="an existing cluster: HOST:PORT of its head, 'auto', or ray://HOST:PORT "
+        "(default: start a local cluster)",
+    )
+    cluster.add_argument(
+        "--ray-num-cpus", type=int, default=None, metavar="N",
+        help="CPUs of the local cluster Ray starts (default: this machine's)",
+    )
+    cluster.add_argument(
+        "--ray-replicas", type=int, default=1, metavar="N",
+        help="replicas when not autoscaling (default: 1)",
+    )
+    cluster.add_argument(
+        "--ray-min-replicas", type=int, default=None, metavar="N",
+        help="autoscale between --ray-min-replicas and --ray-max-replicas (either turns autoscaling on)",
+    )
+    cluster.add_argument("--ray-max-replicas", type=int, default=None, metavar="N", help="see --ray-min-replicas")
+    cluster.add_argument(
+        "--ray-target-ongoing-requests", type=float, default=2.0, metavar="N",
+        help="autoscaling aims at this many requests in flight per replica (default: 2)",
+    )
+    cluster.add_argument(
+        "--ray-max-ongoing-requests", type=int, default=32, metavar="N",
+        help="requests one replica takes at once; past it, requests for a model go to another "
+        "replica, which loads it too (default: 32)",
+    )
+    cluster.add_argument(
+        "--ray-replica-cpus", type=float, default=1.0, metavar="N",
+        help="CPUs Ray reserves for each replica (default: 1)",
+    )
+    cluster.add_argument(
+        "--ray-request-retries", type=int, default=2, metavar="N",
+        help="when a replica dies mid-request, retry on another this many times, then answer 503 (default: 2)",
+    )
+    cluster.add_argument(
+        "--ray-graceful-shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="on scale-in and shutdown a replica takes no new requests and gets this long to "
+        "finish the ones in flight (default: 30)",
+    )  # fmt: skip
     logs = serve.add_argument_group("logging")
     logs.add_argument(
         "--log-verbose", type=int, default=0, metavar="LEVEL", help="verbose logging level; >0 logs debug (default: 0)"
@@ -386,7 +436,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,
-        model_control_mode=args.model_control_mode,
+        model_control_mode=args.model_control_mode or ("on_demand" if args.ray else "none"),
         load_models=args.load_model,
         model_memory_limit=args.model_memory_limit or 0,
         model_load_gpu_limit=gpu_limit or 0.0,
@@ -426,6 +476,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         if not path.is_dir():
             print(f"quiver: error: model repository '{path}' is not a directory", file=sys.stderr)
             return 2
+    if args.ray:
+        return _run_ray(args, options)
     try:
         import uvloop
 
@@ -438,6 +490,36 @@ def _run_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         logging.getLogger("quiver").error("%s", exc)
         return 1
+
+
+def _run_ray(args: argparse.Namespace, options: ServerOptions) -> int:
+    from quiver.frontends.sagemaker import SageMakerSettings
+    from quiver.rayserve.launch import RaySettings, run
+
+    if options.sagemaker_settings is None:  # the SageMaker routes are always on the Ray port
+        options.sagemaker_settings = SageMakerSettings.from_env()
+
+    for flag in ("ray_replicas", "ray_min_replicas", "ray_max_replicas", "ray_max_ongoing_requests"):
+        value = getattr(args, flag)
+        if value is not None and value < (0 if flag == "ray_min_replicas" else 1):
+            print(f"quiver: error: --{flag.replace('_', '-')} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+    if args.ray_min_replicas is not None and args.ray_max_replicas is not None and args.ray_min_replicas > args.ray_max_replicas:
+        print("quiver: error: --ray-min-replicas is larger than --ray-max-replicas", file=sys.stderr)
+        return 2
+    settings = RaySettings(
+        address=args.ray_address,
+        num_cpus=args.ray_num_cpus,
+        replicas=args.ray_replicas,
+        min_replicas=args.ray_min_replicas,
+        max_replicas=args.ray_max_replicas,
+        target_ongoing_requests=args.ray_target_ongoing_requests,
+        max_ongoing_requests=args.ray_max_ongoing_requests,
+        replica_cpus=args.ray_replica_cpus,
+        request_retries=max(0, args.ray_request_retries),
+        graceful_shutdown_timeout=args.ray_graceful_shutdown_timeout,
+    )
+    return run(options, settings)
 
 
 def _sagemaker_options(args: argparse.Namespace, options: ServerOptions) -> bool:

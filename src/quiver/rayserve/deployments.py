@@ -1,0 +1,242 @@
+"""The two Ray Serve deployments of ``quiver serve --ray``.
+
+``QuiverIngress`` takes every HTTP request from Ray Serve's proxy, finds the model it is for
+(:func:`quiver.rayserve.routing.route`) and passes it to a ``QuiverReplica`` through a
+deployment handle with that model as the multiplexed model id, so Ray routes it to a replica
+that holds the model, or, when none does or those are full, to the replica with the fewest
+models, which then loads it. A hot model therefore ends up on more than one replica under load.
+
+Each ``QuiverReplica`` runs Quiver's own repository manager (its memory budget, eviction, disk
+cache and on-demand loads) and answers with the single-process server's own v2 and SageMaker
+ASGI applications, in process. Ray's view of which replica holds which model follows Quiver's:
+the replica registers a model with Ray's multiplexing when Quiver makes it resident and removes
+it when Quiver unloads or evicts it (listener on the manager), and Ray pushes that set to its
+routers within 0.1 s. Ray never evicts by itself (no per-replica model count). Every routing
+statistics period the replica also compares the two sets and repairs any difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+import orjson
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response
+
+from quiver.frontends.http import HttpFrontend
+from quiver.frontends.restrictions import Restrictions
+from quiver.frontends.sagemaker import SageMakerSettings
+from quiver.rayserve.forward import ForwardedRequest, ForwardedResponse, call_asgi
+from quiver.rayserve.routing import SAGEMAKER, route
+from quiver.runner import ServerOptions, repository_manager, sagemaker_frontend
+from quiver.service import InferenceService
+
+logger = logging.getLogger("quiver.ray")
+
+#: Where ``@serve.multiplexed`` keeps its per-replica state on the instance (Ray 2.60).
+_MULTIPLEX_ATTRIBUTE = "__serve_multiplex_wrapper"
+#: Response header naming the replica that answered (for operators and tests).
+REPLICA_HEADER = b"quiver-replica"
+
+
+class Resident:
+    """What Ray's multiplexing holds for a model Quiver has resident on a replica."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class QuiverReplica:
+    """One Quiver model manager, and the v2 and SageMaker applications over it."""
+
+    async def __init__(self, options: ServerOptions) -> None:  # type: ignore[misc]  # Ray awaits it
+        self.options = options
+        self.manager = repository_manager(options)
+        self.service = InferenceService(self.manager)
+        self.v2 = HttpFrontend(
+            self.service,
+            max_input_size=options.http_max_input_size,
+            restrictions=Restrictions(options.http_restricted_api),
+        ).app()
+        settings = options.sagemaker_settings or SageMakerSettings.from_env()
+        self.sagemaker = sagemaker_frontend(self.service, options, settings)
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id if context is not None else str(os.getpid())
+        self.manager.add_residency_listener(self._residency_changed)
+        failures = await self.manager.start(poll_seconds=options.repository_poll_secs)
+        if failures and options.exit_on_error:
+            await self.manager.stop()
+            raise RuntimeError(
+                f"{len(failures)} model(s) failed to load and --exit-on-error is true: "
+                + "; ".join(f"{name}: {reason}" for name, reason in sorted(failures.items()))
+            )
+        self.service.ready = True
+        logger.info("Quiver replica %s (pid %d) ready", self.replica, os.getpid())
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def handle(self, request: ForwardedRequest) -> ForwardedResponse:
+        model = serve.get_multiplexed_model_id()
+        if model:
+            # Through Ray's multiplexing, so that Ray learns at once that the model is here
+            # (loads it on demand when it is not; the application reports any failure).
+            with contextlib.suppress(Exception):
+                await self.resident(model)
+        if request.api == SAGEMAKER:
+            if request.registration is not None and model and model not in self.sagemaker.registered:
+                await self._replay_registration(request.registration)
+            response = await call_asgi(self.sagemaker, request)
+        else:
+            response = await call_asgi(self.v2, request)
+        response.headers.append((REPLICA_HEADER, self.replica.encode()))
+        return response
+
+    async def _replay_registration(self, body: bytes) -> None:
+        registration = ForwardedRequest(
+            SAGEMAKER, "POST", "/models", b"", [(b"content-type", b"application/json")], body
+        )
+        answer = await call_asgi(self.sagemaker, registration)
+        if answer.status != 200:
+            logger.info("replaying a SageMaker registration answered %d: %r", answer.status, answer.body[:200])
+
+    @serve.multiplexed(max_num_models_per_replica=-1)  # type: ignore[untyped-decorator]
+    async def resident(self, model_id: str) -> Resident:
+        await self.manager.acquire(model_id)
+        return Resident(model_id)
+
+    # -- Ray's view of this replica, kept in step with Quiver's ----------------------------
+
+    def _multiplexed(self) -> Any:
+        return getattr(self, _MULTIPLEX_ATTRIBUTE, None)
+
+    def _residency_changed(self, name: str, resident: bool) -> None:
+        wrapper = self._multiplexed()
+        models = getattr(wrapper, "models", None)
+        if wrapper is None or not isinstance(models, dict) or "::" in name:
+            return  # nothing multiplexed yet; archive members are never requested by name
+        if resident and name not in models:
+            models[name] = Resident(name)
+        elif not resident and name in models:
+            del models[name]
+        else:
+            return
+        wrapper._push_multiplexed_replica_info = True  # Ray pushes the set within 0.1 s
+
+    def resident_models(self) -> list[str]:
+        return sorted(m.name for m in self.manager.ready_models if "::" not in m.name)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Ray every routing-statistics period: repairs any difference between
+        Ray's multiplexed set and Quiver's resident set, and reports both."""
+        resident = set(self.resident_models())
+        wrapper = self._multiplexed()
+        models = getattr(wrapper, "models", None)
+        if isinstance(models, dict):
+            for name in set(models) - resident:
+                self._residency_changed(name, False)
+            for name in resident - set(models):
+                self._residency_changed(name, True)
+        used, limit = self.manager.memory
+        return {
+            "quiver_resident_models": sorted(resident),
+            "quiver_memory_used_bytes": used,
+            "quiver_memory_limit_bytes": limit,
+        }
+
+    async def check_health(self) -> None:
+        if not self.service.ready:
+            raise RuntimeError("the Quiver replica is stopping")
+
+    async def __del__(self) -> None:
+        """Ray calls this after draining the replica's in-flight requests (scale-in, shutdown)."""
+        self.service.ready = False
+        await self.manager.stop()
+
+
+class QuiverIngress:
+    """Ray Serve's HTTP entry: routes each request by model to a QuiverReplica."""
+
+    def __init__(self, replicas: DeploymentHandle[Any], max_input_size: int, retries: int) -> None:
+        self.replicas = replicas
+        self.max_input_size = max_input_size
+        self.retries = retries
+        #: SageMaker name -> the body of its ``POST /models``, replayed on replicas that lack it.
+        self.registrations: dict[str, bytes] = {}
+
+    async def __call__(self, request: Request) -> Response:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_input_size:
+            return _error(413, f"request body of {int(length)} bytes exceeds the limit of {self.max_input_size} bytes (--http-max-input-size)")
+        body = await request.body()
+        if len(body) > self.max_input_size:
+            return _error(413, f"request body exceeds the limit of {self.max_input_size} bytes (--http-max-input-size)")
+        where = route(request.method, request.url.path, headers)
+        model = where.model
+        registering = where.api == SAGEMAKER and request.method == "POST" and request.url.path.rstrip("/") == "/models"
+        if registering:
+            with contextlib.suppress(Exception):
+                model = str(orjson.loads(body).get("model_name") or "")
+        forwarded = ForwardedRequest(
+            where.api,
+            request.method,
+            request.url.path,
+            request.url.query.encode("latin-1"),
+            list(request.headers.raw),
+            body,
+            self.registrations.get(model) if where.api == SAGEMAKER and model else None,
+        )
+        handle = self.replicas.options(multiplexed_model_id=model) if model else self.replicas
+        answer = await self._send(handle, forwarded, model)
+        if where.api == SAGEMAKER and model and answer.status == 200:
+            if registering:
+                self.registrations[model] = body
+            elif request.method == "DELETE":
+                self.registrations.pop(model, None)
+        return Response(
+            answer.body,
+            status_code=answer.status,
+            headers={
+                k.decode("latin-1"): v.decode("latin-1")
+                for k, v in answer.headers
+                if k.lower() != b"content-length"
+            },
+        )
+
+    async def _send(self, handle: DeploymentHandle[Any], request: ForwardedRequest, model: str) -> ForwardedResponse:
+        """Send to a replica; when the replica dies mid-request, try another (requests are
+        answered from models, which hold no per-request state), then give up with 503."""
+        what = f"model '{model}'" if model else "the request"
+        for attempt in range(self.retries + 1):
+            try:
+                result: ForwardedResponse = await handle.handle.remote(request)
+                return result
+            except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+                logger.warning("the replica answering %s died (attempt %d): %s", what, attempt + 1, exc)
+                if attempt == self.retries:
+                    return ForwardedResponse(
+                        503,
+                        [(b"content-type", b"application/json")],
+                        orjson.dumps(
+                            {
+                                "error": f"the Ray Serve replica answering {what} died mid-request, "
+                                f"and {self.retries} retr{'y' if self.retries == 1 else 'ies'} on other "
+                                f"replicas failed too: {type(exc).__name__}"
+                            }
+                        ),
+                    )
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(orjson.dumps({"error": message}), status_code=status, media_type="application/json")

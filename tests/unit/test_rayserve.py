@@ -1,0 +1,65 @@
+"""``quiver serve --ray`` parts that need no cluster: routing by model, deployment options."""
+
+from __future__ import annotations
+
+import pytest
+
+from quiver.rayserve.launch import (
+    ClusterUnreachable,
+    RaySettings,
+    check_reachable,
+    deployment_options,
+)
+from quiver.rayserve.routing import SAGEMAKER, V2, Route, route
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "expected"),
+    [
+        ("POST", "/v2/models/resnet/infer", {}, Route(V2, "resnet")),
+        ("POST", "/v2/models/resnet/versions/3/infer", {}, Route(V2, "resnet")),
+        ("GET", "/v2/models/resnet/ready", {}, Route(V2, "resnet")),
+        ("GET", "/v2/models/my%20model/config", {}, Route(V2, "my model")),
+        ("GET", "/v2/models/stats", {}, Route(V2, "")),
+        ("GET", "/v2/models/resnet/stats", {}, Route(V2, "resnet")),
+        ("POST", "/v2/repository/models/resnet/load", {}, Route(V2, "resnet")),
+        ("POST", "/v2/repository/index", {}, Route(V2, "")),
+        ("GET", "/v2/health/ready", {}, Route(V2, "")),
+        ("GET", "/v2", {}, Route(V2, "")),
+        ("POST", "/invocations", {"x-amzn-sagemaker-target-model": "resnet_v0.tar.gz"}, Route(SAGEMAKER, "resnet_v0.tar.gz")),
+        ("POST", "/invocations", {}, Route(SAGEMAKER, "")),
+        ("POST", "/models/bert/invoke", {}, Route(SAGEMAKER, "bert")),
+        ("DELETE", "/models/bert", {}, Route(SAGEMAKER, "bert")),
+        ("GET", "/models", {}, Route(SAGEMAKER, "")),
+        ("POST", "/models", {}, Route(SAGEMAKER, "")),
+        ("GET", "/ping", {}, Route(SAGEMAKER, "")),
+        ("GET", "/nothing/here", {}, Route(V2, "")),
+    ],
+)
+def test_route(method: str, path: str, headers: dict[str, str], expected: Route) -> None:
+    assert route(method, path, headers) == expected
+
+
+def test_fixed_replicas_without_autoscaling() -> None:
+    options = deployment_options(RaySettings(replicas=3, max_ongoing_requests=7, replica_cpus=0.5))
+    assert options["num_replicas"] == 3 and "autoscaling_config" not in options
+    assert options["max_ongoing_requests"] == 7
+    assert options["ray_actor_options"] == {"num_cpus": 0.5}
+    assert options["graceful_shutdown_timeout_s"] == 30.0
+
+
+def test_autoscaling_flags_become_rays_autoscaling_config() -> None:
+    options = deployment_options(RaySettings(min_replicas=1, max_replicas=4, target_ongoing_requests=3))
+    assert "num_replicas" not in options
+    config = options["autoscaling_config"]
+    assert (config["min_replicas"], config["max_replicas"], config["initial_replicas"]) == (1, 4, 1)
+    assert config["target_ongoing_requests"] == 3
+    # Scale to zero is allowed; Ray starts one replica anyway.
+    zero = deployment_options(RaySettings(min_replicas=0, max_replicas=2))["autoscaling_config"]
+    assert (zero["min_replicas"], zero["initial_replicas"]) == (0, 1)
+
+
+def test_an_address_that_is_not_host_and_port_is_named_in_the_error() -> None:
+    with pytest.raises(ClusterUnreachable, match=r"'127\.0\.0\.1:http' is not a Ray cluster address"):
+        check_reachable("127.0.0.1:http")
+    check_reachable("auto")  # Ray finds it; nothing to check here
