@@ -89,10 +89,8 @@ def terminate(proc: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> No
     _live.discard(proc)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -121,10 +119,9 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: floa
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise PeerError(f"exited with code {proc.returncode}: {tail(log)}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+            if response.status == 200:
+                return
         time.sleep(0.2)
     raise PeerError(f"not ready after {timeout:.0f} s ({url}): {tail(log)}")
 
