@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REPOSITORY := examples/model_repository
 
-.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model clean
+.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,9 @@ bench-batching: $(STAMP)
 
 bench-multi-model: $(STAMP)
 	$(PY) benchmarks/multi_model.py $(ARGS)
+
+bench-ray: $(STAMP)
+	$(PY) benchmarks/ray_scale.py $(ARGS)
 
 bench-pipelines: $(REPOSITORY)/.built
 	$(PY) benchmarks/pipelines.py --repository $(REPOSITORY) $(ARGS)
