@@ -73,6 +73,21 @@ class TritonPythonModel:
         return []
 """
 
+SLOW_SOURCE = """
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(3)
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
+            for r in requests
+        ]
+"""
+
 CONFIG = """
 backend: "python"
 max_batch_size: 0
@@ -174,6 +189,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     for i in range(MORE_MODELS):
         write_python(repo, model_name(i), MODEL_SOURCE.format(weight=WEIGHT_MB, value=float(i + 1), log=str(load_log)), CONFIG)
     write_python(repo, "broken", BROKEN_SOURCE, CONFIG)
+    write_python(repo, "slow", SLOW_SOURCE, CONFIG)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     gcs_port = free_port()
     started = subprocess.run(
@@ -330,6 +346,21 @@ def test_killing_a_replica_mid_run_leaves_the_service_answering(cluster: Cluster
     for i in range(4):
         answer = cluster.infer(model_name(i), [1.0, 2.0, 3.0, 4.0])
         assert answer.status == 200, answer.body
+
+
+def test_shutdown_drains_a_request_in_flight_first(cluster: Cluster) -> None:
+    """The last test of the module: SIGTERM while a 3-second request is in flight. Ray stops
+    the replicas gracefully (as on scale-in): the request is answered, then the server exits 0."""
+    assert cluster.infer("slow", [1.0, 2.0, 3.0, 4.0]).status == 200  # loaded
+    answers: list[Answer] = []
+    thread = threading.Thread(target=lambda: answers.append(cluster.infer("slow", [4.0, 3.0, 2.0, 1.0])))
+    thread.start()
+    time.sleep(1.0)
+    cluster.process.send_signal(signal.SIGTERM)
+    thread.join(60)
+    assert answers and answers[0].status == 200, answers
+    assert json.loads(answers[0].body)["outputs"][0]["data"] == [4.0, 3.0, 2.0, 1.0]
+    assert cluster.process.wait(90) == 0, cluster.log_path.read_text()[-2000:]
 
 
 def test_an_unreachable_cluster_is_a_clear_error_naming_the_address(tmp_path: Path) -> None:

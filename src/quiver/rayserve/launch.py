@@ -4,6 +4,7 @@ replica's in-flight requests first)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -168,6 +169,10 @@ def run(options: ServerOptions, settings: RaySettings) -> int:
         return 1
     finally:
         try:
+            # Deleting the application first lets the replicas finish what they hold while the
+            # proxy still carries the answers back; shutdown alone stops the proxy at once.
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME, _blocking=True)
             serve.shutdown()  # type: ignore[no-untyped-call]
         finally:
             ray.shutdown()
