@@ -81,7 +81,7 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        time.sleep(3)
+        time.sleep({seconds})
         return [
             pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
             for r in requests
@@ -189,7 +189,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     for i in range(MORE_MODELS):
         write_python(repo, model_name(i), MODEL_SOURCE.format(weight=WEIGHT_MB, value=float(i + 1), log=str(load_log)), CONFIG)
     write_python(repo, "broken", BROKEN_SOURCE, CONFIG)
-    write_python(repo, "slow", SLOW_SOURCE, CONFIG)
+    write_python(repo, "slow", SLOW_SOURCE.format(seconds=3), CONFIG)
+    write_python(repo, "hot", SLOW_SOURCE.format(seconds=0.25), CONFIG)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     gcs_port = free_port()
     started = subprocess.run(
@@ -281,6 +282,17 @@ def test_rays_routing_view_follows_quivers_residency_through_evictions(cluster: 
         assert view["used"] <= MEMORY_LIMIT_MB * 1024 * 1024, view
     assert sum(cluster.loads().values()) - before > MORE_MODELS - MODELS, "nothing was evicted"
     assert all(v["quiver"] for v in views), views
+
+
+def test_a_hot_model_spreads_to_the_other_replica_under_load(cluster: Cluster) -> None:
+    # 28 requests at once for a model that takes 0.25 s each, one at a time: more than the 16
+    # one replica takes (--ray-max-ongoing-requests), so Ray sends the rest to the other
+    # replica, which loads the model too.
+    assert cluster.infer("hot", [1.0, 1.0, 1.0, 1.0]).status == 200
+    with ThreadPoolExecutor(28) as pool:
+        answers = list(pool.map(lambda i: cluster.infer("hot", [float(i)] * 4), range(28)))
+    assert all(a.status == 200 for a in answers), [a.body for a in answers if a.status != 200]
+    assert len({a.replica for a in answers}) == 2, Counter(a.replica for a in answers)  # so loaded on both
 
 
 def test_a_model_that_fails_to_load_is_an_error_naming_it_and_others_keep_serving(cluster: Cluster) -> None:
