@@ -54,6 +54,20 @@ from quiver.types import DataType, InferenceRequest, InferenceResponse, Requeste
 
 logger = logging.getLogger(__name__)
 
+#: Executions a Python model runs on its own thread, with no BLS call and no exception, before
+#: it may run on the event loop (when it is also fast: ``ThreadedInstance``'s threshold).
+INLINE_AFTER_EXECUTIONS = 64
+
+
+class _RunOnThread(BaseException):
+    """An execution on the event loop that must run on the model's thread instead (it called
+    BLS, raised, or returned a coroutine). A BaseException, so ``except Exception`` in a model
+    does not catch it."""
+
+
+#: The Python instance whose ``execute`` runs on the current thread (for BLS to find it).
+_current = threading.local()
+
 #: Serialises imports: they change sys.path and sys.modules.
 _IMPORT_LOCK = threading.Lock()
 _module_counter = itertools.count(1)
@@ -260,7 +274,18 @@ def _output_tensor(tensor: Any) -> Tensor:
 
 
 class PythonInstance(ThreadedInstance):
-    """One ``TritonPythonModel`` object, driven on its own thread."""
+    """One ``TritonPythonModel`` object, driven on its own thread.
+
+    A model whose ``execute`` is short runs on the event loop instead (as small ONNX models
+    do), which saves the two thread wake-ups per call, most of a tiny model's cost; but only
+    when that cannot change what the model sees. So a model starts on its own thread and
+    moves to the loop only after ``INLINE_AFTER_EXECUTIONS`` executions there that called no
+    BLS and raised nothing, and only if ``execute`` is not a coroutine function. A model that
+    calls BLS never moves. An execution on the loop that calls BLS, raises, or returns a
+    coroutine is abandoned at that point and run again on the model's thread, which it then
+    never leaves: a model whose ``execute`` works only on the thread that ran ``initialize``
+    (a sqlite connection, thread-local state) is answered as on Triton.
+    """
 
     def __init__(self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec) -> None:
         super().__init__(spec.name)
@@ -273,6 +298,9 @@ class PythonInstance(ThreadedInstance):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loaded: _LoadedModule | None = None
         self._model: Any = None
+        self._clean_executions = 0  # on the thread, with no BLS call and no exception
+        self._may_inline = False  # set after load: a plain (not async) execute
+        self._inlining = False  # an execution is running on the event loop now
 
     # ---- load / unload (instance thread)
 
@@ -301,6 +329,7 @@ class PythonInstance(ThreadedInstance):
                     raise _model_error(
                         exc, f"{self._where}: initialize() failed: {format_exception(exc)}"
                     ) from exc
+            self._may_inline = not inspect.iscoroutinefunction(getattr(self._model, "execute", None))
         except BaseException:
             self._close()
             raise
@@ -372,23 +401,60 @@ class PythonInstance(ThreadedInstance):
                 f"{self._where}: TritonPythonModel does not implement 'execute'",
             )
         t1 = time.monotonic_ns()
+        inlining = self._inlining
+        _current.instance = self
         try:
             result = model_execute(pb_requests)
             if inspect.isawaitable(result):
+                if inlining:
+                    if inspect.iscoroutine(result):
+                        result.close()
+                    raise _RunOnThread("execute() returned an awaitable")
                 assert self._loop is not None
                 result = self._loop.run_until_complete(result)
         except (Exception, SystemExit) as exc:
+            if inlining:
+                raise _RunOnThread(f"execute() raised {type(exc).__name__}") from exc
+            self._clean_executions = 0
             return self._fail_all(
                 count,
                 _error_code(exc),
                 f"{self._where}: execute() raised {format_exception(exc)}",
             )
+        finally:
+            _current.instance = None
+        if not inlining and self._may_inline:
+            self._clean_executions += 1
         t2 = time.monotonic_ns()
         responses = self._responses(result, requests)
         timing.input_ns = t1 - t0
         timing.infer_ns = t2 - t1
         timing.output_ns = time.monotonic_ns() - t2
         return responses
+
+    @property
+    def runs_inline(self) -> bool:
+        return (
+            self._may_inline
+            and self._clean_executions >= INLINE_AFTER_EXECUTIONS
+            and 0 <= self._cost_ns < self.inline_threshold_ns
+        )
+
+    def used_bls(self) -> None:
+        """BLS was called from this instance's ``execute``: it stays on its thread."""
+        self._may_inline = False
+
+    async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        if self.runs_inline:
+            self._inlining = True
+            try:
+                return self._timed(requests)
+            except _RunOnThread as exc:
+                self._may_inline = False
+                logger.info("%s runs on its own thread from now on: %s on the event loop", self._where, exc)
+            finally:
+                self._inlining = False
+        return await super().run(requests)
 
     @staticmethod
     def _fail_all(count: int, code: ErrorCode, message: str) -> ExecuteResult:
@@ -564,7 +630,12 @@ class _Bls:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
+        instance: PythonInstance | None = getattr(_current, "instance", None)
+        if instance is not None:
+            instance.used_bls()
         if running is loop:
+            if instance is not None and instance._inlining:
+                raise _RunOnThread("execute() called BLS")
             raise pb_utils.TritonModelException(
                 "BLS exec() would block the server's event loop; use 'await request.async_exec()'"
             )
