@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REPOSITORY := examples/model_repository
 
-.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray clean
+.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray bench-compare clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,9 @@ bench-ray: $(STAMP)
 
 bench-pipelines: $(REPOSITORY)/.built
 	$(PY) benchmarks/pipelines.py --repository $(REPOSITORY) $(ARGS)
+
+bench-compare: $(REPOSITORY)/.built
+	$(PY) benchmarks/compare.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(REPOSITORY)

@@ -337,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds before each row")
     parser.add_argument("--server-args", default="", help="extra `quiver serve` flags")
     parser.add_argument("--no-save", action="store_true", help="print only; keep benchmarks/results as is")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS, help="where pipelines.{md,json} go (default: benchmarks/results)")
     return parser
 
 
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     floors = Floors(repository)
     expected = {p.model: floors.run(p, 1) for p in pipelines}
-    RESULTS.mkdir(exist_ok=True)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
     server_log = Path(tempfile.gettempdir()) / "quiver-bench-pipelines.log"
     log(f"serving {repository} (log: {server_log})")
     server = Server(repository, server_log, shlex.split(args.server_args))
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(rows)
     print(table)
     if not args.no_save:
-        (RESULTS / "pipelines.json").write_text(
+        (args.output_dir / "pipelines.json").write_text(
             json.dumps({"environment": env, "command": command_line(), "rows": [asdict(r) for r in rows]}, indent=2) + "\n"
         )
         report = [
@@ -401,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             table,
             "",
         ]
-        (RESULTS / "pipelines.md").write_text("\n".join(report))
-        log(f"wrote {RESULTS / 'pipelines.md'} and {RESULTS / 'pipelines.json'}")
+        (args.output_dir / "pipelines.md").write_text("\n".join(report))
+        log(f"wrote {args.output_dir / 'pipelines.md'} and {args.output_dir / 'pipelines.json'}")
     return 0
 
 
