@@ -86,7 +86,6 @@ def terminate(proc: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> No
     """SIGTERM the process group, then SIGKILL what is left after ``timeout`` seconds."""
     if proc is None:
         return
-    _live.discard(proc)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -95,6 +94,7 @@ def terminate(proc: subprocess.Popen[bytes] | None, timeout: float = 15.0) -> No
         os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
+    _live.discard(proc)  # only now: a Ctrl-C while it stops still finds it in kill_all()
 
 
 def kill_all() -> None:
