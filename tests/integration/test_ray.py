@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from support.archives import single_archive
 from support.models import write_python
 from support.s3 import free_port
 
@@ -37,6 +38,7 @@ pytest.importorskip("ray.serve")
 BIN = Path(sys.executable).parent
 MODELS = 8  # the skewed mix's models
 MORE_MODELS = 16  # all the models: more than the two replicas hold, to make Quiver evict
+ARCHIVES = 12  # .tar.gz models, fetched through each replica's disk cache
 WEIGHT_MB = 24
 # Room for about 6 models on one replica: the 8 of the mix fit in the two replicas when each
 # model stays on the replica that has it (affinity), with room for a hot model on both;
@@ -117,6 +119,7 @@ class Cluster:
     load_log: Path
     process: subprocess.Popen[str]
     log_path: Path
+    cache_dir: Path
 
     def post(self, path: str, body: bytes, headers: dict[str, str] | None = None, timeout: float = 60) -> Answer:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -191,6 +194,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     write_python(repo, "broken", BROKEN_SOURCE, CONFIG)
     write_python(repo, "slow", SLOW_SOURCE.format(seconds=3), CONFIG)
     write_python(repo, "hot", SLOW_SOURCE.format(seconds=0.25), CONFIG)
+    for i in range(ARCHIVES):
+        (repo / f"plus{i}.tar.gz").write_bytes(single_archive(float(i)))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     gcs_port = free_port()
     started = subprocess.run(
@@ -206,7 +211,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     process = subprocess.Popen(
         [str(BIN / "quiver"), "serve", "--ray", "--ray-address", address, "--ray-replicas", "2",
          "--ray-max-ongoing-requests", "16", "--model-repository", str(repo),
-         "--http-port", str(free_port()), "--model-memory-limit", f"{MEMORY_LIMIT_MB}M"],
+         "--http-port", str(free_port()), "--model-memory-limit", f"{MEMORY_LIMIT_MB}M",
+         "--model-cache-dir", str(root / "cache")],
         stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**env, "SAGEMAKER_MULTI_MODEL": "true"},
     )  # fmt: skip
@@ -219,7 +225,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             port = int(match.group(2)) if match else 0
             time.sleep(0.5)
         assert port, "quiver --ray did not start in 180 s:\n" + log_path.read_text()[-3000:]
-        yield Cluster(address, port, load_log, process, log_path)
+        yield Cluster(address, port, load_log, process, log_path, root / "cache")
     finally:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)
@@ -293,6 +299,23 @@ def test_a_hot_model_spreads_to_the_other_replica_under_load(cluster: Cluster) -
         answers = list(pool.map(lambda i: cluster.infer("hot", [float(i)] * 4), range(28)))
     assert all(a.status == 200 for a in answers), [a.body for a in answers if a.status != 200]
     assert len({a.replica for a in answers}) == 2, Counter(a.replica for a in answers)  # so loaded on both
+
+
+def test_replicas_sharing_a_cache_folder_each_fetch_archives_into_their_own(cluster: Cluster) -> None:
+    # Each new model goes to the replica with the fewer models, so new archives end up on both.
+    replicas = set()
+    for i in range(ARCHIVES):
+        body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+        answer = cluster.post(f"/v2/models/plus{i}.tar.gz/infer", json.dumps(body).encode())
+        assert answer.status == 200, answer.body
+        assert json.loads(answer.body)["outputs"][0]["data"] == [1 + i, 2 + i, 3 + i, 4 + i]
+        replicas.add(answer.replica)
+        if len(replicas) == 2 and i >= 3:
+            break
+    assert len(replicas) == 2, replicas
+    slots = sorted(p.name for p in cluster.cache_dir.iterdir() if p.is_dir())
+    assert slots == ["replica-0", "replica-1"], slots
+    assert all(any((cluster.cache_dir / slot).rglob("model.onnx")) for slot in slots)
 
 
 def test_a_model_that_fails_to_load_is_an_error_naming_it_and_others_keep_serving(cluster: Cluster) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from quiver.rayserve.cache_slots import CacheSlot
 from quiver.rayserve.launch import (
     ClusterUnreachable,
     RaySettings,
@@ -63,3 +66,13 @@ def test_an_address_that_is_not_host_and_port_is_named_in_the_error() -> None:
     with pytest.raises(ClusterUnreachable, match=r"'127\.0\.0\.1:http' is not a Ray cluster address"):
         check_reachable("127.0.0.1:http")
     check_reachable("auto")  # Ray finds it; nothing to check here
+
+
+def test_replicas_on_one_node_take_their_own_cache_folders(tmp_path: Path) -> None:
+    first, second = CacheSlot(tmp_path), CacheSlot(tmp_path)
+    assert (first.folder, second.folder) == (tmp_path / "replica-0", tmp_path / "replica-1")
+    first.release()  # as when its process ends
+    third = CacheSlot(tmp_path)
+    assert third.folder == tmp_path / "replica-0"  # a replacement finds the old cache there
+    second.release()
+    third.release()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -33,6 +34,7 @@ from starlette.responses import Response
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerSettings
+from quiver.rayserve.cache_slots import CacheSlot
 from quiver.rayserve.forward import ForwardedRequest, ForwardedResponse, call_asgi
 from quiver.rayserve.routing import SAGEMAKER, route
 from quiver.runner import ServerOptions, repository_manager, sagemaker_frontend
@@ -59,6 +61,11 @@ class QuiverReplica:
     """One Quiver model manager, and the v2 and SageMaker applications over it."""
 
     async def __init__(self, options: ServerOptions) -> None:  # type: ignore[misc]  # Ray awaits it
+        self.cache_slot: CacheSlot | None = None
+        if options.model_cache_dir is not None:
+            # One disk cache per process: replicas sharing a node take numbered sub-folders.
+            self.cache_slot = CacheSlot(options.model_cache_dir)
+            options = dataclasses.replace(options, model_cache_dir=self.cache_slot.folder)
         self.options = options
         self.manager = repository_manager(options)
         self.service = InferenceService(self.manager)
@@ -159,7 +166,11 @@ class QuiverReplica:
     async def __del__(self) -> None:
         """Ray calls this after draining the replica's in-flight requests (scale-in, shutdown)."""
         self.service.ready = False
-        await self.manager.stop()
+        try:
+            await self.manager.stop()
+        finally:
+            if self.cache_slot is not None:
+                self.cache_slot.release()
 
 
 class QuiverIngress:
