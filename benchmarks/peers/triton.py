@@ -84,6 +84,8 @@ _CONFIG = f"""\
 name: "{TINY_MODEL}"
 backend: "python"
 max_batch_size: 0
+# Quiver: run this fast model on the event loop (opt-in); Triton ignores the parameter.
+parameters {{ key: "EXECUTE_ON_EVENT_LOOP" value {{ string_value: "true" }} }}
 input [
   {{
     name: "{TINY_INPUT}"

@@ -1,6 +1,7 @@
-"""Fast Python models move from their own thread to the event loop, and only models for which
-that changes nothing: BLS callers, models bound to their thread, and models that raise stay on
-(or go back to) their thread, and every answer stays right."""
+"""Fast Python models that opt in (``EXECUTE_ON_EVENT_LOOP``) move from their own thread to the
+event loop, and only models for which that changes nothing: BLS callers (from any thread),
+models bound to their thread, and models that raise stay on (or go back to) their thread, and
+every answer stays right. Models that do not opt in never move."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from support.server import QuiverServer
 CONFIG = """
 name: "{name}"
 backend: "python"
+parameters {{ key: "EXECUTE_ON_EVENT_LOOP" value {{ string_value: "{inline}" }} }}
 max_batch_size: 0
 input [ {{ name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] }} ]
 output [ {{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] }} ]
@@ -104,6 +106,41 @@ class TritonPythonModel:
         return responses
 """
 
+# Calls `where` through BLS from a thread of its own every 80th execution.
+BLS_FROM_A_THREAD = """
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def ask(x):
+    inner = pb_utils.InferenceRequest(
+        model_name="where", requested_output_names=["OUTPUT0"], inputs=[pb_utils.Tensor("INPUT0", x)],
+    ).exec()
+    return pb_utils.get_output_tensor_by_name(inner, "OUTPUT0").as_numpy()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.calls = 0
+        self.pool = ThreadPoolExecutor(1)
+
+    def execute(self, requests):
+        self.calls += 1
+        responses = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            out = self.pool.submit(ask, x).result() if self.calls % 80 == 0 else x * 2
+            thread = np.array([threading.current_thread().name.encode()], dtype=object)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out), pb_utils.Tensor("THREAD", thread)]))
+        return responses
+
+    def finalize(self):
+        self.pool.shutdown()
+"""
+
 # Raises for negative input: an error naming the model, every time, wherever it runs.
 PICKY = """
 import threading
@@ -128,8 +165,12 @@ class TritonPythonModel:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
     repo: Path = tmp_path_factory.mktemp("inline")
-    for name, source in (("where", WHERE), ("sqlite", SQLITE), ("bls_late", BLS_LATE), ("picky", PICKY)):
-        write_python(repo, name, source, CONFIG.format(name=name))
+    for name, source in (
+        ("where", WHERE), ("sqlite", SQLITE), ("bls_late", BLS_LATE), ("bls_thread", BLS_FROM_A_THREAD),
+        ("picky", PICKY),
+    ):  # fmt: skip
+        write_python(repo, name, source, CONFIG.format(name=name, inline="true"))
+    write_python(repo, "stays", WHERE, CONFIG.format(name="stays", inline="false"))
     with QuiverServer(repo) as running:
         yield running
 
@@ -161,15 +202,29 @@ def test_a_fast_model_moves_to_the_event_loop_after_its_clean_executions(server:
     assert threads[-1] == "MainThread", threads[-5:]
 
 
+def test_a_model_that_does_not_opt_in_never_moves(server: QuiverServer) -> None:
+    threads = run_many(server, "stays", INLINE_AFTER_EXECUTIONS + 40)
+    assert all(t.startswith("quiver-") for t in threads), [t for t in threads if not t.startswith("quiver-")]
+
+
 def test_a_model_bound_to_its_thread_goes_back_to_it_and_answers_right(server: QuiverServer) -> None:
     threads = run_many(server, "sqlite", INLINE_AFTER_EXECUTIONS + 40)
     assert all(t.startswith("quiver-") for t in threads), [t for t in threads if not t.startswith("quiver-")]
+    # It did try the loop once (sqlite refused the other thread), and went back for good.
+    assert "model 'sqlite' version 1 runs on its own thread from now on" in server.log
 
 
 def test_a_model_that_calls_bls_late_is_answered_and_stays_on_its_thread(server: QuiverServer) -> None:
     threads = run_many(server, "bls_late", 170)
-    # Executions 65..79 may have run on the loop; the 80th called BLS there, ran again on the
-    # thread, and every one after it stays there.
+    # Executions 65..79 ran on the loop; the 80th called BLS there, ran again on the thread,
+    # and every one after it stays there.
+    assert "MainThread" in threads[INLINE_AFTER_EXECUTIONS:79], threads[INLINE_AFTER_EXECUTIONS:79]
+    assert all(t.startswith("quiver-") for t in threads[80:]), threads[80:]
+
+
+def test_bls_from_a_thread_the_model_started_does_not_hang_the_server(server: QuiverServer) -> None:
+    threads = run_many(server, "bls_thread", 170)  # run_many checks every answer
+    assert "MainThread" in threads[INLINE_AFTER_EXECUTIONS:79], threads[INLINE_AFTER_EXECUTIONS:79]
     assert all(t.startswith("quiver-") for t in threads[80:]), threads[80:]
 
 
@@ -182,3 +237,4 @@ def test_errors_stay_errors_and_the_model_keeps_serving(server: QuiverServer) ->
     out, thread = infer(server, "picky", np.ones(4, dtype=np.float32))
     np.testing.assert_array_equal(out, np.full(4, 2.0, dtype=np.float32))
     assert thread.startswith("quiver-")  # it raised on the loop once: back on its thread for good
+    assert "model 'picky' version 1 runs on its own thread from now on" in server.log

@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 #: Executions a Python model runs on its own thread, with no BLS call and no exception, before
 #: it may run on the event loop (when it is also fast: ``ThreadedInstance``'s threshold).
 INLINE_AFTER_EXECUTIONS = 64
+#: The model config parameter by which a Python model opts in to running on the event loop.
+INLINE_PARAMETER = "EXECUTE_ON_EVENT_LOOP"
 
 
 class _RunOnThread(BaseException):
@@ -67,6 +69,11 @@ class _RunOnThread(BaseException):
 
 #: The Python instance whose ``execute`` runs on the current thread (for BLS to find it).
 _current = threading.local()
+#: Instances whose ``execute`` is running on their own threads now, and the one running on the
+#: event loop (at most one: there is one loop): a BLS call from a thread a model started itself
+#: names no instance, so these are the candidates.
+_on_threads: set[PythonInstance] = set()
+_on_loop: list[PythonInstance] = []
 
 #: Serialises imports: they change sys.path and sys.modules.
 _IMPORT_LOCK = threading.Lock()
@@ -276,15 +283,16 @@ def _output_tensor(tensor: Any) -> Tensor:
 class PythonInstance(ThreadedInstance):
     """One ``TritonPythonModel`` object, driven on its own thread.
 
-    A model whose ``execute`` is short runs on the event loop instead (as small ONNX models
-    do), which saves the two thread wake-ups per call, most of a tiny model's cost; but only
-    when that cannot change what the model sees. So a model starts on its own thread and
-    moves to the loop only after ``INLINE_AFTER_EXECUTIONS`` executions there that called no
-    BLS and raised nothing, and only if ``execute`` is not a coroutine function. A model that
-    calls BLS never moves. An execution on the loop that calls BLS, raises, or returns a
-    coroutine is abandoned at that point and run again on the model's thread, which it then
-    never leaves: a model whose ``execute`` works only on the thread that ran ``initialize``
-    (a sqlite connection, thread-local state) is answered as on Triton.
+    A model that opts in (config parameter ``EXECUTE_ON_EVENT_LOOP: "true"``) and whose
+    ``execute`` is short runs on the event loop instead, as small ONNX models do, which saves
+    the two thread wake-ups per call, most of a tiny model's cost. It is opt-in because user
+    code may wait for the server itself (a request to this server over HTTP from ``execute``),
+    which on the loop would wait forever. Even then a model moves only when that cannot change
+    what it sees: after ``INLINE_AFTER_EXECUTIONS`` executions on its own thread that called
+    no BLS and raised nothing, if ``execute`` is not a coroutine function and the model has no
+    sequence batcher. A model that calls BLS never moves. An execution on the loop that calls
+    BLS (from any thread), raises, or returns a coroutine is abandoned at that point and run
+    again on the model's thread, which it then never leaves.
     """
 
     def __init__(self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec) -> None:
@@ -329,7 +337,11 @@ class PythonInstance(ThreadedInstance):
                     raise _model_error(
                         exc, f"{self._where}: initialize() failed: {format_exception(exc)}"
                     ) from exc
-            self._may_inline = not inspect.iscoroutinefunction(getattr(self._model, "execute", None))
+            self._may_inline = (
+                self._config.parameters.get(INLINE_PARAMETER, "").strip().lower() == "true"
+                and not self._config.proto.HasField("sequence_batching")
+                and not inspect.iscoroutinefunction(getattr(self._model, "execute", None))
+            )
         except BaseException:
             self._close()
             raise
@@ -403,6 +415,8 @@ class PythonInstance(ThreadedInstance):
         t1 = time.monotonic_ns()
         inlining = self._inlining
         _current.instance = self
+        if not inlining:
+            _on_threads.add(self)
         try:
             result = model_execute(pb_requests)
             if inspect.isawaitable(result):
@@ -423,6 +437,7 @@ class PythonInstance(ThreadedInstance):
             )
         finally:
             _current.instance = None
+            _on_threads.discard(self)
         if not inlining and self._may_inline:
             self._clean_executions += 1
         t2 = time.monotonic_ns()
@@ -447,6 +462,7 @@ class PythonInstance(ThreadedInstance):
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
         if self.runs_inline:
             self._inlining = True
+            _on_loop.append(self)
             try:
                 return self._timed(requests)
             except _RunOnThread as exc:
@@ -454,6 +470,7 @@ class PythonInstance(ThreadedInstance):
                 logger.info("%s runs on its own thread from now on: %s on the event loop", self._where, exc)
             finally:
                 self._inlining = False
+                _on_loop.remove(self)
         return await super().run(requests)
 
     @staticmethod
@@ -633,6 +650,14 @@ class _Bls:
         instance: PythonInstance | None = getattr(_current, "instance", None)
         if instance is not None:
             instance.used_bls()
+        else:
+            # From a thread a model started: any model executing now may be the caller.
+            for candidate in list(_on_threads):
+                candidate.used_bls()
+            if _on_loop:
+                # The loop is busy in that model's execute and could never run this request.
+                _on_loop[0].used_bls()
+                raise _RunOnThread("execute() called BLS from another thread")
         if running is loop:
             if instance is not None and instance._inlining:
                 raise _RunOnThread("execute() called BLS")
