@@ -364,8 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPUs Ray reserves for each replica (default: 1)",
     )
     cluster.add_argument(
-        "--ray-request-retries", type=int, default=2, metavar="N",
-        help="when a replica dies mid-request, retry on another this many times, then answer 503 (default: 2)",
+        "--ray-request-retries", type=int, default=1, metavar="N",
+        help="when a replica dies mid-request, retry on another this many times, then answer 503 "
+        "(default: 1; a request that crashes its replica would crash the next one too)",
+    )
+    cluster.add_argument(
+        "--ray-request-timeout", type=float, default=300.0, metavar="SECONDS",
+        help="Ray Serve's proxy answers 408 to a request not answered in this time, so none waits "
+        "forever, not even with no replica able to start (default: 300)",
     )
     cluster.add_argument(
         "--ray-graceful-shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -501,9 +507,13 @@ def _run_ray(args: argparse.Namespace, options: ServerOptions) -> int:
 
     for flag in ("ray_replicas", "ray_min_replicas", "ray_max_replicas", "ray_max_ongoing_requests"):
         value = getattr(args, flag)
-        if value is not None and value < (0 if flag == "ray_min_replicas" else 1):
-            print(f"quiver: error: --{flag.replace('_', '-')} must be at least 1, got {value}", file=sys.stderr)
+        least = 0 if flag == "ray_min_replicas" else 1
+        if value is not None and value < least:
+            print(f"quiver: error: --{flag.replace('_', '-')} must be at least {least}, got {value}", file=sys.stderr)
             return 2
+    if args.ray_request_timeout <= 0:
+        print("quiver: error: --ray-request-timeout must be positive", file=sys.stderr)
+        return 2
     if args.ray_min_replicas is not None and args.ray_max_replicas is not None and args.ray_min_replicas > args.ray_max_replicas:
         print("quiver: error: --ray-min-replicas is larger than --ray-max-replicas", file=sys.stderr)
         return 2
@@ -517,6 +527,7 @@ def _run_ray(args: argparse.Namespace, options: ServerOptions) -> int:
         max_ongoing_requests=args.ray_max_ongoing_requests,
         replica_cpus=args.ray_replica_cpus,
         request_retries=max(0, args.ray_request_retries),
+        request_timeout=args.ray_request_timeout,
         graceful_shutdown_timeout=args.ray_graceful_shutdown_timeout,
     )
     return run(options, settings)

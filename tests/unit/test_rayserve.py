@@ -19,8 +19,8 @@ from quiver.rayserve.routing import SAGEMAKER, V2, Route, route
 @pytest.mark.parametrize(
     ("method", "path", "headers", "expected"),
     [
-        ("POST", "/v2/models/resnet/infer", {}, Route(V2, "resnet")),
-        ("POST", "/v2/models/resnet/versions/3/infer", {}, Route(V2, "resnet")),
+        ("POST", "/v2/models/resnet/infer", {}, Route(V2, "resnet", True)),
+        ("POST", "/v2/models/resnet/versions/3/infer", {}, Route(V2, "resnet", True)),
         ("GET", "/v2/models/resnet/ready", {}, Route(V2, "resnet")),
         ("GET", "/v2/models/my%20model/config", {}, Route(V2, "my model")),
         ("GET", "/v2/models/stats", {}, Route(V2, "")),
@@ -29,9 +29,9 @@ from quiver.rayserve.routing import SAGEMAKER, V2, Route, route
         ("POST", "/v2/repository/index", {}, Route(V2, "")),
         ("GET", "/v2/health/ready", {}, Route(V2, "")),
         ("GET", "/v2", {}, Route(V2, "")),
-        ("POST", "/invocations", {"x-amzn-sagemaker-target-model": "resnet_v0.tar.gz"}, Route(SAGEMAKER, "resnet_v0.tar.gz")),
-        ("POST", "/invocations", {}, Route(SAGEMAKER, "")),
-        ("POST", "/models/bert/invoke", {}, Route(SAGEMAKER, "bert")),
+        ("POST", "/invocations", {"x-amzn-sagemaker-target-model": "resnet_v0.tar.gz"}, Route(SAGEMAKER, "resnet_v0.tar.gz", True)),
+        ("POST", "/invocations", {}, Route(SAGEMAKER, "", True)),
+        ("POST", "/models/bert/invoke", {}, Route(SAGEMAKER, "bert", True)),
         ("DELETE", "/models/bert", {}, Route(SAGEMAKER, "bert")),
         ("GET", "/models", {}, Route(SAGEMAKER, "")),
         ("POST", "/models", {}, Route(SAGEMAKER, "")),
@@ -76,3 +76,29 @@ def test_replicas_on_one_node_take_their_own_cache_folders(tmp_path: Path) -> No
     assert third.folder == tmp_path / "replica-0"  # a replacement finds the old cache there
     second.release()
     third.release()
+
+
+class _FakeMultiplexing:
+    """What the replica touches of Ray's per-replica multiplexing state."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, object] = {}
+        self._model_load_tasks: set[str] = set()
+        self._push_multiplexed_replica_info = False
+
+
+def test_quivers_residency_changes_reach_rays_multiplexed_set_at_once() -> None:
+    from quiver.rayserve.deployments import QuiverReplica
+
+    replica = object.__new__(QuiverReplica)
+    state = _FakeMultiplexing()
+    setattr(replica, "__serve_multiplex_wrapper", state)  # where @serve.multiplexed keeps it
+    replica._residency_changed("resnet", True)
+    assert list(state.models) == ["resnet"] and state._push_multiplexed_replica_info
+    state._push_multiplexed_replica_info = False
+    replica._residency_changed("resnet", True)  # no change, no push
+    assert not state._push_multiplexed_replica_info
+    replica._residency_changed("pipe.tar.gz::preprocess", True)  # archive members: never routed by
+    assert list(state.models) == ["resnet"]
+    replica._residency_changed("resnet", False)  # evicted
+    assert state.models == {} and state._push_multiplexed_replica_info

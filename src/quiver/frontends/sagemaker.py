@@ -414,6 +414,17 @@ class SageMakerFrontend:
         self._forget(name)
         return None
 
+    def aliases(self) -> dict[str, str]:
+        """SageMaker names and target-model values of registered, READY models -> the model
+        each stands for (a cluster router learns these names as served here)."""
+        out = {}
+        for name, registration in list(self.registered.items()):
+            if self.service.model_ready(registration.model):
+                out[name] = registration.model
+                if registration.target:
+                    out[registration.target] = registration.model
+        return out
+
     def _forget(self, name: str) -> None:
         registration = self.registered.pop(name, None)
         if registration is not None and registration.target:

@@ -9,10 +9,12 @@ models, which then loads it. A hot model therefore ends up on more than one repl
 Each ``QuiverReplica`` runs Quiver's own repository manager (its memory budget, eviction, disk
 cache and on-demand loads) and answers with the single-process server's own v2 and SageMaker
 ASGI applications, in process. Ray's view of which replica holds which model follows Quiver's:
-the replica registers a model with Ray's multiplexing when Quiver makes it resident and removes
-it when Quiver unloads or evicts it (listener on the manager), and Ray pushes that set to its
-routers within 0.1 s. Ray never evicts by itself (no per-replica model count). Every routing
-statistics period the replica also compares the two sets and repairs any difference.
+an inference names its model to Ray's multiplexing as it arrives (so Ray sends the next ones
+here while it loads; the load itself is Quiver's, once), the replica adds a model when Quiver
+makes it resident and removes it when Quiver unloads or evicts it (listener on the manager),
+and Ray pushes that set to its routers within 0.1 s. Ray never evicts by itself (no
+per-replica model count). Every routing statistics period the replica also compares the two
+sets and repairs any difference. SageMaker names of registered models count as theirs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+from collections.abc import Coroutine
 from typing import Any
 
 import orjson
@@ -87,29 +90,33 @@ class QuiverReplica:
                 + "; ".join(f"{name}: {reason}" for name, reason in sorted(failures.items()))
             )
         self.service.ready = True
+        for name in self.served_names():  # loaded at start: Ray learns them now
+            await self.resident(name)
+        self._stopping = False
         logger.info("Quiver replica %s (pid %d) ready", self.replica, os.getpid())
 
     # -- requests ----------------------------------------------------------------------
 
-    async def handle(self, request: ForwardedRequest) -> ForwardedResponse:
+    async def handle(self, request: ForwardedRequest, infer: bool = False) -> ForwardedResponse:
         model = serve.get_multiplexed_model_id()
-        if model:
-            # Through Ray's multiplexing, so that Ray learns at once that the model is here
-            # (loads it on demand when it is not; the application reports any failure).
-            with contextlib.suppress(Exception):
-                await self.resident(model)
+        if model and infer:
+            # Ray routes the model's next requests here from now on; Quiver loads it (once)
+            # as the application serves this one.
+            await self.resident(model)
         if request.api == SAGEMAKER:
             if request.registration is not None and model and model not in self.sagemaker.registered:
                 await self._replay_registration(request.registration)
             response = await call_asgi(self.sagemaker, request)
         else:
             response = await call_asgi(self.v2, request)
+        if model and infer and not self._serves(model):
+            self._residency_changed(model, False)  # it failed to load, or is gone again
         response.headers.append((REPLICA_HEADER, self.replica.encode()))
         return response
 
     async def _replay_registration(self, body: bytes) -> None:
         registration = ForwardedRequest(
-            SAGEMAKER, "POST", "/models", b"", [(b"content-type", b"application/json")], body
+            SAGEMAKER, "POST", "/models", b"/models", b"", [(b"content-type", b"application/json")], body
         )
         answer = await call_asgi(self.sagemaker, registration)
         if answer.status != 200:
@@ -117,7 +124,8 @@ class QuiverReplica:
 
     @serve.multiplexed(max_num_models_per_replica=-1)  # type: ignore[untyped-decorator]
     async def resident(self, model_id: str) -> Resident:
-        await self.manager.acquire(model_id)
+        """Ray's multiplexing calls this for a model it does not list here yet: it only records
+        the name (Ray's lock around it is held for no longer than that)."""
         return Resident(model_id)
 
     # -- Ray's view of this replica, kept in step with Quiver's ----------------------------
@@ -129,7 +137,7 @@ class QuiverReplica:
         wrapper = self._multiplexed()
         models = getattr(wrapper, "models", None)
         if wrapper is None or not isinstance(models, dict) or "::" in name:
-            return  # nothing multiplexed yet; archive members are never requested by name
+            return  # nothing multiplexed yet (the first inference sets it up); archive members
         if resident and name not in models:
             models[name] = Resident(name)
         elif not resident and name in models:
@@ -138,13 +146,20 @@ class QuiverReplica:
             return
         wrapper._push_multiplexed_replica_info = True  # Ray pushes the set within 0.1 s
 
-    def resident_models(self) -> list[str]:
-        return sorted(m.name for m in self.manager.ready_models if "::" not in m.name)
+    def served_names(self) -> set[str]:
+        """The names requests reach this replica's READY models by: models (not archive
+        members), and the SageMaker names and target-model values of registered ones."""
+        names = {m.name for m in self.manager.ready_models if "::" not in m.name}
+        return names | set(self.sagemaker.aliases())
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Called by Ray every routing-statistics period: repairs any difference between
-        Ray's multiplexed set and Quiver's resident set, and reports both."""
-        resident = set(self.resident_models())
+    def _serves(self, name: str) -> bool:
+        return self.manager.is_ready(name) or name in self.sagemaker.aliases()
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Ray every routing-statistics period (on the event loop, as the manager
+        and Ray's multiplexing are used): repairs any difference between Ray's multiplexed
+        set and the names served here, and reports both."""
+        resident = self.served_names()
         wrapper = self._multiplexed()
         models = getattr(wrapper, "models", None)
         if isinstance(models, dict):
@@ -152,6 +167,10 @@ class QuiverReplica:
                 self._residency_changed(name, False)
             for name in resident - set(models):
                 self._residency_changed(name, True)
+            loading = getattr(wrapper, "_model_load_tasks", None)
+            if isinstance(loading, set) and loading - resident:
+                loading &= resident  # names left behind by a cancelled request
+                wrapper._push_multiplexed_replica_info = True
         used, limit = self.manager.memory
         return {
             "quiver_resident_models": sorted(resident),
@@ -163,8 +182,15 @@ class QuiverReplica:
         if not self.service.ready:
             raise RuntimeError("the Quiver replica is stopping")
 
-    async def __del__(self) -> None:
-        """Ray calls this after draining the replica's in-flight requests (scale-in, shutdown)."""
+    def __del__(self) -> Coroutine[Any, Any, None] | None:
+        """Ray calls this after draining the replica's in-flight requests (scale-in, shutdown)
+        and awaits what it returns; the garbage collector's later call finds nothing to do."""
+        if getattr(self, "_stopping", True):  # never started, or stopped already
+            return None
+        self._stopping = True
+        return self._shutdown()
+
+    async def _shutdown(self) -> None:
         self.service.ready = False
         try:
             await self.manager.stop()
@@ -184,6 +210,7 @@ class QuiverIngress:
         self.registrations: dict[str, bytes] = {}
 
     async def __call__(self, request: Request) -> Response:
+        scope = request.scope
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_input_size:
@@ -191,45 +218,47 @@ class QuiverIngress:
         body = await request.body()
         if len(body) > self.max_input_size:
             return _error(413, f"request body exceeds the limit of {self.max_input_size} bytes (--http-max-input-size)")
-        where = route(request.method, request.url.path, headers)
+        path: str = scope["path"]
+        where = route(request.method, path, headers)
         model = where.model
-        registering = where.api == SAGEMAKER and request.method == "POST" and request.url.path.rstrip("/") == "/models"
+        registering = where.api == SAGEMAKER and request.method == "POST" and path.rstrip("/") == "/models"
         if registering:
             with contextlib.suppress(Exception):
                 model = str(orjson.loads(body).get("model_name") or "")
         forwarded = ForwardedRequest(
             where.api,
             request.method,
-            request.url.path,
-            request.url.query.encode("latin-1"),
+            path,
+            scope.get("raw_path") or path.encode(),
+            scope.get("query_string", b""),
             list(request.headers.raw),
             body,
             self.registrations.get(model) if where.api == SAGEMAKER and model else None,
         )
         handle = self.replicas.options(multiplexed_model_id=model) if model else self.replicas
-        answer = await self._send(handle, forwarded, model)
+        answer = await self._send(handle, forwarded, model, where.infer)
         if where.api == SAGEMAKER and model and answer.status == 200:
             if registering:
                 self.registrations[model] = body
             elif request.method == "DELETE":
                 self.registrations.pop(model, None)
-        return Response(
-            answer.body,
-            status_code=answer.status,
-            headers={
-                k.decode("latin-1"): v.decode("latin-1")
-                for k, v in answer.headers
-                if k.lower() != b"content-length"
-            },
-        )
+        response = Response(answer.body, status_code=answer.status)
+        response.raw_headers = [
+            *((k, v) for k, v in answer.headers if k.lower() != b"content-length"),
+            (b"content-length", str(len(answer.body)).encode()),
+        ]
+        return response
 
-    async def _send(self, handle: DeploymentHandle[Any], request: ForwardedRequest, model: str) -> ForwardedResponse:
-        """Send to a replica; when the replica dies mid-request, try another (requests are
-        answered from models, which hold no per-request state), then give up with 503."""
+    async def _send(
+        self, handle: DeploymentHandle[Any], request: ForwardedRequest, model: str, infer: bool
+    ) -> ForwardedResponse:
+        """Send to a replica; when the replica dies mid-request, try another (an inference
+        holds no state across requests; a request that crashes every replica it reaches stops
+        after ``--ray-request-retries``), then give up with 503."""
         what = f"model '{model}'" if model else "the request"
         for attempt in range(self.retries + 1):
             try:
-                result: ForwardedResponse = await handle.handle.remote(request)
+                result: ForwardedResponse = await handle.handle.remote(request, infer)
                 return result
             except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
                 logger.warning("the replica answering %s died (attempt %d): %s", what, attempt + 1, exc)

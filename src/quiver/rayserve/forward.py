@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from starlette.types import ASGIApp, Message
 
 
@@ -15,6 +16,7 @@ class ForwardedRequest:
     api: str  # routing.V2 or routing.SAGEMAKER
     method: str
     path: str
+    raw_path: bytes
     query_string: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes
@@ -31,8 +33,14 @@ class ForwardedResponse:
 
 
 async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> ForwardedResponse:
-    """Run ``app`` on ``request`` and collect its response. The client stays connected until
-    the response is complete (no ``http.disconnect`` before that)."""
+    """Run ``app`` on ``request`` and collect its response, as an ASGI server would.
+
+    The client stays connected until the response is complete. When the caller is cancelled
+    (Ray Serve cancels a request whose client went away), the application is not: it sees
+    ``http.disconnect``, as under uvicorn, and finishes on its own. An exception the
+    application raises after it sent its response leaves that response as it was; one raised
+    before is a 500.
+    """
     scope: dict[str, Any] = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -40,7 +48,7 @@ async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> ForwardedRespons
         "method": request.method,
         "scheme": "http",
         "path": request.path,
-        "raw_path": request.path.encode("latin-1", "replace"),
+        "raw_path": request.raw_path,
         "query_string": request.query_string,
         "root_path": "",
         "headers": request.headers,
@@ -48,8 +56,9 @@ async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> ForwardedRespons
         "server": ("127.0.0.1", 0),
     }
     sent_body = False
-    done = asyncio.Event()
+    gone = asyncio.Event()  # the response is complete, or nobody waits for it any more
     response = ForwardedResponse(500)
+    started = False
     chunks: list[bytes] = []
 
     async def receive() -> Message:
@@ -57,21 +66,40 @@ async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> ForwardedRespons
         if not sent_body:
             sent_body = True
             return {"type": "http.request", "body": request.body, "more_body": False}
-        await done.wait()
+        await gone.wait()
         return {"type": "http.disconnect"}
 
     async def send(message: Message) -> None:
+        nonlocal started
         if message["type"] == "http.response.start":
+            started = True
             response.status = int(message["status"])
             response.headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
         elif message["type"] == "http.response.body":
             chunks.append(bytes(message.get("body", b"")))
             if not message.get("more_body", False):
-                done.set()
+                gone.set()
 
+    running = asyncio.ensure_future(app(scope, receive, send))
+    running.add_done_callback(_retrieve)
     try:
-        await app(scope, receive, send)
+        await asyncio.shield(running)
+    except asyncio.CancelledError:
+        gone.set()  # the application now sees the client gone, and ends on its own
+        raise
+    except Exception as exc:
+        if not started:
+            return ForwardedResponse(
+                500,
+                [(b"content-type", b"application/json")],
+                orjson.dumps({"error": f"internal error: {type(exc).__name__}: {exc}"}),
+            )
     finally:
-        done.set()
+        gone.set()
     response.body = b"".join(chunks)
     return response
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # observed: an application that failed after its caller left

@@ -31,7 +31,8 @@ class RaySettings:
     target_ongoing_requests: float = 2.0
     max_ongoing_requests: int = 32
     replica_cpus: float = 1.0
-    request_retries: int = 2
+    request_retries: int = 1
+    request_timeout: float = 300.0
     graceful_shutdown_timeout: float = 30.0
     routing_stats_period: float = 1.0
 
@@ -61,6 +62,12 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
         raise ClusterUnreachable(f"cannot reach the Ray cluster at {address}: {reason}") from None
 
 
+def _replica_range(settings: RaySettings) -> tuple[int, int]:
+    low = settings.min_replicas if settings.min_replicas is not None else 1
+    high = settings.max_replicas if settings.max_replicas is not None else max(low, 1)
+    return low, high
+
+
 def deployment_options(settings: RaySettings) -> dict[str, Any]:
     """Ray Serve options of the QuiverReplica deployment."""
     from ray.serve.config import RequestRouterConfig
@@ -76,8 +83,7 @@ def deployment_options(settings: RaySettings) -> dict[str, Any]:
         ),
     }
     if settings.autoscaling:
-        low = settings.min_replicas if settings.min_replicas is not None else 1
-        high = settings.max_replicas if settings.max_replicas is not None else max(low, 1)
+        low, high = _replica_range(settings)
         options["autoscaling_config"] = {
             "min_replicas": low,
             "max_replicas": high,
@@ -149,13 +155,20 @@ def run(options: ServerOptions, settings: RaySettings) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         port = _http_port(options.http_address, options.http_port)
-        serve.start(http_options={"host": options.http_address, "port": port}, logging_config=QUIET_LOGS)
+        serve.start(
+            http_options={
+                "host": options.http_address,
+                "port": port,
+                "request_timeout_s": settings.request_timeout,
+            },
+            logging_config=QUIET_LOGS,
+        )
         serve.run(build_application(options, settings), name=APP_NAME, route_prefix="/", blocking=False)
         logger.info(
             "Ray Serve application '%s' running on %s: %s",
             APP_NAME,
             where,
-            f"{settings.min_replicas or 1}-{settings.max_replicas or settings.min_replicas} replicas (autoscaling)"
+            "{}-{} replicas (autoscaling)".format(*_replica_range(settings))
             if settings.autoscaling
             else f"{settings.replicas} replica(s)",
         )
@@ -173,7 +186,8 @@ def run(options: ServerOptions, settings: RaySettings) -> int:
             # proxy still carries the answers back; shutdown alone stops the proxy at once.
             with contextlib.suppress(Exception):
                 serve.delete(APP_NAME, _blocking=True)
-            serve.shutdown()  # type: ignore[no-untyped-call]
+            if not settings.address:
+                serve.shutdown()  # type: ignore[no-untyped-call]  # ours; a shared cluster's Serve stays
         finally:
             ray.shutdown()
         logger.info("stopped")

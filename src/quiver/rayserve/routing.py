@@ -21,6 +21,7 @@ TARGET_MODEL_HEADER = "x-amzn-sagemaker-target-model"
 class Route:
     api: str  # V2 or SAGEMAKER: which of Quiver's ASGI applications answers
     model: str  # the model the request is for; "" when it names none
+    infer: bool = False  # an inference: the model is loaded for it where it lands
 
 
 def route(method: str, path: str, headers: Mapping[str, str]) -> Route:
@@ -31,15 +32,15 @@ def route(method: str, path: str, headers: Mapping[str, str]) -> Route:
         if parts[1:] == ["models", "stats"]:
             return Route(V2, "")  # every model's statistics (of the replica that answers)
         if len(parts) >= 3 and parts[1] == "models":
-            return Route(V2, parts[2])
+            return Route(V2, parts[2], parts[-1] == "infer")
         if len(parts) >= 4 and parts[1:3] == ["repository", "models"]:
             return Route(V2, parts[3])
         return Route(V2, "")
     if parts == ["invocations"]:
-        return Route(SAGEMAKER, headers.get(TARGET_MODEL_HEADER, ""))
+        return Route(SAGEMAKER, headers.get(TARGET_MODEL_HEADER, ""), True)
     if parts[:1] == ["models"]:
         # /models/NAME, /models/NAME/invoke; POST /models carries its name in the body
-        return Route(SAGEMAKER, parts[1] if len(parts) >= 2 else "")
+        return Route(SAGEMAKER, parts[1] if len(parts) >= 2 else "", parts[2:] == ["invoke"])
     if parts == ["ping"]:
         return Route(SAGEMAKER, "")
     return Route(V2, "")  # unknown paths: the v2 application answers 404 as the server does
