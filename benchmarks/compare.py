@@ -517,11 +517,15 @@ def _verdicts(peers: list[dict[str, Any]], args: argparse.Namespace) -> tuple[li
             }
 
             def judge(ours: float | None, theirs: float | None, factor: float, higher: bool,
-                      other: str, ours_trial: dict[str, Any] | None = quiver) -> dict[str, Any]:
+                      other: str, ours_trial: dict[str, Any] | None = quiver,
+                      their_trial: dict[str, Any] | None = None) -> dict[str, Any]:
                 if ours_trial is None:
                     return {"verdict": "NOT MEASURED", "why": _why_missing(peers, QUIVER)}
                 if theirs is None or ours is None:
                     return {"verdict": "NOT MEASURED", "why": _why_missing(peers, other)}
+                if their_trial is not None and their_trial.get("errors"):
+                    # A peer answering errors fast would flatter its rate and tail.
+                    return {"verdict": "NOT MEASURED", "why": f"{other} had {their_trial['errors']} errors"}
                 ratio = ours / theirs
                 met = ours >= factor * theirs if higher else ours <= theirs
                 verdict: dict[str, Any] = {"verdict": "MET" if met else "MISSED", "ratio": ratio}
@@ -529,10 +533,10 @@ def _verdicts(peers: list[dict[str, Any]], args: argparse.Namespace) -> tuple[li
                     verdict.update(verdict="MISSED", why=f"Quiver had {ours_trial['errors']} errors")
                 return verdict
 
-            cell["checks"][checks[0]] = judge(_rps(quiver), _rps(triton), 1.0, True, TRITON)
-            cell["checks"][checks[1]] = judge(_rps(quiver), _rps(ml), 3.0, True, MLSERVER)
-            cell["checks"][checks[2]] = judge(_rps(quiver), _rps(ml0), 3.0, True, MLSERVER0)
-            cell["checks"][checks[3]] = judge(_p99(quiver), _p99(triton), 1.0, False, TRITON)
+            cell["checks"][checks[0]] = judge(_rps(quiver), _rps(triton), 1.0, True, TRITON, their_trial=triton)
+            cell["checks"][checks[1]] = judge(_rps(quiver), _rps(ml), 3.0, True, MLSERVER, their_trial=ml)
+            cell["checks"][checks[2]] = judge(_rps(quiver), _rps(ml0), 3.0, True, MLSERVER0, their_trial=ml0)
+            cell["checks"][checks[3]] = judge(_p99(quiver), _p99(triton), 1.0, False, TRITON, their_trial=triton)
             if encoding != ml_basis or encoding != ml0_basis:
                 cell["note"] = "MLServer has no binary tensor extension: judged against its HTTP JSON number"
             cells.append(cell)

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 import loadgen  # noqa: E402
 from multi_model import lru_per_request  # noqa: E402
+from peers import free_port  # noqa: E402
 
 BIN = Path(sys.executable).parent
 STARTED = re.compile(r"started HTTP service at ([\d.]+):(\d+)")
@@ -88,12 +88,6 @@ def build(root: Path, count: int, weight_mb: int, load_log: Path) -> list[str]:
         (folder / "config.pbtxt").write_text(CONFIG)
         names.append(name)
     return names
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Server:
@@ -163,8 +157,7 @@ def run_one(label: str, replicas: int, args: argparse.Namespace, workdir: Path, 
         row = result.to_dict()
         row.update(label=label, replicas=replicas, loads=window_loads)
         row["loads_per_request"] = window_loads / max(1, result.requests)
-        total_loads = window_loads
-        log(f"{label}: {result.req_per_s:,.0f} req/s, {total_loads} loads, {result.errors} errors")
+        log(f"{label}: {result.req_per_s:,.0f} req/s, {window_loads} loads, {result.errors} errors")
         return row
     finally:
         server.stop()
