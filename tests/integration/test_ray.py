@@ -336,6 +336,28 @@ def test_sagemaker_routes_on_the_ray_port(cluster: Cluster) -> None:
     assert json.loads(answer.body)["outputs"][0]["data"] == expected(model_name(2), [1, 2, 3, 4])
 
 
+def test_sagemaker_registration_invoke_and_delete_over_ray(cluster: Cluster) -> None:
+    folder = cluster.load_log.parent / "models" / model_name(3)
+    registered = cluster.post("/models", json.dumps({"model_name": "alias-three", "url": str(folder)}).encode())
+    assert registered.status == 200, registered.body
+    time.sleep(1)  # Ray's routers learn where the name is (pushed within 0.1 s, then broadcast)
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [4], "data": [1, 2, 3, 4]}]}
+    for _ in range(3):
+        answer = cluster.post("/models/alias-three/invoke", json.dumps(body).encode())
+        assert answer.status == 200, answer.body
+        assert json.loads(answer.body)["outputs"][0]["data"] == expected(model_name(3), [1, 2, 3, 4])
+        assert answer.replica == registered.replica  # Ray routes the SageMaker name to its replica
+    described = cluster.get("/models/alias-three")
+    assert described.status == 200 and b"alias-three" in described.body, described.body
+    conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=30)
+    try:
+        conn.request("DELETE", "/models/alias-three")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    assert cluster.post("/models/alias-three/invoke", json.dumps(body).encode()).status == 404
+
+
 def test_server_metadata_and_unknown_models_over_ray(cluster: Cluster) -> None:
     meta = cluster.get("/v2")
     assert meta.status == 200 and json.loads(meta.body)["name"] == "quiver"

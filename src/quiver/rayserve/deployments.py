@@ -111,6 +111,10 @@ class QuiverReplica:
             response = await call_asgi(self.v2, request)
         if model and infer and not self._serves(model):
             self._residency_changed(model, False)  # it failed to load, or is gone again
+        elif model and not infer and response.status == 200 and self._serves(model) and (
+            request.api == SAGEMAKER and request.method == "POST" and request.path.rstrip("/") == "/models"
+        ):
+            await self.resident(model)  # a SageMaker registration: Ray learns the name now
         response.headers.append((REPLICA_HEADER, self.replica.encode()))
         return response
 
