@@ -59,31 +59,13 @@ BACKENDS = ("python", "onnx")
 
 _STARTED = re.compile(r"started (HTTP|GRPC) service at (\S+):(\d+)")
 
-ONNX_CONFIG = f"""\
-name: "{TINY_MODEL}"
-platform: "onnxruntime_onnx"
-max_batch_size: 0
-input [
-  {{
-    name: "{TINY_INPUT}"
-    data_type: TYPE_FP32
-    dims: [ {", ".join(str(d) for d in TINY_SHAPE)} ]
-  }}
-]
-output [
-  {{
-    name: "{TINY_OUTPUT}"
-    data_type: TYPE_FP32
-    dims: [ {", ".join(str(d) for d in TINY_SHAPE)} ]
-  }}
-]
-instance_group [
-  {{
-    count: 1
-    kind: KIND_CPU
-  }}
-]
-"""
+#: The Python model's configuration, served by ONNX Runtime (the event-loop opt-in is the
+#: Python backend's: ONNX Runtime executions that are short always run there).
+ONNX_CONFIG = "\n".join(
+    'platform: "onnxruntime_onnx"' if line == 'backend: "python"' else line
+    for line in PYTHON_CONFIG.splitlines()
+    if "EXECUTE_ON_EVENT_LOOP" not in line and not line.startswith("# Quiver:")
+) + "\n"
 
 
 def tiny_onnx() -> bytes:
