@@ -32,41 +32,25 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-if __package__:
-    from . import (
-        TINY_INPUT,
-        TINY_MODEL,
-        TINY_OUTPUT,
-        TINY_SHAPE,
-        WORK,
-        Endpoints,
-        Peer,
-        PeerError,
-        free_port,
-        make_venv,
-        spawn,
-        tail,
-        terminate,
-        wait_ready,
-    )
-else:  # run as a script: import the package as ``peers`` (not this folder's ``triton.py``)
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-    from peers import (  # type: ignore[no-redef]
-        TINY_INPUT,
-        TINY_MODEL,
-        TINY_OUTPUT,
-        TINY_SHAPE,
-        WORK,
-        Endpoints,
-        Peer,
-        PeerError,
-        free_port,
-        make_venv,
-        spawn,
-        tail,
-        terminate,
-        wait_ready,
-    )
+if __package__ in (None, ""):  # run as a script: the repository on the path, not this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (its triton.py would shadow "triton")
+
+from benchmarks.peers import (
+    TINY_INPUT,
+    TINY_MODEL,
+    TINY_OUTPUT,
+    TINY_SHAPE,
+    WORK,
+    Endpoints,
+    Peer,
+    PeerError,
+    free_port,
+    make_venv,
+    spawn,
+    tail,
+    terminate,
+    wait_ready,
+)
 
 PYTRITON = "nvidia-pytriton==0.7.0"  # bundles tritonserver 2.51.0
 STUB_NUMPY = "numpy==1.26.4"  # the last numpy 1.x: the stub is built against the 1.x ABI
