@@ -384,6 +384,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flag(logs, "--log-info", True, "log lifecycle events")
     logs.add_argument("--log-file", default="", metavar="PATH", help="log to this file instead of standard error")
+    _flag(
+        logs,
+        "--allow-log-file-api",
+        False,
+        "let clients of the logging API (POST /v2/logging, gRPC LogSettings) set log_file to a "
+        "file inside --log-file-dir; when false, log_file cannot be changed through the API, as "
+        "in Triton",
+    )
+    logs.add_argument(
+        "--log-file-dir", default=None, metavar="DIR",
+        help="with --allow-log-file-api, the folder the logging API may put log files in "
+        "(names relative to it, or absolute inside it; no '..', no symbolic links followed)",
+    )  # fmt: skip
     logs.add_argument(
         "--log-format", choices=["default", "ISO8601"], default="default", help="timestamp format (default: default)"
     )
@@ -582,10 +595,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         from quiver import logs
+        from quiver.errors import InvalidArgumentError
 
-        logs.configure(
-            verbose=args.log_verbose, info=args.log_info, log_file=args.log_file, log_format=args.log_format
-        )
+        if args.allow_log_file_api and not args.log_file_dir:
+            print("quiver: error: --allow-log-file-api needs --log-file-dir DIR", file=sys.stderr)
+            return 2
+        try:
+            logs.configure(
+                verbose=args.log_verbose,
+                info=args.log_info,
+                log_file=args.log_file,
+                log_format=args.log_format,
+                log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
+            )
+        except InvalidArgumentError as exc:
+            print(f"quiver: error: {exc}", file=sys.stderr)
+            return 2
         return _run_serve(args)
     parser.error(f"unknown command {args.command}")
     return 2

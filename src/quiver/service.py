@@ -105,8 +105,8 @@ class InferenceService:
         """Triton's ``{"model_stats": [...]}`` for every READY model, one model, or one version."""
         if not name:
             models = sorted(self.manager.ready_models, key=lambda m: (m.name, m.version))
-        elif version and version != "-1":
-            models = [self.manager.get(name, version)]
+        elif version:
+            models = [self.manager.get(name, version)]  # checks the version
         else:
             models = self.manager.versions(name)
             if not models:

@@ -96,8 +96,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         )
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
-        # Triton answers an unknown model with ready=false, not an error.
-        return pb.ModelReadyResponse(ready=self.service.model_ready(request.name, request.version))
+        # Triton answers an unknown model with ready=false, not an error; a version that is
+        # not a positive integer is INVALID_ARGUMENT.
+        try:
+            ready = self.service.model_ready(request.name, request.version)
+        except QuiverError as exc:
+            await _abort(context, exc)
+        return pb.ModelReadyResponse(ready=ready)
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         try:

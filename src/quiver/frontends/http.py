@@ -124,9 +124,9 @@ class HttpFrontend:
     async def model_ready(self, request: Request) -> Response:
         name = request.path_params["model"]
         version = request.path_params.get("version", "")
-        if self.service.model_ready(name, version):
-            return Response(status_code=200)
         try:
+            if self.service.model_ready(name, version):
+                return Response(status_code=200)
             self.service.manager.get(name, version)
         except QuiverError as exc:
             return error_response(exc)

@@ -73,7 +73,7 @@ from quiver.lifecycle.memory import (
     SizePredictor,
     release_free_memory,
 )
-from quiver.lifecycle.model import Model, ModelState, VersionStatus
+from quiver.lifecycle.model import Model, ModelState, VersionStatus, parse_version
 from quiver.metrics.statistics import MultiModelStatistics
 from quiver.repository.cache import CacheLease, CacheStats, DiskCache
 from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSource
@@ -911,32 +911,30 @@ class ModelRepositoryManager:
     # -- lookup (hot path) -------------------------------------------------------------
 
     def get(self, name: str, version: str = "") -> Model:
-        """The READY model serving ``name`` (latest loaded version when ``version`` is empty)."""
-        if not version or version == "-1":
+        """The READY model serving ``name`` (latest loaded version when ``version`` is empty).
+
+        Every version a client names (HTTP paths, gRPC fields, the SageMaker and ensemble
+        paths) is checked here, once: not a positive integer is INVALID_ARG."""
+        number = parse_version(name, version) if version else None
+        if number is None:
             model = self._latest.get(name)
             if model is not None:
                 model.last_used = _monotonic()
                 if self._touch_policy:
                     self._policy.touch(name, model.size_bytes, model.last_used)
                 return model
-        else:
-            try:
-                number = int(version)
-            except ValueError:
-                raise InvalidArgumentError(
-                    f"model '{name}': version '{version}' is not a number"
-                ) from None
-            found = self._ready.get(name, {}).get(number)
-            if found is not None:
-                found.last_used = _monotonic()
-                return found
-        raise self._missing(name, version)
+            raise self._missing(name, "")
+        found = self._ready.get(name, {}).get(number)
+        if found is not None:
+            found.last_used = _monotonic()
+            return found
+        raise self._missing(name, str(number))
 
     def _missing(self, name: str, version: str) -> Exception:
         statuses = self._status.get(name)
         if statuses is None:
             return NotFoundError(f"unknown model: '{name}'")
-        specific = version and version != "-1"
+        specific = bool(version)
         what = f"model '{name}'" + (f" version {version}" if specific else "")
         if specific:
             mine = [s for s in statuses if s.version == version]
@@ -1186,9 +1184,11 @@ class ModelRepositoryManager:
         return local_store, target.name
 
     def is_ready(self, name: str, version: str = "") -> bool:
+        """Whether ``name`` (``version``) is READY; a version that is not a positive integer
+        is INVALID_ARG, as in Triton's ModelReady."""
         try:
             self.get(name, version)
-        except (NotFoundError, UnavailableError, InvalidArgumentError):
+        except (NotFoundError, UnavailableError):
             return False
         return True
 

@@ -8,8 +8,38 @@ from dataclasses import dataclass, field
 
 from quiver.backends.base import ModelInstance
 from quiver.config import ModelConfig
+from quiver.errors import InvalidArgumentError
 from quiver.metrics.statistics import ModelStatistics
 from quiver.scheduling import Scheduler
+
+#: Triton keeps versions in an int64.
+MAX_VERSION = (1 << 63) - 1
+
+
+def parse_version(model: str, version: str) -> int | None:
+    """A requested version: ``None`` for "" (the latest the policy serves), else an integer
+    from 1 to 2^63-1 in ASCII digits (leading zeros allowed, as Triton's ``stol`` allows
+    them). Anything else (``-1``, ``0``, ``abc``, ``1.5``, ``+1``, a NUL byte, a number past
+    int64) is INVALID_ARG naming the version and the model."""
+    if not version:
+        return None
+    negative = version[0] == "-"
+    body = version[1:] if negative else version
+    digits = body.lstrip("0")
+    if not (body.isascii() and body.isdigit()):
+        what = "not a number"
+    elif negative or not digits:
+        what = "not a positive integer"
+    elif len(digits) > 19 or int(digits) > MAX_VERSION:  # 19 digits: no huge int() conversion
+        what = "too large"
+    else:
+        return int(digits)
+    shown = version if len(version) <= 64 else version[:64] + "..."
+    shown = shown.encode("unicode_escape").decode("ascii").replace("'", "\\'")
+    raise InvalidArgumentError(
+        f"model '{model}': version '{shown}' is {what}; a version is an integer from 1 to "
+        f"{MAX_VERSION}, or empty for the latest"
+    )
 
 
 class ModelState(enum.Enum):

@@ -11,6 +11,7 @@ checks against the model's configuration live in the service.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -113,6 +114,18 @@ def _json_array(data: Any, datatype: DataType, shape: tuple[int, ...], name: str
     return array.reshape(shape)
 
 
+def _loads_nonfinite(raw: bytes, error: orjson.JSONDecodeError, model_name: str) -> Any:
+    """A header orjson refused: Triton's parser (rapidjson with ``kParseNanAndInfFlag``) also
+    takes ``NaN``, ``Infinity`` and ``-Infinity``, which ``tritonclient`` writes for
+    non-finite JSON input data; Python's parser takes them too. Anything else is malformed."""
+    if b"NaN" in raw or b"Infinity" in raw:
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            pass
+    raise _bad(f"malformed JSON in inference request for model '{model_name}': {error}") from None
+
+
 def decode_request(
     body: bytes, header_length: int | None, model_name: str, model_version: str
 ) -> InferenceRequest:
@@ -124,10 +137,11 @@ def decode_request(
         raise _bad(
             f"Inference-Header-Content-Length is {header_length} but the body has only {size} bytes"
         )
+    raw_header = body[:header_length] if header_length != size else body
     try:
-        header = orjson.loads(body[:header_length] if header_length != size else body)
+        header = orjson.loads(raw_header)
     except orjson.JSONDecodeError as exc:
-        raise _bad(f"malformed JSON in inference request for model '{model_name}': {exc}") from None
+        header = _loads_nonfinite(raw_header, exc, model_name)
     if not isinstance(header, dict):
         raise _bad("inference request must be a JSON object")
     raw_inputs = header.get("inputs")
@@ -214,6 +228,37 @@ def decode_request(
     )
 
 
+#: Triton's JSON tokens for non-finite floats (orjson would write ``null``).
+_NAN, _INF, _NEG_INF = b"NaN", b"Infinity", b"-Infinity"
+
+
+def _finite(flat: np.ndarray[Any, Any]) -> bool:
+    """Whether a float array has only finite values. A few values are summed in Python (a
+    third of numpy's fixed cost; a sum that overflows only costs the exact check after)."""
+    if flat.size <= 64:
+        return math.isfinite(sum(flat.tolist()))
+    return bool(np.isfinite(flat).all())
+
+
+def _nonfinite_data(flat: np.ndarray[Any, Any]) -> Any:
+    """A float array's JSON with Triton's tokens for non-finite values: its HTTP server writes
+    with rapidjson's ``kWriteNanAndInfFlag`` (``NaN``, ``Infinity``, ``-Infinity``), which
+    ``tritonclient`` (python-rapidjson) and Python's ``json`` read back. orjson writes each
+    non-finite element of a float array as ``null`` (and nothing else is ``null`` there), so
+    the nulls are replaced in order."""
+    bad = flat[~np.isfinite(flat)]
+    if not bad.size:
+        return flat  # the sum overflowed: all finite after all
+    parts = orjson.dumps(flat, option=orjson.OPT_SERIALIZE_NUMPY).split(b"null")
+    if len(parts) != bad.size + 1:  # pragma: no cover - orjson wrote something unexpected
+        return orjson.Fragment(json.dumps(flat.tolist()).encode())
+    out = [parts[0]]
+    for value, part in zip(bad.tolist(), parts[1:], strict=True):
+        out.append(_NAN if value != value else _INF if value > 0 else _NEG_INF)
+        out.append(part)
+    return orjson.Fragment(b"".join(out))
+
+
 def _json_data(tensor: Tensor) -> Any:
     data = tensor.data
     if tensor.datatype is DataType.BYTES:
@@ -255,7 +300,10 @@ def encode_response(
             entry["parameters"] = {"binary_data_size": len(raw)}
             buffers.append(raw)
         else:
-            entry["data"] = _json_data(tensor)
+            data = _json_data(tensor)
+            if tensor.datatype is not DataType.BYTES and data.dtype.kind == "f" and not _finite(data):
+                data = _nonfinite_data(data)
+            entry["data"] = data
         outputs.append(entry)
     body: dict[str, Any] = {
         "model_name": response.model_name,

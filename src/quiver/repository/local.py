@@ -31,9 +31,15 @@ class ModelSource:
         return self.path / CONFIG_FILENAME
 
     def versions(self) -> list[int]:
-        """Numeric version folders, ascending. Other entries are ignored, as Triton does."""
+        """Numeric version folders, ascending. Other entries are ignored, as Triton does, and
+        so are names starting with "0" (Triton's docs: a version is an integer > 0, written
+        without leading zeros; requests for version 0 are refused)."""
         return sorted(
-            {int(e.name) for e in self.path.iterdir() if e.name.isdigit() and e.is_dir()}
+            {
+                int(e.name)
+                for e in self.path.iterdir()
+                if e.name.isascii() and e.name.isdigit() and e.name[0] != "0" and e.is_dir()
+            }
         )
 
 
