@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REPOSITORY := examples/model_repository
 
-.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray bench-compare clean
+.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray bench-soak bench-compare clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,9 @@ bench-multi-model: $(STAMP)
 
 bench-ray: $(STAMP)
 	$(PY) benchmarks/ray_scale.py $(ARGS)
+
+bench-soak: $(STAMP)
+	$(PY) benchmarks/soak.py $(ARGS)
 
 bench-pipelines: $(REPOSITORY)/.built
 	$(PY) benchmarks/pipelines.py --repository $(REPOSITORY) $(ARGS)

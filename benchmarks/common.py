@@ -1,5 +1,6 @@
 """What the benchmark scripts share: the machine and versions they report, the command line
-that made a result, the event loop they drive clients on, and a process's CPU time."""
+that made a result, the event loop they drive clients on, a process's CPU time, and the
+throwaway venv with matplotlib that draws their plots."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import importlib.metadata
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,6 +26,10 @@ try:
     import uvloop
 except ImportError:  # pragma: no cover
     uvloop = None
+
+#: matplotlib for the plots, which the project does not depend on: a venv of its own, made on
+#: first use (git ignores benchmarks/.work).
+PLOTVENV = Path(__file__).resolve().parent / ".work" / "plotvenv"
 
 
 def version(dist: str) -> str:
@@ -79,3 +85,28 @@ def cpu_seconds(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def plot_in_venv(script: Path, json_path: Path, png: Path | None = None) -> str:
+    """Run ``python SCRIPT --plot-from JSON`` in :data:`PLOTVENV` (made with ``pip install
+    matplotlib`` on first use), which draws the PNG beside the JSON, or with ``png`` adds
+    ``--png PNG`` (the script then draws it there). Returns what happened, for the log: the
+    PNG written, or why it was skipped."""
+    python = PLOTVENV / "bin" / "python"
+    setup_log = PLOTVENV.parent / "plotvenv.log"
+    probe = [str(python), "-c", "import matplotlib"]
+    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
+        print(f"plot: making {PLOTVENV} (pip install matplotlib) ...", file=sys.stderr, flush=True)
+        PLOTVENV.parent.mkdir(parents=True, exist_ok=True)
+        with setup_log.open("ab") as out:
+            for argv in ([sys.executable, "-m", "venv", str(PLOTVENV)],
+                         [str(python), "-m", "pip", "install", "--quiet", "matplotlib"]):
+                if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+                    return f"skipped: `{' '.join(argv[-3:])}` failed (see {setup_log})"
+    argv = [str(python), str(script), "--plot-from", str(json_path)]
+    if png is not None:
+        argv += ["--png", str(png)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"skipped: the plotting step failed: {done.stderr.strip()[-300:]}"
+    return f"wrote {png if png is not None else json_path.with_suffix('.png')}"

@@ -49,7 +49,6 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-PLOTVENV = HERE / ".work" / "plotvenv"
 SUBDIR = "compare-workloads"
 
 WORKLOADS = ("tiny", "resnet", "text", "multi-model")
@@ -984,22 +983,9 @@ def plot_from(json_path: Path) -> int:
 
 def make_plot(json_path: Path) -> str:
     """Draw compare.png with the plotting venv (made on first use); returns what happened."""
-    python = PLOTVENV / "bin" / "python"
-    setup_log = PLOTVENV.parent / "plotvenv.log"
-    probe = [str(python), "-c", "import matplotlib"]
-    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
-        log(f"plot: making {PLOTVENV} (pip install matplotlib) ...")
-        PLOTVENV.parent.mkdir(parents=True, exist_ok=True)
-        with setup_log.open("ab") as out:
-            for argv in ([sys.executable, "-m", "venv", str(PLOTVENV)],
-                         [str(python), "-m", "pip", "install", "--quiet", "matplotlib"]):
-                if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-                    return f"skipped: `{' '.join(argv[-3:])}` failed (see {setup_log})"
-    done = subprocess.run([str(python), str(Path(__file__).resolve()), "--plot-from", str(json_path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        return f"skipped: the plotting step failed: {done.stderr.strip()[-300:]}"
-    return f"wrote {json_path.with_suffix('.png')}"
+    from common import plot_in_venv
+
+    return plot_in_venv(Path(__file__).resolve(), json_path)
 
 
 # -- main -----------------------------------------------------------------------------------

@@ -22,6 +22,17 @@ checked (not 200 / not OK is an error); each connection's (or caller's) first an
 payload's first, and one in ``check_every`` after that are decoded and checked: a wrong answer is
 an error too, in the warm-up as well.
 
+A payload may instead be a request the server must refuse: ``status`` (HTTP) and
+``grpc_status`` (gRPC) name the answer it must get, and ``body`` sends a raw (say malformed)
+HTTP body instead of encoded inputs. An answer with exactly that status counts in ``rejected``,
+not as an error; any other answer, a 200 included, is an error.
+
+``rate`` paces a trial (at most that many requests per second in all, each connection or caller
+waiting ``concurrency / rate`` seconds between its sends; the first sends staggered over that
+period) instead of sending the next request as soon as an answer comes; ``request_timeout_s``
+counts a request unanswered after that long as a timeout (an error; HTTP: its connection is
+dropped and opened again; gRPC: the call's deadline).
+
 Several payloads (say one per model) make a multi-model trial: each request takes the next index
 of ``mix``, a pre-drawn sequence of payload indices (:func:`zipf_sequence` draws one from a Zipf
 law), cycling when it runs out; without ``mix`` the payloads take turns. The result counts the
@@ -29,10 +40,12 @@ requests per model.
 
 API::
 
-    Payload(model, inputs, expected=None, check=None, rtol=0.0, atol=0.0, outputs=None, version="")
+    Payload(model, inputs, expected=None, check=None, rtol=0.0, atol=0.0, outputs=None, version="",
+            body=None, status=200, grpc_status="OK")
     run_trial(host, port, encoding, concurrency, warmup_s, duration_s, payloads, server_pid=None,
               check_every=50, mix=None, progress=1.0, *, result=None, on_begin=None, on_end=None,
-              drain_timeout_s=60.0) -> TrialResult          (run_trial_async: the same, awaitable)
+              drain_timeout_s=60.0, rate=None, request_timeout_s=None)
+              -> TrialResult          (run_trial_async: the same, awaitable)
     sanity_check(host, port, encoding, payload, timeout=30.0) -> dict[str, np.ndarray]
     zipf_sequence(n_models, s, length, seed=0) -> list[int]
 
@@ -207,6 +220,11 @@ class Payload:
     None or what is wrong. ``outputs``: the outputs to request; by default none are named (the
     server answers with all of them) except in the ``binary`` encoding, which names those of
     ``expected`` with ``binary_data`` (or, without ``expected``, sets ``binary_data_output``).
+
+    A request the server must refuse: ``status`` is the HTTP status and ``grpc_status`` the gRPC
+    status code name (``"NOT_FOUND"``) it must be answered with (200 and ``"OK"``: a normal
+    request); ``body``, HTTP only, is sent as is (JSON content type) instead of the encoded
+    inputs, e.g. malformed JSON.
     """
 
     model: str
@@ -217,6 +235,9 @@ class Payload:
     atol: float = 0.0
     outputs: Sequence[str] | None = None
     version: str = ""
+    body: bytes | None = None
+    status: int = 200
+    grpc_status: str = "OK"
 
     def __post_init__(self) -> None:
         self.inputs = {name: np.asarray(a) for name, a in self.inputs.items()}
@@ -230,6 +251,8 @@ class Payload:
 
     def http_body(self, encoding: str) -> tuple[bytes, int | None]:
         """The request body, and for ``binary`` the length of its JSON header."""
+        if self.body is not None:
+            return self.body, None
         inputs = []
         raw = []
         for name, array in self.inputs.items():
@@ -278,6 +301,8 @@ class Payload:
         """The ``ModelInferRequest``, every input in ``raw_input_contents``."""
         from tritonclient.grpc import service_pb2 as pb
 
+        if self.body is not None:
+            raise ValueError(f"payload for {self.model!r}: a raw body is for HTTP only")
         request = pb.ModelInferRequest(model_name=self.model, model_version=self.version)
         for name, array in self.inputs.items():
             datatype = datatype_of(array)
@@ -335,8 +360,11 @@ def zipf_sequence(n_models: int, s: float, length: int, seed: int = 0) -> list[i
 class TrialResult:
     """One trial. Counters and latencies cover the measured window (wrong answers: warm-up too).
 
-    ``non_200``: responses not 200 (gRPC: calls not OK); ``connection_errors``: requests lost
-    with their connection, failed reconnections; ``errors`` is their sum with ``wrong_answers``.
+    ``non_200``: responses not 200 (gRPC: calls not OK), or for a payload that must be refused,
+    not the status it must get; ``rejected``: refusals with exactly that status (not errors);
+    ``connection_errors``: requests lost with their connection, failed reconnections;
+    ``timeouts``: requests unanswered after ``request_timeout_s``; ``errors`` is the sum of
+    ``non_200``, ``wrong_answers``, ``connection_errors`` and ``timeouts``.
     ``reconnects``: connections opened again in the window (a server's ``Connection: close``).
     ``to_dict()`` gives every field but the latencies (for JSON).
     """
@@ -353,6 +381,8 @@ class TrialResult:
     non_200: int = 0
     wrong_answers: int = 0
     connection_errors: int = 0
+    timeouts: int = 0
+    rejected: int = 0
     answers_checked: int = 0
     reconnects: int = 0
     client_cpu_s: float = 0.0
@@ -373,7 +403,10 @@ class TrialResult:
 
 
 class _Run:
-    def __init__(self, payloads: list[Payload], mix: list[int], check_every: int, result: TrialResult) -> None:
+    def __init__(
+        self, payloads: list[Payload], mix: list[int], check_every: int, result: TrialResult,
+        period_s: float = 0.0, timeout_s: float | None = None,
+    ) -> None:
         self.payloads = payloads
         self.mix = mix
         self.mix_len = len(mix)
@@ -388,6 +421,8 @@ class _Run:
         self.measuring = False
         self.stopping = False
         self.completed = 0  # every response, warm-up included: spreads the answer checks
+        self.period_ns = int(period_s * 1e9)  # pacing: least time between one sender's sends
+        self.timeout_s = timeout_s
 
     def next_index(self) -> int:
         pos = self.pos
@@ -462,7 +497,7 @@ class _Progress:
         rate = (done - self.last_n) / max(now - self.last_t, 1e-9)
         self.last_t, self.last_n = now, done
         phase = "measuring" if run.measuring else "draining" if run.stopping else "warm-up"
-        errors = res.non_200 + res.wrong_answers + res.connection_errors
+        errors = res.non_200 + res.wrong_answers + res.connection_errors + res.timeouts
         line = f"[loadgen] {self.label}: {now - self.start:5.1f} s {phase}, {done:,} responses, {rate:,.0f}/s, errors {errors}"
         sys.stderr.write(f"\r{line:<100}" if self.tty else line + "\n")
         sys.stderr.flush()
@@ -494,7 +529,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = (
         "body_start", "buf", "checked", "chunks", "close_after", "head", "index", "mode", "need", "pos",
-        "run", "status", "t0", "transport",
+        "run", "sent", "status", "t0", "transport",
     )
 
     def __init__(self, run: _HttpRun) -> None:
@@ -510,6 +545,7 @@ class _Conn(asyncio.Protocol):
         self.head = b""  # lower-cased, from the status line to the last header
         self.close_after = False
         self.t0 = 0  # when the request in flight was sent; 0: none in flight
+        self.sent = 0  # when the last request was sent (pacing)
         self.index = 0  # its payload
         self.checked = False
 
@@ -519,7 +555,7 @@ class _Conn(asyncio.Protocol):
     def send(self) -> None:
         run = self.run
         index = self.index = run.next_index()
-        self.t0 = time.perf_counter_ns()
+        self.t0 = self.sent = time.perf_counter_ns()
         self.transport.write(run.requests[index])  # type: ignore[union-attr]
 
     def data_received(self, data: bytes) -> None:
@@ -648,15 +684,19 @@ class _HttpRun(_Run):
         latency = time.perf_counter_ns() - conn.t0
         conn.t0 = 0
         index = conn.index
+        want = self.payloads[index].status
         self.completed += 1
         if self.measuring:
             self.latencies.append(latency)
             self.counts[index] += 1
-            if conn.status != 200:
+            if conn.status != want:
                 self.result.non_200 += 1
                 self.errors_by[index] += 1
-                self.first(index, f"HTTP {conn.status}: {body[:200]!r}")
-        if conn.status == 200 and (not conn.checked or index in self.unchecked or self.completed % self.check_every == 0):
+                expected = f" (expected {want})" if want != 200 else ""
+                self.first(index, f"HTTP {conn.status}{expected}: {body[:200]!r}")
+            elif want != 200:
+                self.result.rejected += 1
+        if conn.status == 200 == want and (not conn.checked or index in self.unchecked or self.completed % self.check_every == 0):
             conn.checked = True
             header_length = None
             if self.binary:
@@ -667,8 +707,35 @@ class _HttpRun(_Run):
             self.on_stopping()
         elif conn.close_after:
             conn.transport.close()  # type: ignore[union-attr]  # on_lost opens the next one
+        elif self.period_ns:
+            wait = conn.sent + self.period_ns - time.perf_counter_ns()
+            if wait > 0:
+                asyncio.get_running_loop().call_later(wait / 1e9, self.paced_send, conn)
+            else:
+                conn.send()
         else:
             conn.send()
+
+    def paced_send(self, conn: _Conn) -> None:
+        """Send ``conn``'s next request when its pacing slot comes, if it is still wanted."""
+        transport = conn.transport
+        if not self.stopping and conn.t0 == 0 and conn in self.conns and transport is not None and not transport.is_closing():
+            conn.send()
+
+    def watch(self) -> None:
+        """Every so often: drop the connection of each request unanswered after the timeout."""
+        assert self.timeout_s is not None
+        limit = int(self.timeout_s * 1e9)
+        now = time.perf_counter_ns()
+        for conn in list(self.conns):
+            if conn.t0 and now - conn.t0 > limit:
+                conn.t0 = 0  # not in flight any more: on_lost reconnects without counting it again
+                if self.measuring:
+                    self.result.timeouts += 1
+                    self.errors_by[conn.index] += 1
+                self.first(conn.index, f"no answer in {self.timeout_s:g} s")
+                if conn.transport is not None:
+                    conn.transport.abort()  # on_lost reconnects (or, when stopping, settles)
 
     def on_lost(self, conn: _Conn, exc: Exception | None) -> None:
         in_flight = conn.t0 != 0
@@ -720,14 +787,27 @@ class _HttpRun(_Run):
 async def _http_trial(run: _HttpRun, encoding: str, concurrency: int, window: Any, drain_timeout_s: float) -> dict[str, float | None]:
     run.requests = [p.http_request(encoding, run.host, run.port) for p in run.payloads]
     await asyncio.gather(*(run.connect() for _ in range(concurrency)))
-    for conn in list(run.conns):
-        conn.send()
+    loop = asyncio.get_running_loop()
+    for k, conn in enumerate(list(run.conns)):
+        if run.period_ns and k:  # paced: the first sends spread over one period
+            loop.call_later(k * run.period_ns / concurrency / 1e9, run.paced_send, conn)
+        else:
+            conn.send()
+    watchdog = None
+    if run.timeout_s is not None:
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(min(1.0, run.timeout_s / 4))  # type: ignore[operator]
+                run.watch()
+        watchdog = loop.create_task(watch())
     marks: dict[str, float | None] = await window
     try:
         await asyncio.wait_for(asyncio.shield(run.idle), timeout=drain_timeout_s)
     except TimeoutError:
         run.first(None, f"requests still in flight {drain_timeout_s:g} s after the trial")
         run.result.connection_errors += sum(1 for c in run.conns if c.t0)
+    if watchdog is not None:
+        watchdog.cancel()
     for task in list(run.tasks):
         task.cancel()
     for conn in list(run.conns):
@@ -755,35 +835,58 @@ async def _grpc_trial(run: _Run, host: str, port: int, concurrency: int, window:
         await asyncio.wait_for(channel.channel_ready(), timeout=30)
         infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
 
-        async def caller() -> None:
+        period_ns, timeout_s = run.period_ns, run.timeout_s
+
+        async def caller(start_ns: int) -> None:
             checked = False
+            t0 = clock() - period_ns + start_ns  # paced: the first call after start_ns
             while not run.stopping:
+                if period_ns:
+                    wait = t0 + period_ns - clock()
+                    if wait > 0:
+                        await asyncio.sleep(wait / 1e9)
+                        if run.stopping:
+                            break
                 index = run.next_index()
+                want = payloads[index].grpc_status
                 t0 = clock()
                 try:
-                    response = await infer(requests[index])
+                    response = await infer(requests[index], timeout=timeout_s)
                 except rpc_error as exc:
                     latency = clock() - t0
                     run.completed += 1
+                    code = exc.code().name
                     if run.measuring:
                         latencies.append(latency)
                         counts[index] += 1
-                        result.non_200 += 1
-                        errors_by[index] += 1
-                        run.first(index, f"gRPC {exc.code().name}: {exc.details()}")
-                    await asyncio.sleep(0.01)
+                        if code == want:
+                            result.rejected += 1
+                        else:
+                            if code == "DEADLINE_EXCEEDED" and timeout_s is not None:
+                                result.timeouts += 1
+                            else:
+                                result.non_200 += 1
+                            errors_by[index] += 1
+                            expected = f" (expected {want})" if want != "OK" else ""
+                            run.first(index, f"gRPC {code}{expected}: {exc.details()}")
+                    if code != want and not period_ns:
+                        await asyncio.sleep(0.01)
                     continue
                 latency = clock() - t0
                 run.completed += 1
                 if run.measuring:
                     latencies.append(latency)
                     counts[index] += 1
-                if not checked or index in unchecked or run.completed % check_every == 0:
+                    if want != "OK":
+                        result.non_200 += 1
+                        errors_by[index] += 1
+                        run.first(index, f"gRPC OK (expected {want})")
+                if want == "OK" and (not checked or index in unchecked or run.completed % check_every == 0):
                     checked = True
                     run.answer(index, payloads[index].verify_grpc(response))
 
         loop = asyncio.get_running_loop()
-        callers = [loop.create_task(caller()) for _ in range(concurrency)]
+        callers = [loop.create_task(caller(k * period_ns // concurrency)) for k in range(concurrency)]
         marks: dict[str, float | None] = await window
         _, late = await asyncio.wait(callers, timeout=drain_timeout_s)
         if late:
@@ -818,6 +921,8 @@ async def run_trial_async(
     on_begin: Callable[[], Any] | None = None,
     on_end: Callable[[], Any] | None = None,
     drain_timeout_s: float = 60.0,
+    rate: float | None = None,
+    request_timeout_s: float | None = None,
 ) -> TrialResult:
     """:func:`run_trial` on the running event loop."""
     payloads = [payloads] if isinstance(payloads, Payload) else list(payloads)
@@ -825,6 +930,8 @@ async def run_trial_async(
         raise ValueError(f"encoding {encoding!r}: choose from {', '.join(ENCODINGS)}")
     if not payloads or concurrency < 1 or check_every < 1 or duration_s <= 0 or warmup_s < 0:
         raise ValueError("need payloads, concurrency >= 1, check_every >= 1, duration_s > 0, warmup_s >= 0")
+    if (rate is not None and rate <= 0) or (request_timeout_s is not None and request_timeout_s <= 0):
+        raise ValueError("rate and request_timeout_s must be > 0 when given")
     order = list(range(len(payloads))) if mix is None else [int(i) for i in mix]
     if not order or min(order) < 0 or max(order) >= len(payloads):
         raise ValueError(f"mix must be a non-empty sequence of indices into the {len(payloads)} payload(s)")
@@ -833,11 +940,15 @@ async def run_trial_async(
     models = {p.model for p in payloads}
     label = f"{payloads[0].model if len(models) == 1 else f'{len(models)} models'} {encoding} c={concurrency}"
 
+    period_s = concurrency / rate if rate else 0.0
     run: _Run
     if encoding == "grpc":
-        run = _Run(payloads, order, check_every, result)
+        run = _Run(payloads, order, check_every, result, period_s, request_timeout_s)
     else:
-        run = _HttpRun(payloads, order, check_every, result, binary=encoding == "binary", host=host, port=port)
+        run = _HttpRun(
+            payloads, order, check_every, result, period_s, request_timeout_s,
+            binary=encoding == "binary", host=host, port=port,
+        )
     ticker = _Progress(run, label, progress) if progress else None
     window = run.window(warmup_s, duration_s, server_pid, on_begin, on_end)
     try:
@@ -872,6 +983,8 @@ def run_trial(
     on_begin: Callable[[], Any] | None = None,
     on_end: Callable[[], Any] | None = None,
     drain_timeout_s: float = 60.0,
+    rate: float | None = None,
+    request_timeout_s: float | None = None,
 ) -> TrialResult:
     """Drive ``host:port`` (the HTTP port, or the gRPC port for ``grpc``) with ``concurrency``
     requests in flight: ``warmup_s`` seconds, then ``duration_s`` measured.
@@ -884,11 +997,14 @@ def run_trial(
     subclass, say) to fill in. ``on_begin``/``on_end``: blocking callables run (in a thread)
     just before the measured window opens and just after it closes, e.g. to read server
     statistics. ``drain_timeout_s``: how long requests in flight at the end may take.
+    ``rate``: at most that many requests per second in all (paced; default: as fast as answers
+    come). ``request_timeout_s``: a request unanswered after that long counts as a timeout.
     """
     return run_async(  # type: ignore[no-any-return]
         run_trial_async(
             host, port, encoding, concurrency, warmup_s, duration_s, payloads, server_pid, check_every, mix, progress,
             result=result, on_begin=on_begin, on_end=on_end, drain_timeout_s=drain_timeout_s,
+            rate=rate, request_timeout_s=request_timeout_s,
         )
     )
 
@@ -903,7 +1019,7 @@ def _finish(run: _Run, marks: dict[str, float | None]) -> None:
     if len(lat):
         p50, p90, p99 = np.percentile(lat, [50, 90, 99]) / 1e6
         res.p50_ms, res.p90_ms, res.p99_ms = float(p50), float(p90), float(p99)
-    res.errors = res.non_200 + res.wrong_answers + res.connection_errors
+    res.errors = res.non_200 + res.wrong_answers + res.connection_errors + res.timeouts
     res.client_cpu_s = float(marks["cpu1"]) - float(marks["cpu0"])  # type: ignore[arg-type]
     res.client_cpu_pct = 100 * res.client_cpu_s / seconds
     server0, server1 = marks["server0"], marks["server1"]
@@ -1109,6 +1225,14 @@ def _selftest_framing(duration: float) -> None:
         )
         assert res.errors == 0 and res.requests > 0 and res.answers_checked == res.requests, (name, res)
         assert (res.reconnects > 0) == close, (name, res.reconnects)
+    # 3. a server that never answers: every request times out, and its connection is replaced
+    port, stop = _fake_server(b"", False)
+    try:
+        res = run_trial("127.0.0.1", port, "json", 2, 0.0, max(duration, 1.0), payload, progress=None, request_timeout_s=0.25)
+    finally:
+        stop()
+    print(f"  silent server: {res.timeouts} timeouts, errors {res.errors}", file=sys.stderr)
+    assert res.timeouts >= 4 and res.errors == res.timeouts and res.requests == 0, res
 
 
 def _selftest(args: argparse.Namespace) -> int:
@@ -1174,6 +1298,24 @@ def _selftest(args: argparse.Namespace) -> int:
             for encoding in ("binary", "grpc"):
                 res = run_trial(host, port_of[encoding], encoding, args.concurrency, args.warmup, args.duration, payloads, proc.pid, mix=mix)
                 rows.append((f"{encoding}, zipf {args.zipf:g} over {len(payloads)}", res))
+            # paced trials, and requests the server must refuse (an unknown model: 404 / NOT_FOUND)
+            unknown = _simple_payload("no_such_model")
+            unknown.status, unknown.grpc_status = 404, "NOT_FOUND"
+            malformed = Payload("simple", {}, body=b'{"inputs": [', status=400)
+            for encoding in ENCODINGS:
+                bad = [unknown] if encoding == "grpc" else [unknown, malformed]
+                rate = 100.0
+                res = run_trial(host, port_of[encoding], encoding, 2, 0.2, args.duration, [payloads[0], *bad],
+                                progress=None, rate=rate, request_timeout_s=10)
+                print(f"  {encoding}, paced at {rate:g}/s with refusals: {res.req_per_s:.1f} req/s, "
+                      f"{res.rejected} rejected, errors {res.errors}", file=sys.stderr)
+                assert res.errors == 0 and res.rejected > 0, (encoding, res.first_error)
+                assert abs(res.req_per_s - rate) < 0.15 * rate, (encoding, res.req_per_s)
+                # a good request marked as one to refuse: every answer is then an error
+                wrong_ok = _simple_payload()
+                wrong_ok.status, wrong_ok.grpc_status = 404, "NOT_FOUND"
+                res = run_trial(host, port_of[encoding], encoding, 1, 0.0, 0.3, wrong_ok, progress=None)
+                assert res.errors == res.requests > 0 and res.rejected == 0, (encoding, res)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -45,6 +45,7 @@ class Endpoints:
     http: str  # "127.0.0.1:PORT", the KServe v2 REST API
     grpc: str | None  # "127.0.0.1:PORT", the KServe v2 gRPC API, or None if the peer has none
     pid: int  # the server's main process; its children count towards its CPU too
+    metrics: str | None = None  # "127.0.0.1:PORT" serving GET /metrics, when the peer reports it
 
 
 class Peer(ABC):

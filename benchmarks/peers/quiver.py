@@ -1,7 +1,8 @@
 """Quiver itself as a peer: ``quiver serve`` from the project's own virtual environment.
 
 Quiver's "own environment" is the project venv (``.venv``, made by ``make setup``); nothing is
-installed here, ``setup()`` only checks that ``.venv/bin/quiver`` exists.
+installed here, ``setup()`` only checks that ``quiver`` exists: the one next to the Python running
+the benchmark (the project venv's, as the Makefile runs them), else ``.venv/bin/quiver``.
 
 Two variants serve the ``tiny`` workload:
 
@@ -14,7 +15,12 @@ Two variants serve the ``tiny`` workload:
   outputs, ``max_batch_size: 0`` and one CPU instance.
 
 The server gets ``--http-port 0 --grpc-port 0 --metrics-port 0``; the ports it picked are read
-from its log ("started HTTP service at H:P", "started GRPC service at H:P").
+from its log ("started HTTP service at H:P", "started GRPC service at H:P", "started Metrics
+service at H:P").
+
+Other benchmarks serve their own repositories with their own flags the same way:
+``QuiverPeer(folder=...).serve(repository, [flags...], ready_path=...)`` starts ``quiver serve``
+on it and returns its :class:`Endpoints` (metrics address included); ``stop()`` stops it.
 
 Run this file for a smoke check of both variants over HTTP JSON, HTTP binary and gRPC::
 
@@ -29,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks.peers`` importable
@@ -52,12 +59,14 @@ from benchmarks.peers import (
 from benchmarks.peers.triton import _CONFIG as PYTHON_CONFIG
 from benchmarks.peers.triton import _MODEL_PY as PYTHON_MODEL
 
-QUIVER = ROOT / ".venv" / "bin" / "quiver"
+_BESIDE = Path(sys.executable).parent / "quiver"
+QUIVER = _BESIDE if os.access(_BESIDE, os.X_OK) else ROOT / ".venv" / "bin" / "quiver"
 HOME = WORK / "quiver"
 READY_TIMEOUT = 120.0
 BACKENDS = ("python", "onnx")
 
-_STARTED = re.compile(r"started (HTTP|GRPC) service at (\S+):(\d+)")
+_STARTED = re.compile(r"started (HTTP|GRPC|Metrics) service at (\S+):(\d+)")
+_LISTENERS = ("HTTP", "GRPC", "Metrics")
 
 #: The Python model's configuration, served by ONNX Runtime (the event-loop opt-in is the
 #: Python backend's: ONNX Runtime executions that are short always run there).
@@ -86,13 +95,19 @@ def tiny_onnx() -> bytes:
 
 
 class QuiverPeer(Peer):
-    def __init__(self, backend: str = "python") -> None:
+    def __init__(self, backend: str = "python", *, folder: Path | None = None) -> None:
+        """``backend``: the ``tiny`` model's (``start``); ``folder``: where the server runs and
+        writes ``server.log`` (default: ``benchmarks/.work/peers/quiver/BACKEND``)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.backend = backend
         self.name = f"quiver ({backend} model)"
-        self.folder = HOME / backend
+        self.folder = folder if folder is not None else HOME / backend
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.folder / "server.log"
 
     def setup(self) -> None:
         if not os.access(QUIVER, os.X_OK):
@@ -121,38 +136,48 @@ class QuiverPeer(Peer):
             raise PeerError(f"{self.name}: already started")
         self.setup()
         repository = self.write_repository()
-        log = self.folder / "server.log"
+        return self.serve(repository, ready_path=f"/v2/models/{TINY_MODEL}/ready")
+
+    def serve(
+        self, repository: Path, flags: Sequence[str] = (), *, ready_path: str = "/v2/health/ready",
+        timeout: float = READY_TIMEOUT,
+    ) -> Endpoints:
+        """``quiver serve --model-repository REPOSITORY`` with ephemeral HTTP, gRPC and metrics
+        ports and ``flags``; returns once ``ready_path`` answers 200 (PeerError otherwise)."""
+        if self.proc is not None:
+            raise PeerError(f"{self.name}: already started")
+        self.setup()
+        self.folder.mkdir(parents=True, exist_ok=True)
         argv = [
             str(QUIVER), "serve", "--model-repository", str(repository),
-            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", *flags,
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
-            self.proc = spawn(argv, log=log, cwd=self.folder, env=env)
+            self.proc = spawn(argv, log=self.log, cwd=self.folder, env=env)
         except OSError as exc:
             raise PeerError(f"{self.name}: cannot run {QUIVER}: {exc}") from None
         try:
-            found = self._listeners(log)
-            wait_ready(self.proc, f"http://{found['HTTP']}/v2/models/{TINY_MODEL}/ready", log,
-                       READY_TIMEOUT)
+            found = self._listeners(self.log, timeout)
+            wait_ready(self.proc, f"http://{found['HTTP']}{ready_path}", self.log, timeout)
         except PeerError as exc:
             self.stop()
             raise PeerError(f"{self.name}: {exc}") from None
-        return Endpoints(http=found["HTTP"], grpc=found["GRPC"], pid=self.proc.pid)
+        return Endpoints(http=found["HTTP"], grpc=found["GRPC"], pid=self.proc.pid, metrics=found["Metrics"])
 
-    def _listeners(self, log: Path) -> dict[str, str]:
-        """{"HTTP": host:port, "GRPC": host:port} once the log has both lines."""
+    def _listeners(self, log: Path, timeout: float = READY_TIMEOUT) -> dict[str, str]:
+        """{"HTTP": host:port, "GRPC": host:port, "Metrics": host:port} once the log has all three."""
         assert self.proc is not None
-        deadline = time.monotonic() + READY_TIMEOUT
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = log.read_text(errors="replace")
             found = {m.group(1): f"{m.group(2)}:{m.group(3)}" for m in _STARTED.finditer(text)}
-            if len(found) == 2:
+            if all(name in found for name in _LISTENERS):
                 return found
             if self.proc.poll() is not None:
                 raise PeerError(f"exited with code {self.proc.returncode}: {tail(log)}")
             time.sleep(0.1)
-        raise PeerError(f"no listener lines in its log after {READY_TIMEOUT:.0f} s: {tail(log)}")
+        raise PeerError(f"no listener lines in its log after {timeout:.0f} s: {tail(log)}")
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
