@@ -3,9 +3,12 @@ ensemble, as SageMaker multi-model endpoints take them; and hostile ones."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
 import tarfile
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -178,3 +181,38 @@ def cve_2025_4517_archive(dest_len: int, *, levels_up: int = 3, prefix: str = ""
         tar.addfile(*_file(f"{prefix}flaglink", b"overwritten"))
         tar.addfile(*_file(f"{escape}/pwned", b"pwned"))
     return buffer.getvalue()
+
+
+def zeros_bomb_archive(members: int = 100, member_mb: int = 1) -> bytes:
+    """``members`` files of ``member_mb`` MiB of zeros: ~1000 times smaller compressed (the
+    issue's 2.5 MiB archive expanded to 2.45 GiB)."""
+    buffer = io.BytesIO()
+    zeros = bytes(member_mb << 20)
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=9) as tar:
+        tar.addfile(*_file("bomb/config.pbtxt", textwrap.dedent(ADD.format(name="bomb")).encode()))
+        for i in range(members):
+            tar.addfile(*_file(f"bomb/1/weights{i:04d}.bin", zeros))
+    return buffer.getvalue()
+
+
+def cache_extraction_path_len(cache: Path) -> int:
+    """Length of the folder the disk cache extracts into: ``<cache>/.tmp-<32 hex>/content``."""
+    return len(str(cache)) + len("/.tmp-") + 32 + len("/content")
+
+
+def listing(root: Path, *, skip: Path) -> dict[str, str]:
+    """Every path under ``root`` but under ``skip``: a file's SHA-256, a link's target, 'dir'."""
+    seen: dict[str, str] = {}
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        dirs[:] = [d for d in dirs if here / d != skip]
+        for name in dirs + files:
+            path = here / name
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                seen[rel] = "-> " + os.readlink(path)
+            elif path.is_file():
+                seen[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                seen[rel] = "dir"
+    return seen

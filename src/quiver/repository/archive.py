@@ -538,8 +538,8 @@ def extract_archive(
                     files += 1
                     budget.member = member.name
                     if files > limits.max_files:
-                        raise tree.refuse(
-                            f"more than {limits.max_files} members (stopped at '{member.name}')"
+                        raise InvalidArgumentError(
+                            f"{label} has more than {limits.max_files} members (stopped at '{member.name}')"
                         )
                     written += _extract_member(tar, member, tree, budget)
             tree.make_symlinks()
@@ -672,7 +672,9 @@ class _Copy:
         shown = _show(parts)
         self.files += 1
         if self.files > self.limits.max_files:
-            raise tree.refuse(f"has more than {self.limits.max_files} entries (stopped at '{shown}')")
+            raise InvalidArgumentError(
+                f"{tree.label} has more than {self.limits.max_files} entries (stopped at '{shown}')"
+            )
         tree.check_name(shown)
         st = os.stat(entry, dir_fd=folder, follow_symlinks=False)
         if stat_mod.S_ISLNK(st.st_mode):
@@ -695,14 +697,19 @@ class _Copy:
             if not stat_mod.S_ISREG(opened.st_mode):
                 raise tree.refuse(f"'{shown}' is not a regular file")
             if self.bytes + opened.st_size > self.limits.max_bytes:
-                raise tree.refuse(f"is larger than the cap of {self.limits.max_bytes} bytes (at '{shown}')")
+                raise InvalidArgumentError(
+                    f"{tree.label} is larger than the cap of {self.limits.max_bytes} bytes (at '{shown}')"
+                )
 
             def chunks() -> Iterator[bytes]:
                 left = self.limits.max_bytes - self.bytes
                 while chunk := os.read(fd, min(CHUNK, left + 1)):
                     left -= len(chunk)
                     if left < 0:
-                        raise tree.refuse(f"is larger than the cap of {self.limits.max_bytes} bytes (at '{shown}')")
+                        raise InvalidArgumentError(
+                            f"{tree.label} is larger than the cap of {self.limits.max_bytes} bytes "
+                            f"(at '{shown}')"
+                        )
                     yield chunk
 
             tree.check_parents(parts, shown)
