@@ -724,14 +724,11 @@ class _Copy:
         tree = self.tree
         shown = _show((*rel, entry))
         target = os.readlink(entry, dir_fd=folder)
-        if os.path.isabs(target):
-            inside = os.path.relpath(os.path.normpath(target), self.src_real)
-            if inside == ".." or inside.startswith("../"):
+        where = list(rel)
+        if os.path.isabs(target):  # inside only when it names the folder by its real path
+            if not target.startswith(self.src_real.rstrip("/") + "/"):
                 raise tree.refuse(f"link '{shown}' points outside the folder")
-            where: list[str] = []
-            target = inside
-        else:
-            where = list(rel)
+            where, target = [], target[len(self.src_real.rstrip("/")) + 1 :]
         visited: list[_Parts] = []
         for part in target.split("/"):
             if part in ("", "."):
