@@ -13,23 +13,26 @@ is ever followed while writing, whatever the Python version:
   missing; files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW``. The destination must be
   an empty folder (the disk cache makes a fresh one).
 - member names: absolute names, ``..`` components (even when the path would stay inside: no
-  model tool makes such an archive), NUL bytes, components longer than NAME_MAX (255 bytes)
-  and names too long to be opened by path in the cache (PATH_MAX less 128 bytes of room for
-  the cache's rename of the folder) are refused.
+  model tool makes such an archive), NUL bytes, components longer than NAME_MAX (255 bytes),
+  names too long to be opened by path in the cache (PATH_MAX less 128 bytes of room for the
+  cache's rename of the folder) and names nested more than 128 folders deep are refused.
 - types: folders and regular files are written; devices, FIFOs, sparse files and unknown
   types are refused (models never need them).
 - duplicate names: a regular file replaces a regular file of the same name (unlink, then a
   new file: the last copy wins, as with ``tar``, and never by writing through a link); any
   other replacement (a folder, a link, a file by a folder) is refused.
 - symbolic links are refused unless they resolve inside the archive without passing through
-  another link: the target is relative; resolved lexically from the link's folder it never
-  climbs above the archive's top; and no component along the way (the folders holding the
-  link, every prefix of the resolved target, the target itself) is a symlink member of the
-  archive. No member may be written under a symlink member (``link/evil``). Symlinks are
-  created last, after every folder and file, so while content is written the tree holds no
-  link at all; ``O_NOFOLLOW`` is the second line. Together these make the lexical answer the
-  kernel's answer, so a link cannot lead outside. Inner links are what tools produce
-  (``huggingface`` snapshots: ``snapshots/<rev>/config.json -> ../../blobs/<hash>``).
+  another link: the target is relative (and shorter than PATH_MAX); resolved lexically from
+  the link's folder it never climbs above the archive's top; every component it goes
+  through is a folder of the archive (not a link, not a file, not a name the archive does
+  not have: on a file system that ignores case ``a`` could be the link ``A``); and its last
+  component is no symlink member (it may be missing: a dangling link stays inside). The
+  folders holding a link are folders of the archive too, and no member may be written under
+  a symlink member (``link/evil``). Symlinks are created last, after every folder and file,
+  so while content is written the tree holds no link at all; ``O_NOFOLLOW`` is the second
+  line. Together these make the kernel's resolution the lexical one, so a link cannot lead
+  outside. Inner links are what tools produce (``huggingface`` snapshots:
+  ``snapshots/<rev>/config.json -> ../../blobs/<hash>``).
 - hard links must name a regular file member extracted before them (by its name in the
   archive, no ``..``, not a link); they are made with ``linkat`` on the open folders, which
   never follows a link (a copy where the file system refuses hard links).
@@ -83,6 +86,7 @@ DEFAULT_RATIO_FLOOR = 64 << 20  # the ratio applies once this many bytes are exp
 MAX_HEADER_BYTES = 1 << 20  # PAX / GNU long-name headers larger than this are refused
 MAX_META_HEADERS = 8  # metadata headers in a row before one member (tarfile recurses on each)
 NAME_MAX = 255
+MAX_DEPTH = 128  # folders a member may be nested in (each is opened on its own)
 PATH_ROOM = 128  # bytes of PATH_MAX kept free for the cache's longer final folder name
 CHUNK = 1 << 20
 
@@ -178,11 +182,24 @@ def _show(parts: _Parts) -> str:
 # -- writing under one folder ------------------------------------------------------------------
 
 
+class _Node:
+    """One name in the tree an extraction makes: its kind and, for a folder, its children."""
+
+    __slots__ = ("children", "kind")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.children: dict[str, _Node] = {}
+
+
 class _Tree:
     """Writes folders, files and links under the open folder ``root``, never following a link.
 
-    Keeps ``kinds``: what this writer made (or will make, for deferred symlinks) at each
-    path, so the rules on links are decided from the archive's own members.
+    Keeps a tree of what this writer made (or will make, for deferred symlinks), so the rules
+    on links are decided from the archive's own members in time linear in a name's length;
+    and the open descriptors along the last folder it walked (at most MAX_DEPTH), so the next
+    walk starts from the deepest folder the two share (one ``openat`` per member when files
+    come folder by folder, as tools write them).
     """
 
     def __init__(self, root: int, label: str, path_len: int) -> None:
@@ -191,11 +208,19 @@ class _Tree:
         self.name_max = _pathconf(root, "PC_NAME_MAX", NAME_MAX)
         # Every file must stay openable by path, also once the cache renames the folder.
         self.path_left = _pathconf(root, "PC_PATH_MAX", 4096) - PATH_ROOM - path_len - 1
-        self.kinds: dict[_Parts, str] = {}
+        self.top = _Node(_DIR)
         self.symlinks: list[tuple[_Parts, str, str]] = []  # (parts, target, member name)
+        self.chain: list[int] = []  # descriptors of chain_parts[:1], chain_parts[:2], ...
+        self.chain_parts: _Parts = ()
 
     def refuse(self, message: str) -> InvalidArgumentError:
         return InvalidArgumentError(f"{self.label}: {message}")
+
+    def close(self) -> None:
+        for fd in self.chain:
+            os.close(fd)
+        self.chain.clear()
+        self.chain_parts = ()
 
     # -- checks
 
@@ -203,52 +228,74 @@ class _Tree:
         if "\0" in name:
             raise self.refuse(f"member {name!r} has a NUL byte in its name")
         if _is_absolute(name):
-            raise self.refuse(f"member '{name}' has an absolute path")
+            raise self.refuse(f"member '{_cut(name)}' has an absolute path")
         if _has_dotdot(name):
-            raise self.refuse(f"member '{name}' contains '..'")
+            raise self.refuse(f"member '{_cut(name)}' contains '..'")
         parts = _parts(name)
-        for part in parts:
-            if len(os.fsencode(part)) > self.name_max:
-                raise self.refuse(
-                    f"member '{_cut(name)}' has a name component longer than {self.name_max} bytes"
-                )
-        if len(os.fsencode(_show(parts))) > self.path_left:
+        encoded = os.fsencode("/".join(parts))
+        if len(encoded) > self.path_left:
             raise self.refuse(
                 f"member '{_cut(name)}' has a name longer than the model cache's folder allows "
                 f"({self.path_left} bytes)"
             )
+        if len(parts) > MAX_DEPTH:
+            raise self.refuse(f"member '{_cut(name)}' is nested more than {MAX_DEPTH} folders deep")
+        if max(map(len, encoded.split(b"/"))) > self.name_max:
+            raise self.refuse(f"member '{_cut(name)}' has a name component longer than {self.name_max} bytes")
         return parts
 
-    def check_parents(self, parts: _Parts, name: str) -> None:
-        """No folder above ``parts`` may be a link or a file of this archive; records them as
-        folders."""
-        for i in range(1, len(parts)):
-            prefix = parts[:i]
-            kind = self.kinds.get(prefix)
-            if kind == _SYMLINK:
-                raise self.refuse(f"member '{name}' passes through the symlink '{_show(prefix)}'")
-            if kind is not None and kind != _DIR:
-                raise self.refuse(f"member '{name}' is under '{_show(prefix)}', which is a {kind}")
-        for i in range(1, len(parts)):
-            self.kinds[parts[:i]] = _DIR
+    def lookup(self, parts: _Parts) -> _Node | None:
+        node: _Node | None = self.top
+        for part in parts:
+            if node is None:
+                return None
+            node = node.children.get(part)
+        return node
+
+    def parent(self, parts: _Parts, name: str) -> _Node:
+        """The node of the folder holding ``parts``: every folder above it must be a folder of
+        the archive, never a link or a file (missing ones are recorded as folders)."""
+        node = self.top
+        for i, part in enumerate(parts[:-1]):
+            child = node.children.get(part)
+            if child is None:
+                child = node.children[part] = _Node(_DIR)
+            elif child.kind == _SYMLINK:
+                raise self.refuse(f"member '{_cut(name)}' passes through the symlink '{_show(parts[: i + 1])}'")
+            elif child.kind != _DIR:
+                raise self.refuse(
+                    f"member '{_cut(name)}' is under '{_show(parts[: i + 1])}', which is a {child.kind}"
+                )
+            node = child
+        return node
 
     def claim(self, parts: _Parts, kind: str, name: str) -> str | None:
         """Record ``parts`` as ``kind``; the kind it had (a file replaced by a file, a folder
         named again); refuses every other replacement."""
-        old = self.kinds.get(parts)
-        if old is not None and not (old == kind and kind in (_DIR, _FILE)):
-            raise self.refuse(f"member '{name}' ({kind}) would replace the {old} of the same name")
-        self.kinds[parts] = kind
-        return old
+        folder = self.parent(parts, name)
+        old = folder.children.get(parts[-1])
+        if old is None:
+            folder.children[parts[-1]] = _Node(kind)
+            return None
+        if not (old.kind == kind and kind in (_DIR, _FILE)):
+            raise self.refuse(f"member '{_cut(name)}' ({kind}) would replace the {old.kind} of the same name")
+        return old.kind
 
     # -- disk
 
     def open_dir(self, parts: _Parts, name: str, *, create: bool = True) -> int:
-        """A descriptor of the folder ``parts``, each component opened without following a
-        link, created when missing (``create``)."""
-        fd = os.dup(self.root)
+        """A new descriptor of the folder ``parts``, each component opened without following
+        a link, created when missing (``create``)."""
+        shared = 0
+        for mine, last in zip(parts, self.chain_parts, strict=False):
+            if mine != last:
+                break
+            shared += 1
+        while len(self.chain) > shared:
+            os.close(self.chain.pop())
         try:
-            for part in parts:
+            for part in parts[shared:]:
+                fd = self.chain[-1] if self.chain else self.root
                 try:
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
@@ -256,16 +303,16 @@ class _Tree:
                         raise
                     os.mkdir(part, 0o755, dir_fd=fd)
                     child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
-                fd = child
+                self.chain.append(child)
         except OSError as exc:
-            os.close(fd)
             if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EEXIST):
                 raise self.refuse(
-                    f"member '{name}': '{_show(parts)}' is not a folder of the archive ({exc.strerror})"
+                    f"member '{_cut(name)}': '{_show(parts)}' is not a folder of the archive ({exc.strerror})"
                 ) from None
             raise
-        return fd
+        finally:
+            self.chain_parts = parts[: len(self.chain)]
+        return os.dup(self.chain[-1] if self.chain else self.root)
 
     def mkdir(self, parts: _Parts, name: str) -> None:
         self.claim(parts, _DIR, name)
@@ -282,7 +329,7 @@ class _Tree:
                 fd = os.open(parts[-1], _NEW_FILE_FLAGS, _file_mode(mode), dir_fd=folder)
             except OSError as exc:
                 if exc.errno in (errno.EEXIST, errno.ELOOP, errno.EISDIR):
-                    raise self.refuse(f"member '{name}': a file cannot be created there ({exc.strerror})") from None
+                    raise self.refuse(f"member '{_cut(name)}': a file cannot be created there ({exc.strerror})") from None
                 raise
         finally:
             os.close(folder)
@@ -304,11 +351,11 @@ class _Tree:
     def hard_link(self, parts: _Parts, target: _Parts, name: str) -> int:
         """Link ``parts`` to the regular file ``target`` made earlier; the bytes copied when the
         file system refuses hard links (0 when linked)."""
-        if self.kinds.get(target) != _FILE:
-            what = self.kinds.get(target)
+        node = self.lookup(target)
+        if node is None or node.kind != _FILE:
             raise self.refuse(
-                f"hard link '{name}' must name a regular file extracted before it; "
-                f"'{_show(target)}' is " + (f"a {what}" if what else "not in the archive before it")
+                f"hard link '{_cut(name)}' must name a regular file extracted before it; "
+                f"'{_show(target)}' is " + (f"a {node.kind}" if node else "not in the archive before it")
             )
         self.claim(parts, _HARDLINK, name)
         source = self.open_dir(target[:-1], name, create=False)
@@ -325,7 +372,7 @@ class _Tree:
                 try:
                     st = os.fstat(src)
                     if not stat_mod.S_ISREG(st.st_mode):
-                        raise self.refuse(f"hard link '{name}': '{_show(target)}' is not a regular file")
+                        raise self.refuse(f"hard link '{_cut(name)}': '{_show(target)}' is not a regular file")
                     dst = os.open(parts[-1], _NEW_FILE_FLAGS, stat_mod.S_IMODE(st.st_mode), dir_fd=folder)
                     try:
                         return _copy_fd(src, dst, st.st_size)
@@ -341,66 +388,56 @@ class _Tree:
     def defer_symlink(self, parts: _Parts, target: str, name: str) -> None:
         """Check what can be checked now and make the link once every member is written."""
         if not target or "\0" in target:
-            raise self.refuse(f"symlink {name!r} has an empty target or a NUL byte in it")
+            raise self.refuse(f"symlink {_cut(name)!r} has an empty target or a NUL byte in it")
         if _is_absolute(target):
-            raise self.refuse(f"symlink '{name}' points outside the archive ('{target}' is absolute)")
+            raise self.refuse(f"symlink '{_cut(name)}' points outside the archive ('{_cut(target)}' is absolute)")
+        if len(os.fsencode(target)) >= 4096:
+            raise self.refuse(f"symlink '{_cut(name)}' has a target longer than PATH_MAX")
         self.claim(parts, _SYMLINK, name)
         self.symlinks.append((parts, target, name))
 
-    def resolve_symlink(self, parts: _Parts, target: str, name: str) -> list[_Parts]:
-        """Refuse a link whose target, resolved lexically from its folder, leaves the archive
-        or passes through (or names) a symlink member; the paths the resolution visits."""
-        where = list(parts[:-1])
-        visited: list[_Parts] = []
-        for part in target.split("/"):
-            if part in ("", "."):
-                continue
+    def resolve_symlink(self, parts: _Parts, target: str, name: str) -> None:
+        """Refuse a link whose target, resolved lexically from its folder, climbs above the
+        archive, goes through anything but folders of the archive, or names a symlink member.
+
+        Every folder it goes through is one this extraction made (so the kernel's ``..`` is
+        the lexical one, and no name of a file system that ignores case can stand for a link);
+        only its last component may be missing (a dangling link stays inside).
+        """
+        names = list(parts[:-1])
+        nodes: list[_Node | None] = [self.top]
+        for part in parts[:-1]:
+            nodes.append(nodes[-1].children.get(part) if nodes[-1] is not None else None)
+        steps = [p for p in target.split("/") if p not in ("", ".")]
+        shown = f"symlink '{_cut(name)}' -> '{_cut(target)}'"
+        for i, part in enumerate(steps):
             if part == "..":
-                if not where:
-                    raise self.refuse(f"symlink '{name}' points outside the archive ('{target}')")
-                where.pop()
+                if not names:
+                    raise self.refuse(f"symlink '{_cut(name)}' points outside the archive ('{_cut(target)}')")
+                names.pop()
+                nodes.pop()
                 continue
-            where.append(part)
-            visited.append(tuple(where))
-            if self.kinds.get(visited[-1]) == _SYMLINK:
-                raise self.refuse(
-                    f"symlink '{name}' -> '{target}' passes through another link, '{_show(visited[-1])}'"
-                )
-        return visited
+            above = nodes[-1]
+            node = above.children.get(part) if above is not None else None
+            names.append(part)
+            nodes.append(node)
+            if node is not None and node.kind == _SYMLINK:
+                raise self.refuse(f"{shown} passes through another link, '{_show(tuple(names))}'")
+            if i < len(steps) - 1 and (node is None or node.kind != _DIR):
+                what = f"a {node.kind}" if node is not None else "not in the archive"
+                raise self.refuse(f"{shown} goes through '{_show(tuple(names))}', which is {what}")
 
     def make_symlinks(self) -> None:
-        """Create the deferred symlinks, then check on disk that no link's resolution passes
-        through a link: the names of this archive already say so, and the disk says it again
-        where names alone cannot (a file system that ignores case, where ``A`` is ``a``)."""
-        checks = [(name, self.resolve_symlink(parts, target, name)) for parts, target, name in self.symlinks]
+        for parts, target, name in self.symlinks:
+            self.resolve_symlink(parts, target, name)
         for parts, target, name in self.symlinks:
             folder = self.open_dir(parts[:-1], name)
             try:
                 os.symlink(target, parts[-1], dir_fd=folder)
             except FileExistsError:
-                raise self.refuse(f"symlink '{name}': the name is taken") from None
+                raise self.refuse(f"symlink '{_cut(name)}': the name is taken") from None
             finally:
                 os.close(folder)
-        for name, visited in checks:
-            for path in visited:
-                if self.is_link_on_disk(path):
-                    raise self.refuse(f"symlink '{name}' passes through another link, '{_show(path)}'")
-
-    def is_link_on_disk(self, parts: _Parts) -> bool:
-        """Whether ``parts`` or a folder above it is a link on disk (False when it is missing)."""
-        try:
-            folder = self.open_dir(parts[:-1], _show(parts), create=False)
-        except FileNotFoundError:
-            return False
-        except InvalidArgumentError:  # ELOOP: a link above it; ENOTDIR: a file, harmless
-            return any(self.is_link_on_disk(parts[:i]) for i in range(1, len(parts)))
-        try:
-            st = os.stat(parts[-1], dir_fd=folder, follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        finally:
-            os.close(folder)
-        return stat_mod.S_ISLNK(st.st_mode)
 
 
 def _pathconf(fd: int, name: str, default: int) -> int:
@@ -555,9 +592,10 @@ def extract_archive(
             raise InvalidArgumentError(f"{label} is corrupt after {files} members: {exc}") from None
         except OSError as exc:
             if exc.errno in (errno.ENAMETOOLONG, errno.EILSEQ, errno.EINVAL):
-                raise tree.refuse(f"member '{budget.member}' cannot be written: {exc.strerror}") from None
+                raise tree.refuse(f"member '{_cut(budget.member)}' cannot be written: {exc.strerror}") from None
             raise
         finally:
+            tree.close()
             os.close(root)
     if files == 0:
         raise InvalidArgumentError(f"{label} is empty")
@@ -570,7 +608,6 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, tree: _Tree, 
     parts = tree.check_name(name)
     if member.isdir():
         if parts:
-            tree.check_parents(parts, name)
             tree.mkdir(parts, name)
         return 0
     if not parts:
@@ -578,7 +615,6 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, tree: _Tree, 
     if member.issym() or member.islnk():
         if "\0" in member.linkname:
             raise tree.refuse(f"link {name!r} has a NUL byte in its target")
-        tree.check_parents(parts, name)
         if member.issym():
             tree.defer_symlink(parts, member.linkname, name)
             return 0
@@ -595,7 +631,6 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, tree: _Tree, 
     if not member.isreg():
         raise tree.refuse(f"member '{name}' has an unsupported type {member.type!r}")
     budget.check(budget.count + member.size, member.size)
-    tree.check_parents(parts, name)
     source = tar.extractfile(member)
     if source is None:  # pragma: no cover - isreg() members always have content
         raise tree.refuse(f"member '{name}' has no content")
@@ -625,18 +660,19 @@ def copy_folder(src: Path, dest: Path, *, limits: ExtractLimits | None = None) -
     src_real = os.path.realpath(src)
     dest.mkdir(parents=True, exist_ok=True)
     top = os.open(src_real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    root = -1
+    tree: _Tree | None = None
     try:
-        root = _open_root(dest, label)
-        return _Copy(top, src_real, _Tree(root, label, len(os.fsencode(os.path.abspath(dest)))), limits).run()
+        tree = _Tree(_open_root(dest, label), label, len(os.fsencode(os.path.abspath(dest))))
+        return _Copy(top, src_real, tree, limits).run()
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise InvalidArgumentError(f"{label}: an entry was replaced by a link while copying") from None
         raise
     finally:
         os.close(top)
-        if root >= 0:
-            os.close(root)
+        if tree is not None:
+            tree.close()
+            os.close(tree.root)
 
 
 class _Copy:
@@ -712,7 +748,6 @@ class _Copy:
                         )
                     yield chunk
 
-            tree.check_parents(parts, shown)
             self.bytes += tree.write(parts, shown, opened.st_mode, opened.st_mtime, chunks())
         finally:
             os.close(fd)

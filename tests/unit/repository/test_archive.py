@@ -581,20 +581,29 @@ def test_copy_folder_never_writes_through_a_link_in_the_destination(tmp_path: Pa
     assert not (tmp_path / "victim").exists()
 
 
-def test_links_are_checked_again_on_disk(tmp_path: Path) -> None:
-    """Where names alone cannot tell (a file system that ignores case makes member 'a' the
-    link 'A'), the links made are checked on disk: here 'A' -> '.' exists beside the
-    archive's names, and 'b' -> 'A/..' would climb out through it."""
-    from quiver.repository.archive import _Tree
+def test_symlinks_go_through_folders_of_the_archive_only(box: Box) -> None:
+    """Every folder a link's target goes through must be one the archive made: on a file
+    system that ignores case, 'a' could be the link 'A'; a file cannot be gone through."""
+    box.refused([link("A", "."), link("b", "a/..")], r"symlink 'b' -> 'a/\.\.' goes through 'a', which is not in the archive")
+    box.refused([file("f"), link("b", "f/x")], r"symlink 'b' -> 'f/x' goes through 'f', which is a file")
+    box.refused([link("l", "x" * 300 + "/.." * 1300)], r"target longer than PATH_MAX")
 
-    dest = tmp_path / "dest"
+
+def test_nesting_is_capped(box: Box) -> None:
+    box.refused([file("/".join(["d"] * 129) + "/f")], r"nested more than 128 folders deep")
+
+
+def test_deep_and_wide_archives_extract_in_linear_time(tmp_path: Path) -> None:
+    """5,000 files 120 folders deep: the rules on names and links take time linear in a
+    name's length (a table of every prefix took 450 s for 13,000 members 1,800 deep), and
+    each member opens one folder, not 120."""
+    import time
+
+    deep = "/".join(["d"] * 120)
+    archive = make_tar(tmp_path / "deep.tar.gz", [file(f"{deep}/{i}", b"") for i in range(5000)])
+    dest = tmp_path / "out"
     dest.mkdir()
-    (dest / "A").symlink_to(".")
-    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        tree = _Tree(fd, "archive 'ci.tar.gz'", len(str(dest)))
-        tree.defer_symlink(("b",), "A/..", "b")
-        with pytest.raises(InvalidArgumentError, match=r"archive 'ci.tar.gz': symlink 'b' passes through another link, 'A'"):
-            tree.make_symlinks()
-    finally:
-        os.close(fd)
+    start = time.monotonic()
+    assert extract_archive(archive, dest).files == 5000
+    assert time.monotonic() - start < 10
+    assert len(os.listdir(dest / deep)) == 5000
