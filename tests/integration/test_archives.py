@@ -358,3 +358,17 @@ def test_escaping_and_bomb_archives_are_refused_and_write_nothing_outside(
     assert httpclient.InferenceServerClient(server.url).infer("single_v0.tar.gz", x(1.0)).as_numpy("OUTPUT0").tolist() == [[4.0] * 4]
     status, body = post(server.sagemaker_url, "/invocations", ONES, {"X-Amzn-SageMaker-Target-Model": "nested.tgz"})
     assert status == 200 and body["outputs"][0]["data"] == [5.0] * 4, body
+
+
+def test_archive_max_bytes_flag_reaches_extraction(tmp_path: Path) -> None:
+    """--model-archive-max-bytes below the cache size is the cap extraction enforces."""
+    (tmp_path / "small.tar.gz").write_bytes(single_archive(3.0))
+    (tmp_path / "heavy.tar.gz").write_bytes(single_archive(3.0, weight_mb=2))
+    args = ("--model-control-mode=on_demand", "--model-cache-dir", str(tmp_path / "cache"), "--model-archive-max-bytes", "1M")
+    with QuiverServer(tmp_path, args=args) as server:
+        client = httpclient.InferenceServerClient(server.url)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("heavy.tar.gz", x())
+        assert info.value.status() == "400", info.value.message()
+        assert "archive 'heavy.tar.gz' expands past the cap of 1048576 bytes (member '1/model.onnx'" in info.value.message()
+        assert client.infer("small.tar.gz", x(1.0)).as_numpy("OUTPUT0").tolist() == [[4.0] * 4]
