@@ -54,6 +54,28 @@ def _size(value: str) -> int:
     return number
 
 
+def _ratio(value: str) -> float:
+    """An expansion ratio, for --model-archive-max-ratio: 0 (no limit) or at least 1."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
+    if not (number == 0 or 1 <= number < float("inf")):
+        raise argparse.ArgumentTypeError(f"{value} is neither 0 (no limit) nor a ratio of at least 1")
+    return number
+
+
+def _count(value: str) -> int:
+    """A positive integer."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not an integer") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got '{value}'")
+    return number
+
+
 def _flag(parser: argparse._ActionsContainer, name: str, default: bool, help: str) -> None:
     parser.add_argument(
         name,
@@ -311,6 +333,31 @@ def build_parser() -> argparse.ArgumentParser:
         "first, least recently used (default: 20G)",
     )
     store.add_argument(
+        "--model-archive-max-bytes",
+        type=_size,
+        default=None,
+        metavar="BYTES",
+        help="most bytes one model archive may expand to (its decompressed tar stream, headers "
+        "included), checked while extracting; never more than the cache size "
+        "(default: --model-cache-size)",
+    )
+    store.add_argument(
+        "--model-archive-max-ratio",
+        type=_ratio,
+        default=100.0,
+        metavar="RATIO",
+        help="most times an archive may expand over its compressed size, enforced once it has "
+        "expanded past 64M, so decompression bombs stop early; 0 turns it off (default: 100)",
+    )
+    store.add_argument(
+        "--model-archive-max-files",
+        type=_count,
+        default=100_000,
+        metavar="N",
+        help="most members (files, folders, links) of one model archive or copied model folder "
+        "(default: 100000)",
+    )
+    store.add_argument(
         "--s3-endpoint-url", default=None, metavar="URL",
         help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)",
     )  # fmt: skip
@@ -449,6 +496,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         s3_options=s3_options,
         model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
         model_cache_size=args.model_cache_size,
+        model_archive_max_bytes=args.model_archive_max_bytes or 0,
+        model_archive_max_ratio=args.model_archive_max_ratio,
+        model_archive_max_files=args.model_archive_max_files,
         http_address=args.http_address,
         http_port=args.http_port,
         grpc_address=args.grpc_address,

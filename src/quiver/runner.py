@@ -34,6 +34,7 @@ from quiver.frontends.sagemaker import (
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
+from quiver.repository.archive import DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO, ExtractLimits
 from quiver.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class ServerOptions:
     s3_options: dict[str, Any] = field(default_factory=dict)  # S3Storage options (endpoint, ...)
     model_cache_dir: Path | None = None  # None: $QUIVER_CACHE_DIR or a folder under the temp dir
     model_cache_size: int = DEFAULT_CACHE_BYTES
+    model_archive_max_bytes: int = 0  # expanded bytes of one archive; 0: the cache size
+    model_archive_max_ratio: float = DEFAULT_MAX_RATIO  # 0: no ratio limit
+    model_archive_max_files: int = DEFAULT_MAX_FILES
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -112,6 +116,11 @@ def repository_manager(options: ServerOptions) -> ModelRepositoryManager:
         s3_options=options.s3_options,
         cache_dir=options.model_cache_dir,
         cache_size=options.model_cache_size,
+        archive_limits=ExtractLimits(
+            max_bytes=options.model_archive_max_bytes or options.model_cache_size,
+            max_files=options.model_archive_max_files,
+            max_ratio=options.model_archive_max_ratio,
+        ),
     )
 
 

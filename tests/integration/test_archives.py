@@ -1,13 +1,18 @@
 """Archives in a local repository folder, served by key on demand through the disk cache:
 HTTP and gRPC, namespacing (two archives with a composing model of the same name), hostile
-archives, a new upload under the same key, a deleted archive, metrics."""
+archives (the CVE-2025-4517 symlink chain and a decompression bomb, by key, by SageMaker
+TargetModel and by POST /models: nothing written outside the cache), a new upload under the
+same key, a deleted archive, metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,11 +24,15 @@ from tritonclient.utils import InferenceServerException
 
 from support.archives import (
     ADD,
+    cache_extraction_path_len,
     configless_archive,
+    cve_2025_4517_archive,
+    listing,
     pipeline_archive,
     single_archive,
     tar_gz,
     traversal_archive,
+    zeros_bomb_archive,
 )
 from support.models import add_constant_onnx, write_onnx
 from support.server import QuiverServer
@@ -59,10 +68,18 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
-    cache = tmp_path_factory.mktemp("archive_cache")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's cache folder, alone in a sentinel folder that holds a file ``flag``: the
+    folder three levels above where the cache extracts (``<cache>/.tmp-*/content``)."""
+    sentinel = tmp_path_factory.mktemp("archive_cache").resolve()
+    (sentinel / "flag").write_bytes(b"original")
+    return sentinel / "cache"
+
+
+@pytest.fixture(scope="module")
+def server(repo: Path, cache: Path) -> Iterator[QuiverServer]:
     args = ("--model-control-mode=on_demand", "--model-cache-dir", str(cache), "--model-cache-size", "64M")
-    with QuiverServer(repo, args=args) as server:
+    with QuiverServer(repo, args=args, env={"SAGEMAKER_MULTI_MODEL": "true"}) as server:
         yield server
 
 
@@ -282,3 +299,76 @@ def test_hundreds_of_archives_hammered_under_a_budget(tmp_path: Path) -> None:
         assert evictions > 0
         assert loads <= misses  # concurrent first requests share one load
         assert loads >= len(set(trace))  # every distinct archive loaded at least once
+
+
+def post(base: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        data = response.read()
+        return response.status, json.loads(data) if data else None
+    finally:
+        conn.close()
+
+
+ONES = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}]}
+
+
+@pytest.mark.parametrize("kind", ["cve", "bomb"])
+@pytest.mark.parametrize("route", ["v2", "target_model", "post_models"])
+def test_escaping_and_bomb_archives_are_refused_and_write_nothing_outside(
+    server: QuiverServer, repo: Path, cache: Path, tmp_path: Path, kind: str, route: str
+) -> None:
+    """The CVE-2025-4517 chain, aimed at the folder holding the cache, and a bomb of ~1000x
+    (past the 64M cache): by key over v2, by SageMaker TargetModel, and by POST /models with
+    a local archive. Each is a 400 naming the archive and the member; nothing outside the
+    cache changes; the next correct request is answered."""
+    sentinel = cache.parent
+    name = f"{kind}_{route}.tar.gz"
+    if kind == "cve":
+        data = cve_2025_4517_archive(cache_extraction_path_len(cache))
+        texts = [f"archive '{name}'", "member 'a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p/lll", "passes through the symlink 'a'"]
+    else:
+        data = zeros_bomb_archive()
+        assert len(data) < 1 << 20
+        texts = [f"archive '{name}' expands past the cap of {64 << 20} bytes", "member 'bomb/1/weights"]
+    folder = repo if route != "post_models" else tmp_path
+    (folder / name).write_bytes(data)
+    before = listing(sentinel, skip=cache)
+    if route == "v2":
+        client = httpclient.InferenceServerClient(server.url)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(name, x())
+        status, message = int(info.value.status() or 0), info.value.message()
+    elif route == "target_model":
+        status, body = post(server.sagemaker_url, "/invocations", ONES, {"X-Amzn-SageMaker-Target-Model": name})
+        message = body["error"]
+    else:
+        status, body = post(server.sagemaker_url, "/models", {"model_name": f"hash-{kind}", "url": str(folder / name)})
+        message = body["error"]
+    assert listing(sentinel, skip=cache) == before and sorted(before) == ["flag"], message
+    assert (sentinel / "flag").read_bytes() == b"original"
+    assert status == 400, message
+    for text in texts:
+        assert text in message, message
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]  # the work folder is gone
+    # The next correct request is answered correctly, by every route.
+    assert httpclient.InferenceServerClient(server.url).infer("single_v0.tar.gz", x(1.0)).as_numpy("OUTPUT0").tolist() == [[4.0] * 4]
+    status, body = post(server.sagemaker_url, "/invocations", ONES, {"X-Amzn-SageMaker-Target-Model": "nested.tgz"})
+    assert status == 200 and body["outputs"][0]["data"] == [5.0] * 4, body
+
+
+def test_archive_max_bytes_flag_reaches_extraction(tmp_path: Path) -> None:
+    """--model-archive-max-bytes below the cache size is the cap extraction enforces."""
+    (tmp_path / "small.tar.gz").write_bytes(single_archive(3.0))
+    (tmp_path / "heavy.tar.gz").write_bytes(single_archive(3.0, weight_mb=2))
+    args = ("--model-control-mode=on_demand", "--model-cache-dir", str(tmp_path / "cache"), "--model-archive-max-bytes", "1M")
+    with QuiverServer(tmp_path, args=args) as server:
+        client = httpclient.InferenceServerClient(server.url)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("heavy.tar.gz", x())
+        assert info.value.status() == "400", info.value.message()
+        assert "archive 'heavy.tar.gz' expands past the cap of 1048576 bytes (member '1/model.onnx'" in info.value.message()
+        assert client.infer("small.tar.gz", x(1.0)).as_numpy("OUTPUT0").tolist() == [[4.0] * 4]

