@@ -34,6 +34,7 @@ from quiver.frontends.sagemaker import (
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
+from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT
 from quiver.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class ServerOptions:
     s3_options: dict[str, Any] = field(default_factory=dict)  # S3Storage options (endpoint, ...)
     model_cache_dir: Path | None = None  # None: $QUIVER_CACHE_DIR or a folder under the temp dir
     model_cache_size: int = DEFAULT_CACHE_BYTES
+    model_cache_revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT  # seconds
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -112,6 +114,7 @@ def repository_manager(options: ServerOptions) -> ModelRepositoryManager:
         s3_options=options.s3_options,
         cache_dir=options.model_cache_dir,
         cache_size=options.model_cache_size,
+        cache_revalidate_timeout=options.model_cache_revalidate_timeout,
     )
 
 
@@ -257,6 +260,8 @@ def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> M
             limit,
             disk_cache_hits=disk.hits + disk.stale_hits if disk else 0,
             disk_cache_misses=disk.misses if disk else 0,
+            disk_cache_stale_hits=disk.stale_hits if disk else 0,
+            disk_cache_damaged=disk.damaged if disk else 0,
             disk_cache_used=cache_used,
             disk_cache_size=cache_size,
         )
