@@ -854,7 +854,7 @@ class DiskCache:
 
 def _rewrite_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     """Replace an entry's manifest (new stat fields of unchanged files); best effort."""
-    new = folder / f".{MANIFEST}.new"
+    new = folder / f".{MANIFEST}.{uuid.uuid4().hex}.new"
     try:
         with open(new, "w") as f:
             json.dump(manifest, f)
