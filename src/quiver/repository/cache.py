@@ -65,7 +65,7 @@ import stat as stat_mod
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -370,7 +370,7 @@ class DiskCache:
         self.root = Path(root).absolute()
         self.max_bytes = max_bytes
         limits = limits or ExtractLimits()
-        self.limits = ExtractLimits(min(limits.max_bytes, max_bytes), limits.max_files)
+        self.limits = replace(limits, max_bytes=min(limits.max_bytes, max_bytes))
         self.on_download = on_download
         self.revalidate_timeout = revalidate_timeout
         self.stats = CacheStats()
@@ -699,18 +699,19 @@ class DiskCache:
     def _os_error(self, exc: OSError, doing: str) -> QuiverError:
         """A Quiver error for ``exc`` raised while working in the cache folder: a full or
         unwritable folder is a CacheFullError naming it."""
+        # A file under the cache folder, or named relative to a folder descriptor in it (the
+        # extraction writes with openat), or none (a write to an open file).
+        filename = os.fsdecode(exc.filename) if exc.filename is not None else ""
+        inside = not os.path.isabs(filename) or os.path.commonpath([filename, self.root]) == str(self.root)
+        what = f"{exc.strerror or exc}" + (f" ({filename})" if filename else "")
         if exc.errno in _NO_SPACE:
-            return CacheFullError(
-                f"model cache folder {self.root} is full: {doing}: {exc.strerror} ({exc.filename or ''})"
-            )
-        filename = os.fsdecode(exc.filename) if exc.filename is not None else None
-        inside = filename is None or os.path.commonpath([filename, self.root]) == str(self.root)
+            return CacheFullError(f"model cache folder {self.root} is full: {doing}: {what}")
         if exc.errno in _NOT_WRITABLE and inside:
             return CacheFullError(
                 f"model cache folder {self.root} cannot be written (read-only or no permission): "
-                f"{doing}: {exc.strerror} ({exc.filename or ''})"
+                f"{doing}: {what}"
             )
-        return UnavailableError(f"model cache folder {self.root}: {doing}: {exc}")
+        return UnavailableError(f"model cache folder {self.root}: {doing}: {what}")
 
     # -- blocking work (threads) -----------------------------------------------------------------
 
