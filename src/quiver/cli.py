@@ -38,6 +38,17 @@ def _fraction(value: str) -> float:
     return number
 
 
+def _seconds(value: str) -> float:
+    """A positive number of seconds."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got '{value}'")
+    return number
+
+
 def _size(value: str) -> int:
     """Bytes, with an optional K/M/G suffix (powers of 1024)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -358,6 +369,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 100000)",
     )
     store.add_argument(
+        "--model-cache-revalidate-timeout",
+        type=_seconds,
+        default=3.0,
+        metavar="SECONDS",
+        help="how long a fetch of a model already in the disk cache waits for the store to "
+        "confirm it is current (one attempt, apart from --s3-retries and --s3-timeout); past "
+        "it, or when the store fails, the cached copy is served with a warning (default: 3)",
+    )
+    store.add_argument(
         "--s3-endpoint-url", default=None, metavar="URL",
         help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)",
     )  # fmt: skip
@@ -499,6 +519,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         model_archive_max_bytes=args.model_archive_max_bytes or 0,
         model_archive_max_ratio=args.model_archive_max_ratio,
         model_archive_max_files=args.model_archive_max_files,
+        model_cache_revalidate_timeout=args.model_cache_revalidate_timeout,
         http_address=args.http_address,
         http_port=args.http_port,
         grpc_address=args.grpc_address,

@@ -35,6 +35,7 @@ from quiver.lifecycle import ModelRepositoryManager
 from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO, ExtractLimits
+from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT
 from quiver.service import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class ServerOptions:
     model_archive_max_bytes: int = 0  # expanded bytes of one archive; 0: the cache size
     model_archive_max_ratio: float = DEFAULT_MAX_RATIO  # 0: no ratio limit
     model_archive_max_files: int = DEFAULT_MAX_FILES
+    model_cache_revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT  # seconds
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -121,6 +123,7 @@ def repository_manager(options: ServerOptions) -> ModelRepositoryManager:
             max_files=options.model_archive_max_files,
             max_ratio=options.model_archive_max_ratio,
         ),
+        cache_revalidate_timeout=options.model_cache_revalidate_timeout,
     )
 
 
@@ -266,6 +269,8 @@ def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> M
             limit,
             disk_cache_hits=disk.hits + disk.stale_hits if disk else 0,
             disk_cache_misses=disk.misses if disk else 0,
+            disk_cache_stale_hits=disk.stale_hits if disk else 0,
+            disk_cache_damaged=disk.damaged if disk else 0,
             disk_cache_used=cache_used,
             disk_cache_size=cache_size,
         )

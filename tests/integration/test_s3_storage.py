@@ -129,6 +129,35 @@ def test_slow_server_is_retried(s3: SeaweedS3, tmp_path: Path) -> None:
     assert (tmp_path / "m.bin").read_bytes() == b"p" * 5000 and got.md5 == got.object.md5
 
 
+def test_a_quick_view_gives_up_after_one_short_attempt(s3: SeaweedS3, tmp_path: Path) -> None:
+    """with_timeout: the disk cache's revalidation, which must not wait out the retries."""
+    patient = storage(s3.endpoint, RetryPolicy(attempts=5, connect_timeout=30, read_timeout=30))
+    quick = patient.with_timeout(0.5)
+    assert quick is patient.with_timeout(0.5) and quick.location == patient.location
+    assert quick.stat("resnet.tar.gz") == patient.stat("resnet.tar.gz")
+    s3.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match=r"stat of .*'repo/resnet.tar.gz'.* after 1 attempts"):
+            quick.stat("resnet.tar.gz")
+        assert time.monotonic() - started < 3
+
+        async def main() -> None:  # the cache serves what it holds, within its timeout
+            cache = DiskCache(tmp_path / "cache", 10 << 20, revalidate_timeout=0.5)
+            s3.resume()
+            first = await cache.fetch("plain", patient)
+            s3.pause()
+            began = time.monotonic()
+            assert await cache.fetch("plain", patient) == first
+            assert time.monotonic() - began < 3 and cache.stats.stale_hits == 1
+            s3.resume()
+            await cache.close()
+
+        asyncio.run(main())
+    finally:
+        s3.resume()
+
+
 def test_server_down_then_back(s3: SeaweedS3, tmp_path: Path) -> None:
     proxy = FaultProxy(s3.ports["s3"])  # not started: connections are refused
     store = storage(proxy.endpoint)

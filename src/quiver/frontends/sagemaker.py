@@ -65,6 +65,7 @@ from quiver.frontends.status import http_status
 from quiver.lifecycle.memory import OutOfMemoryError
 from quiver.protocol.v2_json import decode_request, encode_json, encode_response
 from quiver.repository.cache import CacheFullError
+from quiver.repository.names import check_local_path
 from quiver.service import InferenceService
 from quiver.types import InferenceResponse
 
@@ -519,6 +520,7 @@ class SageMakerFrontend:
         local = url.removeprefix("file://")
         if "://" in local or local.endswith((".tar.gz", ".tgz", ".tar")):
             return await self._delegate(name, url, target, "it is not a local folder")
+        check_local_path(local, "url")
         path = Path(os.path.abspath(os.path.normpath(local)))
         if str(path).startswith(_FORBIDDEN_ROOTS) or str(path) in ("/dev", "/proc", "/sys"):
             raise InvalidArgumentError(f"url '{url}' may not be under /dev, /proc or /sys")

@@ -13,28 +13,12 @@ Everything here blocks (it reads the extracted files): run it on a load thread.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from quiver.config import parse_model_config
 from quiver.errors import InvalidArgumentError, QuiverError
 from quiver.repository.local import CONFIG_FILENAME, ModelSource
-
-#: Separates an archive's key from the folder name of one of its composing models.
-NAMESPACE_SEPARATOR = "::"
-
-_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@,-]{0,254}")
-
-
-def check_key_name(name: str) -> None:
-    """A model name that becomes a storage key (an archive or a folder in S3): letters,
-    digits and ``. _ - + = @ ,``, at most 255 characters, not starting with ``.``, no ``..``."""
-    if not _SAFE_NAME.fullmatch(name) or ".." in name:
-        raise InvalidArgumentError(
-            f"'{name}' is not a valid model name: a model addressed by archive or storage key "
-            "may use letters, digits and '._-+=@,' (at most 255 characters), must start with "
-            "a letter or digit, and may not contain '..', '/' or '\\'"
-        )
+from quiver.repository.names import NAMESPACE_SEPARATOR, check_key_name
 
 
 def namespaced(served: str, folder: str) -> str:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as pb
@@ -47,14 +47,13 @@ from quiver.config import ModelConfig, parse_model_config_json
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
     AlreadyExistsError,
-    InternalError,
     InvalidArgumentError,
     NotFoundError,
     QuiverError,
     UnavailableError,
     UnsupportedError,
 )
-from quiver.lifecycle.archives import archive_layout, check_key_name, is_namespaced
+from quiver.lifecycle.archives import archive_layout, is_namespaced
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, GreedyDualSizePolicy, LRUPolicy
 from quiver.lifecycle.loader import (
     LoadOutcome,
@@ -76,8 +75,14 @@ from quiver.lifecycle.memory import (
 from quiver.lifecycle.model import Model, ModelState, VersionStatus, parse_version
 from quiver.metrics.statistics import MultiModelStatistics
 from quiver.repository.archive import ExtractLimits
-from quiver.repository.cache import CacheLease, CacheStats, DiskCache
+from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT, CacheLease, CacheStats, DiskCache
 from quiver.repository.local import CONFIG_FILENAME, LocalRepository, ModelSource
+from quiver.repository.names import (
+    check_file_paths,
+    check_key_name,
+    check_local_path,
+    check_model_name,
+)
 from quiver.repository.storage import (
     LocalStorage,
     S3Storage,
@@ -107,15 +112,6 @@ def default_cache_dir() -> Path:
     if configured:
         return Path(configured)
     return Path(tempfile.gettempdir()) / f"quiver-model-cache-{os.getuid()}"
-
-
-def check_model_name(name: str) -> None:
-    """A model name from a request becomes a folder name: no separators, no '.' or '..'."""
-    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise InvalidArgumentError(
-            f"'{name}' is not a valid model name: it must be a folder name, without '/', "
-            "'\\' or NUL, and not '.' or '..'"
-        )
 
 
 def fingerprint(path: Path) -> str:
@@ -151,6 +147,7 @@ class ModelRepositoryManager:
         cache_dir: Path | None = None,
         cache_size: int = DEFAULT_CACHE_BYTES,
         archive_limits: ExtractLimits | None = None,
+        cache_revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT,
         gpu_limit: float = 0.0,
         gpu_reader: Callable[[], Mapping[int, tuple[int, int]] | None] | None = None,
     ) -> None:
@@ -165,6 +162,7 @@ class ModelRepositoryManager:
         self._cache_dir = cache_dir
         self._cache_size = cache_size
         self._archive_limits = archive_limits  # None: the defaults, bytes capped at the cache size
+        self._cache_revalidate_timeout = cache_revalidate_timeout
         self._cache: DiskCache | None = None
         self._cache_private: Path | None = None  # a fallback folder of our own, deleted at stop
         self._cache_lock = asyncio.Lock()
@@ -658,12 +656,14 @@ class ModelRepositoryManager:
                 f"failed to load '{name}': explicit model load / unload is not allowed in "
                 f"model control mode '{self.control_mode}' (start with --model-control-mode=explicit)"
             )
+        check_model_name(name)
+        if files:
+            check_file_paths(list(files), name)
         override = (
             parse_model_config_json(config_json, f"config parameter of the load request for '{name}'", name)
             if config_json
             else None
         )
-        check_model_name(name)
         if self.on_demand and not files and await self._is_key(name):
             # An archive (or S3) key: the same path as an on-demand request, sharing its
             # single flight; a loaded key is fetched and loaded again (a new upload is served).
@@ -726,21 +726,9 @@ class ModelRepositoryManager:
         return name not in sources and name not in clashes
 
     async def _write_override(self, name: str, files: dict[str, bytes]) -> ModelSource:
-        """Write request-supplied model files to a private folder: ``<version>/<file>`` paths only."""
-        for relative in files:
-            parts = PurePosixPath(relative).parts
-            if (
-                not parts
-                or PurePosixPath(relative).is_absolute()
-                or ".." in parts
-                or "\\" in relative
-                or not parts[0].isdigit()
-                or len(parts) < 2
-            ):
-                raise InvalidArgumentError(
-                    f"failed to load '{name}': file parameter 'file:{relative}' must name a file "
-                    "inside a version folder, such as 'file:1/model.onnx'"
-                )
+        """Write request-supplied model files to a private folder: ``<version>/<file>`` paths
+        only (checked by :func:`check_file_paths` before anything is written)."""
+        check_file_paths(list(files), name)
 
         def write() -> Path:
             root = Path(tempfile.mkdtemp(prefix="quiver-load-"))
@@ -760,8 +748,10 @@ class ModelRepositoryManager:
         loop = asyncio.get_running_loop()
         try:
             root = await loop.run_in_executor(self._pool, write)
-        except OSError as exc:
-            raise InternalError(f"failed to load '{name}': cannot write its files: {exc}") from None
+        except OSError as exc:  # a full or read-only temporary folder: the server's state
+            raise UnavailableError(
+                f"failed to load '{name}': cannot write its files under {tempfile.gettempdir()}: {exc}"
+            ) from None
         return ModelSource(name, root, root / name)
 
     async def _drop_override(self, name: str) -> None:
@@ -1074,7 +1064,13 @@ class ModelRepositoryManager:
         def downloaded(key: str, size: int, duration_ns: int) -> None:
             self.multi_model.downloading_time_us.observe(duration_ns / 1000)
 
-        return DiskCache(root, self._cache_size, limits=self._archive_limits, on_download=downloaded)
+        return DiskCache(
+            root,
+            self._cache_size,
+            limits=self._archive_limits,
+            on_download=downloaded,
+            revalidate_timeout=self._cache_revalidate_timeout,
+        )
 
     @property
     def disk_cache_stats(self) -> CacheStats | None:
@@ -1147,6 +1143,8 @@ class ModelRepositoryManager:
                 "folders needs the multi-model manager (--model-control-mode=on_demand)"
             )
         check_key_name(name)
+        if not url.startswith("s3://"):
+            check_local_path(url.removeprefix("file://"), "url")
         if name in self._ready:
             raise AlreadyExistsError(f"model '{name}' is already loaded")
         loop = asyncio.get_running_loop()

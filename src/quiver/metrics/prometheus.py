@@ -164,7 +164,7 @@ class TritonCollector(Collector):
 class MultiModelView:
     """What the multi-model metrics read: the server-wide counters, the resident bytes of
     each loaded model, the memory budget (used, limit; 0, 0 without one), and the disk
-    cache's hits, misses and bytes (zeros before it is used)."""
+    cache's hits, misses, stale hits, damaged entries and bytes (zeros before it is used)."""
 
     stats: MultiModelStatistics
     resident: dict[str, int]
@@ -172,6 +172,8 @@ class MultiModelView:
     memory_limit: int
     disk_cache_hits: int = 0
     disk_cache_misses: int = 0
+    disk_cache_stale_hits: int = 0
+    disk_cache_damaged: int = 0
     disk_cache_used: int = 0
     disk_cache_size: int = 0
 
@@ -231,6 +233,16 @@ def _multi_model_metrics(view: MultiModelView) -> Iterator[Metric]:
             view.disk_cache_hits,
         ),
         ("quiver_disk_cache_miss", "Model fetches that downloaded", view.disk_cache_misses),
+        (
+            "quiver_disk_cache_stale_hit",
+            "Model fetches answered from the disk cache because the store was down or slow",
+            view.disk_cache_stale_hits,
+        ),
+        (
+            "quiver_disk_cache_damaged",
+            "Disk cache entries found changed or incomplete on disk, dropped and fetched again",
+            view.disk_cache_damaged,
+        ),
     ):
         yield CounterMetricFamily(name, help_text, value=value)  # exposed as NAME_total
     resident = GaugeMetricFamily(

@@ -3,22 +3,42 @@
 Layout under ``root``::
 
     .lock                      held (flock) by the process using the cache
-    <name>/entry.json          a complete entry: key, version, bytes
+    <name>/entry.json          a complete entry: key, version, bytes, and its file manifest
     <name>/content/            the model folder, or a Triton repository folder
     .tmp-*                     work in progress: never trusted, deleted at start
 
 An entry appears under its final name only by an atomic ``rename`` of a folder that is
 complete (downloaded, verified, extracted, manifest written), so a crash at any moment
 leaves complete entries and ``.tmp-*`` names, which the next :meth:`DiskCache.start`
-deletes. A folder without a readable manifest is deleted too.
+deletes. A folder without a readable manifest (or with one from before manifests listed
+files) is deleted too. Folder names carry a random suffix, so a fresh copy of a key never
+lands on a folder a loaded model still holds.
 
 An entry is identified by storage location + key + version, the version being the
 object's ETag and size (an archive) or a digest of every member's key, ETag and size (a
 folder of objects). A fetch asks the storage for the current version each time (one HEAD
 or LIST), so a new upload under the same key is fetched anew and the old entry is dropped
-as soon as nothing pins it. If the store is unavailable and an entry for the key exists,
-that entry is served (with a warning); a key that is gone from the store is
-:class:`NotFoundError` and its entries are dropped.
+as soon as nothing pins it. When the key has an entry on disk, that question is bounded by
+``revalidate_timeout`` (one attempt, separate from the download's retries and timeouts):
+a store that is down, hung or slow, or a new version that cannot be downloaded, leaves the
+cached entry served with a warning (:attr:`CacheStats.stale_hits`). A key that is gone from
+the store is :class:`NotFoundError` and its entries are dropped.
+
+The manifest lists every file, folder and link of ``content/``: for a file its size and
+SHA-256, and the ``(inode, mtime_ns, ctime_ns)`` it had when written. Before an entry is
+handed out it is checked: on every fetch, the tree is walked and each file's ``lstat``
+compared with the manifest (tens of microseconds for a model's handful of files); a file
+whose stat differs is hashed and compared (same content: its new stat is recorded); the
+first fetch of an entry after start-up hashes every file, since nothing watched the folder
+while no process held it. An entry with a file missing, added, resized or changed is
+dropped and fetched again (:attr:`CacheStats.damaged`); one still pinned by a loaded model
+stays on disk for it (the model runs from memory) but is never handed out again, and the
+next fetch downloads into a new entry. ``README.md`` quotes the measured costs.
+
+A cache folder that cannot be written (read-only, no permission, disk or quota full) is a
+:class:`CacheFullError` naming the folder, whichever step failed (creating the temporary
+folder, downloading, extracting, writing the manifest, renaming); entries already on disk
+keep being served.
 
 Single flight: concurrent fetches of one key share one resolution and one download. All
 disk and network work runs in threads (``asyncio.to_thread``); the event loop only keeps
@@ -41,21 +61,29 @@ import logging
 import os
 import re
 import shutil
+import stat as stat_mod
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
-from quiver.errors import InternalError, InvalidArgumentError, NotFoundError, UnavailableError
+from quiver.errors import (
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    QuiverError,
+    UnavailableError,
+)
 from quiver.repository.archive import ExtractLimits, copy_folder, extract_archive
+from quiver.repository.names import check_key
 from quiver.repository.storage import (
     LocalStorage,
+    S3Storage,
     Storage,
     StoredObject,
-    check_key,
     is_archive_key,
 )
 
@@ -65,11 +93,20 @@ TMP_PREFIX = ".tmp-"
 MANIFEST = "entry.json"
 CONTENT = "content"
 LOCK = ".lock"
-_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: The manifest layout this module writes; older ones (without the file list) are dropped.
+MANIFEST_FORMAT = 2
+#: Seconds a fetch of a key already on disk waits for the store's answer before serving the
+#: cached entry (``--model-cache-revalidate-timeout``).
+DEFAULT_REVALIDATE_TIMEOUT = 3.0
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+_HASH_CHUNK = 1 << 20
 
 
 class CacheFullError(UnavailableError):
-    """The entry does not fit even after evicting every entry that is not pinned.
+    """The cache cannot take the entry: it does not fit even after evicting every entry that
+    is not pinned, or the cache folder cannot be written (disk or quota full, read-only, no
+    permission). The message names the folder.
 
     The SageMaker routes answer this with 507 (the status that tells SageMaker to make room).
     """
@@ -87,13 +124,47 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     joined: int = 0
-    stale_hits: int = 0  # served from cache because the store was unavailable
+    stale_hits: int = 0  # served from cache because the store was unavailable or slow
+    damaged: int = 0  # entries found changed or incomplete on disk, dropped and fetched again
     downloads: int = 0
     download_failures: int = 0
     bytes_downloaded: int = 0
     download_ns: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Record:
+    """One path under an entry's ``content/`` as the manifest knows it."""
+
+    kind: str  # "file", "dir" or "link"
+    size: int = 0
+    sha256: str = ""
+    target: str = ""  # a link's target
+    stat: tuple[int, int, int] = (0, 0, 0)  # a file's (inode, mtime_ns, ctime_ns)
+
+    def to_json(self, path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": path, "type": self.kind}
+        if self.kind == "file":
+            out.update(size=self.size, sha256=self.sha256, stat=list(self.stat))
+        elif self.kind == "link":
+            out["target"] = self.target
+        return out
+
+    @classmethod
+    def from_json(cls, item: dict[str, Any]) -> tuple[str, _Record]:
+        kind = str(item["type"])
+        if kind == "file":
+            ino, mtime, ctime = (int(v) for v in item["stat"])
+            record = cls(kind, int(item["size"]), str(item["sha256"]), stat=(ino, mtime, ctime))
+        elif kind == "link":
+            record = cls(kind, target=str(item["target"]))
+        elif kind == "dir":
+            record = cls(kind)
+        else:
+            raise ValueError(kind)
+        return str(item["path"]), record
 
 
 @dataclass(slots=True, eq=False)
@@ -104,8 +175,10 @@ class _Entry:
     root: Path
     bytes: int
     last_used: int
+    files: dict[str, _Record] = field(default_factory=dict)
     pins: int = 0
-    stale: bool = False
+    stale: bool = False  # replaced, gone or damaged: never handed out again
+    verified: bool = False  # hashed in full by this process
 
     @property
     def path(self) -> Path:
@@ -170,21 +243,103 @@ def _safe_name(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", key).lstrip(".")[:80] or "model"
 
 
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for folder, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
-
-
 def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
+    """Delete a file or folder tree; failures (a read-only folder) are logged, not raised."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
             path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("model cache: cannot delete %s: %s", path, exc)
+
+
+# -- the manifest: what an entry's content is --------------------------------------------------
+
+
+def _walk(content: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative path, lstat) of everything under ``content``; links are not followed."""
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        with os.scandir(content / rel_dir if rel_dir else content) as entries:
+            for entry in entries:
+                rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+                st = entry.stat(follow_symlinks=False)
+                yield rel, st
+                if stat_mod.S_ISDIR(st.st_mode):
+                    stack.append(rel)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _file_stat(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def record_tree(content: Path) -> dict[str, _Record]:
+    """The manifest of ``content``: every file hashed (blocking)."""
+    records: dict[str, _Record] = {}
+    for rel, st in _walk(content):
+        if stat_mod.S_ISDIR(st.st_mode):
+            records[rel] = _Record("dir")
+        elif stat_mod.S_ISLNK(st.st_mode):
+            records[rel] = _Record("link", target=os.readlink(content / rel))
+        elif stat_mod.S_ISREG(st.st_mode):
+            records[rel] = _Record("file", st.st_size, _sha256(content / rel), stat=_file_stat(st))
+        else:
+            raise InvalidArgumentError(f"'{rel}' is not a file, folder or link")
+    return records
+
+
+def check_tree(
+    content: Path, records: dict[str, _Record], *, deep: bool
+) -> tuple[str, dict[str, _Record]]:
+    """Compare ``content`` with its manifest (blocking). Returns the first problem found
+    ('' when none) and the file records whose stat changed while their content did not.
+
+    Every path is ``lstat``-ed; a file is hashed when ``deep`` or when its size, inode,
+    mtime or ctime differ from the manifest's."""
+    refreshed: dict[str, _Record] = {}
+    seen = 0
+    try:
+        for rel, st in _walk(content):
+            record = records.get(rel)
+            if record is None:
+                return f"'{rel}' was added", {}
+            seen += 1
+            mode = st.st_mode
+            if record.kind == "dir":
+                if not stat_mod.S_ISDIR(mode):
+                    return f"'{rel}' is no longer a folder", {}
+            elif record.kind == "link":
+                if not stat_mod.S_ISLNK(mode) or os.readlink(content / rel) != record.target:
+                    return f"link '{rel}' was changed", {}
+            elif not stat_mod.S_ISREG(mode):
+                return f"'{rel}' is no longer a regular file", {}
+            elif st.st_size != record.size:
+                return f"'{rel}' is {st.st_size} bytes, the manifest says {record.size}", {}
+            elif deep or _file_stat(st) != record.stat:
+                if _sha256(content / rel) != record.sha256:
+                    return f"the content of '{rel}' changed (SHA-256 differs)", {}
+                if _file_stat(st) != record.stat:
+                    refreshed[rel] = _Record("file", record.size, record.sha256, stat=_file_stat(st))
+    except FileNotFoundError as exc:
+        if not content.is_dir():
+            return f"its folder {content} is gone", {}
+        return f"'{exc.filename}' disappeared while being checked", {}
+    except OSError as exc:
+        return f"cannot read it: {exc}", {}
+    if seen != len(records):
+        missing = sorted(set(records) - {rel for rel, _ in _walk(content)})
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"'{missing[0]}'{more} missing", {}
+    return "", refreshed
 
 
 class DiskCache:
@@ -194,7 +349,8 @@ class DiskCache:
     ``limits`` caps each extraction (its byte cap is never above ``max_bytes``: an entry
     larger than the whole cache could never be kept).
     ``on_download(key, bytes, duration_ns)`` is called on the event loop after each
-    successful download, for a histogram.
+    successful download, for a histogram. ``revalidate_timeout`` bounds the store's answer
+    to "is this still the current version?" when the key has an entry on disk.
     """
 
     def __init__(
@@ -204,16 +360,23 @@ class DiskCache:
         *,
         limits: ExtractLimits | None = None,
         on_download: Callable[[str, int, int], None] | None = None,
+        revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT,
     ) -> None:
         if max_bytes <= 0:
             raise InvalidArgumentError(f"model cache size must be positive, got {max_bytes}")
+        if not revalidate_timeout > 0:
+            raise InvalidArgumentError(
+                f"model cache revalidation timeout must be positive, got {revalidate_timeout}"
+            )
         self.root = Path(root).absolute()
         self.max_bytes = max_bytes
         limits = limits or ExtractLimits()
         self.limits = replace(limits, max_bytes=min(limits.max_bytes, max_bytes))
         self.on_download = on_download
+        self.revalidate_timeout = revalidate_timeout
         self.stats = CacheStats()
-        self._entries: dict[tuple[tuple[str, str], str], _Entry] = {}
+        self._entries: dict[str, _Entry] = {}  # folder name -> entry (stale ones until unpinned)
+        self._live: dict[tuple[tuple[str, str], str], _Entry] = {}  # (ident, version) -> entry
         self._flights: dict[tuple[str, str], _Flight] = {}
         self._reserved = 0
         self._tick = 0
@@ -243,13 +406,22 @@ class DiskCache:
         self._tick += 1
         entry.last_used = self._tick
 
+    def _add(self, entry: _Entry) -> None:
+        self._entries[entry.name] = entry
+        self._live[(entry.ident, entry.version)] = entry
+
+    def _newest(self, ident: tuple[str, str]) -> _Entry | None:
+        """The most recently used entry of ``ident`` that may be handed out, any version."""
+        found = [e for e in self._live.values() if e.ident == ident]
+        return max(found, key=lambda e: e.last_used) if found else None
+
     # -- start and stop ----------------------------------------------------------------------
 
     async def start(self) -> None:
         """Lock the folder, delete leftovers of earlier runs, index the complete entries.
 
         Called by the first fetch if not called before. Raises :class:`InvalidArgumentError`
-        if another process holds the folder.
+        if another process holds the folder, :class:`CacheFullError` if it cannot be written.
         """
         if self._started:
             return
@@ -261,7 +433,7 @@ class DiskCache:
             found = await asyncio.to_thread(self._open)
             for entry in found:
                 self._touch(entry)
-                self._entries[(entry.ident, entry.version)] = entry
+                self._add(entry)
             self._started = True
             logger.info(
                 "model cache %s: %d entries, %d of %d bytes",
@@ -271,8 +443,11 @@ class DiskCache:
                 self._evict_for(0)
 
     def _open(self) -> list[_Entry]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        lock = open(self.root / LOCK, "wb")  # noqa: SIM115 - held until close()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = open(self.root / LOCK, "wb")  # noqa: SIM115 - held until close()
+        except OSError as exc:
+            raise self._os_error(exc, "cannot open it") from None
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -291,7 +466,10 @@ class DiskCache:
                 continue
             entry = self._read_manifest(child)
             if entry is None:
-                logger.warning("model cache: deleting %s, which is not a complete entry", child)
+                logger.warning(
+                    "model cache: deleting %s, which is not a complete entry (or has no file "
+                    "manifest)", child,
+                )
                 _remove(child)
                 continue
             found.append(((child / MANIFEST).stat().st_mtime, entry))
@@ -301,8 +479,9 @@ class DiskCache:
     def _read_manifest(self, folder: Path) -> _Entry | None:
         try:
             data = json.loads((folder / MANIFEST).read_text())
-            if not (folder / CONTENT).is_dir():
+            if data.get("format") != MANIFEST_FORMAT or not (folder / CONTENT).is_dir():
                 return None
+            files = dict(_Record.from_json(item) for item in data["files"])
             return _Entry(
                 ident=(str(data["location"]), str(data["key"])),
                 version=str(data["version"]),
@@ -310,12 +489,13 @@ class DiskCache:
                 root=self.root,
                 bytes=int(data["bytes"]),
                 last_used=0,
+                files=files,
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     async def close(self) -> None:
-        """Wait for background deletions and release the folder lock."""
+        """Wait for background work (deletions, manifest updates) and release the folder lock."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self._lock_file is not None:
@@ -338,15 +518,12 @@ class DiskCache:
         return CacheLease(self, await self._get(key, storage))
 
     def pin(self, key: str, storage: Storage | str) -> CacheLease:
-        """Pin the newest cached entry of ``key`` without asking the storage;
-        :class:`NotFoundError` if none is cached."""
+        """Pin the newest cached entry of ``key`` without asking the storage (nor checking
+        its files); :class:`NotFoundError` if none is cached."""
         location = storage if isinstance(storage, str) else storage.location
-        candidates = [
-            e for e in self._entries.values() if e.ident == (location, key) and not e.stale
-        ]
-        if not candidates:
+        entry = self._newest((location, key))
+        if entry is None:
             raise NotFoundError(f"'{key}' from {location} is not in the model cache")
-        entry = max(candidates, key=lambda e: e.last_used)
         entry.pins += 1
         self._touch(entry)
         return CacheLease(self, entry)
@@ -390,27 +567,95 @@ class DiskCache:
 
     async def _resolve_and_fetch(self, ident: tuple[str, str], storage: Storage) -> _Entry:
         key = ident[1]
+        cached = self._newest(ident)
         try:
-            version, objects = await asyncio.to_thread(_resolve, storage, key)
+            if cached is None:
+                version, objects = await asyncio.to_thread(_resolve, storage, key)
+            else:
+                version, objects = await self._revalidate(storage, key)
         except NotFoundError:
             self._drop_versions(ident, keep=None)
             raise
         except UnavailableError as exc:
-            cached = [e for e in self._entries.values() if e.ident == ident and not e.stale]
-            if not cached:
+            if cached is None:
                 raise
-            entry = max(cached, key=lambda e: e.last_used)
-            logger.warning("serving '%s' from the model cache: the store is unavailable: %s", key, exc)
-            self.stats.stale_hits += 1
-            return self._finish(ident, entry)
-        self._drop_versions(ident, keep=version)
-        hit = self._entries.get((ident, version))
-        if hit is not None:
+            return await self._serve_stale(ident, exc)
+        hit = self._live.get((ident, version))
+        if hit is not None and await self._usable(hit):
+            self._drop_versions(ident, keep=version)
             self.stats.hits += 1
             return self._finish(ident, hit)
         self.stats.misses += 1
-        entry = await self._download(ident, version, objects, storage)
+        try:
+            entry = await self._download(ident, version, objects, storage)
+        except UnavailableError as exc:  # the store failed mid-way, or the folder is full
+            if self._newest(ident) is None:
+                raise
+            return await self._serve_stale(ident, exc)
+        self._drop_versions(ident, keep=version)
         return self._finish(ident, entry)
+
+    async def _revalidate(self, storage: Storage, key: str) -> tuple[str, list[StoredObject]]:
+        """The current version of ``key``, asked with one short attempt: UnavailableError
+        when the store does not answer within ``revalidate_timeout``."""
+        seconds = self.revalidate_timeout
+
+        def ask() -> tuple[str, list[StoredObject]]:
+            quick = storage.with_timeout(seconds) if isinstance(storage, S3Storage) else storage
+            return _resolve(quick, key)
+
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(ask), seconds)
+        except TimeoutError:
+            raise UnavailableError(
+                f"{storage.location} did not answer within {seconds:g} s "
+                "(--model-cache-revalidate-timeout)"
+            ) from None
+
+    async def _serve_stale(self, ident: tuple[str, str], why: UnavailableError) -> _Entry:
+        """The newest intact entry of ``ident``, when the store cannot say or send what is
+        current; ``why`` (with the damage found) when none is intact."""
+        damage = ""
+        while (entry := self._newest(ident)) is not None:
+            if await self._usable(entry):
+                logger.warning(
+                    "serving '%s' from the model cache (%s, version %s): its current version "
+                    "could not be checked or fetched: %s", ident[1], entry.path, entry.version,
+                    why.message,
+                )
+                self.stats.stale_hits += 1
+                return self._finish(ident, entry)
+            damage = f"; the cached copy was damaged and is dropped ({entry.path})"
+        raise UnavailableError(why.message + damage) from why
+
+    async def _usable(self, entry: _Entry) -> bool:
+        """Whether ``entry``'s files match its manifest (pinned while checked). A damaged
+        entry is never handed out again (and deleted once nothing pins it)."""
+        entry.pins += 1
+        try:
+            problem, refreshed = await asyncio.to_thread(
+                check_tree, entry.path, entry.files, deep=not entry.verified
+            )
+        finally:
+            self._unpin(entry)
+        if entry.stale:
+            return False
+        if problem:
+            self.stats.damaged += 1
+            logger.warning(
+                "model cache: the entry of '%s' in %s was changed or damaged: %s; %s",
+                entry.ident[1], entry.path.parent, problem,
+                "it is fetched again" if entry.pins == 0 else
+                "the model loaded from it keeps it until unloaded; the next load fetches it again",
+            )
+            self._forget(entry)
+            return False
+        entry.verified = True
+        if refreshed:
+            entry.files.update(refreshed)
+            manifest = self._manifest(entry)
+            self._spawn(lambda: _rewrite_manifest(self.root / entry.name, manifest))
+        return True
 
     async def _download(
         self, ident: tuple[str, str], version: str, objects: list[StoredObject], storage: Storage
@@ -434,20 +679,40 @@ class DiskCache:
             await asyncio.to_thread(_remove, tmp)
             raise
         self._reserved -= need
+        digest = hashlib.sha256(repr((ident, version)).encode()).hexdigest()[:16]
+        name = f"{_safe_name(key)}-{digest}-{uuid.uuid4().hex[:8]}"
+        entry = _Entry(ident, version, name, self.root, built.bytes, 0, built.files, verified=True)
         try:
             self._evict_for(built.bytes, key=key)
-            name = f"{_safe_name(key)}-{hashlib.sha256(repr((ident, version)).encode()).hexdigest()[:16]}"
-            await asyncio.to_thread(self._commit, tmp, name, ident, version, built.bytes)
+            await asyncio.to_thread(self._commit, tmp, entry)
         except BaseException:
             await asyncio.to_thread(_remove, tmp)
             raise
-        entry = _Entry(ident, version, name, self.root, built.bytes, 0)
-        self._entries[(ident, version)] = entry
+        self._add(entry)
         logger.info(
-            "model cache: fetched '%s' from %s (%d bytes in %.3fs, %d bytes on disk)",
+            "model cache: fetched '%s' from %s (%d bytes in %.3fs, %d bytes on disk, "
+            "%d files hashed in %.3fs)",
             key, storage.location, built.downloaded, built.download_ns / 1e9, built.bytes,
+            sum(1 for r in built.files.values() if r.kind == "file"), built.hash_ns / 1e9,
         )
         return entry
+
+    def _os_error(self, exc: OSError, doing: str) -> QuiverError:
+        """A Quiver error for ``exc`` raised while working in the cache folder: a full or
+        unwritable folder is a CacheFullError naming it."""
+        # A file under the cache folder, or named relative to a folder descriptor in it (the
+        # extraction writes with openat), or none (a write to an open file).
+        filename = os.fsdecode(exc.filename) if exc.filename is not None else ""
+        inside = not os.path.isabs(filename) or os.path.commonpath([filename, self.root]) == str(self.root)
+        what = f"{exc.strerror or exc}" + (f" ({filename})" if filename else "")
+        if exc.errno in _NO_SPACE:
+            return CacheFullError(f"model cache folder {self.root} is full: {doing}: {what}")
+        if exc.errno in _NOT_WRITABLE and inside:
+            return CacheFullError(
+                f"model cache folder {self.root} cannot be written (read-only or no permission): "
+                f"{doing}: {what}"
+            )
+        return UnavailableError(f"model cache folder {self.root}: {doing}: {what}")
 
     # -- blocking work (threads) -----------------------------------------------------------------
 
@@ -469,31 +734,40 @@ class DiskCache:
             else:
                 for files, obj in enumerate(objects, 1):
                     rel = obj.key[len(key) + 1 :]
-                    check_key(rel)
+                    check_key(rel, what=f"object key in model '{key}'")
                     if files > self.limits.max_files:
                         raise InvalidArgumentError(f"model '{key}' has more than {self.limits.max_files} files")
                     dest = content / rel
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     _download_verified(storage, obj, dest)
                 download_ns = time.monotonic_ns() - start
-            return _Built(sum(o.size for o in objects), download_ns, _tree_bytes(content))
+            hashed = time.monotonic_ns()
+            records = record_tree(content)
+            hash_ns = time.monotonic_ns() - hashed
         except OSError as exc:
-            if exc.errno in _NO_SPACE:
-                raise CacheFullError(
-                    f"disk full while fetching '{key}' into the model cache {self.root}: {exc}"
-                ) from None
-            raise UnavailableError(f"cannot fetch '{key}' into the model cache {self.root}: {exc}") from exc
+            raise self._os_error(exc, f"cannot fetch '{key}'") from None
+        size = sum(r.size for r in records.values())
+        return _Built(sum(o.size for o in objects), download_ns, size, records, hash_ns)
 
-    def _commit(self, tmp: Path, name: str, ident: tuple[str, str], version: str, size: int) -> None:
-        manifest = {"location": ident[0], "key": ident[1], "version": version, "bytes": size}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        final = self.root / name
-        if final.exists():  # a same-version entry deleted from the index but not yet from disk
-            _remove(final)
-        os.rename(tmp, final)
+    def _manifest(self, entry: _Entry) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "location": entry.ident[0],
+            "key": entry.ident[1],
+            "version": entry.version,
+            "bytes": entry.bytes,
+            "files": [record.to_json(path) for path, record in sorted(entry.files.items())],
+        }
+
+    def _commit(self, tmp: Path, entry: _Entry) -> None:
+        try:
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(self._manifest(entry), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, self.root / entry.name)
+        except OSError as exc:
+            raise self._os_error(exc, f"cannot store '{entry.ident[1]}'") from None
         with contextlib.suppress(OSError):
             dir_fd = os.open(self.root, os.O_RDONLY)
             try:
@@ -530,9 +804,15 @@ class DiskCache:
 
     def _drop_versions(self, ident: tuple[str, str], keep: str | None) -> None:
         for entry in [e for e in self._entries.values() if e.ident == ident and e.version != keep]:
-            entry.stale = True
-            if entry.pins == 0:
-                self._delete(entry)
+            self._forget(entry)
+
+    def _forget(self, entry: _Entry) -> None:
+        """Never hand ``entry`` out again; delete it now, or when its last pin goes."""
+        entry.stale = True
+        if self._live.get((entry.ident, entry.version)) is entry:
+            del self._live[(entry.ident, entry.version)]
+        if entry.pins == 0:
+            self._delete(entry)
 
     def _unpin(self, entry: _Entry) -> None:
         if entry.pins <= 0:
@@ -543,15 +823,27 @@ class DiskCache:
 
     def _delete(self, entry: _Entry) -> None:
         """Forget ``entry`` now; rename its folder to a temporary name, then delete it, in a thread."""
-        self._entries.pop((entry.ident, entry.version), None)
+        if self._entries.get(entry.name) is entry:
+            del self._entries[entry.name]
+        if self._live.get((entry.ident, entry.version)) is entry:
+            del self._live[(entry.ident, entry.version)]
         folder = self.root / entry.name
         trash = self.root / f"{TMP_PREFIX}{uuid.uuid4().hex}"
 
         def work() -> None:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.rename(folder, trash)
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                logger.warning("model cache: cannot delete %s: %s", folder, exc)
+                return
             _remove(trash)
 
+        self._spawn(work)
+
+    def _spawn(self, work: Callable[[], None]) -> None:
+        """Run blocking ``work`` in a thread in the background (now, without a running loop)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -562,11 +854,26 @@ class DiskCache:
         task.add_done_callback(self._background.discard)
 
 
+def _rewrite_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Replace an entry's manifest (new stat fields of unchanged files); best effort."""
+    new = folder / f".{MANIFEST}.{uuid.uuid4().hex}.new"
+    try:
+        with open(new, "w") as f:
+            json.dump(manifest, f)
+        os.replace(new, folder / MANIFEST)
+    except OSError as exc:
+        logger.debug("model cache: cannot update %s: %s", folder / MANIFEST, exc)
+        with contextlib.suppress(OSError):
+            new.unlink()
+
+
 @dataclass(frozen=True, slots=True)
 class _Built:
     downloaded: int
     download_ns: int
     bytes: int
+    files: dict[str, _Record]
+    hash_ns: int
 
 
 def _resolve(storage: Storage, key: str) -> tuple[str, list[StoredObject]]:

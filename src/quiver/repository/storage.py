@@ -8,8 +8,9 @@ objects (``resnet/config.pbtxt``, ``resnet/1/model.onnx``) or one ``.tar.gz`` ar
 Every method blocks (disk or network I/O): callers on the event loop run them in a thread.
 Errors are Quiver errors: a missing key is :class:`NotFoundError`, a store that cannot be
 reached after the retries is :class:`UnavailableError` naming bucket and key, a key that
-tries to leave the root is :class:`InvalidArgumentError`. ``OSError`` raised while writing
-the destination file (a full disk) is left as it is for the caller, which owns that file.
+tries to leave the root or that the filesystem would refuse is :class:`InvalidArgumentError`
+(:func:`quiver.repository.names.check_key`). ``OSError`` raised while writing the
+destination file (a full disk) is left as it is for the caller, which owns that file.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import random
 import stat as stat_mod
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from quiver.repository.names import check_key
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +118,6 @@ def model_keys(objects: Iterable[StoredObject], prefix: str = "") -> list[str]:
         if sep or is_archive_key(head):
             names.add(head)
     return sorted(names)
-
-
-def check_key(key: str, *, allow_empty: bool = False) -> str:
-    """Refuse keys that could leave the storage root: absolute, ``..``, backslashes, NUL."""
-    if not key and allow_empty:
-        return key
-    if not key or key.startswith("/") or "\\" in key or "\x00" in key:
-        raise InvalidArgumentError(f"invalid storage key '{key}'")
-    if any(part in ("..", ".") for part in key.rstrip("/").split("/")):
-        raise InvalidArgumentError(f"invalid storage key '{key}': '.' and '..' are not allowed")
-    return key
 
 
 class LocalStorage:
@@ -315,6 +307,20 @@ class S3Storage:
         from botocore.config import Config
 
         self.bucket, self.prefix = parse_s3_url(url)
+        self._url = url
+        self._options: dict[str, Any] = {
+            "endpoint_url": endpoint_url,
+            "region": region,
+            "access_key_id": access_key_id,
+            "secret_access_key": secret_access_key,
+            "session_token": session_token,
+            "profile": profile,
+            "addressing_style": addressing_style,
+            "max_pool_connections": max_pool_connections,
+            "sleep": sleep,
+        }
+        self._quick: dict[float, S3Storage] = {}
+        self._quick_lock = threading.Lock()
         self.retry = retry or RetryPolicy()
         if self.retry.attempts < 1:
             raise InvalidArgumentError("S3 retry attempts must be at least 1")
@@ -345,6 +351,19 @@ class S3Storage:
 
     def __repr__(self) -> str:
         return f"S3Storage({self.location!r}, endpoint_url={self.endpoint_url!r})"
+
+    def with_timeout(self, seconds: float) -> S3Storage:
+        """The same bucket and prefix, through a client whose calls make one attempt and
+        give up after about ``seconds`` (connect and read timeouts): for a quick question,
+        such as the disk cache's check of a key it already holds, that must not wait out
+        the retries of a store that is down or hung. Made once per ``seconds``."""
+        with self._quick_lock:
+            quick = self._quick.get(seconds)
+            if quick is None:
+                policy = RetryPolicy(attempts=1, connect_timeout=seconds, read_timeout=seconds)
+                quick = S3Storage(self._url, retry=policy, **self._options)
+                self._quick[seconds] = quick
+            return quick
 
     # -- the retry loop and error translation ---------------------------------------------
 

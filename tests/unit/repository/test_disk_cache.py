@@ -1,11 +1,14 @@
-"""DiskCache over LocalStorage: hits and misses, single flight, LRU with pins, versions, faults."""
+"""DiskCache over LocalStorage: hits and misses, single flight, LRU with pins, versions, faults,
+revalidation bounded in time, damaged entries, unwritable and full cache folders."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from quiver.errors import NotFoundError, UnavailableError
+from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from quiver.repository.cache import CacheFullError, DiskCache, is_model_folder
 from quiver.repository.storage import (
     Downloaded,
@@ -25,6 +28,7 @@ from quiver.repository.storage import (
     model_keys,
     storage_for,
 )
+from support.faults import file_size_limit, read_only
 
 
 def write_archive(path: Path, model: str, payload: bytes) -> Path:
@@ -223,7 +227,7 @@ def test_disk_full_mid_download_cleans_up(repo: Path, tmp_path: Path) -> None:
         storage = CountingStorage(repo)
         storage.fail_errno = errno.ENOSPC
         cache = DiskCache(tmp_path / "cache", 10 << 20)
-        with pytest.raises(CacheFullError, match=r"disk full while fetching 'a.tar.gz'"):
+        with pytest.raises(CacheFullError, match=r"model cache folder .*/cache is full: cannot fetch 'a.tar.gz'"):
             await cache.fetch("a.tar.gz", storage)
         assert leftovers(tmp_path / "cache") == [] and cache.entries() == []
         await cache.close()
@@ -353,3 +357,272 @@ def test_hostile_archive_writes_nothing_outside_and_leaves_no_entry(tmp_path: Pa
 
     run(main())
     assert sorted(p.name for p in sentinel.iterdir()) == before == ["cache"]
+# -- graceful degradation: a slow or down store, damaged entries, an unwritable folder ------------
+
+
+class SlowStorage(CountingStorage):
+    """Answers stat/list after ``stall`` seconds, or fails as a store that is down."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.stall = 0.0
+        self.down = False
+
+    def stat(self, key: str) -> StoredObject:
+        self._answer()
+        return super().stat(key)
+
+    def list(self, prefix: str = "") -> list[StoredObject]:
+        self._answer()
+        return super().list(prefix)
+
+    def _answer(self) -> None:
+        time.sleep(self.stall)
+        if self.down:
+            raise UnavailableError("the store is down (test)")
+
+
+def test_a_hung_store_is_answered_from_the_cache_within_the_timeout(
+    repo: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        storage = SlowStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20, revalidate_timeout=0.3)
+        first = await cache.fetch("a.tar.gz", storage)
+        storage.stall = 2.0
+        started = time.monotonic()
+        assert await cache.fetch("a.tar.gz", storage) == first
+        assert time.monotonic() - started < 1.5
+        assert cache.stats.stale_hits == 1 and storage.downloads == 1
+        # A key never cached waits for the store as long as the store takes (no fallback).
+        storage.stall, storage.down = 0.0, True
+        with pytest.raises(UnavailableError, match="the store is down"):
+            await cache.fetch("b.tar.gz", storage)
+        await cache.close()
+
+    with caplog.at_level("WARNING", logger="quiver.repository.cache"):
+        run(main())
+    assert "serving 'a.tar.gz' from the model cache" in caplog.text
+    assert "did not answer within 0.3 s" in caplog.text
+
+
+def test_a_down_store_serves_folders_too_and_a_gone_key_drops_its_entry(repo: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        storage = SlowStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        plain = await cache.fetch("plain", storage)
+        storage.down = True
+        assert await cache.fetch("plain", storage) == plain
+        assert cache.stats.stale_hits == 1
+        storage.down = False
+        (repo / "plain" / "1" / "model.bin").unlink()
+        (repo / "plain" / "config.pbtxt").unlink()
+        with pytest.raises(NotFoundError):
+            await cache.fetch("plain", storage)
+        assert cache.entries() == []
+        await cache.close()
+        assert not plain.exists()
+
+    run(main())
+
+
+def test_a_new_version_that_cannot_be_downloaded_leaves_the_old_one_served(repo: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        storage = CountingStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        old = await cache.fetch("a.tar.gz", storage)
+        write_archive(repo / "a.tar.gz", "a", b"new weights")
+        storage.size_lie = 1  # the download of the new version fails its size check
+        assert await cache.fetch("a.tar.gz", storage) == old
+        assert cache.stats.stale_hits == 1 and cache.stats.download_failures == 1
+        storage.size_lie = 0
+        new = await cache.fetch("a.tar.gz", storage)
+        assert new != old and (new / "a/1/model.bin").read_bytes() == b"new weights"
+        await cache.close()
+        assert not old.exists()
+
+    run(main())
+
+
+def _damage_remove(path: Path) -> None:
+    (path / "a/1/model.bin").unlink()
+
+
+def _damage_rewrite_same_size(path: Path) -> None:
+    target = path / "a/1/model.bin"
+    st = target.stat()
+    data = bytearray(target.read_bytes())
+    data[0] ^= 0xFF
+    target.write_bytes(bytes(data))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime put back: ctime still moves
+
+
+def _damage_add_version(path: Path) -> None:
+    (path / "a/2").mkdir()
+    (path / "a/2/model.bin").write_bytes(b"x")
+
+
+def _damage_folder_gone(path: Path) -> None:
+    shutil.rmtree(path)
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_damage_remove, "'a/1/model.bin' missing"),
+        (_damage_rewrite_same_size, "the content of 'a/1/model.bin' changed"),
+        (_damage_add_version, "'a/2' was added"),
+        (_damage_folder_gone, "is gone"),
+    ],
+)
+def test_a_damaged_entry_is_fetched_again(
+    repo: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: object, reason: str
+) -> None:
+    async def main() -> None:
+        storage = CountingStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        first = await cache.fetch("a.tar.gz", storage)
+        damage(first)  # type: ignore[operator]
+        again = await cache.fetch("a.tar.gz", storage)
+        assert again != first and storage.downloads == 2 and cache.stats.damaged == 1
+        assert (again / "a/1/model.bin").read_bytes() == (await _expected(repo))
+        assert len(cache.entries()) == 1
+        await cache.close()
+        assert not first.exists()
+
+    with caplog.at_level("WARNING", logger="quiver.repository.cache"):
+        run(main())
+    assert reason in caplog.text and "fetched again" in caplog.text
+
+
+async def _expected(repo: Path) -> bytes:
+    with tarfile.open(repo / "a.tar.gz") as tar:
+        member = tar.extractfile("a/1/model.bin")
+        assert member is not None
+        return member.read()
+
+
+def test_a_damaged_entry_pinned_by_a_model_stays_for_it_and_is_not_handed_out(repo: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        storage = CountingStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        lease = await cache.acquire("a.tar.gz", storage)
+        (lease.path / "a/config.pbtxt").unlink()
+        second = await cache.acquire("a.tar.gz", storage)
+        assert second.path != lease.path and storage.downloads == 2
+        assert lease.path.exists()  # the loaded model keeps its (damaged) folder
+        assert [pins for *_, pins in cache.entries()] == [1, 1]
+        lease.release()
+        second.release()
+        assert len(cache.entries()) == 1
+        assert await cache.fetch("a.tar.gz", storage) == second.path
+        await cache.close()
+        assert not lease.path.exists()
+
+    run(main())
+
+
+def test_after_a_restart_files_are_hashed_once_and_a_benign_change_is_kept(repo: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        storage = CountingStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        path = await cache.fetch("a.tar.gz", storage)
+        await cache.close()
+        target = path / "a/1/model.bin"
+        target.write_bytes(target.read_bytes())  # same bytes, new mtime and ctime
+        manifest = (path.parent / "entry.json").read_text()
+        again = DiskCache(tmp_path / "cache", 10 << 20)
+        assert await again.fetch("a.tar.gz", storage) == path
+        assert (storage.downloads, again.stats.hits, again.stats.damaged) == (1, 1, 0)
+        await again.close()  # waits for the manifest update
+        assert (path.parent / "entry.json").read_text() != manifest  # the new stat recorded
+        data = json.loads((path.parent / "entry.json").read_text())
+        record = next(f for f in data["files"] if f["path"] == "a/1/model.bin")
+        st = target.stat()
+        assert record["stat"] == [st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+    run(main())
+
+
+def test_entries_without_a_file_manifest_are_not_trusted(repo: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        storage = CountingStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        path = await cache.fetch("a.tar.gz", storage)
+        await cache.close()
+        manifest = path.parent / "entry.json"
+        data = json.loads(manifest.read_text())
+        del data["files"], data["format"]  # as an older Quiver wrote it
+        manifest.write_text(json.dumps(data))
+        again = DiskCache(tmp_path / "cache", 10 << 20)
+        assert await again.fetch("a.tar.gz", storage) != path
+        assert storage.downloads == 2
+        await again.close()
+
+    run(main())
+
+
+def test_a_read_only_cache_folder_is_a_clear_error_and_cached_entries_still_serve(
+    repo: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "cache"
+
+    async def main() -> None:
+        storage = CountingStorage(repo)
+        cache = DiskCache(root, 10 << 20)
+        a = await cache.fetch("a.tar.gz", storage)
+        with read_only(root):
+            with pytest.raises(CacheFullError, match=rf"model cache folder {root} cannot be written .*'b.tar.gz'"):
+                await cache.fetch("b.tar.gz", storage)
+            assert await cache.fetch("a.tar.gz", storage) == a
+            write_archive(repo / "a.tar.gz", "a", b"v2")  # a new version cannot be stored: the old serves
+            assert await cache.fetch("a.tar.gz", storage) == a
+        assert (await cache.fetch("b.tar.gz", storage)).exists()
+        assert await cache.fetch("a.tar.gz", storage) != a
+        await cache.close()
+        assert leftovers(root) == []
+
+    run(main())
+
+
+def test_a_cache_folder_that_cannot_be_created_is_a_clear_error(repo: Path, tmp_path: Path) -> None:
+    parent = tmp_path / "parent"
+    parent.mkdir()
+
+    async def main() -> None:
+        cache = DiskCache(parent / "cache", 10 << 20)
+        refused = pytest.raises(CacheFullError, match=rf"model cache folder {parent / 'cache'} cannot be written")
+        with read_only(parent), refused:
+            await cache.fetch("a.tar.gz", CountingStorage(repo))
+        assert (await cache.fetch("a.tar.gz", CountingStorage(repo))).exists()
+        await cache.close()
+
+    run(main())
+
+
+def test_a_file_size_limit_mid_download_is_a_full_cache(repo: Path, tmp_path: Path) -> None:
+    write_archive(repo / "big.tar.gz", "big", os.urandom(3 << 20))
+
+    async def main() -> None:
+        storage = CountingStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 64 << 20)
+        full = pytest.raises(CacheFullError, match=r"model cache folder .* is full: cannot fetch 'big.tar.gz'")
+        with file_size_limit(os.getpid(), 1 << 20), full:
+            await cache.fetch("big.tar.gz", storage)
+        assert leftovers(tmp_path / "cache") == [] and cache.bytes_reserved == 0
+        assert (await cache.fetch("big.tar.gz", storage)).exists()
+        await cache.close()
+
+    run(main())
+
+
+def test_object_keys_the_filesystem_refuses_are_invalid(tmp_path: Path) -> None:
+    async def main() -> None:
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        storage = CountingStorage(tmp_path)
+        for key in ("x" * 300 + ".tar.gz", "a\x00b.tar.gz", "../up.tar.gz"):
+            with pytest.raises(InvalidArgumentError, match="invalid storage key"):
+                await cache.fetch(key, storage)
+        await cache.close()
+
+    run(main())
