@@ -48,16 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import loadgen
-from benchmarks.common import (
-    ROOT,
-    command_line,
-    environment,
-    plot_from,
-    plot_in_venv,
-    test_support,
-    write_results,
-)
+from benchmarks import common, loadgen
+from benchmarks.common import ROOT
 from benchmarks.peers.quiver import QuiverServer
 from benchmarks.resnet50 import CLASSES, IMAGE_SHAPE, INPUT, OUTPUT, parameter_count, resnet50_onnx
 
@@ -222,10 +214,6 @@ def run_ceiling(model_path: Path, batches: list[int], seconds: float, image: np.
 # -- reporting -----------------------------------------------------------------------------
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
 def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) -> str:
     rows = [
         "| server | concurrency | req/s | % of ceiling | mean batch | instance busy % | p50 ms | p90 ms | p99 ms | errors | client CPU % | server CPU % | load avg |",
@@ -233,11 +221,10 @@ def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) 
         f"| ceiling: onnxruntime in-process, best batch size {best_batch} | - | {ceiling:.1f} img/s | 100 | {best_batch} | 100 | - | - | - | - | - | - | - |",
     ]
     for r in results:
-        batch = "-" if r.mean_batch is None else f"{r.mean_batch:.1f}"
-        busy = "-" if r.compute_pct is None else f"{r.compute_pct:.0f}"
+        latency = " | ".join(common.dash(ms, ".0f") for ms in (r.p50_ms, r.p90_ms, r.p99_ms))
         rows.append(
-            f"| {r.variant} | {r.concurrency} | {r.req_per_s:.1f} | {r.ceiling_ratio or 0:.0f} | {batch} | {busy} "
-            f"| {_ms(r.p50_ms)} | {_ms(r.p90_ms)} | {_ms(r.p99_ms)} | {r.errors} "
+            f"| {r.variant} | {r.concurrency} | {r.req_per_s:.1f} | {r.ceiling_ratio or 0:.0f} | {common.dash(r.mean_batch, '.1f')} "
+            f"| {common.dash(r.compute_pct, '.0f')} | {latency} | {r.errors} "
             f"| {r.client_cpu_pct:.0f} | {r.server_cpu_pct or 0:.0f} | {r.load_avg:.1f} |"
         )
     return "\n".join(rows)
@@ -294,9 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot_from is not None:
-        return plot_from("batching", args.plot_from, args.output_dir / "batching.png")
-    env = environment(("onnxruntime", "onnx", "quiver", "uvloop"))
-    cmd = command_line()
+        return common.plot_from("batching", args.plot_from, args.output_dir / "batching.png")
+    env = common.environment(("onnxruntime", "onnx", "quiver", "uvloop"))
+    cmd = common.command_line()
     results: list[TrialResult] = []
     notes: list[str] = []
     status = 0
@@ -309,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = resnet50_onnx()
         onnx.checker.check_model(model)
-        model_path = test_support("models").write_onnx(repo, MODEL, model, None) / "1" / "model.onnx"
+        model_path = common.test_support("models").write_onnx(repo, MODEL, model, None) / "1" / "model.onnx"
         log(f"ResNet-50: {parameter_count(model):,} parameters, {model_path.stat().st_size / 1e6:.0f} MB")
         expected = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]).run([OUTPUT], {INPUT: image})[0]
         request = image_payload(image, expected)
@@ -397,9 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": cmd,
         "environment": env,
         "settings": {
-            "concurrency": args.concurrency,
-            "duration_s": args.duration,
-            "warmup_s": args.warmup,
+            **common.trial_settings(args),
             "variants": [asdict(v) | {"label": v.label} for v in args.variants],
             "max_batch_size": MAX_BATCH,
         },
@@ -407,9 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
         "results": [{"variant": r.variant, **r.to_dict()} for r in results],
     }
-    log(write_results(out, "batching", "\n".join(report), payload))
+    log(common.write_results(out, "batching", "\n".join(report), payload))
     if args.plot:
-        log(f"plot: {plot_in_venv('batching', out / 'batching.json', out / 'batching.png')}")
+        log(f"plot: {common.plot_in_venv('batching', out / 'batching.json', out / 'batching.png')}")
     return status
 
 

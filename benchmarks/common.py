@@ -102,6 +102,49 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: ``model.py`` of :func:`ballast_model`.
+BALLAST_MODEL = """import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.ballast = np.full({weight_mb} * 1024 * 1024 // 4, {value}, dtype=np.float32)  # touched: resident{record}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x + self.ballast[0])]))
+        return responses
+"""
+
+BALLAST_RECORD = """
+        with open({log!r}, "a") as log:
+            log.write(args["model_name"] + " " + str(os.getpid()) + "\\n")"""
+
+
+def ballast_model(weight_mb: int, value: float, load_log: Path | None = None) -> str:
+    """``model.py`` of a Triton Python model that holds ``weight_mb`` MiB of memory (touched, so
+    resident) and answers ``OUTPUT0 = INPUT0 + value``; with ``load_log``, each load appends
+    "MODEL_NAME PID" to that file."""
+    record = "" if load_log is None else BALLAST_RECORD.format(log=str(load_log))
+    return BALLAST_MODEL.format(weight_mb=weight_mb, value=value, record=record)
+
+
+def trial_settings(args: Any) -> dict[str, Any]:
+    """The settings every load generator trial of a run shares, for its JSON: concurrency levels,
+    measured and warm-up seconds."""
+    return {"concurrency": args.concurrency, "duration_s": args.duration, "warmup_s": args.warmup}
+
+
+def dash(value: float | None, spec: str = "") -> str:
+    """``value`` formatted by ``spec`` for a table, or "-" when there is none."""
+    return "-" if value is None else format(value, spec)
+
+
 def write_results(out: Path, stem: str, markdown: str, report: dict[str, Any]) -> str:
     """``OUT/STEM.md`` (the report a reader reads) and ``OUT/STEM.json`` (everything); returns
     what was written, for the log."""

@@ -44,7 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, command_line, environment, plot_from, plot_in_venv, version
+from benchmarks import common
+from benchmarks.common import ROOT
 from benchmarks.plots import ENCODING_LABEL
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -152,7 +153,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _num(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+    return common.dash(value, f",.{digits}f")
 
 
 def _ratio(value: float | None) -> str:
@@ -201,7 +202,7 @@ def _make_peer(key: str) -> Any:
 def _packages(key: str) -> str:
     """What the peer was installed from, for the report."""
     if key in (QUIVER, QUIVER_ONNX):
-        return f"quiver {version('quiver')} (the project venv, .venv)"
+        return f"quiver {common.version('quiver')} (the project venv, .venv)"
     if key == TRITON:
         from benchmarks.peers import triton
 
@@ -971,8 +972,8 @@ def run(args: argparse.Namespace) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "benchmark": "compare",
-        "command": command_line(),
-        "environment": environment(("quiver", "onnxruntime", "onnx", "numpy", "tritonclient", "grpcio", "uvloop")),
+        "command": common.command_line(),
+        "environment": common.environment(("quiver", "onnxruntime", "onnx", "numpy", "tritonclient", "grpcio", "uvloop")),
         "load_avg_start": " / ".join(f"{v:.2f}" for v in os.getloadavg()),
         "settings": {
             "workloads": args.workloads, "peers": args.peers, "concurrency": args.concurrency,
@@ -999,7 +1000,7 @@ def run(args: argparse.Namespace) -> int:
     md_path.write_text(markdown(report))
     log(f"wrote {md_path} and {json_path}")
     if report["workloads"].get("tiny"):
-        log(f"plot: {plot_in_venv('compare', json_path, json_path.with_suffix('.png'))}")
+        log(f"plot: {common.plot_in_venv('compare', json_path, json_path.with_suffix('.png'))}")
     tiny = report["workloads"].get("tiny")
     if tiny:
         for line in tiny["verdict_summary"]:
@@ -1032,7 +1033,7 @@ def _versions(report: dict[str, Any]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot_from is not None:
-        return plot_from("compare", args.plot_from, args.plot_from.with_suffix(".png"))
+        return common.plot_from("compare", args.plot_from, args.plot_from.with_suffix(".png"))
     if args.quick:
         args.duration, args.warmup = 1.0, 0.5
     signal.signal(signal.SIGTERM, _on_signal)

@@ -338,10 +338,6 @@ def summary(r: TrialResult) -> str:
     )
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
 def markdown_table(results: list[TrialResult]) -> str:
     head = (
         "| target | encoding | concurrency | req/s | p50 ms | p90 ms | p99 ms | errors "
@@ -349,11 +345,10 @@ def markdown_table(results: list[TrialResult]) -> str:
     )
     rows = [head, "|" + "---|" * 3 + "---:|" * 7]
     for r in results:
-        server = "-" if r.server_cpu_pct is None else f"{r.server_cpu_pct:.0f}"
+        latency = " | ".join(common.dash(ms, ".3f") for ms in (r.p50_ms, r.p90_ms, r.p99_ms))
         rows.append(
-            f"| {TARGET_LABELS[r.target]} | {r.encoding} | {r.concurrency} | {r.req_per_s:,.0f} "
-            f"| {_ms(r.p50_ms)} | {_ms(r.p90_ms)} | {_ms(r.p99_ms)} | {r.errors} "
-            f"| {r.client_cpu_pct:.0f} | {server} |"
+            f"| {TARGET_LABELS[r.target]} | {r.encoding} | {r.concurrency} | {r.req_per_s:,.0f} | {latency} "
+            f"| {r.errors} | {r.client_cpu_pct:.0f} | {common.dash(r.server_cpu_pct, '.0f')} |"
         )
     return "\n".join(rows)
 
@@ -538,9 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": cmd,
         "environment": env,
         "settings": {
-            "concurrency": args.concurrency,
-            "duration_s": args.duration,
-            "warmup_s": args.warmup,
+            **common.trial_settings(args),
             "encodings": args.encodings,
             "check_every": args.check_every,
         },

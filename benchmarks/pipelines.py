@@ -50,7 +50,7 @@ import aiohttp
 import numpy as np
 import tritonclient.http as httpclient
 
-from benchmarks.common import ROOT, command_line, cpu_seconds, environment, write_results
+from benchmarks.common import ROOT, command_line, cpu_seconds, dash, environment, write_results
 from benchmarks.peers import Endpoints
 from benchmarks.peers.quiver import QuiverServer
 from examples import build_repository
@@ -261,11 +261,9 @@ def markdown_table(rows: list[Row]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        batch = "-" if r.mean_batch is None else f"{r.mean_batch:.1f}"
-        cpu = "-" if r.server_cpu_pct is None else f"{r.server_cpu_pct:.0f}"
         lines.append(
             f"| {r.pipeline} | {r.target} | {r.concurrency} | {r.req_per_s:,.1f} | {r.p50_ms:.1f} | {r.p90_ms:.1f} "
-            f"| {r.p99_ms:.1f} | {r.errors} | {batch} | {cpu} | {r.load_avg:.1f} |"
+            f"| {r.p99_ms:.1f} | {r.errors} | {dash(r.mean_batch, '.1f')} | {dash(r.server_cpu_pct, '.0f')} | {r.load_avg:.1f} |"
         )
     return "\n".join(lines)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -32,27 +31,6 @@ from benchmarks import common, loadgen
 from benchmarks.multi_model import lru_per_request
 from benchmarks.peers import free_port
 from benchmarks.peers.quiver import QuiverServer
-
-MODEL = """
-import os
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.block = np.full({weight_mb} * 1024 * 1024 // 4, {value}, dtype=np.float32)
-        with open({log!r}, "a") as log:
-            log.write(args["model_name"] + " " + str(os.getpid()) + "\\n")
-
-    def execute(self, requests):
-        out = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x + self.block[0])]))
-        return out
-"""
 
 CONFIG = """
 backend: "python"
@@ -72,8 +50,7 @@ def build(root: Path, count: int, weight_mb: int, load_log: Path) -> list[str]:
         name = f"m{i:03d}"
         folder = root / name
         (folder / "1").mkdir(parents=True)
-        source = MODEL.format(weight_mb=weight_mb, value=float(i), log=str(load_log))
-        (folder / "1" / "model.py").write_text(textwrap.dedent(source))
+        (folder / "1" / "model.py").write_text(common.ballast_model(weight_mb, float(i), load_log))
         (folder / "config.pbtxt").write_text(CONFIG)
         names.append(name)
     return names

@@ -105,38 +105,20 @@ def log(message: str) -> None:
 
 # -- the repository -------------------------------------------------------------------------
 
-ONNX_CONFIG = """
+def config(name: str, kind: str, extra: str = "") -> str:
+    """A model of the soak's ``config.pbtxt``: FP32 [batch, 4] in and out, batches of 8 at most;
+    ``kind`` is its ``backend:`` or ``platform:`` line."""
+    return f"""
 name: "{name}"
-backend: "onnxruntime"
+{kind}
 max_batch_size: 8
 input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
-"""
-
-PYTHON_CONFIG = """
-name: "{name}"
-backend: "python"
-max_batch_size: 8
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
-"""
-
-PYTHON_MODEL = """
-import numpy as np
-import triton_python_backend_utils as pb_utils
+{extra}"""
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        self.ballast = np.full({weight_mb} * 1024 * 1024 // 4, {value}, dtype=np.float32)  # touched: resident
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x + self.ballast[0])]))
-        return responses
-"""
+ONNX = 'backend: "onnxruntime"'
+PYTHON = 'backend: "python"'
 
 DOUBLE_MODEL = """
 import triton_python_backend_utils as pb_utils
@@ -152,21 +134,7 @@ class TritonPythonModel:
         ]
 """
 
-SHIFT_CONFIG = """
-name: "soak_shift"
-backend: "onnxruntime"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-dynamic_batching { }
-"""
-
-PIPELINE_CONFIG = """
-name: "soak_pipeline"
-platform: "ensemble"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+PIPELINE_STEPS = """
 ensemble_scheduling {
   step [
     {
@@ -196,13 +164,12 @@ def build_repository(root: Path, models: int, weight_mb: int) -> None:
     for i in range(models):
         name = model_name(i)
         if i % 2 == 0:
-            support.write_onnx(root, name, archives.weighted_add(float(i), weight_mb), ONNX_CONFIG.format(name=name))
+            support.write_onnx(root, name, archives.weighted_add(float(i), weight_mb), config(name, ONNX))
         else:
-            source = PYTHON_MODEL.format(weight_mb=weight_mb, value=float(i))
-            support.write_python(root, name, source, PYTHON_CONFIG.format(name=name))
-    support.write_python(root, "soak_double", DOUBLE_MODEL, PYTHON_CONFIG.format(name="soak_double"))
-    support.write_onnx(root, "soak_shift", support.add_constant_onnx(1.0), SHIFT_CONFIG)
-    support.write_config(root, PIPELINE, PIPELINE_CONFIG)
+            support.write_python(root, name, common.ballast_model(weight_mb, float(i)), config(name, PYTHON))
+    support.write_python(root, "soak_double", DOUBLE_MODEL, config("soak_double", PYTHON))
+    support.write_onnx(root, "soak_shift", support.add_constant_onnx(1.0), config("soak_shift", ONNX, "dynamic_batching { }"))
+    support.write_config(root, PIPELINE, config(PIPELINE, 'platform: "ensemble"', PIPELINE_STEPS))
 
 
 def memory_limit(room: int, weight_mb: int) -> int:
@@ -597,24 +564,31 @@ def markdown(report: dict[str, Any]) -> str:
 # -- main -----------------------------------------------------------------------------------
 
 
+#: The numeric options: flag, type, default, metavar, help (the default is added to it).
+OPTIONS: tuple[tuple[str, type, float, str, str], ...] = (
+    ("--duration", float, 1800, "S", "seconds of traffic"),
+    ("--sample-interval", float, 5, "S", "seconds between samples"),
+    ("--warmup-fraction", float, 0.1, "F", "share of the run left out of the fits"),
+    ("--models", int, 24, "N", "models in the repository, half ONNX, half Python"),
+    ("--room", int, 8, "N", "models the memory limit holds, about"),
+    ("--weight-mb", int, 8, "MB", "weights each model holds"),
+    ("--zipf", float, 1.0, "S", "Zipf exponent of the mix over the models"),
+    ("--rate", float, 5, "R", "requests/s over the models, in each encoding"),
+    ("--ensemble-rate", float, 10, "R", "requests/s to the ensemble, in each encoding"),
+    ("--bad-rate", float, 1, "R", "bad requests/s over HTTP; half that over gRPC"),
+    ("--concurrency", int, 2, "N", "requests in flight at most, per stream"),
+    ("--check-every", int, 10, "N", "check one answer in N in full"),
+    ("--request-timeout", float, 30, "S", "a request unanswered this long is an error"),
+    ("--seed", int, 1, "SEED", "seed of the Zipf draws"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="A soak of one quiver serve under mixed traffic: RSS, open files and threads sampled over time.")
     add = parser.add_argument
-    add("--duration", type=float, default=1800, metavar="S", help="seconds of traffic (default: 1800)")
-    add("--sample-interval", type=float, default=5, metavar="S", help="seconds between samples (default: 5)")
-    add("--warmup-fraction", type=float, default=0.1, metavar="F", help="share of the run left out of the fits (default: 0.1)")
-    add("--models", type=int, default=24, metavar="N", help="models in the repository, half ONNX, half Python (default: 24)")
-    add("--room", type=int, default=8, metavar="N", help="models the memory limit holds, about (default: 8)")
-    add("--weight-mb", type=int, default=8, metavar="MB", help="weights each model holds (default: 8)")
-    add("--zipf", type=float, default=1.0, metavar="S", help="Zipf exponent of the mix over the models (default: 1.0)")
-    add("--rate", type=float, default=5, metavar="R", help="requests/s over the models, in each encoding (default: 5)")
-    add("--ensemble-rate", type=float, default=10, metavar="R", help="requests/s to the ensemble, in each encoding (default: 10)")
-    add("--bad-rate", type=float, default=1, metavar="R", help="bad requests/s over HTTP; half that over gRPC (default: 1)")
-    add("--concurrency", type=int, default=2, metavar="N", help="requests in flight at most, per stream (default: 2)")
-    add("--check-every", type=int, default=10, metavar="N", help="check one answer in N in full (default: 10)")
-    add("--request-timeout", type=float, default=30, metavar="S", help="a request unanswered this long is an error (default: 30)")
-    add("--seed", type=int, default=1, help="seed of the Zipf draws (default: 1)")
+    for flag, kind, default, metavar, text in OPTIONS:
+        add(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: {default})")
     add("--output-dir", type=Path, default=RESULTS, metavar="DIR", help="where soak.md and soak.png go; raw/ under it (default: benchmarks/results)")
     add("--no-plot", action="store_true", help="do not draw soak.png")
     add("--plot-from", type=Path, metavar="JSON", help="only draw the plot of an earlier run's raw JSON")

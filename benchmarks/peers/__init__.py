@@ -32,7 +32,7 @@ import threading
 import time
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -280,6 +280,21 @@ class Server:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, trace: TracebackType | None) -> None:
         self.stop()
+
+
+def smoke(candidates: Iterable[Peer], check: Callable[[Peer], None]) -> int:
+    """A peer module's smoke check: ``check(peer)`` for each peer, which is stopped afterwards;
+    one that raises is reported as FAILED. The exit status: 1 if any failed."""
+    failed = 0
+    for peer in candidates:
+        try:
+            check(peer)
+        except (RuntimeError, AssertionError) as exc:  # PeerError too
+            print(f"[{peer.name}] FAILED: {exc}")
+            failed += 1
+        finally:
+            peer.stop()
+    return 1 if failed else 0
 
 
 # -- installing ---------------------------------------------------------------------------

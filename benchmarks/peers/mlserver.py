@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 from benchmarks import peers
 from benchmarks.peers import tiny
@@ -193,32 +194,24 @@ def _smoke(peer: MLServerPeer) -> None:
             metadata = http.get_model_metadata(tiny.MODEL)
             print(f"[{peer.name}] metadata: {metadata}")
 
-            inp = httpclient.InferInput(tiny.INPUT, list(tiny.SHAPE), "FP32")
-            inp.set_data_from_numpy(x, binary_data=False)
-            out = httpclient.InferRequestedOutput(tiny.OUTPUT, binary_data=False)
-            result = http.infer(tiny.MODEL, [inp], outputs=[out])
-            output = result.get_output(tiny.OUTPUT)
-            _check("HTTP JSON", result.as_numpy(tiny.OUTPUT), output["datatype"], output["shape"], expected)
-            print(f"[{peer.name}] HTTP JSON: ok ({output['datatype']} {output['shape']})")
-
-            inp = httpclient.InferInput(tiny.INPUT, list(tiny.SHAPE), "FP32")
-            inp.set_data_from_numpy(x, binary_data=True)
-            out = httpclient.InferRequestedOutput(tiny.OUTPUT, binary_data=True)
-            try:
+            def infer(where: str, binary_input: bool, binary_output: bool) -> Any:
+                inp = httpclient.InferInput(tiny.INPUT, list(tiny.SHAPE), "FP32")
+                inp.set_data_from_numpy(x, binary_data=binary_input)
+                out = httpclient.InferRequestedOutput(tiny.OUTPUT, binary_data=binary_output)
                 result = http.infer(tiny.MODEL, [inp], outputs=[out])
                 output = result.get_output(tiny.OUTPUT)
-                _check("HTTP binary", result.as_numpy(tiny.OUTPUT), output["datatype"], output["shape"], expected)
+                _check(where, result.as_numpy(tiny.OUTPUT), output["datatype"], output["shape"], expected)
+                return output
+
+            output = infer("HTTP JSON", False, False)
+            print(f"[{peer.name}] HTTP JSON: ok ({output['datatype']} {output['shape']})")
+            try:
+                output = infer("HTTP binary", True, True)
                 print(f"[{peer.name}] HTTP binary tensor extension: ok ({output})")
             except Exception as exc:  # reported, not fatal: MLServer may lack it
                 print(f"[{peer.name}] HTTP binary tensor extension: NOT supported: {type(exc).__name__}: {exc}")
-
-            inp = httpclient.InferInput(tiny.INPUT, list(tiny.SHAPE), "FP32")
-            inp.set_data_from_numpy(x, binary_data=False)
-            out = httpclient.InferRequestedOutput(tiny.OUTPUT, binary_data=True)
             try:
-                result = http.infer(tiny.MODEL, [inp], outputs=[out])
-                output = result.get_output(tiny.OUTPUT)
-                _check("HTTP binary output", result.as_numpy(tiny.OUTPUT), output["datatype"], output["shape"], expected)
+                output = infer("HTTP binary output", False, True)
                 print(f"[{peer.name}] HTTP JSON input, binary output requested: answered {output}")
             except Exception as exc:  # reported, not fatal
                 print(f"[{peer.name}] HTTP JSON input, binary output requested: {type(exc).__name__}: {exc}")
@@ -248,18 +241,5 @@ def _smoke(peer: MLServerPeer) -> None:
         print(f"[{peer.name}] stopped, no process left")
 
 
-def main() -> int:
-    failed = 0
-    for peer in (MLServerPeer(), MLServerPeer(parallel_workers=0)):
-        try:
-            _smoke(peer)
-        except (peers.PeerError, AssertionError) as exc:
-            print(f"[{peer.name}] FAILED: {exc}")
-            failed += 1
-        finally:
-            peer.stop()
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(peers.smoke((MLServerPeer(), MLServerPeer(parallel_workers=0)), _smoke))

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers import ROOT, WORK, Endpoints, Peer, PeerError, Server, tiny
+from benchmarks.peers import ROOT, WORK, Endpoints, Peer, PeerError, Server, smoke, tiny
 
 _BESIDE = Path(sys.executable).parent / "quiver"
 QUIVER = _BESIDE if os.access(_BESIDE, os.X_OK) else ROOT / ".venv" / "bin" / "quiver"
@@ -148,31 +148,22 @@ class QuiverPeer(Peer):
             server.stop()
 
 
-def _smoke() -> int:
+def _smoke(peer: Peer) -> None:
+    """Start ``peer``, check one request in each encoding (the caller stops it)."""
     import numpy as np
 
     from benchmarks import loadgen
 
     x = (np.arange(16, dtype=np.float32).reshape(tiny.SHAPE) / 4 - 1)
     payload = loadgen.Payload(tiny.MODEL, {tiny.INPUT: x}, expected={tiny.OUTPUT: x * 2})
-    failed = 0
-    for backend in BACKENDS:
-        peer = QuiverPeer(backend)
-        try:
-            peer.setup()
-            began = time.monotonic()
-            endpoints = peer.start(tiny.MODEL)
-            print(f"[{peer.name}] ready in {time.monotonic() - began:.1f} s: {endpoints}")
-            for encoding in loadgen.ENCODINGS:
-                loadgen.sanity_check(*endpoints.address(encoding), encoding, payload)
-                print(f"[{peer.name}] {encoding}: ok")
-        except RuntimeError as exc:  # PeerError too
-            print(f"[{peer.name}] FAILED: {exc}")
-            failed += 1
-        finally:
-            peer.stop()
-    return 1 if failed else 0
+    peer.setup()
+    began = time.monotonic()
+    endpoints = peer.start(tiny.MODEL)
+    print(f"[{peer.name}] ready in {time.monotonic() - began:.1f} s: {endpoints}")
+    for encoding in loadgen.ENCODINGS:
+        loadgen.sanity_check(*endpoints.address(encoding), encoding, payload)
+        print(f"[{peer.name}] {encoding}: ok")
 
 
 if __name__ == "__main__":
-    sys.exit(_smoke())
+    sys.exit(smoke([QuiverPeer(backend) for backend in BACKENDS], _smoke))

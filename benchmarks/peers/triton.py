@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -215,12 +216,11 @@ def _find_stub(root: Path, version: str) -> Path | None:
     return None
 
 
-def _smoke() -> None:
+def _smoke(peer: peers.Peer) -> None:
     import numpy as np
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    peer = TritonPeer()
     began = time.monotonic()
     peer.setup()
     print(f"setup: {time.monotonic() - began:.1f} s")
@@ -258,4 +258,4 @@ def _smoke() -> None:
 
 
 if __name__ == "__main__":
-    _smoke()
+    sys.exit(peers.smoke([TritonPeer()], _smoke))
