@@ -34,25 +34,25 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) benchmarks/http_throughput.py
+	$(PY) -m benchmarks.http_throughput
 
 bench-batching: $(STAMP)
-	$(PY) benchmarks/batching.py $(ARGS)
+	$(PY) -m benchmarks.batching $(ARGS)
 
 bench-multi-model: $(STAMP)
-	$(PY) benchmarks/multi_model.py $(ARGS)
+	$(PY) -m benchmarks.multi_model $(ARGS)
 
 bench-ray: $(STAMP)
-	$(PY) benchmarks/ray_scale.py $(ARGS)
+	$(PY) -m benchmarks.ray_scale $(ARGS)
 
 bench-soak: $(STAMP)
-	$(PY) benchmarks/soak.py $(ARGS)
+	$(PY) -m benchmarks.soak $(ARGS)
 
 bench-pipelines: $(REPOSITORY)/.built
-	$(PY) benchmarks/pipelines.py --repository $(REPOSITORY) $(ARGS)
+	$(PY) -m benchmarks.pipelines --repository $(REPOSITORY) $(ARGS)
 
 bench-compare: $(REPOSITORY)/.built
-	$(PY) benchmarks/compare.py $(ARGS)
+	$(PY) -m benchmarks.compare $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(REPOSITORY)

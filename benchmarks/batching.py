@@ -1,6 +1,7 @@
 """Dynamic batching on a ResNet-50-sized ONNX model: Quiver over HTTP next to onnxruntime's ceiling.
 
-Run: ``.venv/bin/python benchmarks/batching.py`` (or ``make bench-batching``); ``--help`` for options.
+Run: ``.venv/bin/python -m benchmarks.batching`` from the repository root (or ``make
+bench-batching``); ``--help`` for options.
 
 What it measures:
 
@@ -24,9 +25,9 @@ is decoded and compared with onnxruntime's answer for the same image. Client CPU
 as a percentage of one core.
 
 Results: a markdown table on stdout and in ``benchmarks/results/batching.md``, JSON in
-``benchmarks/results/batching.json``, and with ``--plot`` ``benchmarks/results/batching.png`` if
-matplotlib is importable (``--plot-from batching.json`` draws it later, e.g. from a Python that has
-matplotlib; it needs numpy, orjson and onnx too).
+``benchmarks/results/batching.json``, and with ``--plot`` ``benchmarks/results/batching.png``
+(drawn by the throwaway matplotlib venv, ``common.plot_in_venv``; ``--plot-from batching.json``
+draws it again from an earlier run).
 
 ``benchmarks/resnet50.py`` holds the model builder, ``resnet50_onnx()``, for reuse.
 """
@@ -34,17 +35,12 @@ matplotlib; it needs numpy, orjson and onnx too).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import re
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,17 +48,14 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import loadgen  # noqa: E402
-from common import command_line, environment  # noqa: E402
-from resnet50 import CLASSES, IMAGE_SHAPE, INPUT, OUTPUT, parameter_count, resnet50_onnx  # noqa: E402
+from benchmarks import common, loadgen
+from benchmarks.common import ROOT
+from benchmarks.peers.quiver import QuiverServer
+from benchmarks.resnet50 import CLASSES, IMAGE_SHAPE, INPUT, OUTPUT, parameter_count, resnet50_onnx
 
 MODEL = "resnet50"
 INFER_PATH = f"/v2/models/{MODEL}/infer"
 MAX_BATCH = 32
-STARTED = re.compile(r"started HTTP service at ([0-9.]+):(\d+)")
 
 CONFIG = """
 name: "resnet50"
@@ -218,57 +211,7 @@ def run_ceiling(model_path: Path, batches: list[int], seconds: float, image: np.
     return rates
 
 
-# -- servers -------------------------------------------------------------------------------
-
-
-class Server:
-    def __init__(self, argv: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.host, self.port = "", 0
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.port:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"quiver exited with {self.proc.returncode}:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"quiver did not start in {timeout:.0f} s:\n{self.tail()}")
-            match = STARTED.search(self.log_path.read_text(errors="replace"))
-            if match:
-                self.host, self.port = match.group(1), int(match.group(2))
-            time.sleep(0.1)
-        url = f"http://{self.host}:{self.port}/v2/models/{MODEL}/ready"
-        while True:
-            with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=5) as resp:
-                if resp.status == 200:
-                    return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{MODEL} never became ready:\n{self.tail()}")
-            time.sleep(0.1)
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code: int | None = self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            code = None
-        self._log.close()
-        return code
-
-
 # -- reporting -----------------------------------------------------------------------------
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
 
 
 def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) -> str:
@@ -278,42 +221,13 @@ def markdown_table(results: list[TrialResult], ceiling: float, best_batch: int) 
         f"| ceiling: onnxruntime in-process, best batch size {best_batch} | - | {ceiling:.1f} img/s | 100 | {best_batch} | 100 | - | - | - | - | - | - | - |",
     ]
     for r in results:
-        batch = "-" if r.mean_batch is None else f"{r.mean_batch:.1f}"
-        busy = "-" if r.compute_pct is None else f"{r.compute_pct:.0f}"
+        latency = " | ".join(common.dash(ms, ".0f") for ms in (r.p50_ms, r.p90_ms, r.p99_ms))
         rows.append(
-            f"| {r.variant} | {r.concurrency} | {r.req_per_s:.1f} | {r.ceiling_ratio or 0:.0f} | {batch} | {busy} "
-            f"| {_ms(r.p50_ms)} | {_ms(r.p90_ms)} | {_ms(r.p99_ms)} | {r.errors} "
+            f"| {r.variant} | {r.concurrency} | {r.req_per_s:.1f} | {r.ceiling_ratio or 0:.0f} | {common.dash(r.mean_batch, '.1f')} "
+            f"| {common.dash(r.compute_pct, '.0f')} | {latency} | {r.errors} "
             f"| {r.client_cpu_pct:.0f} | {r.server_cpu_pct or 0:.0f} | {r.load_avg:.1f} |"
         )
     return "\n".join(rows)
-
-
-def plot(results: list[TrialResult], ceiling: float, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("--plot: matplotlib is not importable; skipping the plot")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series: dict[str, list[TrialResult]] = {}
-    for r in results:
-        series.setdefault(r.variant, []).append(r)
-    for label, rows in series.items():
-        rows.sort(key=lambda r: r.concurrency)
-        ax.plot([r.concurrency for r in rows], [r.req_per_s for r in rows], marker="o", label=label)
-    ax.axhline(ceiling, linestyle="--", color="grey", label="ceiling: onnxruntime in-process, best batch")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency (HTTP connections, one image per request)")
-    ax.set_ylabel("images/s")
-    ax.set_ylim(bottom=0)
-    ax.set_title("ResNet-50 (ONNX, CPU) through quiver serve")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    log(f"wrote {path}")
 
 
 def _ints(text: str) -> list[int]:
@@ -353,13 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ceiling-batches", type=_ints, default=list(range(1, 33)), metavar="B", help="default: 1-32")
     parser.add_argument("--ceiling-seconds", type=float, default=3.0, metavar="S", help="per batch size (default: 3)")
     parser.add_argument("--check-every", type=int, default=20, metavar="N", help="check one answer in N (default: 20)")
-    parser.add_argument("--output-dir", type=Path, default=HERE / "results", metavar="DIR")
-    parser.add_argument("--plot", action="store_true", help="also write batching.png (needs matplotlib)")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results", metavar="DIR")
+    parser.add_argument("--plot", action="store_true", help="also write batching.png (with the plotting venv)")
     parser.add_argument(
         "--plot-from", type=Path, default=None, metavar="JSON",
-        help="only draw OUTPUT_DIR/batching.png from an earlier batching.json (e.g. with a Python that has matplotlib)",
+        help="only draw OUTPUT_DIR/batching.png from an earlier batching.json (with the plotting venv)",
     )
-    parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: next to this Python)")
+    parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: the one next to this Python, else .venv/bin/quiver)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG", help="extra `quiver serve` argument (repeatable)")
     return parser
 
@@ -367,14 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot_from is not None:
-        data = json.loads(args.plot_from.read_text())
-        fields = set(TrialResult.__dataclass_fields__)
-        saved = [TrialResult(**{k: v for k, v in r.items() if k in fields}) for r in data["results"]]
-        plot(saved, data["ceiling"]["best_images_per_s"], args.output_dir / "batching.png")
-        return 0
-    quiver_exe = args.quiver or str(Path(sys.executable).parent / "quiver")
-    env = environment(("onnxruntime", "onnx", "quiver", "uvloop"))
-    cmd = command_line()
+        return common.plot_from("batching", args.plot_from, args.output_dir / "batching.png")
+    env = common.environment(("onnxruntime", "onnx", "quiver", "uvloop"))
+    cmd = common.command_line()
     results: list[TrialResult] = []
     notes: list[str] = []
     status = 0
@@ -382,14 +291,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="quiver-batching-") as tmp:
         repo = Path(tmp) / "repository"
-        model_path = repo / MODEL / "1" / "model.onnx"
-        model_path.parent.mkdir(parents=True)
         import onnx
         import onnxruntime as ort
 
         model = resnet50_onnx()
         onnx.checker.check_model(model)
-        onnx.save(model, str(model_path))
+        model_path = common.test_support("models").write_onnx(repo, MODEL, model, None) / "1" / "model.onnx"
         log(f"ResNet-50: {parameter_count(model):,} parameters, {model_path.stat().st_size / 1e6:.0f} MB")
         expected = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]).run([OUTPUT], {INPUT: image})[0]
         request = image_payload(image, expected)
@@ -403,16 +310,18 @@ def main(argv: list[str] | None = None) -> int:
 
         for variant in args.variants:
             (repo / MODEL / "config.pbtxt").write_text(variant.config())
-            argv_ = [quiver_exe, "serve", "--model-repository", str(repo), "--http-port", "0",
-                     "--allow-grpc=false", "--allow-metrics=false", *args.server_arg]
-            log(f"{variant.label}: starting {shlex.join(argv_)}")
-            server = Server(argv_, Path(tmp) / "server.log")
+            server = QuiverServer(
+                repo, ["--allow-grpc=false", "--allow-metrics=false", *args.server_arg], log=Path(tmp) / "server.log",
+                listeners=("HTTP",), executable=args.quiver, ready_path=f"/v2/models/{MODEL}/ready", timeout=300.0,
+                stop_timeout=60.0,
+            )
+            log(f"{variant.label}: starting {shlex.join(server.argv)}")
             try:
-                server.wait_ready()
-                loadgen.sanity_check(server.host, server.port, "binary", request, timeout=60)
+                host, port = server.start().address("binary")
+                loadgen.sanity_check(host, port, "binary", request, timeout=60)
                 for concurrency in args.concurrency:
                     log(f"{variant.label} c={concurrency}: {args.warmup:g} s warm-up + {args.duration:g} s ...")
-                    res = run_trial(server.host, server.port, server.proc.pid, variant.label, concurrency, args, request, variant.instances)
+                    res = run_trial(host, port, server.pid, variant.label, concurrency, args, request, variant.instances)
                     res.ceiling_ratio = 100 * res.req_per_s / ceiling
                     results.append(res)
                     log(
@@ -470,15 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if notes:
         report += ["", *[f"- {n}" for n in notes]]
-    (out / "batching.md").write_text("\n".join(line for line in report if line is not None) + "\n")
     payload = {
         "benchmark": "batching",
         "command": cmd,
         "environment": env,
         "settings": {
-            "concurrency": args.concurrency,
-            "duration_s": args.duration,
-            "warmup_s": args.warmup,
+            **common.trial_settings(args),
             "variants": [asdict(v) | {"label": v.label} for v in args.variants],
             "max_batch_size": MAX_BATCH,
         },
@@ -486,10 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
         "results": [{"variant": r.variant, **r.to_dict()} for r in results],
     }
-    (out / "batching.json").write_text(json.dumps(payload, indent=2) + "\n")
-    log(f"wrote {out / 'batching.md'} and {out / 'batching.json'}")
+    log(common.write_results(out, "batching", "\n".join(report), payload))
     if args.plot:
-        plot(results, ceiling, out / "batching.png")
+        log(f"plot: {common.plot_in_venv('batching', out / 'batching.json', out / 'batching.png')}")
     return status
 
 

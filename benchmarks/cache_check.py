@@ -14,7 +14,7 @@ of one big file and for one of many small files:
 - ``acquire (hit)``: a whole :meth:`DiskCache.acquire` of a cached key from a local folder
   store (revalidation, stat check, pin), median of many.
 
-Run: ``python benchmarks/cache_check.py [--mb 100] [--small-files 1000] [--repeat 20]``.
+Run: ``python -m benchmarks.cache_check [--mb 100] [--small-files 1000] [--repeat 20]``.
 Writes ``benchmarks/results/cache_check.{md,json}``.
 """
 
@@ -25,20 +25,17 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "src"))
+from benchmarks.common import command_line, environment
+from quiver.repository.cache import DiskCache, check_tree, record_tree
+from quiver.repository.storage import LocalStorage
 
-from common import command_line, environment  # noqa: E402
-from quiver.repository.cache import DiskCache, check_tree, record_tree  # noqa: E402
-from quiver.repository.storage import LocalStorage  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def timed(fn: Callable[[], object], repeat: int) -> float:

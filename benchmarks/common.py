@@ -1,6 +1,11 @@
-"""What the benchmark scripts share: the machine and versions they report, the command line
-that made a result, the event loop they drive clients on, a process's CPU time, and the
-throwaway venv with matplotlib that draws their plots."""
+"""What the benchmarks share: the machine and versions they report, the command line that made
+a result, the event loop they drive clients on, a process's CPU time, a server's metrics, the
+test suite's model builders, and the throwaway venv with matplotlib that draws their plots.
+
+The benchmarks are modules of the package ``benchmarks``, run from the repository root
+(``python -m benchmarks.soak``): the root is then on ``sys.path``, so ``benchmarks.*`` and the
+example builder (``examples.build_repository``) import as they are; the test suite's helpers
+come through :func:`test_support`."""
 
 from __future__ import annotations
 
@@ -8,13 +13,18 @@ import asyncio
 import contextlib
 import datetime as dt
 import importlib.metadata
+import importlib.util
+import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 try:
@@ -27,9 +37,10 @@ try:
 except ImportError:  # pragma: no cover
     uvloop = None
 
+ROOT = Path(__file__).resolve().parents[1]
 #: matplotlib for the plots, which the project does not depend on: a venv of its own, made on
 #: first use (git ignores benchmarks/.work).
-PLOTVENV = Path(__file__).resolve().parent / ".work" / "plotvenv"
+PLOTVENV = ROOT / "benchmarks" / ".work" / "plotvenv"
 
 
 def version(dist: str) -> str:
@@ -58,7 +69,11 @@ def environment(packages: Iterable[str]) -> dict[str, Any]:
 
 
 def command_line() -> str:
-    """The command that is running, as a reader would type it again."""
+    """The command that is running, as a reader would type it again (``python -m
+    benchmarks.soak ...``; a script run as a file by its path)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name:
+        return shlex.join(["python", "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
     script = Path(sys.argv[0]).resolve()
     with contextlib.suppress(ValueError):
         script = script.relative_to(Path.cwd())
@@ -87,26 +102,107 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def plot_in_venv(script: Path, json_path: Path, png: Path | None = None) -> str:
-    """Run ``python SCRIPT --plot-from JSON`` in :data:`PLOTVENV` (made with ``pip install
-    matplotlib`` on first use), which draws the PNG beside the JSON, or with ``png`` adds
-    ``--png PNG`` (the script then draws it there). Returns what happened, for the log: the
-    PNG written, or why it was skipped."""
-    python = PLOTVENV / "bin" / "python"
-    setup_log = PLOTVENV.parent / "plotvenv.log"
-    probe = [str(python), "-c", "import matplotlib"]
-    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
+#: ``model.py`` of :func:`ballast_model`.
+BALLAST_MODEL = """import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.ballast = np.full({weight_mb} * 1024 * 1024 // 4, {value}, dtype=np.float32)  # touched: resident{record}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x + self.ballast[0])]))
+        return responses
+"""
+
+BALLAST_RECORD = """
+        with open({log!r}, "a") as log:
+            log.write(args["model_name"] + " " + str(os.getpid()) + "\\n")"""
+
+
+def ballast_model(weight_mb: int, value: float, load_log: Path | None = None) -> str:
+    """``model.py`` of a Triton Python model that holds ``weight_mb`` MiB of memory (touched, so
+    resident) and answers ``OUTPUT0 = INPUT0 + value``; with ``load_log``, each load appends
+    "MODEL_NAME PID" to that file."""
+    record = "" if load_log is None else BALLAST_RECORD.format(log=str(load_log))
+    return BALLAST_MODEL.format(weight_mb=weight_mb, value=value, record=record)
+
+
+def trial_settings(args: Any) -> dict[str, Any]:
+    """The settings every load generator trial of a run shares, for its JSON: concurrency levels,
+    measured and warm-up seconds."""
+    return {"concurrency": args.concurrency, "duration_s": args.duration, "warmup_s": args.warmup}
+
+
+def dash(value: float | None, spec: str = "") -> str:
+    """``value`` formatted by ``spec`` for a table, or "-" when there is none."""
+    return "-" if value is None else format(value, spec)
+
+
+def write_results(out: Path, stem: str, markdown: str, report: dict[str, Any]) -> str:
+    """``OUT/STEM.md`` (the report a reader reads) and ``OUT/STEM.json`` (everything); returns
+    what was written, for the log."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(markdown.rstrip("\n") + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    return f"wrote {out / f'{stem}.md'} and {out / f'{stem}.json'}"
+
+
+def scrape(url: str, names: Iterable[str], timeout: float = 30.0) -> dict[str, float]:
+    """The unlabelled samples called ``names`` on a Prometheus page (absent ones left out)."""
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        text = response.read().decode()
+    found = {}
+    for name in names:
+        match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        if match:
+            found[name] = float(match.group(1))
+    return found
+
+
+def test_support(module: str) -> ModuleType:
+    """``tests/support/MODULE.py`` (the test suite's model builders, its SeaweedFS launcher),
+    imported as the tests import it: as ``support.MODULE``, its modules importing each other by
+    that name. The package ``tests/support`` is registered under the name ``support`` from its
+    file (rather than putting ``tests`` on ``sys.path``, which would make everything there
+    importable)."""
+    if "support" not in sys.modules:
+        folder = ROOT / "tests" / "support"
+        spec = importlib.util.spec_from_file_location("support", folder / "__init__.py", submodule_search_locations=[str(folder)])
+        assert spec is not None and spec.loader is not None
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["support"] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"support.{module}")
+
+
+def plot_in_venv(kind: str, json_path: Path, png: Path) -> str:
+    """Draw ``png`` from a benchmark's JSON: ``python -m benchmarks.plots KIND JSON PNG`` in
+    :data:`PLOTVENV` (made with ``pip install matplotlib`` on first use). Returns what happened,
+    for the log: the PNG written, or why it was skipped."""
+    from benchmarks.peers import PeerError, make_venv
+
+    if not (PLOTVENV / "bin" / "python").exists():
         print(f"plot: making {PLOTVENV} (pip install matplotlib) ...", file=sys.stderr, flush=True)
-        PLOTVENV.parent.mkdir(parents=True, exist_ok=True)
-        with setup_log.open("ab") as out:
-            for argv in ([sys.executable, "-m", "venv", str(PLOTVENV)],
-                         [str(python), "-m", "pip", "install", "--quiet", "matplotlib"]):
-                if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-                    return f"skipped: `{' '.join(argv[-3:])}` failed (see {setup_log})"
-    argv = [str(python), str(script), "--plot-from", str(json_path)]
-    if png is not None:
-        argv += ["--png", str(png)]
-    done = subprocess.run(argv, capture_output=True, text=True)
+    try:
+        python = make_venv(PLOTVENV, ["matplotlib"], PLOTVENV.parent / "plotvenv.log")
+    except PeerError as exc:
+        return f"skipped: {exc}"
+    argv = [str(python), "-m", "benchmarks.plots", kind, str(json_path.resolve()), str(png.resolve())]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         return f"skipped: the plotting step failed: {done.stderr.strip()[-300:]}"
-    return f"wrote {png if png is not None else json_path.with_suffix('.png')}"
+    return f"wrote {png}"
+
+
+def plot_from(kind: str, json_path: Path, png: Path) -> int:
+    """A benchmark's ``--plot-from JSON``: :func:`plot_in_venv`, said on stderr; the exit status."""
+    done = plot_in_venv(kind, json_path, png)
+    print(f"plot: {done}", file=sys.stderr)
+    return 0 if done.startswith("wrote") else 1

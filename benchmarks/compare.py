@@ -1,7 +1,8 @@
 """Quiver next to real Triton and real MLServer: same machine, same model, same load, one run.
 
-Run: ``.venv/bin/python benchmarks/compare.py`` (or ``make bench-compare``); ``--help`` for
-options; ``--quick`` for a smoke run (1 s trials, small side workloads).
+Run: ``.venv/bin/python -m benchmarks.compare`` from the repository root (or ``make
+bench-compare``); ``--help`` for options; ``--quick`` for a smoke run (1 s trials, small side
+workloads).
 
 Workload ``tiny`` (every server): model ``tiny``, INPUT0 FP32 [1, 16] -> OUTPUT0 = INPUT0 * 2,
 served by ``quiver serve`` as a Triton Python model (the same ``model.py`` Triton runs) and as an
@@ -20,16 +21,13 @@ and at least 3x MLServer's; p99 no worse than Triton's." The verdicts compare li
 Quiver's Python model against Triton's Python model; the ONNX model is shown as extra.
 
 Workloads ``resnet``, ``text`` and ``multi-model`` (Quiver only: Triton's pip build has only the
-Python backend, MLServer has no ensembles or Triton repositories): ``batching.py``,
-``pipelines.py`` and ``multi_model.py`` run as subprocesses with modest settings, their results
-written to ``OUTPUT_DIR/compare-workloads/`` and folded into the report.
+Python backend, MLServer has no ensembles or Triton repositories): ``benchmarks.batching``,
+``benchmarks.pipelines`` and ``benchmarks.multi_model`` run as subprocesses with modest
+settings, their results written to ``OUTPUT_DIR/compare-workloads/`` and folded into the report.
 
 Writes ``OUTPUT_DIR/compare.json`` (everything), ``compare.md`` (tables, ratios, verdicts) and
 ``compare.png`` (drawn by a throwaway venv with matplotlib, ``benchmarks/.work/plotvenv``).
 Ctrl-C or SIGTERM stops every server it started and exits non-zero.
-
-Only the standard library is imported at the top, so that ``--plot-from`` runs in the plotting
-venv.
 """
 
 from __future__ import annotations
@@ -46,15 +44,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
+from benchmarks import common
+from benchmarks.common import ROOT
+from benchmarks.plots import ENCODING_LABEL
+
+RESULTS = ROOT / "benchmarks" / "results"
 SUBDIR = "compare-workloads"
 
 WORKLOADS = ("tiny", "resnet", "text", "multi-model")
 PEERS = ("quiver-python", "quiver-onnx", "triton", "mlserver", "mlserver-workers0")
 ENCODINGS = ("json", "binary", "grpc")
-ENCODING_LABEL = {"json": "HTTP JSON", "binary": "HTTP binary", "grpc": "gRPC"}
 
 TARGET = (
     "Tiny model, HTTP binary and gRPC, concurrency 1, 8 and 32: requests/s at least equal to "
@@ -88,17 +87,32 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def _stop_group(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    """SIGINT a script's process group (it and the server it started: the script stops its server
-    and removes its temporary folders as on Ctrl-C), then SIGKILL what is left."""
+    """SIGINT a script's process group (the script stops the servers it started and removes its
+    temporary folders as on Ctrl-C), then SIGKILL what is left: the group, and the script's
+    servers, which run in sessions of their own."""
     _scripts.discard(proc)
+    servers = _descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGINT)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for server in servers:
+        with contextlib.suppress(Exception):
+            server.kill()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
+
+
+def _descendants(pid: int) -> list[Any]:
+    """The live descendants of ``pid`` (psutil processes)."""
+    import psutil
+
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.Error:
+        return []
 
 
 def _cleanup() -> None:
@@ -139,7 +153,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _num(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+    return common.dash(value, f",.{digits}f")
 
 
 def _ratio(value: float | None) -> str:
@@ -188,9 +202,7 @@ def _make_peer(key: str) -> Any:
 def _packages(key: str) -> str:
     """What the peer was installed from, for the report."""
     if key in (QUIVER, QUIVER_ONNX):
-        from common import version
-
-        return f"quiver {version('quiver')} (the project venv, .venv)"
+        return f"quiver {common.version('quiver')} (the project venv, .venv)"
     if key == TRITON:
         from benchmarks.peers import triton
 
@@ -204,14 +216,14 @@ def _floors(seconds: float) -> dict[str, Any]:
     """The tiny model with no server: numpy ``x * 2`` and onnxruntime's ``run``, in a loop."""
     import numpy as np
     import onnxruntime as ort
-    from benchmarks.peers import TINY_INPUT, TINY_OUTPUT, TINY_SHAPE
-    from benchmarks.peers.quiver import tiny_onnx
 
-    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(TINY_SHAPE)
+    from benchmarks.peers import tiny
+
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(tiny.SHAPE)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(tiny_onnx(), sess_options=options, providers=["CPUExecutionProvider"])
-    (y,) = session.run([TINY_OUTPUT], {TINY_INPUT: x})
+    session = ort.InferenceSession(tiny.onnx_model(), sess_options=options, providers=["CPUExecutionProvider"])
+    (y,) = session.run([tiny.OUTPUT], {tiny.INPUT: x})
     assert np.array_equal(y, x * 2), y
 
     def loop(call: Callable[[], Any]) -> dict[str, float]:
@@ -229,7 +241,7 @@ def _floors(seconds: float) -> dict[str, Any]:
         return {"calls": calls, "seconds": elapsed, "calls_per_s": calls / elapsed,
                 "us_per_call": 1e6 * elapsed / calls}
 
-    feed, names = {TINY_INPUT: x}, [TINY_OUTPUT]
+    feed, names = {tiny.INPUT: x}, [tiny.OUTPUT]
     return {
         "numpy x * 2": loop(lambda: x * 2),
         "onnxruntime InferenceSession.run": loop(lambda: session.run(names, feed)),
@@ -251,9 +263,8 @@ def _perf_analyzer_setup(enabled: bool) -> dict[str, Any]:
 
 
 def _run_peer(key: str, args: argparse.Namespace, payload: Any, pa: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks import loadgen
     from benchmarks.peers import PeerError
-
-    import loadgen
 
     peer = _make_peer(key)
     rec: dict[str, Any] = {
@@ -298,21 +309,13 @@ def _run_peer(key: str, args: argparse.Namespace, payload: Any, pa: dict[str, An
         log(f"[{peer.name}] ready in {rec['start_s']} s: http {endpoints.http}, grpc {endpoints.grpc}, "
             f"pid {endpoints.pid}, server {rec['server']}")
 
-        def address(encoding: str) -> tuple[str, int] | None:
-            where = endpoints.grpc if encoding == "grpc" else endpoints.http
-            if where is None:
-                return None
-            host, port = where.rsplit(":", 1)
-            return host, int(port)
-
         usable: list[str] = []
         for encoding in args.encodings:
-            where = address(encoding)
-            if where is None:
+            if encoding == "grpc" and endpoints.grpc is None:
                 rec["sanity"][encoding] = "n/a (no gRPC endpoint)"
                 continue
             try:
-                loadgen.sanity_check(*where, encoding, payload)
+                loadgen.sanity_check(*endpoints.address(encoding), encoding, payload)
             except RuntimeError as exc:
                 if encoding == "binary" and key in (MLSERVER, MLSERVER0):
                     rec["sanity"][encoding] = "n/a (not supported)"
@@ -331,10 +334,8 @@ def _run_peer(key: str, args: argparse.Namespace, payload: Any, pa: dict[str, An
                     rec["status"] = "died"
                     rec["error"] = "the server exited during the trials"
                     break
-                where = address(encoding)
-                assert where is not None
                 result = loadgen.run_trial(
-                    *where, encoding, concurrency, args.warmup, args.duration, payload,
+                    *endpoints.address(encoding), encoding, concurrency, args.warmup, args.duration, payload,
                     server_pid=endpoints.pid, progress=max(1.0, args.duration / 2),
                 )
                 trial = result.to_dict()
@@ -392,12 +393,12 @@ def _perf_analyzer_rows(key: str, name: str, endpoints: Any, args: argparse.Name
 
 def run_tiny(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
-    from benchmarks.peers import TINY_INPUT, TINY_MODEL, TINY_OUTPUT, TINY_SHAPE
 
-    import loadgen
+    from benchmarks import loadgen
+    from benchmarks.peers import tiny
 
-    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(TINY_SHAPE)
-    payload = loadgen.Payload(TINY_MODEL, {TINY_INPUT: x}, expected={TINY_OUTPUT: x * 2})
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(tiny.SHAPE)
+    payload = loadgen.Payload(tiny.MODEL, {tiny.INPUT: x}, expected={tiny.OUTPUT: x * 2})
     log("tiny: in-process floors (numpy, onnxruntime) ...")
     floors = _floors(max(1.0, args.duration))
     for label, floor in floors.items():
@@ -445,27 +446,36 @@ def _p99(trial: dict[str, Any] | None) -> float | None:
     return None if trial is None or trial["p99_ms"] is None else float(trial["p99_ms"])
 
 
+Measure = dict[str, Any] | None  # a trial, or a perf_analyzer row, or nothing
+
+
+def _versus(row: dict[str, Any], of: Callable[[str], Measure], triton: Measure, ml: Measure, ml0: Measure) -> dict[str, Any]:
+    """``row`` with both Quiver variants' req/s over Triton's and both MLServers', and their p99
+    over Triton's; ``of(key)``: a Quiver variant's measure."""
+    for key, tag in ((QUIVER, "quiver_python"), (QUIVER_ONNX, "quiver_onnx")):
+        quiver = of(key)
+        row[f"{tag}_vs_triton"] = _div(_rps(quiver), _rps(triton))
+        row[f"{tag}_vs_mlserver"] = _div(_rps(quiver), _rps(ml))
+        row[f"{tag}_vs_mlserver_workers0"] = _div(_rps(quiver), _rps(ml0))
+        row[f"{tag}_p99_vs_triton"] = _div(_p99(quiver), _p99(triton))
+    return row
+
+
 def _ratios(peers: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for encoding in args.encodings:
         for concurrency in args.concurrency:
-            triton = _trial(peers, TRITON, encoding, concurrency)
             ml, ml_basis = _mlserver_basis(peers, MLSERVER, encoding, concurrency)
             ml0, ml0_basis = _mlserver_basis(peers, MLSERVER0, encoding, concurrency)
             row: dict[str, Any] = {"encoding": encoding, "concurrency": concurrency,
                                    "mlserver_basis": ml_basis, "mlserver_workers0_basis": ml0_basis}
-            for key, tag in ((QUIVER, "quiver_python"), (QUIVER_ONNX, "quiver_onnx")):
-                quiver = _trial(peers, key, encoding, concurrency)
-                row[f"{tag}_vs_triton"] = _div(_rps(quiver), _rps(triton))
-                row[f"{tag}_vs_mlserver"] = _div(_rps(quiver), _rps(ml))
-                row[f"{tag}_vs_mlserver_workers0"] = _div(_rps(quiver), _rps(ml0))
-                row[f"{tag}_p99_vs_triton"] = _div(_p99(quiver), _p99(triton))
-            rows.append(row)
+            rows.append(_versus(row, lambda key, e=encoding, c=concurrency: _trial(peers, key, e, c),
+                                _trial(peers, TRITON, encoding, concurrency), ml, ml0))
     return rows
 
 
 def _pa_ratios(peers: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    def row_of(key: str, protocol: str, concurrency: int) -> dict[str, Any] | None:
+    def row_of(key: str, protocol: str, concurrency: int) -> Measure:
         rec = _peer(peers, key)
         for row in rec["perf_analyzer"] if rec else []:
             if row["protocol"] == protocol and row["concurrency"] == concurrency and "error" not in row:
@@ -475,16 +485,10 @@ def _pa_ratios(peers: list[dict[str, Any]], args: argparse.Namespace) -> list[di
     rows = []
     for protocol in ("http", "grpc"):
         for concurrency in args.concurrency:
-            triton = row_of(TRITON, protocol, concurrency)
-            ml, ml0 = row_of(MLSERVER, protocol, concurrency), row_of(MLSERVER0, protocol, concurrency)
             row: dict[str, Any] = {"protocol": protocol, "concurrency": concurrency}
-            for key, tag in ((QUIVER, "quiver_python"), (QUIVER_ONNX, "quiver_onnx")):
-                quiver = row_of(key, protocol, concurrency)
-                row[f"{tag}_vs_triton"] = _div(_rps(quiver), _rps(triton))
-                row[f"{tag}_vs_mlserver"] = _div(_rps(quiver), _rps(ml))
-                row[f"{tag}_vs_mlserver_workers0"] = _div(_rps(quiver), _rps(ml0))
-                row[f"{tag}_p99_vs_triton"] = _div(_p99(quiver), _p99(triton))
-            rows.append(row)
+            rows.append(_versus(row, lambda key, p=protocol, c=concurrency: row_of(key, p, c),
+                                row_of(TRITON, protocol, concurrency), row_of(MLSERVER, protocol, concurrency),
+                                row_of(MLSERVER0, protocol, concurrency)))
     return rows
 
 
@@ -558,18 +562,19 @@ def _verdicts(peers: list[dict[str, Any]], args: argparse.Namespace) -> tuple[li
 
 
 def _script_argv(workload: str, args: argparse.Namespace, out: Path) -> tuple[str, list[str], str]:
-    """(script, its arguments, the JSON it writes) with modest settings (smaller with --quick)."""
+    """(the benchmark's module, its arguments, the JSON it writes) with modest settings (smaller
+    with --quick)."""
     d, w = args.duration, args.warmup
     if workload == "resnet":
         batches = "1,8,16" if args.quick else "1,2,4,8,12,16,24,32"
-        return "batching.py", [
+        return "benchmarks.batching", [
             "--concurrency", "16", "--variants", "none,0",
             "--duration", f"{max(2.0, 2 * d):g}", "--warmup", f"{max(2.0, 4 * w):g}",
             "--ceiling-batches", batches, "--ceiling-seconds", "1" if args.quick else "2",
             "--output-dir", str(out),
         ], "batching.json"
     if workload == "text":
-        return "pipelines.py", [
+        return "benchmarks.pipelines", [
             "--pipelines", "text_pipeline",
             "--text-concurrency", ",".join(map(str, args.concurrency)),
             "--floor-batch", "8,32",
@@ -577,7 +582,7 @@ def _script_argv(workload: str, args: argparse.Namespace, out: Path) -> tuple[st
             "--output-dir", str(out),
         ], "pipelines.json"
     models, resident, requests = (60, 10, 200) if args.quick else (300, 30, 1500)
-    return "multi_model.py", [
+    return "benchmarks.multi_model", [
         "--models", str(models), "--resident", str(resident), "--requests", str(requests),
         "--output-dir", str(out),
     ], "multi_model.json"
@@ -586,14 +591,14 @@ def _script_argv(workload: str, args: argparse.Namespace, out: Path) -> tuple[st
 def run_script_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
     out = args.output_dir / SUBDIR
     out.mkdir(parents=True, exist_ok=True)
-    script, script_args, json_name = _script_argv(workload, args, out)
+    module, script_args, json_name = _script_argv(workload, args, out)
     result_path = out / json_name
     result_path.unlink(missing_ok=True)  # never fold in a stale result
-    log_path = out / f"{Path(script).stem}.log"
-    argv = [sys.executable, str(HERE / script), *script_args]
-    rec: dict[str, Any] = {"script": f"benchmarks/{script}", "argv": argv[1:], "log": str(log_path),
+    log_path = out / f"{module.rpartition('.')[2]}.log"
+    argv = [sys.executable, "-m", module, *script_args]
+    rec: dict[str, Any] = {"module": module, "argv": script_args, "log": str(log_path),
                            "json": str(result_path), "status": "ok", "error": None}
-    log(f"{workload}: {' '.join(['python', f'benchmarks/{script}', *script_args])}")
+    log(f"{workload}: {' '.join(['python', '-m', module, *script_args])}")
     began = time.monotonic()
     with log_path.open("wb") as sink:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -881,7 +886,7 @@ def _markdown_tiny(tiny: dict[str, Any], settings: dict[str, Any]) -> list[str]:
 
 def _markdown_script(key: str, title: str, rec: dict[str, Any]) -> list[str]:
     lines = [f"### {title}", "",
-             f"`python {rec['script']} {' '.join(rec['argv'][1:])}` ({rec.get('elapsed_s', '-')} s; "
+             f"`python -m {rec['module']} {' '.join(rec['argv'])}` ({rec.get('elapsed_s', '-')} s; "
              f"full output in `{Path(rec['json']).parent.name}/{Path(rec['json']).name}`).", ""]
     if rec["status"] != "ok":
         lines += [f"**{rec['status']}**: {rec['error']}", ""]
@@ -927,67 +932,6 @@ def _markdown_script(key: str, title: str, rec: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-# -- the plot (runs in the plotting venv) ---------------------------------------------------
-
-
-def plot_from(json_path: Path) -> int:
-    try:
-        import matplotlib
-    except ImportError:
-        print("--plot-from needs matplotlib (compare.py runs it in benchmarks/.work/plotvenv)", file=sys.stderr)
-        return 1
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    report = json.loads(json_path.read_text())
-    tiny = report["workloads"].get("tiny")
-    if not tiny:
-        print("no tiny workload in the report: nothing to plot", file=sys.stderr)
-        return 0
-    encodings = report["settings"]["encodings"]
-    fig, axes = plt.subplots(2, len(encodings), figsize=(5 * len(encodings), 8), squeeze=False)
-    for col, encoding in enumerate(encodings):
-        top, bottom = axes[0][col], axes[1][col]
-        for index, rec in enumerate(tiny["peers"]):
-            trials = sorted((t for t in rec["trials"] if t["encoding"] == encoding), key=lambda t: t["concurrency"])
-            if not trials:
-                continue
-            xs = [t["concurrency"] for t in trials]
-            style = {"marker": "o", "label": rec["name"], "color": f"C{index}"}  # one colour per peer
-            top.plot(xs, [t["req_per_s"] for t in trials], **style)
-            bottom.plot(xs, [t["p99_ms"] for t in trials], **style)
-        top.set_title(f"{ENCODING_LABEL[encoding]}: requests/s")
-        bottom.set_title(f"{ENCODING_LABEL[encoding]}: p99 latency")
-        for ax in (top, bottom):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(report["settings"]["concurrency"], [str(c) for c in report["settings"]["concurrency"]])
-            ax.set_xlabel("concurrency")
-            ax.grid(True, alpha=0.3)
-        top.set_ylabel("req/s")
-        top.set_ylim(bottom=0)
-        bottom.set_ylabel("p99 ms")
-        bottom.set_yscale("log")
-        if top.lines:
-            top.legend(fontsize=7)
-        else:
-            top.text(0.5, 0.5, "no trials", ha="center", transform=top.transAxes)
-    env = report["environment"]
-    fig.suptitle(f"tiny model, loadgen: {env['nproc']} cores, {env['date']}", fontsize=10)
-    fig.tight_layout()
-    png = json_path.with_suffix(".png")
-    fig.savefig(png, dpi=110)
-    print(f"wrote {png}", file=sys.stderr)
-    return 0
-
-
-def make_plot(json_path: Path) -> str:
-    """Draw compare.png with the plotting venv (made on first use); returns what happened."""
-    from common import plot_in_venv
-
-    return plot_in_venv(Path(__file__).resolve(), json_path)
-
-
 # -- main -----------------------------------------------------------------------------------
 
 
@@ -1017,23 +961,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="smoke run: 1 s trials after 0.5 s of warm-up (overrides --duration and --warmup), "
                              "small side workloads")
     parser.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
-                        help="only draw JSON's plot (a PNG beside it) from an earlier compare.json; needs matplotlib")
+                        help="only draw JSON's plot (a PNG beside it) from an earlier compare.json, with the "
+                             "plotting venv")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    for path in (str(HERE), str(ROOT)):  # loadgen/common as top-level modules, benchmarks.peers as a package
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    from common import command_line, environment
-
     started = time.monotonic()
     args.output_dir = args.output_dir.resolve()
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "benchmark": "compare",
-        "command": command_line(),
-        "environment": environment(("quiver", "onnxruntime", "onnx", "numpy", "tritonclient", "grpcio", "uvloop")),
+        "command": common.command_line(),
+        "environment": common.environment(("quiver", "onnxruntime", "onnx", "numpy", "tritonclient", "grpcio", "uvloop")),
         "load_avg_start": " / ".join(f"{v:.2f}" for v in os.getloadavg()),
         "settings": {
             "workloads": args.workloads, "peers": args.peers, "concurrency": args.concurrency,
@@ -1060,7 +1000,7 @@ def run(args: argparse.Namespace) -> int:
     md_path.write_text(markdown(report))
     log(f"wrote {md_path} and {json_path}")
     if report["workloads"].get("tiny"):
-        log(f"plot: {make_plot(json_path)}")
+        log(f"plot: {common.plot_in_venv('compare', json_path, json_path.with_suffix('.png'))}")
     tiny = report["workloads"].get("tiny")
     if tiny:
         for line in tiny["verdict_summary"]:
@@ -1093,7 +1033,7 @@ def _versions(report: dict[str, Any]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot_from is not None:
-        return plot_from(args.plot_from)
+        return common.plot_from("compare", args.plot_from, args.plot_from.with_suffix(".png"))
     if args.quick:
         args.duration, args.warmup = 1.0, 0.5
     signal.signal(signal.SIGTERM, _on_signal)

@@ -1,6 +1,7 @@
 """HTTP and gRPC throughput of Quiver on Triton's ``simple`` model, next to floors.
 
-Run: ``.venv/bin/python benchmarks/http_throughput.py`` (or ``make bench``); ``--help`` for options.
+Run: ``.venv/bin/python -m benchmarks.http_throughput`` from the repository root (or ``make
+bench``); ``--help`` for options.
 
 What it measures, per trial (fixed duration after a warm-up):
 
@@ -9,8 +10,8 @@ What it measures, per trial (fixed duration after a warm-up):
   concurrent worker, with JSON and with Triton's binary tensor extension; and over KServe v2
   gRPC (encoding ``grpc``: ``inference.GRPCInferenceService/ModelInfer`` with
   ``raw_input_contents``), one channel shared by the concurrent callers.
-* ``floor: raw HTTP``: a minimal uvloop + httptools server (in this file, run as a subprocess with
-  ``--serve-floor``) that answers the same requests with a fixed pre-encoded response. It is the
+* ``floor: raw HTTP``: a minimal uvloop + httptools server (in this module, run as a subprocess
+  with ``--serve-floor``) that answers the same requests with a fixed pre-encoded response. It is the
   cost of HTTP plus this client alone on this machine: no server can beat it here.
 * ``floor: raw gRPC``: a minimal ``grpc.aio`` server on uvloop (``--serve-grpc-floor``) whose
   ``ModelInfer`` returns a fixed, pre-built ``ModelInferResponse``: the cost of python gRPC (and
@@ -35,24 +36,20 @@ the table shows where the cores went: on a 2-core machine the client and the ser
 
 Results: a markdown table on stdout and in ``benchmarks/results/http_throughput.md``, the same as
 JSON in ``benchmarks/results/http_throughput.json``, per-request latencies in
-``benchmarks/results/raw/`` (gitignored), and with ``--plot`` a PNG if matplotlib is importable.
+``benchmarks/results/raw/`` (gitignored), and with ``--plot`` a PNG (drawn by the throwaway
+matplotlib venv, ``common.plot_in_venv``; ``--plot-from http_throughput.json`` draws it again).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,20 +57,16 @@ from typing import Any
 import numpy as np
 import orjson
 
+from benchmarks import common, loadgen
+from benchmarks.common import ROOT, command_line, run_async
+from benchmarks.peers import Endpoints, Server
+from benchmarks.peers.quiver import QuiverServer
+from examples.build_repository import SIMPLE_CONFIG, simple_onnx
+
 try:
     import psutil
 except ImportError:  # pragma: no cover - optional
     psutil = None  # type: ignore[assignment]
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "examples"))
-
-from build_repository import SIMPLE_CONFIG, simple_onnx  # noqa: E402
-
-import common  # noqa: E402
-import loadgen  # noqa: E402
-from common import command_line, run_async  # noqa: E402
 
 MODEL = "simple"
 INFER_PATH = f"/v2/models/{MODEL}/infer"
@@ -92,7 +85,6 @@ TARGET_LABELS = {
     "quiver": "quiver",
     "quiver-threaded": "quiver, every call on the instance thread",
 }
-STARTED = re.compile(r"started (?:floor )?(HTTP|GRPC) service at ([0-9.]+):(\d+)")
 
 
 def log(message: str) -> None:
@@ -191,7 +183,7 @@ async def _serve_floor(host: str, port: int) -> None:
     responses = {False: canned_response("json"), True: canned_response("binary")}
     server = await loop.create_server(lambda: _FloorProtocol(responses), host, port, backlog=1024)
     bound = server.sockets[0].getsockname()
-    print(f"started floor HTTP service at {bound[0]}:{bound[1]}", file=sys.stderr, flush=True)
+    print(f"started HTTP service at {bound[0]}:{bound[1]}", file=sys.stderr, flush=True)  # as Quiver says it
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -220,7 +212,7 @@ async def _serve_grpc_floor(host: str, port: int) -> None:
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    print(f"started floor GRPC service at {host}:{bound}", file=sys.stderr, flush=True)
+    print(f"started GRPC service at {host}:{bound}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -290,65 +282,6 @@ def run_ort_floor(model_path: Path, warmup: float, duration: float) -> TrialResu
 # -- servers as subprocesses ---------------------------------------------------------------
 
 
-class Server:
-    """A server subprocess whose stderr goes to a log file we watch for its port."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.host = ""
-        self.port = 0  # HTTP
-        self.grpc_port = 0
-
-    def tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
-
-    def wait_ready(self, protocols: tuple[str, ...] = ("HTTP",), timeout: float = 120.0) -> None:
-        """Until the log names a port for each of ``protocols`` (HTTP, GRPC), and HTTP health is 200."""
-        deadline = time.monotonic() + timeout
-        ports: dict[str, int] = {}
-        while not all(p in ports for p in protocols):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start in {timeout:.0f} s:\n{self.tail()}")
-            for match in STARTED.finditer(self.log_path.read_text(errors="replace")):
-                self.host = match.group(2)
-                ports[match.group(1)] = int(match.group(3))
-            time.sleep(0.05)
-        self.port, self.grpc_port = ports.get("HTTP", 0), ports.get("GRPC", 0)
-        if not self.port:
-            return
-        url = f"http://{self.host}:{self.port}/v2/health/ready"
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} never answered {url} with 200:\n{self.tail()}")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM, wait; the exit code, or None if it had to be killed."""
-        code: int | None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            code = None
-        self._log.close()
-        return code
-
-
 def target_encodings(target: str, encodings: list[str]) -> list[str]:
     """The encodings (protocols) ``target`` serves, of those asked for."""
     if target == "floor-http":
@@ -358,23 +291,33 @@ def target_encodings(target: str, encodings: list[str]) -> list[str]:
     return list(encodings)
 
 
-def drive(server: Server, target: str, args: argparse.Namespace, results: list[TrialResult]) -> None:
+def target_server(target: str, repo: Path, log: Path, args: argparse.Namespace) -> Server:
+    """The server ``target`` drives: a floor (this module with ``--serve-floor`` or
+    ``--serve-grpc-floor``), or ``quiver serve`` (without inline execution for ``quiver-threaded``)."""
+    listeners = ("GRPC",) if target == "floor-grpc" else ("HTTP",) if target == "floor-http" else ("HTTP", "GRPC", "Metrics")
+    if target.startswith("floor"):
+        flag = "--serve-grpc-floor" if target == "floor-grpc" else "--serve-floor"
+        argv = [sys.executable, "-m", "benchmarks.http_throughput", flag, "0"]
+        return Server(target, argv, log=log, listeners=listeners, cwd=ROOT, stop_timeout=30.0)
+    flags = ["--inline-execution-threshold-us", "0"] if target == "quiver-threaded" else []
+    return QuiverServer(repo, flags, log=log, listeners=listeners, executable=args.quiver, name=target, stop_timeout=30.0)
+
+
+def drive(endpoints: Endpoints, target: str, args: argparse.Namespace, results: list[TrialResult]) -> None:
     encodings = target_encodings(target, args.encodings)
-    port_of = {"json": server.port, "binary": server.port, "grpc": server.grpc_port}
     for encoding in encodings:
-        loadgen.sanity_check(server.host, port_of[encoding], encoding, PAYLOAD)
+        loadgen.sanity_check(*endpoints.address(encoding), encoding, PAYLOAD)
     for encoding in encodings:
         for concurrency in args.concurrency:
             log(f"{target} {encoding} c={concurrency}: {args.warmup:g} s warm-up + {args.duration:g} s ...")
             res = loadgen.run_trial(
-                server.host,
-                port_of[encoding],
+                *endpoints.address(encoding),
                 encoding,
                 concurrency,
                 args.warmup,
                 args.duration,
                 PAYLOAD,
-                server.proc.pid,
+                endpoints.pid,
                 args.check_every,
                 result=TrialResult(target=target),
             )
@@ -395,10 +338,6 @@ def summary(r: TrialResult) -> str:
     )
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
 def markdown_table(results: list[TrialResult]) -> str:
     head = (
         "| target | encoding | concurrency | req/s | p50 ms | p90 ms | p99 ms | errors "
@@ -406,11 +345,10 @@ def markdown_table(results: list[TrialResult]) -> str:
     )
     rows = [head, "|" + "---|" * 3 + "---:|" * 7]
     for r in results:
-        server = "-" if r.server_cpu_pct is None else f"{r.server_cpu_pct:.0f}"
+        latency = " | ".join(common.dash(ms, ".3f") for ms in (r.p50_ms, r.p90_ms, r.p99_ms))
         rows.append(
-            f"| {TARGET_LABELS[r.target]} | {r.encoding} | {r.concurrency} | {r.req_per_s:,.0f} "
-            f"| {_ms(r.p50_ms)} | {_ms(r.p90_ms)} | {_ms(r.p99_ms)} | {r.errors} "
-            f"| {r.client_cpu_pct:.0f} | {server} |"
+            f"| {TARGET_LABELS[r.target]} | {r.encoding} | {r.concurrency} | {r.req_per_s:,.0f} | {latency} "
+            f"| {r.errors} | {r.client_cpu_pct:.0f} | {common.dash(r.server_cpu_pct, '.0f')} |"
         )
     return "\n".join(rows)
 
@@ -469,37 +407,6 @@ def markdown_report(env: dict[str, Any], cmd: str, args: argparse.Namespace, res
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[TrialResult], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("--plot: matplotlib is not importable; skipping the plot")
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series: dict[tuple[str, str], list[TrialResult]] = {}
-    for r in results:
-        if r.target != "floor-ort":
-            series.setdefault((r.target, r.encoding), []).append(r)
-    for (target, encoding), rows in series.items():
-        rows.sort(key=lambda r: r.concurrency)
-        ax.plot([r.concurrency for r in rows], [r.req_per_s for r in rows], marker="o", label=f"{TARGET_LABELS[target]}, {encoding}")
-    for r in results:
-        if r.target == "floor-ort":
-            ax.axhline(r.req_per_s, linestyle="--", color="grey", label=TARGET_LABELS[r.target])
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("requests/s")
-    ax.set_title("simple model over HTTP and gRPC")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    log(f"wrote {path}")
-
-
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -541,10 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--targets", type=_csv(str, TARGETS), default=list(TARGETS), metavar="T,T,...", help=f"which of {', '.join(TARGETS)} to run (default: all)")
     parser.add_argument("--check-every", type=int, default=50, metavar="N", help="decode and check one response in N (and each connection's first) (default: 50)")
-    parser.add_argument("--output-dir", type=Path, default=HERE / "results", metavar="DIR", help="where results go (default: benchmarks/results)")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results", metavar="DIR", help="where results go (default: benchmarks/results)")
     parser.add_argument("--no-raw", action="store_true", help="don't write per-request latencies to OUTPUT_DIR/raw/")
-    parser.add_argument("--plot", action="store_true", help="also write OUTPUT_DIR/http_throughput.png (needs matplotlib)")
-    parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: next to this Python)")
+    parser.add_argument("--plot", action="store_true", help="also write OUTPUT_DIR/http_throughput.png (with the plotting venv)")
+    parser.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
+                        help="only draw OUTPUT_DIR/http_throughput.png from an earlier http_throughput.json")
+    parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: the one next to this Python, else .venv/bin/quiver)")
     parser.add_argument("--serve-floor", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--serve-grpc-floor", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     return parser
@@ -556,9 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_floor_server("127.0.0.1", args.serve_floor)
     if args.serve_grpc_floor is not None:
         return run_grpc_floor_server("127.0.0.1", args.serve_grpc_floor)
+    if args.plot_from is not None:
+        return common.plot_from("http_throughput", args.plot_from, args.output_dir / "http_throughput.png")
     if args.duration <= 0 or args.warmup < 0 or args.check_every < 1:
         raise SystemExit("--duration must be > 0, --warmup >= 0, --check-every >= 1")
-    quiver_exe = args.quiver or str(Path(sys.executable).parent / "quiver")
     env = environment()
     cmd = command_line()
     results: list[TrialResult] = []
@@ -569,14 +479,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
         repo = Path(tmp) / "repository"
-        model_path = repo / MODEL / "1" / "model.onnx"
-        model_path.parent.mkdir(parents=True)
         import onnx
 
         model = simple_onnx()
         onnx.checker.check_model(model)
-        onnx.save(model, str(model_path))
-        (repo / MODEL / "config.pbtxt").write_text(SIMPLE_CONFIG)
+        model_path = common.test_support("models").write_onnx(repo, MODEL, model, SIMPLE_CONFIG) / "1" / "model.onnx"
 
         try:
             if "floor-ort" in args.targets:
@@ -589,24 +496,13 @@ def main(argv: list[str] | None = None) -> int:
                 encodings = target_encodings(target, args.encodings)
                 if target not in args.targets or not encodings:
                     continue
-                protocols = tuple(sorted({"GRPC" if e == "grpc" else "HTTP" for e in encodings}, reverse=True))
-                if target == "floor-grpc":
-                    argv_ = [sys.executable, str(Path(__file__).resolve()), "--serve-grpc-floor", "0"]
-                elif target.startswith("quiver"):
-                    argv_ = [quiver_exe, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0"]
-                    if target == "quiver-threaded":  # the same server without inline execution
-                        argv_ += ["--inline-execution-threshold-us", "0"]
-                else:
-                    argv_ = [sys.executable, str(Path(__file__).resolve()), "--serve-floor", "0"]
-                log(f"{target}: starting {shlex.join(argv_)}")
-                server = Server(target, argv_, Path(tmp) / f"{target}.log")
+                server = target_server(target, repo, Path(tmp) / f"{target}.log", args)
+                log(f"{target}: starting {shlex.join(server.argv)}")
                 try:
-                    server.wait_ready(protocols)
-                    ports = ", ".join(
-                        f"{p} {port}" for p, port in (("HTTP", server.port), ("gRPC", server.grpc_port)) if port
-                    )
-                    log(f"{target}: ready at {server.host} ({ports}; pid {server.proc.pid})")
-                    drive(server, target, args, results)
+                    endpoints = server.start()
+                    ports = ", ".join(f"{p} {a}" for p, a in (("HTTP", endpoints.http), ("gRPC", endpoints.grpc)) if a)
+                    log(f"{target}: ready at {ports}; pid {endpoints.pid}")
+                    drive(endpoints, target, args, results)
                 finally:
                     code = server.stop()
                     exit_codes[target] = code
@@ -632,17 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(results)
     print(table)
     out: Path = args.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    report = markdown_report(env, cmd, args, results, notes)
-    (out / "http_throughput.md").write_text(report)
     payload = {
         "benchmark": "http_throughput",
         "command": cmd,
         "environment": env,
         "settings": {
-            "concurrency": args.concurrency,
-            "duration_s": args.duration,
-            "warmup_s": args.warmup,
+            **common.trial_settings(args),
             "encodings": args.encodings,
             "check_every": args.check_every,
         },
@@ -653,8 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in results
         ],
     }
-    (out / "http_throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
-    log(f"wrote {out / 'http_throughput.md'} and {out / 'http_throughput.json'}")
+    log(common.write_results(out, "http_throughput", markdown_report(env, cmd, args, results, notes), payload))
     if not args.no_raw:
         raw_dir = out / "raw"
         raw_dir.mkdir(exist_ok=True)
@@ -665,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         log(f"wrote per-request latencies (ns) to {raw_path}")
     if args.plot:
-        plot(results, out / "http_throughput.png")
+        log(f"plot: {common.plot_in_venv('http_throughput', out / 'http_throughput.json', out / 'http_throughput.png')}")
     return status
 
 

@@ -49,15 +49,15 @@ API::
     sanity_check(host, port, encoding, payload, timeout=30.0) -> dict[str, np.ndarray]
     zipf_sequence(n_models, s, length, seed=0) -> list[int]
 
-Self-test: ``.venv/bin/python benchmarks/loadgen.py --selftest`` (response framing, then a
-``quiver serve`` of Triton's ``simple`` model in all three encodings, and a Zipf mix over copies).
+Self-test: ``.venv/bin/python -m benchmarks.loadgen --selftest`` from the repository root
+(response framing, then a ``quiver serve`` of Triton's ``simple`` model in all three encodings,
+and a Zipf mix over copies).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import re
 import struct
 import sys
@@ -72,11 +72,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from common import cpu_seconds, run_async  # noqa: E402
+from benchmarks.common import cpu_seconds, run_async
 
 ENCODINGS = ("json", "binary", "grpc")
 
@@ -924,7 +920,20 @@ async def run_trial_async(
     rate: float | None = None,
     request_timeout_s: float | None = None,
 ) -> TrialResult:
-    """:func:`run_trial` on the running event loop."""
+    """Drive ``host:port`` (the HTTP port, or the gRPC port for ``grpc``) with ``concurrency``
+    requests in flight: ``warmup_s`` seconds, then ``duration_s`` measured.
+
+    ``encoding``: ``json``, ``binary`` (Triton's binary tensor extension, outputs asked for as
+    binary) or ``grpc``. ``payloads``: one, or several taken in the order of ``mix`` (payload
+    indices, cycled) or in turn. ``server_pid``: the server whose CPU (with its children) is
+    measured over the window. ``check_every``: decode and check one answer in N. ``progress``:
+    seconds between progress lines on stderr, or None for none. ``result``: an instance (of a
+    subclass, say) to fill in. ``on_begin``/``on_end``: blocking callables run (in a thread)
+    just before the measured window opens and just after it closes, e.g. to read server
+    statistics. ``drain_timeout_s``: how long requests in flight at the end may take.
+    ``rate``: at most that many requests per second in all (paced; default: as fast as answers
+    come). ``request_timeout_s``: a request unanswered after that long counts as a timeout.
+    """
     payloads = [payloads] if isinstance(payloads, Payload) else list(payloads)
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding {encoding!r}: choose from {', '.join(ENCODINGS)}")
@@ -966,47 +975,10 @@ async def run_trial_async(
     return result
 
 
-def run_trial(
-    host: str,
-    port: int,
-    encoding: str,
-    concurrency: int,
-    warmup_s: float,
-    duration_s: float,
-    payloads: Payload | Sequence[Payload],
-    server_pid: int | None = None,
-    check_every: int = 50,
-    mix: Sequence[int] | None = None,
-    progress: float | None = 1.0,
-    *,
-    result: TrialResult | None = None,
-    on_begin: Callable[[], Any] | None = None,
-    on_end: Callable[[], Any] | None = None,
-    drain_timeout_s: float = 60.0,
-    rate: float | None = None,
-    request_timeout_s: float | None = None,
-) -> TrialResult:
-    """Drive ``host:port`` (the HTTP port, or the gRPC port for ``grpc``) with ``concurrency``
-    requests in flight: ``warmup_s`` seconds, then ``duration_s`` measured.
-
-    ``encoding``: ``json``, ``binary`` (Triton's binary tensor extension, outputs asked for as
-    binary) or ``grpc``. ``payloads``: one, or several taken in the order of ``mix`` (payload
-    indices, cycled) or in turn. ``server_pid``: the server whose CPU (with its children) is
-    measured over the window. ``check_every``: decode and check one answer in N. ``progress``:
-    seconds between progress lines on stderr, or None for none. ``result``: an instance (of a
-    subclass, say) to fill in. ``on_begin``/``on_end``: blocking callables run (in a thread)
-    just before the measured window opens and just after it closes, e.g. to read server
-    statistics. ``drain_timeout_s``: how long requests in flight at the end may take.
-    ``rate``: at most that many requests per second in all (paced; default: as fast as answers
-    come). ``request_timeout_s``: a request unanswered after that long counts as a timeout.
-    """
-    return run_async(  # type: ignore[no-any-return]
-        run_trial_async(
-            host, port, encoding, concurrency, warmup_s, duration_s, payloads, server_pid, check_every, mix, progress,
-            result=result, on_begin=on_begin, on_end=on_end, drain_timeout_s=drain_timeout_s,
-            rate=rate, request_timeout_s=request_timeout_s,
-        )
-    )
+def run_trial(*args: Any, **kwargs: Any) -> TrialResult:
+    """:func:`run_trial_async` (same arguments) on an event loop of its own: uvloop when it is
+    installed (``common.run_async``)."""
+    return run_async(run_trial_async(*args, **kwargs))  # type: ignore[no-any-return]
 
 
 def _finish(run: _Run, marks: dict[str, float | None]) -> None:
@@ -1237,66 +1209,43 @@ def _selftest_framing(duration: float) -> None:
 
 def _selftest(args: argparse.Namespace) -> int:
     import shlex
-    import signal
-    import subprocess
     import tempfile
 
-    sys.path.insert(0, str(HERE.parent / "examples"))
-    import onnx
-    from build_repository import SIMPLE_CONFIG, simple_onnx
+    from benchmarks.common import test_support
+    from benchmarks.peers.quiver import QuiverServer
+    from examples.build_repository import SIMPLE_CONFIG, simple_onnx
 
     print("loadgen self-test: response framings (byte by byte, then live)", file=sys.stderr)
     _selftest_framing(args.duration / 2)
 
     names = ["simple", *(f"simple_{k}" for k in range(1, args.models))]
-    quiver = args.quiver or str(Path(sys.executable).parent / "quiver")
     with tempfile.TemporaryDirectory(prefix="loadgen-selftest-") as tmp:
         repo = Path(tmp) / "repository"
-        model = simple_onnx()
+        model, models = simple_onnx(), test_support("models")
         for name in names:
-            (repo / name / "1").mkdir(parents=True)
-            onnx.save(model, str(repo / name / "1" / "model.onnx"))
-            (repo / name / "config.pbtxt").write_text(SIMPLE_CONFIG.replace('name: "simple"', f'name: "{name}"'))
-        argv = [quiver, "serve", "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0"]
-        print(f"loadgen self-test: {shlex.join(argv)}", file=sys.stderr)
-        log_path = Path(tmp) / "server.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            ports: dict[str, tuple[str, int]] = {}
-            deadline = time.monotonic() + 120
-            while len(ports) < 2:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"quiver did not start:\n{log_path.read_text(errors='replace')[-3000:]}")
-                for m in re.finditer(r"started (HTTP|GRPC) service at ([0-9.]+):(\d+)", log_path.read_text(errors="replace")):
-                    ports[m.group(1)] = (m.group(2), int(m.group(3)))
-                time.sleep(0.1)
-            (host, http_port), (_, grpc_port) = ports["HTTP"], ports["GRPC"]
-            while True:
-                with contextlib.suppress(OSError), urllib.request.urlopen(f"http://{host}:{http_port}/v2/health/ready", timeout=5):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("quiver never became ready")
-                time.sleep(0.1)
+            models.write_onnx(repo, name, model, SIMPLE_CONFIG.replace('name: "simple"', f'name: "{name}"'))
+        server = QuiverServer(repo, log=Path(tmp) / "server.log", executable=args.quiver, stop_timeout=30.0)
+        print(f"loadgen self-test: {shlex.join(server.argv)}", file=sys.stderr)
+        with server:
+            endpoints, pid = server.endpoints, server.pid
             payloads = [_simple_payload(name) for name in names]
-            port_of = {"json": http_port, "binary": http_port, "grpc": grpc_port}
             wrong = _simple_payload()
             wrong.expected = {"OUTPUT0": np.zeros((1, 16), np.int32)}
             for encoding in ENCODINGS:
-                sanity_check(host, port_of[encoding], encoding, payloads[0])
+                sanity_check(*endpoints.address(encoding), encoding, payloads[0])
                 try:
-                    sanity_check(host, port_of[encoding], encoding, wrong)
+                    sanity_check(*endpoints.address(encoding), encoding, wrong)
                 except RuntimeError as exc:
                     print(f"  sanity check of a wrong expectation raised, as it should: {exc}", file=sys.stderr)
                 else:
                     raise AssertionError("sanity_check accepted a wrong answer")
             rows: list[tuple[str, TrialResult]] = []
             for encoding in ENCODINGS:
-                res = run_trial(host, port_of[encoding], encoding, args.concurrency, args.warmup, args.duration, payloads[0], proc.pid)
+                res = run_trial(*endpoints.address(encoding), encoding, args.concurrency, args.warmup, args.duration, payloads[0], pid)
                 rows.append((encoding, res))
             mix = zipf_sequence(len(payloads), args.zipf, 10_000, seed=1)
             for encoding in ("binary", "grpc"):
-                res = run_trial(host, port_of[encoding], encoding, args.concurrency, args.warmup, args.duration, payloads, proc.pid, mix=mix)
+                res = run_trial(*endpoints.address(encoding), encoding, args.concurrency, args.warmup, args.duration, payloads, pid, mix=mix)
                 rows.append((f"{encoding}, zipf {args.zipf:g} over {len(payloads)}", res))
             # paced trials, and requests the server must refuse (an unknown model: 404 / NOT_FOUND)
             unknown = _simple_payload("no_such_model")
@@ -1305,7 +1254,7 @@ def _selftest(args: argparse.Namespace) -> int:
             for encoding in ENCODINGS:
                 bad = [unknown] if encoding == "grpc" else [unknown, malformed]
                 rate = 100.0
-                res = run_trial(host, port_of[encoding], encoding, 2, 0.2, args.duration, [payloads[0], *bad],
+                res = run_trial(*endpoints.address(encoding), encoding, 2, 0.2, args.duration, [payloads[0], *bad],
                                 progress=None, rate=rate, request_timeout_s=10)
                 print(f"  {encoding}, paced at {rate:g}/s with refusals: {res.req_per_s:.1f} req/s, "
                       f"{res.rejected} rejected, errors {res.errors}", file=sys.stderr)
@@ -1314,15 +1263,8 @@ def _selftest(args: argparse.Namespace) -> int:
                 # a good request marked as one to refuse: every answer is then an error
                 wrong_ok = _simple_payload()
                 wrong_ok.status, wrong_ok.grpc_status = 404, "NOT_FOUND"
-                res = run_trial(host, port_of[encoding], encoding, 1, 0.0, 0.3, wrong_ok, progress=None)
+                res = run_trial(*endpoints.address(encoding), encoding, 1, 0.0, 0.3, wrong_ok, progress=None)
                 assert res.errors == res.requests > 0 and res.rejected == 0, (encoding, res)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
     print("| trial | req/s | p50 ms | p99 ms | errors | client CPU % | server CPU % | requests per model |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for label, r in rows:
@@ -1353,7 +1295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4, metavar="N", help="default: 4")
     parser.add_argument("--models", type=int, default=4, metavar="N", help="copies of simple in the Zipf trial (default: 4)")
     parser.add_argument("--zipf", type=float, default=1.2, metavar="S", help="Zipf exponent of the multi-model trial (default: 1.2)")
-    parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: next to this Python)")
+    parser.add_argument("--quiver", default=None, metavar="PATH", help="the quiver executable (default: the one next to this Python, else .venv/bin/quiver)")
     args = parser.parse_args(argv)
     if not args.selftest:
         parser.print_help()

@@ -26,11 +26,12 @@ Reported:
   rest, next to a raw boto3 download of the same archive + extraction + session + run,
   in-process.
 
-Run: ``python benchmarks/multi_model.py [--source s3] [--models 1000 --resident 100 --requests 5000]``.
-Writes ``benchmarks/results/multi_model.{md,json}`` (``multi_model_s3.*`` for S3). The JSON
-keeps every request (kind and latency); ``--plot-from FILE.json`` draws ``FILE.png`` from it
-(hit rate over the trace for Quiver, LRU simulated and Belady, and latency of hits and
-misses) with any Python that has matplotlib, which the project does not need.
+Run: ``python -m benchmarks.multi_model [--source s3] [--models 1000 --resident 100 --requests
+5000]`` from the repository root (or ``make bench-multi-model``). Writes
+``benchmarks/results/multi_model.{md,json}`` (``multi_model_s3.*`` for S3). The JSON keeps every
+request (kind and latency); ``--plot-from FILE.json`` draws ``FILE.png`` from it (hit rate over
+the trace for Quiver, LRU simulated and Belady, and latency of hits and misses) with the
+throwaway matplotlib venv (``common.plot_in_venv``), since the project does not need matplotlib.
 """
 
 from __future__ import annotations
@@ -40,10 +41,7 @@ import io
 import json
 import math
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -55,8 +53,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+from benchmarks import common
+from benchmarks.common import ROOT
+from benchmarks.peers.quiver import QuiverServer
+
+RESULTS = ROOT / "benchmarks" / "results"
 BUCKET = "bench"
 PREFIX = "models"
 CONFIG = """name: "{name}"
@@ -133,13 +134,8 @@ SAMPLES = (
 
 def metrics(url: str) -> dict[str, float]:
     """The unlabelled samples of ``SAMPLES`` (0 when absent)."""
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
-    found = {}
-    for name in SAMPLES:
-        match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-        found[name] = float(match.group(1)) if match else 0.0
-    return found
+    found = common.scrape(url, SAMPLES)
+    return {name: found.get(name, 0.0) for name in SAMPLES}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -194,28 +190,18 @@ def belady_per_request(trace: list[str], capacity: int) -> list[bool]:
     return hits
 
 
-def start_server(
-    cmd: list[str], logfile: Path, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[bytes], str, str]:
-    log(" ".join(cmd))
-    with logfile.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    http = metrics_at = ""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (http and metrics_at):
-        text = logfile.read_text()
-        if m := re.search(r"started HTTP service at ([\d.]+:\d+)", text):
-            http = m.group(1)
-        if m := re.search(r"started Metrics service at ([\d.]+:\d+)", text):
-            metrics_at = m.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    if not (http and metrics_at):
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(f"server did not start:\n{logfile.read_text()}")
-    return proc, http, metrics_at
+def serve_and_replay(
+    repository: str, flags: list[str], logfile: Path, trace: list[str], value_of: dict[str, int],
+    env: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], int | None]:
+    """``quiver serve`` on ``repository`` with ``flags``, :func:`replay` against it, then stop it:
+    the replay, and the server's exit code (None if it had to be killed)."""
+    server = QuiverServer(repository, flags, log=logfile, env=env, ready_path=None, timeout=60.0, stop_timeout=60.0)
+    log(" ".join(server.argv))
+    with server:
+        endpoints = server.endpoints
+        run = replay(str(endpoints.http), f"http://{endpoints.metrics}/metrics", trace, value_of)
+    return run, server.exit_code
 
 
 def replay(
@@ -360,12 +346,11 @@ def main() -> int:
         "--plot-from",
         type=Path,
         metavar="JSON",
-        help="only draw JSON's plot (a PNG beside it) from an earlier run; needs matplotlib",
+        help="only draw JSON's plot (a PNG beside it) from an earlier run, with the plotting venv",
     )
     args = parser.parse_args()  # fmt: skip
     if args.plot_from:
-        plot(args.plot_from)
-        return 0
+        return common.plot_from("multi_model", args.plot_from, args.plot_from.with_suffix(".png"))
 
     from quiver.lifecycle.eviction import (
         GreedyDualSizePolicy,
@@ -382,7 +367,6 @@ def main() -> int:
     s3_mode = args.source == "s3"
     trace = [f"model_{i:05d}.tar.gz" if s3_mode else f"model_{i:05d}" for i in ranks]
     value_of = {name: i for name, i in zip(trace, ranks, strict=True)}
-    exe = str(Path(sys.executable).parent / "quiver")
     with tempfile.TemporaryDirectory(prefix="quiver-mm-") as tmp_name:
         tmp = Path(tmp_name)
         sample_size = len(model(0.0))
@@ -392,30 +376,17 @@ def main() -> int:
         # plus the one-time cost the first onnxruntime session of a process pays (measured
         # into the first model loaded), so the budget holds `resident` models after it
         limit = per_model * args.resident + 16 * MB
-        common = [
-            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-            "--model-control-mode", "on_demand", "--model-memory-limit", str(limit),
-        ]  # fmt: skip
+        flags = ["--model-control-mode", "on_demand", "--model-memory-limit", str(limit)]
         if not s3_mode:
             repo = tmp / "models"
             repo.mkdir()
             log(f"building {args.models} models")
             build(repo, args.models)
-            proc, http, metrics_at = start_server(
-                [exe, "serve", "--model-repository", str(repo), *common], tmp / "server.log"
-            )
-            try:
-                run = replay(http, f"http://{metrics_at}/metrics", trace, value_of)
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                code = proc.wait(60)
+            run, code = serve_and_replay(str(repo), flags, tmp / "server.log", trace, value_of)
             floor = local_floor(repo)
             archive_bytes = 0
         else:
-            sys.path.insert(0, str(HERE.parent / "tests"))
-            from support.s3 import SeaweedS3
-
-            with SeaweedS3(tmp / "s3") as store:
+            with common.test_support("s3").SeaweedS3(tmp / "s3") as store:
                 log(f"SeaweedFS S3 at {store.endpoint}; uploading {args.models} archives")
                 client = store.client(timeout=30)
                 client.create_bucket(Bucket=BUCKET)
@@ -432,22 +403,15 @@ def main() -> int:
                     archive_bytes = max(pool.map(upload, range(args.models)))
                 log(f"uploaded in {time.monotonic() - t0:.1f}s")
                 env = {
-                    **os.environ,
                     "AWS_ACCESS_KEY_ID": store.access_key,
                     "AWS_SECRET_ACCESS_KEY": store.secret_key,
                     "AWS_REGION": "us-east-1",
                 }
-                cmd = [
-                    exe, "serve", "--model-repository", f"s3://{BUCKET}/{PREFIX}",
+                s3_flags = [
                     "--s3-endpoint-url", store.endpoint, "--model-cache-dir", str(tmp / "cache"),
-                    "--model-cache-size", "2G", *common,
+                    "--model-cache-size", "2G", *flags,
                 ]  # fmt: skip
-                proc, http, metrics_at = start_server(cmd, tmp / "server.log", env)
-                try:
-                    run = replay(http, f"http://{metrics_at}/metrics", trace, value_of)
-                finally:
-                    proc.send_signal(signal.SIGTERM)
-                    code = proc.wait(60)
+                run, code = serve_and_replay(f"s3://{BUCKET}/{PREFIX}", s3_flags, tmp / "server.log", trace, value_of, env)
                 # the floor on archives the trace never asked for (nothing is warm anywhere)
                 unasked = [
                     f"model_{i:05d}.tar.gz"
@@ -485,7 +449,7 @@ def main() -> int:
                 "download_p50": median(down), "load_p50": median(load), "rest_p50": median(rest)}  # fmt: skip
 
     result: dict[str, Any] = {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": common.command_line(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": {"nproc": os.cpu_count()},
         "source": args.source,
@@ -532,7 +496,7 @@ def main() -> int:
     rows = [
         f"# Multi-model: Zipf({args.zipf}) over {args.models} models {where}, memory for {args.resident}",
         "",
-        f"- Command: `python benchmarks/{result['command']}`",
+        f"- Command: `{result['command']}`",
         f"- Date: {result['date']}; {os.cpu_count()} cores; {args.requests} requests one at a "
         f"time over HTTP (JSON), {result['distinct_models_requested']} distinct models requested.",
         "- Hit or miss is exact per request: the server's `quiver_model_cache_miss_total` read after each.",
@@ -581,73 +545,6 @@ def main() -> int:
     (args.output_dir / f"{stem}.md").write_text(table)
     print(table)
     return 0 if code == 0 else 1
-
-
-def plot(source: Path) -> None:
-    """Hit rate over the trace (Quiver, LRU simulated, Belady; a sliding window) and the
-    latency of each request by kind, from a JSON this script wrote."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    data = json.loads(source.read_text())
-    per = data["per_request"]
-    window = max(10, min(250, len(per["kinds"]) // 10))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
-    for label, seq, style in (
-        ("Quiver (LRU)", [k == "H" for k in per["kinds"]], "-"),
-        ("LRU simulated", [k == "H" for k in per["lru_simulated"]], "--"),
-        ("Belady MIN (offline optimum)", [k == "H" for k in per["belady"]], ":"),
-    ):
-        hits = np.array(seq, dtype=float)
-        rolling = np.convolve(hits, np.ones(window) / window, mode="valid")
-        top.plot(
-            np.arange(window, len(hits) + 1),
-            rolling,
-            style,
-            label=f"{label}: {hits.mean():.3f} overall",
-        )
-    top.set_ylabel(f"hit rate, last {window} requests")
-    top.set_ylim(0, 1)
-    top.legend(loc="lower right", fontsize=8)
-    top.grid(alpha=0.3)
-    where = "S3 (SeaweedFS), .tar.gz archives" if data.get("source") == "s3" else "local folders"
-    top.set_title(
-        f"Zipf({data['zipf']}) over {data['models']} models from {where}, "
-        f"memory for {data['resident']} (room {data['most_models_loaded_at_once']})",
-        fontsize=10,
-    )
-    latency = np.array(per["latency_ms"])
-    index = np.arange(len(latency))
-    for kind, label, color in (
-        ("H", "hit", "tab:green"),
-        (
-            "M",
-            "miss, model from the disk cache" if data.get("source") == "s3" else "miss",
-            "tab:orange",
-        ),
-        ("C", "miss, downloaded from S3 (cold)", "tab:red"),
-    ):
-        mask = np.array([k == kind for k in per["kinds"]])
-        if mask.any():
-            p50 = float(np.median(latency[mask]))
-            bottom.scatter(index[mask], latency[mask], s=3, color=color, alpha=0.5,
-                           label=f"{label}: {mask.sum()}, p50 {p50:.1f} ms")  # fmt: skip
-    floor = data["cold_floor_ms"]["total_ms"]
-    bottom.axhline(
-        floor, color="black", lw=0.8, ls="--", label=f"cold floor in-process: {floor:.1f} ms"
-    )
-    bottom.set_yscale("log")
-    bottom.set_ylabel("request latency, ms (log)")
-    bottom.set_xlabel("request in the trace")
-    bottom.legend(loc="upper right", fontsize=8, markerscale=3)
-    bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    out = source.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    print(out)
 
 
 if __name__ == "__main__":

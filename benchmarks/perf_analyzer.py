@@ -27,9 +27,10 @@ step raises :class:`PerfAnalyzerError` whose message says what failed.
 perf_analyzer reads the server's model metadata, model configuration and statistics before it
 sends load, and stops at the first failed request, so a run also checks those extensions.
 
-Run this file to set up and smoke-test it against Quiver (HTTP and gRPC, concurrency 1 and 8)::
+Run this module to set up and smoke-test it against Quiver (the ``tiny`` workload's ONNX model,
+HTTP and gRPC, concurrency 1 and 8), from the repository root::
 
-    .venv/bin/python benchmarks/perf_analyzer.py
+    .venv/bin/python -m benchmarks.perf_analyzer
 """
 
 from __future__ import annotations
@@ -49,9 +50,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make ``benchmarks.peers`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.peers import PeerError
 
@@ -469,71 +467,6 @@ def _run_measured(
 # -- smoke check --------------------------------------------------------------------------
 
 
-def _tiny_repository(root: Path) -> None:
-    """Model ``tiny``: ONNX, INPUT0 FP32 [1, 16] -> OUTPUT0 = INPUT0 * 2, no batching."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["INPUT0", "two"], ["OUTPUT0"])],
-        "tiny",
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, [1, 16])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, [1, 16])],
-        [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    onnx.checker.check_model(model)
-    (root / "tiny" / "1").mkdir(parents=True)
-    onnx.save(model, str(root / "tiny" / "1" / "model.onnx"))
-    (root / "tiny" / "config.pbtxt").write_text(
-        'name: "tiny"\n'
-        'platform: "onnxruntime_onnx"\n'
-        "max_batch_size: 0\n"
-        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1, 16 ] } ]\n'
-        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1, 16 ] } ]\n'
-    )
-
-
-_STARTED = re.compile(r"started (HTTP|GRPC) service at (\S+):(\d+)")
-
-
-def _start_quiver(
-    repository: Path, log: Path, timeout: float = 60
-) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    """``quiver serve`` on free ports; returns the process and {"http": host:port, "grpc": ...}."""
-    argv = [
-        sys.executable, "-m", "quiver", "serve", "--model-repository", str(repository),
-        "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        found = {m.group(1).lower(): f"{m.group(2)}:{m.group(3)}" for m in _STARTED.finditer(text)}
-        if len(found) == 2:
-            return proc, found
-        if proc.poll() is not None:
-            raise RuntimeError(f"quiver exited with {proc.returncode}: {_tail(text)}")
-        time.sleep(0.1)
-    _stop(proc)
-    raise RuntimeError(f"quiver did not start within {timeout:.0f} s: {_tail(log.read_text())}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-
-
 def main() -> int:
     start = time.monotonic()
     try:
@@ -548,14 +481,14 @@ def main() -> int:
     for name, where in install.resolved.items():
         print(f"  {name} => {where}")
 
+    from benchmarks.peers.quiver import QuiverPeer
+
     failures = 0
     with tempfile.TemporaryDirectory(prefix="quiver-perf-analyzer-") as tmp:
-        repository = Path(tmp) / "models"
-        _tiny_repository(repository)
-        log = Path(tmp) / "quiver.log"
-        proc, endpoints = _start_quiver(repository, log)
+        peer = QuiverPeer("onnx", folder=Path(tmp))
         try:
-            print(f"quiver: http {endpoints['http']}, grpc {endpoints['grpc']}")
+            endpoints = peer.start("tiny")
+            print(f"quiver: http {endpoints.http}, grpc {endpoints.grpc}")
             print(
                 f"{'protocol':8} {'conc':>4} {'req/s':>9} {'p50 ms':>7} {'p90 ms':>7}"
                 f" {'p99 ms':>7} {'client cpu s':>12} {'wall s':>6}"
@@ -564,8 +497,8 @@ def main() -> int:
             for protocol in ("http", "grpc"):
                 for concurrency in (1, 8):
                     try:
-                        result = run(url=endpoints[protocol], protocol=protocol, model="tiny",
-                                     concurrency=concurrency)
+                        result = run(url=str(endpoints.http if protocol == "http" else endpoints.grpc),
+                                     protocol=protocol, model="tiny", concurrency=concurrency)
                     except PerfAnalyzerError as exc:
                         failures += 1
                         print(f"{protocol:8} {concurrency:>4} FAILED: {exc}")
@@ -580,8 +513,8 @@ def main() -> int:
                         print(f"    {warning}")
             print(json.dumps(results, indent=1))
         finally:
-            _stop(proc)
-        errors = [line for line in log.read_text(errors="replace").splitlines() if " E " in line]
+            peer.stop()
+        errors = [line for line in peer.log.read_text(errors="replace").splitlines() if " E " in line]
         if errors:
             print("quiver logged errors:\n  " + "\n  ".join(errors[-10:]))
     return 1 if failures else 0

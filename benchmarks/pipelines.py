@@ -1,7 +1,7 @@
 """The example pipelines end to end over HTTP, next to the same steps called in-process.
 
-Run: ``.venv/bin/python benchmarks/pipelines.py`` (or ``make bench-pipelines``); ``--help`` for
-options. Needs the ``examples`` extra (installed by ``make``).
+Run: ``.venv/bin/python -m benchmarks.pipelines`` from the repository root (or ``make
+bench-pipelines``); ``--help`` for options. Needs the ``examples`` extra (installed by ``make``).
 
 What it measures, for ``image_pipeline_onnx``, ``image_pipeline_pt`` (one 640x480 JPEG per
 request -> preprocess -> ResNet-50 -> FP32[1000]) and ``text_pipeline`` (one sentence per
@@ -31,15 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import importlib.util
 import io
 import json
 import os
-import re
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,21 +50,12 @@ import aiohttp
 import numpy as np
 import tritonclient.http as httpclient
 
-try:
-    import psutil
-except ImportError:  # pragma: no cover - a Quiver dependency
-    psutil = None  # type: ignore[assignment]
+from benchmarks.common import ROOT, command_line, cpu_seconds, dash, environment, write_results
+from benchmarks.peers import Endpoints
+from benchmarks.peers.quiver import QuiverServer
+from examples import build_repository
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "examples"))
-
-import build_repository  # noqa: E402
-
-from common import command_line, environment  # noqa: E402
-
-RESULTS = HERE / "results"
-STARTED = re.compile(r"started HTTP service at ([0-9.]+):(\d+)")
+RESULTS = ROOT / "benchmarks" / "results"
 SENTENCE = "The quick brown fox jumps over the lazy dog while the server batches requests."
 
 
@@ -201,48 +188,11 @@ def _row(
     )
 
 
-class Server:
-    def __init__(self, repository: Path, log_path: Path, extra: list[str]) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        argv = [
-            sys.executable, "-m", "quiver", "serve", "--model-repository", str(repository),
-            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", *extra,
-        ]
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.url = ""
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.url:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
-                raise RuntimeError(f"quiver did not start:\n{tail}")
-            match = STARTED.search(self.log_path.read_text(errors="replace"))
-            if match:
-                self.url = f"{match.group(1)}:{match.group(2)}"
-            time.sleep(0.1)
-
-    def cpu_seconds(self) -> float | None:
-        if psutil is None:
-            return None
-        times = psutil.Process(self.proc.pid).cpu_times()
-        return float(times.user + times.system)
-
-    def counts(self, model: str) -> tuple[int, int]:
-        with urllib.request.urlopen(f"http://{self.url}/v2/models/{model}/stats", timeout=30) as resp:
-            stats = json.loads(resp.read())["model_stats"][0]
-        return int(stats["inference_count"]), int(stats["execution_count"])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+def counts(http: str, model: str) -> tuple[int, int]:
+    """``model``'s (inference_count, execution_count), from the statistics extension."""
+    with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=30) as resp:
+        stats = json.loads(resp.read())["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
 
 
 def encode_request(pipeline: Pipeline) -> tuple[bytes, dict[str, str]]:
@@ -256,8 +206,8 @@ def encode_request(pipeline: Pipeline) -> tuple[bytes, dict[str, str]]:
     return body, headers
 
 
-def sanity_check(server: Server, pipeline: Pipeline, expected: np.ndarray[Any, Any]) -> None:
-    client = httpclient.InferenceServerClient(server.url, network_timeout=300)
+def sanity_check(endpoints: Endpoints, pipeline: Pipeline, expected: np.ndarray[Any, Any]) -> None:
+    client = httpclient.InferenceServerClient(endpoints.http, network_timeout=300)
     tensor = httpclient.InferInput(pipeline.input, [1, 1], "BYTES")
     tensor.set_data_from_numpy(np.array([[pipeline.payload]], dtype=np.object_))
     answer = client.infer(pipeline.model, [tensor]).as_numpy(pipeline.output)
@@ -265,9 +215,9 @@ def sanity_check(server: Server, pipeline: Pipeline, expected: np.ndarray[Any, A
     client.close()
 
 
-async def drive(server: Server, pipeline: Pipeline, concurrency: int, warmup: float, duration: float) -> Row:
+async def drive(endpoints: Endpoints, pipeline: Pipeline, concurrency: int, warmup: float, duration: float) -> Row:
     body, headers = encode_request(pipeline)
-    url = f"http://{server.url}/v2/models/{pipeline.model}/infer"
+    url = f"http://{endpoints.http}/v2/models/{pipeline.model}/infer"
     latencies: list[float] = []
     errors = 0
     measuring = False
@@ -292,16 +242,16 @@ async def drive(server: Server, pipeline: Pipeline, concurrency: int, warmup: fl
         tasks = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
         await asyncio.sleep(warmup)
         measuring = True
-        before = server.counts(pipeline.network)
-        cpu_before = server.cpu_seconds()
+        before = counts(endpoints.http, pipeline.network)
+        cpu_before = cpu_seconds(endpoints.pid)
         started = time.monotonic()
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - started
-        cpu_after = server.cpu_seconds()
-        after = server.counts(pipeline.network)
+        cpu_after = cpu_seconds(endpoints.pid)
+        after = counts(endpoints.http, pipeline.network)
     inferences, executions = after[0] - before[0], after[1] - before[1]
     mean_batch = inferences / executions if executions else None
-    server_cpu = None if cpu_before is None or cpu_after is None else 100 * (cpu_after - cpu_before) / elapsed
+    server_cpu = 100 * (cpu_after - cpu_before) / elapsed
     return _row(pipeline, "quiver, HTTP binary", concurrency, len(latencies), elapsed, latencies, errors, mean_batch, server_cpu)
 
 
@@ -311,11 +261,9 @@ def markdown_table(rows: list[Row]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        batch = "-" if r.mean_batch is None else f"{r.mean_batch:.1f}"
-        cpu = "-" if r.server_cpu_pct is None else f"{r.server_cpu_pct:.0f}"
         lines.append(
             f"| {r.pipeline} | {r.target} | {r.concurrency} | {r.req_per_s:,.1f} | {r.p50_ms:.1f} | {r.p90_ms:.1f} "
-            f"| {r.p99_ms:.1f} | {r.errors} | {batch} | {cpu} | {r.load_avg:.1f} |"
+            f"| {r.p99_ms:.1f} | {r.errors} | {dash(r.mean_batch, '.1f')} | {dash(r.server_cpu_pct, '.0f')} | {r.load_avg:.1f} |"
         )
     return "\n".join(lines)
 
@@ -359,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     server_log = Path(tempfile.gettempdir()) / "quiver-bench-pipelines.log"
     log(f"serving {repository} (log: {server_log})")
-    server = Server(repository, server_log, shlex.split(args.server_args))
-    try:
-        server.wait_ready()
+    flags = shlex.split(args.server_args)
+    with QuiverServer(repository, flags, log=server_log, ready_path=None, timeout=300.0, stop_timeout=60.0) as server:
+        endpoints = server.endpoints
         # Each pipeline's floors run right before its server rows (the server idle meanwhile),
         # so both see the machine in the same state.
         for p in pipelines:
@@ -369,22 +317,17 @@ def main(argv: list[str] | None = None) -> int:
             for batch in (1, big):
                 rows.append(floors.measure(p, batch, args.duration / 2, args.warmup / 2))
                 log(f"  {p.model} in-process batch {batch}: {rows[-1].req_per_s:.1f} req/s")
-            sanity_check(server, p, expected[p.model])
+            sanity_check(endpoints, p, expected[p.model])
             for concurrency in args.image_concurrency if p.model.startswith("image") else args.text_concurrency:
-                row = asyncio.run(drive(server, p, concurrency, args.warmup, args.duration))
+                row = asyncio.run(drive(endpoints, p, concurrency, args.warmup, args.duration))
                 rows.append(row)
                 log(f"  {p.model} c={concurrency}: {row.req_per_s:.1f} req/s p50 {row.p50_ms:.1f} ms "
                     f"errors {row.errors} batch {row.mean_batch}")
-    finally:
-        server.stop()
 
     rows.sort(key=lambda r: [p.model for p in pipelines].index(r.pipeline))
     table = markdown_table(rows)
     print(table)
     if not args.no_save:
-        (args.output_dir / "pipelines.json").write_text(
-            json.dumps({"environment": env, "command": command_line(), "rows": [asdict(r) for r in rows]}, indent=2) + "\n"
-        )
         report = [
             "# Example pipelines over HTTP",
             "",
@@ -402,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             table,
             "",
         ]
-        (args.output_dir / "pipelines.md").write_text("\n".join(report))
-        log(f"wrote {args.output_dir / 'pipelines.md'} and {args.output_dir / 'pipelines.json'}")
+        data = {"environment": env, "command": command_line(), "rows": [asdict(r) for r in rows]}
+        log(write_results(args.output_dir, "pipelines", "\n".join(report), data))
     return 0
 
 

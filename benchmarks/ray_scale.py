@@ -1,7 +1,8 @@
 """``quiver serve --ray`` with 1 and with 2 replicas on the multi-model workload, next to the
 single-process server: requests/s, latency, and model loads per request.
 
-Run: ``.venv/bin/python benchmarks/ray_scale.py`` (``make bench-ray``); ``--help`` for options.
+Run: ``.venv/bin/python -m benchmarks.ray_scale`` from the repository root (``make bench-ray``);
+``--help`` for options.
 
 The repository holds ``--models`` small Python models, each holding ``--weight-mb`` of memory
 and writing one line to a shared log when a process loads it (the loads are counted from that
@@ -18,52 +19,18 @@ more throughput: this benchmark proves behaviour, not speed.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import common  # noqa: E402
-import loadgen  # noqa: E402
-from multi_model import lru_per_request  # noqa: E402
-from peers import free_port  # noqa: E402
-
-BIN = Path(sys.executable).parent
-STARTED = re.compile(r"started HTTP service at ([\d.]+):(\d+)")
-
-MODEL = """
-import os
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def initialize(self, args):
-        self.block = np.full({weight_mb} * 1024 * 1024 // 4, {value}, dtype=np.float32)
-        with open({log!r}, "a") as log:
-            log.write(args["model_name"] + " " + str(os.getpid()) + "\\n")
-
-    def execute(self, requests):
-        out = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x + self.block[0])]))
-        return out
-"""
+from benchmarks import common, loadgen
+from benchmarks.multi_model import lru_per_request
+from benchmarks.peers import free_port
+from benchmarks.peers.quiver import QuiverServer
 
 CONFIG = """
 backend: "python"
@@ -83,52 +50,25 @@ def build(root: Path, count: int, weight_mb: int, load_log: Path) -> list[str]:
         name = f"m{i:03d}"
         folder = root / name
         (folder / "1").mkdir(parents=True)
-        source = MODEL.format(weight_mb=weight_mb, value=float(i), log=str(load_log))
-        (folder / "1" / "model.py").write_text(textwrap.dedent(source))
+        (folder / "1" / "model.py").write_text(common.ballast_model(weight_mb, float(i), load_log))
         (folder / "config.pbtxt").write_text(CONFIG)
         names.append(name)
     return names
 
 
-class Server:
-    """``quiver serve`` (single process, or ``--ray`` with N replicas on a local cluster)."""
-
-    def __init__(self, repo: Path, replicas: int, memory_limit: str, workdir: Path) -> None:
-        self.log_path = workdir / f"server-{replicas or 'single'}.log"
-        argv = [str(BIN / "quiver"), "serve", "--model-repository", str(repo),
-                "--model-control-mode", "on_demand", "--model-memory-limit", memory_limit,
-                "--http-port", str(free_port())]  # fmt: skip
-        if replicas:
-            argv += ["--ray", "--ray-replicas", str(replicas), "--ray-num-cpus", str(2 * replicas + 2)]
-        else:
-            argv += ["--grpc-port", "0", "--metrics-port", "0"]
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-        self.out = self.log_path.open("w")
-        self.process = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.port = 0
-
-    def wait(self, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log_path.read_text()[-2000:]}")
-            match = STARTED.search(self.log_path.read_text())
-            if match:
-                self.port = int(match.group(2))
-                return
-            time.sleep(0.5)
-        raise RuntimeError(f"server not started in {timeout} s: {self.log_path.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(90)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-        self.out.close()
+def server(repo: Path, replicas: int, memory_limit: str, workdir: Path) -> QuiverServer:
+    """``quiver serve`` on a port of its own: single process (``replicas`` 0), or ``--ray`` with
+    ``replicas`` on a local cluster. The Ray launcher is sent SIGTERM alone (it stops Ray's
+    processes itself: a SIGTERM to all of them at once would cut its shutdown short), given 90 s."""
+    flags = ["--model-control-mode", "on_demand", "--model-memory-limit", memory_limit, "--http-port", str(free_port())]
+    options: dict[str, Any] = {}
+    if replicas:
+        flags += ["--ray", "--ray-replicas", str(replicas), "--ray-num-cpus", str(2 * replicas + 2)]
+        options = {"listeners": ("HTTP",), "signal_group": False}
+    return QuiverServer(
+        repo, flags, log=workdir / f"server-{replicas or 'single'}.log", env={"RAY_USAGE_STATS_ENABLED": "0"},
+        ready_path=None, timeout=240.0, stop_timeout=90.0, **options,
+    )
 
 
 def loads(load_log: Path) -> int:
@@ -138,18 +78,17 @@ def loads(load_log: Path) -> int:
 def run_one(label: str, replicas: int, args: argparse.Namespace, workdir: Path, names: list[str], load_log: Path) -> dict[str, Any]:
     limit = f"{args.room * args.weight_mb + 24}M"
     log(f"{label}: starting ({limit} of model memory per process)")
-    server = Server(workdir / "models", replicas, limit, workdir)
-    try:
-        server.wait()
+    with server(workdir / "models", replicas, limit, workdir) as quiver:
+        host, port = quiver.endpoints.address("json")
         payloads = []
         for i, name in enumerate(names):
             x = np.arange(4, dtype=np.float32)
             payloads.append(loadgen.Payload(name, {"INPUT0": x}, expected={"OUTPUT0": x + i}))
         mix = loadgen.zipf_sequence(len(names), args.zipf, 200_000, seed=args.seed)
-        loadgen.sanity_check("127.0.0.1", server.port, "json", payloads[0])
+        loadgen.sanity_check(host, port, "json", payloads[0])
         marks: dict[str, int] = {}
         result = loadgen.run_trial(
-            "127.0.0.1", server.port, "json", args.concurrency, args.warmup, args.duration, payloads, mix=mix,
+            host, port, "json", args.concurrency, args.warmup, args.duration, payloads, mix=mix,
             on_begin=lambda: marks.__setitem__("begin", loads(load_log)),
             on_end=lambda: marks.__setitem__("end", loads(load_log)),
         )  # fmt: skip
@@ -159,8 +98,6 @@ def run_one(label: str, replicas: int, args: argparse.Namespace, workdir: Path, 
         row["loads_per_request"] = window_loads / max(1, result.requests)
         log(f"{label}: {result.req_per_s:,.0f} req/s, {window_loads} loads, {result.errors} errors")
         return row
-    finally:
-        server.stop()
 
 
 def lru_misses(args: argparse.Namespace, room: int) -> float:
@@ -222,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=20.0, help="measured seconds (default: 20)")
     parser.add_argument("--warmup", type=float, default=5.0, help="warm-up seconds (default: 5)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--output-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--output-dir", type=Path, default=common.ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     env = common.environment(["quiver", "ray", "numpy"])
     cmd = common.command_line()
@@ -237,12 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # reported in the table; the others still run
                 log(f"{label}: failed: {exc}")
                 rows.append({"label": label, "replicas": replicas, "error": str(exc)[:300]})
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     report = markdown(rows, env, cmd, args)
-    (args.output_dir / "ray_scale.md").write_text(report)
-    (args.output_dir / "ray_scale.json").write_text(
-        json.dumps({"environment": env, "command": cmd, "settings": vars(args) | {"output_dir": str(args.output_dir)}, "results": rows}, indent=2)
-    )
+    settings = vars(args) | {"output_dir": str(args.output_dir)}
+    common.write_results(args.output_dir, "ray_scale", report, {"environment": env, "command": cmd, "settings": settings, "results": rows})
     print(report)
     return 0 if all("error" not in r for r in rows) else 1
 

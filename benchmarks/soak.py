@@ -1,10 +1,10 @@
 """The soak: one ``quiver serve`` under mixed traffic for a long time (30 minutes by default),
 sampled from outside; does anything grow, and does any request fail?
 
-Run: ``.venv/bin/python benchmarks/soak.py`` (``make bench-soak``; ``ARGS="--duration 120"`` for
-a short run); ``--help`` for options.
+Run: ``.venv/bin/python -m benchmarks.soak`` from the repository root (``make bench-soak``;
+``ARGS="--duration 120"`` for a short run); ``--help`` for options.
 
-**The server** (started by ``benchmarks/peers/quiver.py``): ``--model-control-mode on_demand``
+**The server** (``benchmarks/peers/quiver.py``'s ``QuiverServer``): ``--model-control-mode on_demand``
 with a ``--model-memory-limit`` that holds about ``--room`` of the repository's ``--models``
 models, and ``--load-model soak_pipeline``. The repository, built in a temporary folder:
 
@@ -53,9 +53,6 @@ the traffic over time; drawn by the throwaway matplotlib venv, ``common.plot_in_
 raw samples ``OUTPUT_DIR/raw/soak.json`` (git-ignored) with the server's log beside it. Exit
 status 1 if any error was counted, the server died or exited non-zero; ``--plot-from
 raw/soak.json [--png PATH]`` only draws the plot again.
-
-Only the standard library is imported at the top, so that ``--plot-from`` runs in the plotting
-venv.
 """
 
 from __future__ import annotations
@@ -63,24 +60,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import math
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
+from benchmarks import common
+from benchmarks.common import ROOT
+
+RESULTS = ROOT / "benchmarks" / "results"
 MiB = 1 << 20
 
 PIPELINE = "soak_pipeline"
@@ -110,38 +105,20 @@ def log(message: str) -> None:
 
 # -- the repository -------------------------------------------------------------------------
 
-ONNX_CONFIG = """
+def config(name: str, kind: str, extra: str = "") -> str:
+    """A model of the soak's ``config.pbtxt``: FP32 [batch, 4] in and out, batches of 8 at most;
+    ``kind`` is its ``backend:`` or ``platform:`` line."""
+    return f"""
 name: "{name}"
-backend: "onnxruntime"
+{kind}
 max_batch_size: 8
 input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
-"""
-
-PYTHON_CONFIG = """
-name: "{name}"
-backend: "python"
-max_batch_size: 8
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
-"""
-
-PYTHON_MODEL = """
-import numpy as np
-import triton_python_backend_utils as pb_utils
+{extra}"""
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        self.ballast = np.full({weight_mb} * 1024 * 1024 // 4, {value}, dtype=np.float32)  # touched: resident
-
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x + self.ballast[0])]))
-        return responses
-"""
+ONNX = 'backend: "onnxruntime"'
+PYTHON = 'backend: "python"'
 
 DOUBLE_MODEL = """
 import triton_python_backend_utils as pb_utils
@@ -157,21 +134,7 @@ class TritonPythonModel:
         ]
 """
 
-SHIFT_CONFIG = """
-name: "soak_shift"
-backend: "onnxruntime"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-dynamic_batching { }
-"""
-
-PIPELINE_CONFIG = """
-name: "soak_pipeline"
-platform: "ensemble"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+PIPELINE_STEPS = """
 ensemble_scheduling {
   step [
     {
@@ -197,20 +160,16 @@ def model_name(i: int) -> str:
 
 def build_repository(root: Path, models: int, weight_mb: int) -> None:
     """The models (even: ONNX, odd: Python; ``OUTPUT0 = INPUT0 + i``) and the ensemble."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.archives import weighted_add
-    from support.models import add_constant_onnx, write_config, write_onnx, write_python
-
+    archives, support = common.test_support("archives"), common.test_support("models")
     for i in range(models):
         name = model_name(i)
         if i % 2 == 0:
-            write_onnx(root, name, weighted_add(float(i), weight_mb), ONNX_CONFIG.format(name=name))
+            support.write_onnx(root, name, archives.weighted_add(float(i), weight_mb), config(name, ONNX))
         else:
-            source = PYTHON_MODEL.format(weight_mb=weight_mb, value=float(i))
-            write_python(root, name, source, PYTHON_CONFIG.format(name=name))
-    write_python(root, "soak_double", DOUBLE_MODEL, PYTHON_CONFIG.format(name="soak_double"))
-    write_onnx(root, "soak_shift", add_constant_onnx(1.0), SHIFT_CONFIG)
-    write_config(root, PIPELINE, PIPELINE_CONFIG)
+            support.write_python(root, name, common.ballast_model(weight_mb, float(i)), config(name, PYTHON))
+    support.write_python(root, "soak_double", DOUBLE_MODEL, config("soak_double", PYTHON))
+    support.write_onnx(root, "soak_shift", support.add_constant_onnx(1.0), config("soak_shift", ONNX, "dynamic_batching { }"))
+    support.write_config(root, PIPELINE, config(PIPELINE, 'platform: "ensemble"', PIPELINE_STEPS))
 
 
 def memory_limit(room: int, weight_mb: int) -> int:
@@ -242,7 +201,7 @@ class Stream:
 def streams(args: argparse.Namespace) -> list[Stream]:
     import numpy as np
 
-    from loadgen import Payload, zipf_sequence
+    from benchmarks.loadgen import Payload, zipf_sequence
 
     x = np.array([[0.5, -1.25, 3.0, 7.75]], dtype=np.float32)
     models = [
@@ -270,35 +229,22 @@ def streams(args: argparse.Namespace) -> list[Stream]:
     return out
 
 
-def sanity_checks(http: str, grpc: str, args: argparse.Namespace) -> None:
+def sanity_checks(endpoints: Any, args: argparse.Namespace) -> None:
     """One request of each kind checked in full before the soak starts (a model of each
     backend and the ensemble, in every encoding)."""
     import numpy as np
 
-    from loadgen import Payload, sanity_check
+    from benchmarks.loadgen import Payload, sanity_check
 
     x = np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32)
     checks = [Payload(PIPELINE, {"INPUT0": x}, expected={"OUTPUT0": x * 2 + 1})]
     checks += [Payload(model_name(i), {"INPUT0": x}, expected={"OUTPUT0": x + i}) for i in range(min(2, args.models))]
     for payload in checks:
         for encoding in ("json", "binary", "grpc"):
-            host, port = (grpc if encoding == "grpc" else http).rsplit(":", 1)
-            sanity_check(host, int(port), encoding, payload, timeout=args.request_timeout)
+            sanity_check(*endpoints.address(encoding), encoding, payload, timeout=args.request_timeout)
 
 
 # -- sampling -------------------------------------------------------------------------------
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The unlabelled samples of :data:`METRICS` (absent ones left out)."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    found = {}
-    for name in METRICS:
-        match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-        if match:
-            found[name] = float(match.group(1))
-    return found
 
 
 def read_server(process: Any, metrics_url: str) -> dict[str, Any]:
@@ -319,7 +265,7 @@ def read_server(process: Any, metrics_url: str) -> dict[str, Any]:
         sample["server_gone"] = f"{type(exc).__name__}: {exc}"
         return sample
     try:
-        sample["metrics"] = scrape(metrics_url)
+        sample["metrics"] = common.scrape(metrics_url, METRICS, timeout=10)
     except Exception as exc:  # any failure to scrape is reported as such
         sample["scrape_error"] = f"{type(exc).__name__}: {exc}"
         return sample
@@ -392,16 +338,13 @@ def describe(sample: dict[str, Any]) -> str:
 
 
 async def soak_run(endpoints: Any, soak: list[Stream], args: argparse.Namespace) -> list[dict[str, Any]]:
-    from loadgen import TrialResult, run_trial_async
+    from benchmarks.loadgen import TrialResult, run_trial_async
 
-    http_host, http_port = endpoints.http.rsplit(":", 1)
-    grpc_host, grpc_port = endpoints.grpc.rsplit(":", 1)
     trials = []
     for s in soak:
         s.result = TrialResult()
-        host, port = (grpc_host, grpc_port) if s.encoding == "grpc" else (http_host, http_port)
         trials.append(run_trial_async(
-            host, int(port), s.encoding, s.concurrency, 0.0, args.duration, s.payloads, mix=s.mix,
+            *endpoints.address(s.encoding), s.encoding, s.concurrency, 0.0, args.duration, s.payloads, mix=s.mix,
             check_every=args.check_every, progress=None, result=s.result, rate=s.rate,
             request_timeout_s=args.request_timeout, drain_timeout_s=args.request_timeout + 5,
         ))
@@ -618,96 +561,34 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_from(json_path: Path, png: Path | None) -> int:
-    try:
-        import matplotlib
-    except ImportError:
-        print("--plot-from needs matplotlib (soak.py runs it in benchmarks/.work/plotvenv)", file=sys.stderr)
-        return 1
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    report = json.loads(json_path.read_text())
-    samples = [s for s in report["samples"] if "rss_mib" in s and not s.get("final")]
-    trends = report["analysis"]["trends"]
-    warm = report["settings"]["warmup_fraction"] * samples[-1]["t"] / 60 if samples else 0
-    minutes = [s["t"] / 60 for s in samples]
-    fig, axes = plt.subplots(4, 1, figsize=(9, 11), sharex=True)
-
-    def series(ax: Any, key: str, label: str, color: str) -> None:
-        ax.plot(minutes, [s.get(key) for s in samples], color=color, lw=1, label=label)
-        t = trends.get(key)
-        if t and "fit_t" in t:
-            t0, t1 = t["fit_t"]
-            ys = [t["intercept"] + t["slope_per_hour"] / 3600 * x for x in (t0, t1)]
-            ax.plot([t0 / 60, t1 / 60], ys, "--", color=color, lw=1,
-                    label=f"fit: {t['slope_per_hour']:+.2f}/h, {t['verdict']}")
-
-    series(axes[0], "rss_mib", "RSS", "tab:blue")
-    series(axes[0], "rss_minus_models_mib", "RSS minus model memory", "tab:green")
-    axes[0].plot(minutes, [s.get("model_memory_mib") for s in samples], color="tab:orange", lw=1,
-                 label="model memory (the budget's count)")
-    limit = report["analysis"]["server"]["memory_limit_mib"]
-    if limit:
-        axes[0].axhline(limit, color="tab:orange", ls=":", lw=1, label="model memory limit")
-    axes[0].set_ylabel("MiB")
-    series(axes[1], "fds", "open files", "tab:purple")
-    axes[1].set_ylabel("fds")
-    series(axes[2], "threads", "threads", "tab:brown")
-    axes[2].set_ylabel("threads")
-    rate, loads, errors, xs = [], [], [], []
-    for prev, cur in itertools.pairwise(samples):
-        dt = cur["t"] - prev["t"]
-        if dt <= 0:
-            continue
-        xs.append(cur["t"] / 60)
-        rate.append((sum(cur["requests"].values()) - sum(prev["requests"].values())) / dt)
-        key = "quiver_model_loading_time_us_count"
-        m0, m1 = prev.get("metrics", {}), cur.get("metrics", {})
-        loads.append((m1[key] - m0[key]) / dt if key in m0 and key in m1 else None)
-        errors.append(sum(cur["errors"].values()) - sum(prev["errors"].values()))
-    axes[3].plot(xs, rate, color="tab:blue", lw=1, label="requests/s (all streams)")
-    axes[3].plot(xs, loads, color="tab:orange", lw=1, label="model loads/s")
-    bad = [(x, r) for x, r, e in zip(xs, rate, errors, strict=True) if e]
-    if bad:
-        axes[3].scatter([x for x, _ in bad], [r for _, r in bad], color="red", marker="x", zorder=3, label="interval with errors")
-    axes[3].set_ylabel("per second")
-    axes[3].set_xlabel("minutes")
-    for ax in axes:
-        ax.axvspan(0, warm, color="grey", alpha=0.15, lw=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    env = report["environment"]
-    fig.suptitle(f"soak: {report['settings']['duration_s'] / 60:g} min, errors {report['analysis']['errors']}; "
-                 f"{env['nproc']} cores, {env['date']} (grey: warm-up, not fitted)", fontsize=10)
-    fig.tight_layout()
-    out = png or json_path.with_suffix(".png")
-    fig.savefig(out, dpi=100)
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
-
-
 # -- main -----------------------------------------------------------------------------------
+
+
+#: The numeric options: flag, type, default, metavar, help (the default is added to it).
+OPTIONS: tuple[tuple[str, type, float, str, str], ...] = (
+    ("--duration", float, 1800, "S", "seconds of traffic"),
+    ("--sample-interval", float, 5, "S", "seconds between samples"),
+    ("--warmup-fraction", float, 0.1, "F", "share of the run left out of the fits"),
+    ("--models", int, 24, "N", "models in the repository, half ONNX, half Python"),
+    ("--room", int, 8, "N", "models the memory limit holds, about"),
+    ("--weight-mb", int, 8, "MB", "weights each model holds"),
+    ("--zipf", float, 1.0, "S", "Zipf exponent of the mix over the models"),
+    ("--rate", float, 5, "R", "requests/s over the models, in each encoding"),
+    ("--ensemble-rate", float, 10, "R", "requests/s to the ensemble, in each encoding"),
+    ("--bad-rate", float, 1, "R", "bad requests/s over HTTP; half that over gRPC"),
+    ("--concurrency", int, 2, "N", "requests in flight at most, per stream"),
+    ("--check-every", int, 10, "N", "check one answer in N in full"),
+    ("--request-timeout", float, 30, "S", "a request unanswered this long is an error"),
+    ("--seed", int, 1, "SEED", "seed of the Zipf draws"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="A soak of one quiver serve under mixed traffic: RSS, open files and threads sampled over time.")
     add = parser.add_argument
-    add("--duration", type=float, default=1800, metavar="S", help="seconds of traffic (default: 1800)")
-    add("--sample-interval", type=float, default=5, metavar="S", help="seconds between samples (default: 5)")
-    add("--warmup-fraction", type=float, default=0.1, metavar="F", help="share of the run left out of the fits (default: 0.1)")
-    add("--models", type=int, default=24, metavar="N", help="models in the repository, half ONNX, half Python (default: 24)")
-    add("--room", type=int, default=8, metavar="N", help="models the memory limit holds, about (default: 8)")
-    add("--weight-mb", type=int, default=8, metavar="MB", help="weights each model holds (default: 8)")
-    add("--zipf", type=float, default=1.0, metavar="S", help="Zipf exponent of the mix over the models (default: 1.0)")
-    add("--rate", type=float, default=5, metavar="R", help="requests/s over the models, in each encoding (default: 5)")
-    add("--ensemble-rate", type=float, default=10, metavar="R", help="requests/s to the ensemble, in each encoding (default: 10)")
-    add("--bad-rate", type=float, default=1, metavar="R", help="bad requests/s over HTTP; half that over gRPC (default: 1)")
-    add("--concurrency", type=int, default=2, metavar="N", help="requests in flight at most, per stream (default: 2)")
-    add("--check-every", type=int, default=10, metavar="N", help="check one answer in N in full (default: 10)")
-    add("--request-timeout", type=float, default=30, metavar="S", help="a request unanswered this long is an error (default: 30)")
-    add("--seed", type=int, default=1, help="seed of the Zipf draws (default: 1)")
+    for flag, kind, default, metavar, text in OPTIONS:
+        add(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default: {default})")
     add("--output-dir", type=Path, default=RESULTS, metavar="DIR", help="where soak.md and soak.png go; raw/ under it (default: benchmarks/results)")
     add("--no-plot", action="store_true", help="do not draw soak.png")
     add("--plot-from", type=Path, metavar="JSON", help="only draw the plot of an earlier run's raw JSON")
@@ -718,19 +599,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.plot_from is not None:
-        return plot_from(args.plot_from, args.png)
+        return common.plot_from("soak", args.plot_from, args.png or args.plot_from.with_suffix(".png"))
     if args.duration <= 0 or args.sample_interval <= 0 or not 0 <= args.warmup_fraction < 1 or args.models < 2 or args.room < 1:
         raise SystemExit("need --duration > 0, --sample-interval > 0, 0 <= --warmup-fraction < 1, --models >= 2, --room >= 1")
 
-    for path in (str(HERE), str(ROOT)):  # loadgen and common; benchmarks.peers
-        if path not in sys.path:
-            sys.path.insert(0, path)
     from benchmarks.peers import PeerError
-    from benchmarks.peers.quiver import QuiverPeer
+    from benchmarks.peers.quiver import QuiverServer
 
-    import common
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # atexit (peers.kill_all) stops the server
     env = common.environment(["onnxruntime", "numpy", "psutil", "grpcio", "uvicorn"])
     out: Path = args.output_dir
     raw = out / "raw"
@@ -741,19 +616,19 @@ def main(argv: list[str] | None = None) -> int:
         repository = tmp / "repository"
         log(f"building {args.models} models of {args.weight_mb} MiB and the ensemble in {repository}")
         build_repository(repository, args.models, args.weight_mb)
-        peer = QuiverPeer(folder=tmp / "server")
         flags = ["--model-control-mode", "on_demand", "--model-memory-limit", str(limit), "--load-model", PIPELINE]
+        server = QuiverServer(repository, flags, log=tmp / "server" / "server.log", cwd=tmp,
+                              ready_path=f"/v2/models/{PIPELINE}/ready")
         try:
-            endpoints = peer.serve(repository, flags, ready_path=f"/v2/models/{PIPELINE}/ready")
+            endpoints = server.start()
         except PeerError as exc:
             log(f"the server did not start: {exc}")
             return 1
-        proc = peer.proc
         log(f"quiver serve (pid {endpoints.pid}) at HTTP {endpoints.http}, gRPC {endpoints.grpc}, metrics {endpoints.metrics}; "
             f"model memory limit {limit / MiB:.0f} MiB")
         try:
             try:
-                sanity_checks(endpoints.http, endpoints.grpc, args)
+                sanity_checks(endpoints, args)
             except RuntimeError as exc:
                 log(f"a request checked before the soak failed: {exc}")
                 return 1
@@ -761,12 +636,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{len(soak)} streams for {args.duration:g} s, a sample every {args.sample_interval:g} s")
             samples = common.run_async(soak_run(endpoints, soak, args))
         finally:
-            peer.stop()
-        exit_code = proc.returncode if proc is not None else None
+            exit_code = server.stop()
         raw.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
-            shutil.copyfile(peer.log, raw / "soak-server.log")
-        extra = {"server_exit_code": exit_code, "server_log": server_log_summary(peer.log)}
+            shutil.copyfile(server.log, raw / "soak-server.log")
+        extra = {"server_exit_code": exit_code, "server_log": server_log_summary(server.log)}
 
     analysis = analyse(samples, soak, args, extra)
     settings = {
@@ -789,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     log(f"wrote {out / 'soak.md'}, raw samples in {raw_json}")
     if not args.no_plot:
-        log(f"plot: {common.plot_in_venv(Path(__file__).resolve(), raw_json, out / 'soak.png')}")
+        log(f"plot: {common.plot_in_venv('soak', raw_json, out / 'soak.png')}")
     failed = analysis["errors"] or analysis["server_gone"] or exit_code != 0
     if failed:
         log(f"FAILED: {analysis['errors']} errors, server gone: {analysis['server_gone']}, exit code {exit_code}")

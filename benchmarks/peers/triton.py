@@ -17,7 +17,9 @@ Three things make the bundled build run on a plain Debian machine outside PyTrit
   directory first on ``sys.path``, and it is built against the numpy 1.x ABI; so the server runs
   with a working directory holding ``numpy<2`` installed by ``pip install --target``.
 
-Run this file for a smoke check: ``.venv/bin/python benchmarks/peers/triton.py``.
+Run this module for a smoke check: ``.venv/bin/python -m benchmarks.peers.triton`` (as a module,
+from the repository root: run as a file, its folder would come first on ``sys.path`` and this
+``triton.py`` would shadow the ``triton`` package).
 """
 
 from __future__ import annotations
@@ -32,80 +34,20 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: the repository on the path, not this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[2])  # (its triton.py would shadow "triton")
-
-from benchmarks.peers import (
-    TINY_INPUT,
-    TINY_MODEL,
-    TINY_OUTPUT,
-    TINY_SHAPE,
-    WORK,
-    Endpoints,
-    Peer,
-    PeerError,
-    free_port,
-    make_venv,
-    spawn,
-    tail,
-    terminate,
-    wait_ready,
-)
+from benchmarks import peers
+from benchmarks.peers import tiny
 
 PYTRITON = "nvidia-pytriton==0.7.0"  # bundles tritonserver 2.51.0
 STUB_NUMPY = "numpy==1.26.4"  # the last numpy 1.x: the stub is built against the 1.x ABI
 
-HOME = WORK / "triton"  # the virtual environment, and everything below it
+HOME = peers.WORK / "triton"  # the virtual environment, and everything below it
 REPOSITORY = HOME / "repository"
 BACKENDS = HOME / "backends"  # our backend directory: python/ with the stub for our Python
 STUB_SITE = HOME / "stub_site"  # the server's working directory: numpy<2 for the stub
 SERVER_LOG = HOME / "server.log"
-SETUP_LOG = WORK / "triton-setup.log"  # outside HOME: ``venv --clear`` empties HOME
+SETUP_LOG = peers.WORK / "triton-setup.log"  # outside HOME: ``venv --clear`` empties HOME
 
 READY_TIMEOUT = 120.0
-
-_CONFIG = f"""\
-name: "{TINY_MODEL}"
-backend: "python"
-max_batch_size: 0
-# Quiver: run this fast model on the event loop (opt-in); Triton ignores the parameter.
-parameters {{ key: "EXECUTE_ON_EVENT_LOOP" value {{ string_value: "true" }} }}
-input [
-  {{
-    name: "{TINY_INPUT}"
-    data_type: TYPE_FP32
-    dims: [ {", ".join(str(d) for d in TINY_SHAPE)} ]
-  }}
-]
-output [
-  {{
-    name: "{TINY_OUTPUT}"
-    data_type: TYPE_FP32
-    dims: [ {", ".join(str(d) for d in TINY_SHAPE)} ]
-  }}
-]
-instance_group [
-  {{
-    count: 1
-    kind: KIND_CPU
-  }}
-]
-"""
-
-_MODEL_PY = f'''\
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            x = pb_utils.get_input_tensor_by_name(request, "{TINY_INPUT}").as_numpy()
-            y = pb_utils.Tensor("{TINY_OUTPUT}", (x * 2).astype(np.float32))
-            responses.append(pb_utils.InferenceResponse(output_tensors=[y]))
-        return responses
-'''
 
 _PROBE = (
     "import json, sys, sysconfig; print(json.dumps({"
@@ -115,46 +57,46 @@ _PROBE = (
 )
 
 
-class TritonPeer(Peer):
+class TritonPeer(peers.Peer):
     name = "triton"
 
     def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._process: peers.Server | None = None
         self._server: Path | None = None  # the tritonserver binary
         self._libs: list[Path] = []  # for LD_LIBRARY_PATH, in order
 
     # -- install --------------------------------------------------------------------------
 
     def setup(self) -> None:
-        python = make_venv(HOME, [PYTRITON], SETUP_LOG)
+        python = peers.make_venv(HOME, [PYTRITON], SETUP_LOG)
         probe = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True)
         if probe.returncode != 0:
-            raise PeerError(f"triton: cannot run {python}: {probe.stderr.strip()[-300:]}")
+            raise peers.PeerError(f"triton: cannot run {python}: {probe.stderr.strip()[-300:]}")
         info = json.loads(probe.stdout)
         site = Path(info["purelib"])
         package = site / "pytriton"
         if not package.is_dir():
-            raise PeerError(f"triton: no pytriton package in {site}")
+            raise peers.PeerError(f"triton: no pytriton package in {site}")
 
         server = _find_one(package, "tritonserver", executable=True)
         backend_lib = _find_one(package, "libtriton_python.so")
         stub = _find_stub(package, info["version"])
         if server is None:
-            raise PeerError(f"triton: no tritonserver binary found in {package}")
+            raise peers.PeerError(f"triton: no tritonserver binary found in {package}")
         utils = backend_lib and backend_lib.parent / "triton_python_backend_utils.py"
         if backend_lib is None or utils is None or not utils.is_file():
-            raise PeerError(f"triton: no Python backend (libtriton_python.so) found in {package}")
+            raise peers.PeerError(f"triton: no Python backend (libtriton_python.so) found in {package}")
         if stub is None:
-            raise PeerError(
+            raise peers.PeerError(
                 f"triton: no triton_python_backend_stub for Python {info['version']} in {package}"
             )
         libs = sorted(site.glob("nvidia_pytriton*.libs")) + sorted(package.rglob("*.libs"))
         libs = [p for p in libs if p.is_dir()]
         if not libs:
-            raise PeerError(f"triton: no bundled .libs folder found for {package}")
+            raise peers.PeerError(f"triton: no bundled .libs folder found for {package}")
         libdir = Path(info["libdir"] or "")
         if not libdir.is_dir() or not any(libdir.glob(f"libpython{info['version']}*.so*")):
-            raise PeerError(
+            raise peers.PeerError(
                 f"triton: no shared libpython{info['version']} in {libdir} (the Python backend "
                 "stub needs the interpreter built with --enable-shared)"
             )
@@ -175,8 +117,8 @@ class TritonPeer(Peer):
                 argv = [str(python), "-m", "pip", "install", "--quiet", "--target",
                         str(STUB_SITE), STUB_NUMPY]
                 if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-                    raise PeerError(f"triton: pip install --target {STUB_SITE} failed: "
-                                    f"{tail(SETUP_LOG)}")
+                    raise peers.PeerError(f"triton: pip install --target {STUB_SITE} failed: "
+                                    f"{peers.tail(SETUP_LOG)}")
             marker.write_text(STUB_NUMPY)
 
         self._server = server
@@ -184,24 +126,22 @@ class TritonPeer(Peer):
 
     # -- run ------------------------------------------------------------------------------
 
-    def start(self, workload: str) -> Endpoints:
-        if workload != TINY_MODEL:
-            raise PeerError(f"triton: workload {workload} not supported")
-        if self._proc is not None:
-            raise PeerError("triton: already started")
+    def start(self, workload: str) -> peers.Endpoints:
+        if workload != tiny.MODEL:
+            raise peers.PeerError(f"triton: workload {workload} not supported")
+        if self._process is not None:
+            raise peers.PeerError("triton: already started")
         if self._server is None:
             self.setup()
         assert self._server is not None
 
         shutil.rmtree(REPOSITORY, ignore_errors=True)
-        version = REPOSITORY / TINY_MODEL / "1"
+        version = REPOSITORY / tiny.MODEL / "1"
         version.mkdir(parents=True)
-        (REPOSITORY / TINY_MODEL / "config.pbtxt").write_text(_CONFIG)
-        (version / "model.py").write_text(_MODEL_PY)
+        (REPOSITORY / tiny.MODEL / "config.pbtxt").write_text(tiny.PYTHON_CONFIG)
+        (version / "model.py").write_text(tiny.PYTHON_MODEL)
 
-        http, grpc, metrics = free_port(), free_port(), free_port()
-        while len({http, grpc, metrics}) < 3:
-            grpc, metrics = free_port(), free_port()
+        http, grpc, metrics = peers.distinct_ports(3)
         argv = [
             str(self._server),
             f"--model-repository={REPOSITORY}",
@@ -215,43 +155,44 @@ class TritonPeer(Peer):
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             [str(p) for p in self._libs] + [p for p in [env.get("LD_LIBRARY_PATH")] if p]
         )
+        self._process = peers.Server(
+            "triton", argv, log=SERVER_LOG, listeners=(), cwd=STUB_SITE, env=env, timeout=READY_TIMEOUT,
+            addresses={"HTTP": f"127.0.0.1:{http}", "GRPC": f"127.0.0.1:{grpc}"},
+            ready_path=f"/v2/models/{tiny.MODEL}/ready",
+        )
+        endpoints = self._process.start()
         try:
-            self._proc = spawn(argv, log=SERVER_LOG, cwd=STUB_SITE, env=env)
-        except OSError as e:
-            raise PeerError(f"triton: cannot run {self._server}: {e}") from None
-        try:
-            wait_ready(self._proc, f"http://127.0.0.1:{http}/v2/models/{TINY_MODEL}/ready",
-                       SERVER_LOG, READY_TIMEOUT)
             _check_answer(http)
-        except PeerError as e:
+        except peers.PeerError as e:
             self.stop()
-            raise PeerError(f"triton: {e}") from None
-        return Endpoints(http=f"127.0.0.1:{http}", grpc=f"127.0.0.1:{grpc}", pid=self._proc.pid)
+            raise peers.PeerError(f"triton: {e}") from None
+        return endpoints
 
     def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        terminate(proc)
+        process, self._process = self._process, None
+        if process is not None:
+            process.stop()
 
 
 def _check_answer(port: int) -> None:
     """One JSON inference: a stub with the wrong numpy loads the model and reports it ready, then
     fails every request ("cannot reshape array of size 0"), so readiness alone proves too little."""
     x = [i / 4 - 1 for i in range(16)]
-    body = {"inputs": [{"name": TINY_INPUT, "shape": list(TINY_SHAPE), "datatype": "FP32",
+    body = {"inputs": [{"name": tiny.INPUT, "shape": list(tiny.SHAPE), "datatype": "FP32",
                         "data": x}]}
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v2/models/{TINY_MODEL}/infer", data=json.dumps(body).encode(),
+        f"http://127.0.0.1:{port}/v2/models/{tiny.MODEL}/infer", data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             y = json.loads(response.read())["outputs"][0]["data"]
     except urllib.error.HTTPError as e:
-        raise PeerError(f"first inference failed: {e.code} {e.read()[:300]!r}") from None
+        raise peers.PeerError(f"first inference failed: {e.code} {e.read()[:300]!r}") from None
     except (OSError, ValueError, LookupError) as e:
-        raise PeerError(f"first inference failed: {e}") from None
+        raise peers.PeerError(f"first inference failed: {e}") from None
     if y != [2 * v for v in x]:
-        raise PeerError(f"first inference answered {y}, not INPUT0 * 2")
+        raise peers.PeerError(f"first inference answered {y}, not INPUT0 * 2")
 
 
 def _find_one(root: Path, name: str, *, executable: bool = False) -> Path | None:
@@ -275,40 +216,39 @@ def _find_stub(root: Path, version: str) -> Path | None:
     return None
 
 
-def _smoke() -> None:
+def _smoke(peer: peers.Peer) -> None:
     import numpy as np
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    peer = TritonPeer()
     began = time.monotonic()
     peer.setup()
     print(f"setup: {time.monotonic() - began:.1f} s")
     began = time.monotonic()
-    endpoints = peer.start(TINY_MODEL)
+    endpoints = peer.start(tiny.MODEL)
     try:
         print(f"start: {time.monotonic() - began:.1f} s, {endpoints}")
         with urllib.request.urlopen(f"http://{endpoints.http}/v2", timeout=5) as response:
             meta = json.loads(response.read())
         print(f"server: {meta['name']} {meta['version']} extensions: {' '.join(meta['extensions'])}")
 
-        x = np.arange(16, dtype=np.float32).reshape(TINY_SHAPE) / 4 - 1
+        x = np.arange(16, dtype=np.float32).reshape(tiny.SHAPE) / 4 - 1
         for binary in (True, False):
             client = httpclient.InferenceServerClient(endpoints.http)
-            tensor = httpclient.InferInput(TINY_INPUT, list(TINY_SHAPE), "FP32")
+            tensor = httpclient.InferInput(tiny.INPUT, list(tiny.SHAPE), "FP32")
             tensor.set_data_from_numpy(x, binary_data=binary)
-            wanted = httpclient.InferRequestedOutput(TINY_OUTPUT, binary_data=binary)
-            result = client.infer(TINY_MODEL, [tensor], outputs=[wanted])
-            y = result.as_numpy(TINY_OUTPUT)
+            wanted = httpclient.InferRequestedOutput(tiny.OUTPUT, binary_data=binary)
+            result = client.infer(tiny.MODEL, [tensor], outputs=[wanted])
+            y = result.as_numpy(tiny.OUTPUT)
             assert y is not None and y.dtype == np.float32 and np.array_equal(y, x * 2), y
             client.close()
             print(f"http ({'binary' if binary else 'json'} tensors): ok")
 
         client = grpcclient.InferenceServerClient(endpoints.grpc)
-        tensor = grpcclient.InferInput(TINY_INPUT, list(TINY_SHAPE), "FP32")
+        tensor = grpcclient.InferInput(tiny.INPUT, list(tiny.SHAPE), "FP32")
         tensor.set_data_from_numpy(x)
-        result = client.infer(TINY_MODEL, [tensor])
-        y = result.as_numpy(TINY_OUTPUT)
+        result = client.infer(tiny.MODEL, [tensor])
+        y = result.as_numpy(tiny.OUTPUT)
         assert y is not None and y.dtype == np.float32 and np.array_equal(y, x * 2), y
         client.close()
         print("grpc: ok")
@@ -318,4 +258,4 @@ def _smoke() -> None:
 
 
 if __name__ == "__main__":
-    _smoke()
+    sys.exit(peers.smoke([TritonPeer()], _smoke))
