@@ -364,6 +364,12 @@ class BudgetGate:
         self.clock = clock
         self._event: asyncio.Event | None = None
         self.waiting = 0
+        self.closed = False
+
+    def close(self) -> None:
+        """The server stops: waiters fail now rather than at their deadlines."""
+        self.closed = True
+        self.notify()
 
     def notify(self) -> None:
         event = self._event
@@ -372,7 +378,10 @@ class BudgetGate:
             event.set()
 
     async def wait(self, deadline: float) -> bool:
-        """Until the next :meth:`notify` (True) or ``deadline`` (False)."""
+        """Until the next :meth:`notify` (True) or ``deadline`` (False). Raises
+        UnavailableError once the gate is closed."""
+        if self.closed:
+            raise UnavailableError("the server is stopping: no more models are loaded")
         remaining = deadline - self.clock()
         if remaining <= 0:
             return False
@@ -386,6 +395,8 @@ class BudgetGate:
             return self.clock() < deadline  # a fake clock not yet there: look again
         finally:
             self.waiting -= 1
+        if self.closed:
+            raise UnavailableError("the server is stopping: no more models are loaded")
         return True
 
     async def reserve(

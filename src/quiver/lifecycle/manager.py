@@ -717,13 +717,26 @@ class ModelRepositoryManager:
                             f"ensemble '{ensemble}': composing model '{dep}' is not in the "
                             "model repository"
                         )
-                    await self._load_source(source, visiting=visiting)
+                    await self._load_missing(source, visiting)
             model = self._latest.get(dep)
             if model is None:
                 reason = next((s.reason for s in self._status.get(dep, []) if s.reason), "not loaded")
                 return {}, f"ensemble '{ensemble}': composing model '{dep}' is not available: {reason}"
             configs[dep] = model.config
         return configs, ""
+
+    async def _load_missing(self, source: ModelSource, visiting: frozenset[str]) -> dict[str, str]:
+        """Load a model on demand (a request's, or an ensemble's composing model) unless a
+        load that held its lock meanwhile loaded it: loading it again would be a reload,
+        wasted, and under a full budget one that needs room for a second copy while its
+        first is pinned (two such reloads would wait for each other). Returns failures."""
+        try:
+            async with self._lock(source.name):
+                if source.name in self._ready:
+                    return {}
+                return await self._load_locked(source, None, visiting)
+        finally:
+            self._gate.notify()
 
     def _dependents(self, name: str) -> list[str]:
         """Loaded ensembles that have ``name`` among their composing models."""
@@ -1143,7 +1156,7 @@ class ModelRepositoryManager:
         if source is None:
             await self._load_archive(name, name, self._key_stores(name))
             return
-        failures = await self._load_source(source)
+        failures = await self._load_missing(source, frozenset())
         if name not in self._ready:
             reason = failures.get(name) or next(iter(failures.values()), "no version loaded")
             raise UnavailableError(f"model '{name}' failed to load: {reason}")
@@ -1400,6 +1413,7 @@ class ModelRepositoryManager:
     async def stop(self) -> None:
         """Stop polling, drain every model's scheduler, unload the instances (``finalize`` runs)."""
         self._closed = True
+        self._gate.close()  # loads waiting for room give up now
         if self._poll_task is not None:
             self._poll_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

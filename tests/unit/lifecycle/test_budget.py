@@ -298,3 +298,20 @@ def test_gds_policy_claims_too() -> None:
     decision = budget.admit("d", 40, GreedyDualSizePolicy("uniform"), cands(budget))
     assert isinstance(decision, Admission) and decision.victims == ["a"]  # the largest goes first
     assert decision.shortfall == 40 and budget.used == 100
+
+
+def test_a_closed_gate_fails_its_waiters_at_once() -> None:
+    gate = BudgetGate(MemoryBudget(100))
+    assert gate.budget is not None
+    resident(gate.budget, a=100)
+
+    async def main() -> None:
+        waiting = asyncio.ensure_future(
+            gate.reserve("b", 50, LRUPolicy(), lambda: [Candidate("a", 0, 0.0, True)], timeout=60)
+        )
+        await asyncio.sleep(0.01)
+        gate.close()
+        with pytest.raises(UnavailableError, match="stopping"):
+            await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(main())

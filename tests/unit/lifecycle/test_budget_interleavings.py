@@ -40,6 +40,28 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
 """
 
 
+ENSEMBLE = """
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 0
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+ensemble_scheduling {{
+  step [
+    {{ model_name: "{first}" model_version: -1 input_map {{ key: "INPUT0" value: "INPUT0" }}
+      output_map {{ key: "OUTPUT0" value: "mid" }} }},
+    {{ model_name: "{second}" model_version: -1 input_map {{ key: "INPUT0" value: "mid" }}
+      output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} }}
+  ]
+}}
+"""
+
+
+def write_ensemble(repo: Path, name: str, first: str, second: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(ENSEMBLE.format(name=name, first=first, second=second))
+
+
 class World:
     """The fake process: the bytes fake models hold (its RSS), how their loads behave, and
     holds that keep requests in flight (pins)."""
@@ -185,7 +207,7 @@ async def serving(
         assert budget is not None
         assert budget.peak <= limit
         assert budget.reserved == {} and budget.releasing == frozenset()
-        assert budget.resident == {m.name: m.size_bytes for m in manager.ready_models}
+        assert budget.resident == {m.name: m.size_bytes for m in manager.ready_models if m.instances}
     finally:
         for gate in [*world.gates.values(), *world.unload_gates.values()]:
             gate.set()
@@ -206,13 +228,16 @@ async def until(condition: object, timeout: float = 5.0) -> None:
 def test_random_loads_unloads_and_evictions_hold_the_budget(
     tmp_path: Path, world: World, seed: int, policy: str
 ) -> None:
-    """About 2.6 of 6 models fit; 24 clients on a uniform mix, loads of random length, and
-    a client unloading random models through the repository API: every request is answered
-    right, and the budget holds at every step."""
+    """About 2.6 of 6 models fit; 24 clients on a uniform mix of them and of an ensemble of
+    two, loads of random length, and a client unloading random models through the repository
+    API: every request is answered right, and the budget holds at every step."""
     rng = random.Random(seed)
     sizes = {f"m{i}": rng.randint(8_000, 12_000) for i in range(6)}
     for name in sizes:
         world.delay[name] = rng.random() * 0.004
+
+    write_ensemble(tmp_path, "e", "m0", "m1")  # its two steps pin both while in flight
+    names = [*sizes, "e"]
 
     async def main() -> None:
         async with serving(tmp_path, world, 26_000, sizes) as (service, manager):
@@ -223,9 +248,8 @@ def test_random_loads_unloads_and_evictions_hold_the_budget(
                 mine = random.Random(seed * 100 + k)
                 done = 0
                 for _ in range(12):
-                    i = mine.randrange(6)
                     value = mine.random()
-                    assert await answer(service, f"m{i}", value) == pytest.approx(value)
+                    assert await answer(service, mine.choice(names), value) == pytest.approx(value)
                     done += 1
                     await asyncio.sleep(mine.random() * 0.002)
                 return done
@@ -407,5 +431,26 @@ def test_a_frameworks_one_time_cost_is_measured_once_and_charged_to_no_model(
             assert manager.framework_bytes == {"fakemem": 7_000}
             assert manager._budget is not None and manager._budget.resident == {"b": 10_000 + cfg("b")}
             assert manager.memory == (10_000 + cfg("b"), 15_000)
+
+    asyncio.run(main())
+
+
+def test_the_composing_models_of_an_ensemble_in_flight_are_pinned(tmp_path: Path, world: World) -> None:
+    write_ensemble(tmp_path, "e", "p", "q")
+
+    async def main() -> None:
+        sizes = {"p": 10_000, "q": 10_000, "r": 10_000}
+        async with serving(tmp_path, world, 25_000, sizes) as (service, manager):
+            assert await answer(service, "e", 2.0) == 2.0  # loads p and q
+            world.holds["q"] = asyncio.Event()
+            flowing = asyncio.ensure_future(answer(service, "e", 3.0))
+            await asyncio.sleep(0.02)  # p has run; e is in flight, waiting on q
+            waiting = asyncio.ensure_future(answer(service, "r", 4.0))
+            await until(lambda: manager._gate.waiting == 1)
+            assert manager.is_ready("p") and manager.is_ready("q")  # neither was evicted
+            world.holds["q"].set()
+            assert await flowing == 3.0
+            assert await asyncio.wait_for(waiting, 5) == 4.0
+            assert manager.is_ready("r") and not (manager.is_ready("p") and manager.is_ready("q"))
 
     asyncio.run(main())
