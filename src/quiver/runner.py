@@ -273,6 +273,8 @@ def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> M
             disk_cache_damaged=disk.damaged if disk else 0,
             disk_cache_used=cache_used,
             disk_cache_size=cache_size,
+            memory_reserved=manager.memory_reserved,
+            framework_bytes=manager.framework_bytes,
         )
 
     collector = TritonCollector(

@@ -147,7 +147,10 @@ class InferenceService:
         except QuiverError:
             model.stats.record_failure(0, "REJECTED")
             raise
-        response = await model.scheduler.enqueue(request)
+        try:
+            response = await model.scheduler.enqueue(request)
+        finally:
+            manager.request_done(model)  # loads waiting for room look again
         response.model_name = model.name
         response.model_version = model.version_str
         response.id = request.id

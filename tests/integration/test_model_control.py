@@ -190,6 +190,8 @@ def test_concurrent_load_and_unload_end_in_one_state(explicit) -> None:  # type:
                 (c.load_model if action == "load" else c.unload_model)("add")
         except BaseException as exc:  # collected and checked below
             errors.append(exc)
+        finally:
+            c.close()  # in its own thread: gevent's pool cannot be joined from another one
 
     threads = [threading.Thread(target=worker, args=(a,)) for a in ("load", "unload", "load")]
     for thread in threads:

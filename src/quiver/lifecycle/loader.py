@@ -53,6 +53,15 @@ def read_config(
     source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None
 ) -> tuple[pb.ModelConfig, Backend | None]:
     """The model's configuration as written (or as overridden), backend and platform resolved."""
+    proto = read_proto(source, strict=strict, override=override)
+    backend = get_backend(proto.backend) if proto.backend else None
+    return proto, backend
+
+
+def read_proto(
+    source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None
+) -> pb.ModelConfig:
+    """:func:`read_config` without the backend: the framework is not imported."""
     path = source.config_path
     if override is not None:
         proto = pb.ModelConfig()
@@ -80,8 +89,7 @@ def read_config(
     resolve_backend(proto, path)
     if not proto.backend and proto.platform != "ensemble":
         _guess_backend(proto, source)
-    backend = get_backend(proto.backend) if proto.backend else None
-    return proto, backend
+    return proto
 
 
 def _guess_backend(proto: pb.ModelConfig, source: ModelSource) -> None:
@@ -217,12 +225,22 @@ def is_ensemble(source: ModelSource, *, strict: bool, override: pb.ModelConfig |
     """Whether the model is an ensemble, and the models it is composed of (a quick read of
     its config; errors are left for the load to report)."""
     try:
-        proto, _ = read_config(source, strict=strict, override=override)
+        proto = read_proto(source, strict=strict, override=override)
     except QuiverError:
         return False, []
     if proto.platform != "ensemble":
         return False, []
     return True, sorted({s.model_name for s in proto.ensemble_scheduling.step if s.model_name})
+
+
+def backend_name(source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None) -> str:
+    """The backend the model's config names (``onnxruntime``, ``pytorch``, ``python``...),
+    without importing it; ``""`` when the config does not say or cannot be read (the load
+    reports why)."""
+    try:
+        return str(read_proto(source, strict=strict, override=override).backend)
+    except QuiverError:
+        return ""
 
 
 def load_ensemble(

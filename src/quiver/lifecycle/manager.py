@@ -54,22 +54,23 @@ from quiver.errors import (
     UnsupportedError,
 )
 from quiver.lifecycle.archives import archive_layout, is_namespaced
+from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, GreedyDualSizePolicy, LRUPolicy
+from quiver.lifecycle.frameworks import prime
 from quiver.lifecycle.loader import (
     LoadOutcome,
+    backend_name,
     is_ensemble,
     load_ensemble,
     load_model,
     unload_instance,
 )
 from quiver.lifecycle.memory import (
-    Admission,
     GpuMemoryLimit,
-    MemoryBudget,
     MemoryMeter,
     ModelIdentity,
-    OutOfMemoryError,
     SizePredictor,
+    fix_mmap_threshold,
     release_free_memory,
 )
 from quiver.lifecycle.model import Model, ModelState, VersionStatus, parse_version
@@ -188,7 +189,17 @@ class ModelRepositoryManager:
         # The multi-model parts: loads on demand, a byte budget, eviction.
         self._load_wait_timeout = load_wait_timeout
         self._loading: dict[str, asyncio.Task[None]] = {}  # single flight of on-demand loads
-        self._budget = MemoryBudget(memory_limit_bytes) if memory_limit_bytes > 0 else None
+        # Loads wait at the gate for room (host budget or GPU limit), woken when a pin is
+        # released, a load or an unload finished.
+        self._gate = BudgetGate()
+        self._budget = (
+            MemoryBudget(memory_limit_bytes, listener=self._gate.notify) if memory_limit_bytes > 0 else None
+        )
+        self._gate.budget = self._budget
+        if self._budget is not None:
+            fix_mmap_threshold()  # RSS deltas that belong to one load (lifecycle.memory)
+        self._frameworks: dict[str, int] = {}  # framework -> its one-time bytes, measured once
+        self._prime_lock = asyncio.Lock()
         self._policy: EvictionPolicy = (
             GreedyDualSizePolicy() if eviction_policy in ("gds", "greedy-dual-size") else LRUPolicy()
         )
@@ -210,6 +221,8 @@ class ModelRepositoryManager:
                 self._gpu = gpu
         self.multi_model = MultiModelStatistics()
         self._composing: dict[str, set[str]] = {}  # loaded ensemble -> its composing models
+        self._composing_loading: dict[str, set[str]] = {}  # ensemble loading -> the same, pinned
+        self._awaiting: dict[str, int] = {}  # model -> requests waiting for its load (pins)
         self._residency_listeners: list[Callable[[str, bool], None]] = []
         self._closed = False
 
@@ -295,8 +308,11 @@ class ModelRepositoryManager:
         visiting: frozenset[str] = frozenset(),
     ) -> dict[str, str]:
         """Load (or reload) one model under its lock; returns its failures."""
-        async with self._lock(source.name):
-            return await self._load_locked(source, config_override, visiting)
+        try:
+            async with self._lock(source.name):
+                return await self._load_locked(source, config_override, visiting)
+        finally:
+            self._gate.notify()  # no longer pinned by its load
 
     async def _load_locked(
         self,
@@ -344,7 +360,11 @@ class ModelRepositoryManager:
             functools.partial(is_ensemble, source, strict=self._strict, override=config_override),
         )
         if ensemble:
-            configs, problem = await self._ensure_composing(name, composing, visiting | {name})
+            self._composing_loading[name] = set(composing)
+            try:
+                configs, problem = await self._ensure_composing(name, composing, visiting | {name})
+            finally:
+                self._composing_loading.pop(name, None)
             if problem:
                 outcome = LoadOutcome(None, [], {}, problem)
                 logger.error("failed to load ensemble '%s': %s", name, problem)
@@ -379,7 +399,11 @@ class ModelRepositoryManager:
         old = list(self._ready.get(name, {}).values())
         self._install(name, outcome)
         if old:
-            await self._unload_models(old)
+            try:
+                await self._unload_models(old)
+            finally:
+                if self._budget is not None:
+                    self._budget.retired(name)  # the old versions' bytes, counted until now
         return failures
 
     async def _load_within_budget(
@@ -398,14 +422,15 @@ class ModelRepositoryManager:
         )
         gpu = self._gpu
         if gpu is None:
-            return await self._load_host_budget(source, load, serving)
+            return await self._load_host_budget(source, load, serving, config_override)
         identity = ModelIdentity(name, "", self._fingerprints.get(name, ""))
         predicted = gpu.predict(identity)
         await self._admit_gpu(name, predicted)
         try:
-            outcome = await self._load_host_budget(source, load, serving)
+            outcome = await self._load_host_budget(source, load, serving, config_override)
         finally:
             gpu.settle(name)
+            self._gate.notify()
         if outcome.models and name not in self._gpu_sizes and predicted is not None:
             self._gpu_sizes[name] = predicted  # loaded unmeasured: its known size
         return outcome
@@ -413,11 +438,11 @@ class ModelRepositoryManager:
     async def _admit_gpu(self, name: str, predicted: Mapping[int, int] | None) -> None:
         """Make room under the GPU load limit: evict models not in use that hold GPU memory
         on the devices the load would take past the limit (re-reading the devices after each
-        eviction), wait for pinned ones within the load wait timeout, or refuse the load."""
+        eviction), wait for pinned ones within the load wait timeout (woken when a pin is
+        released or an unload finishes), or refuse the load."""
         gpu = self._gpu
         assert gpu is not None
-        deadline = time.monotonic() + self._load_wait_timeout
-        delay = 0.005
+        deadline = self._gate.clock() + self._load_wait_timeout
         while True:
             over = gpu.over(predicted, exclude=name)
             if not over:
@@ -431,13 +456,15 @@ class ModelRepositoryManager:
             victims = self._policy.victims(offered, sum(over.values()), 0)
             if not victims:  # not enough evictable: evict what there is, the readings decide
                 victims = [c.name for c in offered if not c.pinned]
+            claimed = self._budget.releasing if self._budget is not None else frozenset()
+            victims = [v for v in victims if v not in claimed]  # another load unloads those
             if victims:
-                await self._evict(Admission(victims, frozenset(victims)), name)
+                for victim in victims:
+                    await self._evict_one(victim, name, claimed=False)
                 continue
-            if not any(c.pinned for c in offered) or time.monotonic() + delay > deadline:
+            waiting_on = any(c.pinned or c.name in claimed for c in offered)
+            if not waiting_on or not await self._gate.wait(deadline):
                 raise OutOfMemoryError(gpu.describe(name, over))
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
 
     def _remember_gpu(self, identity: ModelIdentity, gpu_bytes: Mapping[int, int] | None) -> None:
         if self._gpu is not None and gpu_bytes is not None:
@@ -445,8 +472,16 @@ class ModelRepositoryManager:
             self._gpu_sizes[identity.name] = dict(gpu_bytes)
 
     async def _load_host_budget(
-        self, source: ModelSource, load: Callable[[], LoadOutcome], serving: bool
+        self,
+        source: ModelSource,
+        load: Callable[[], LoadOutcome],
+        serving: bool,
+        config_override: pb.ModelConfig | None,
     ) -> LoadOutcome:
+        """Load under the memory budget (see :mod:`quiver.lifecycle.budget` for the rules):
+        reserve the predicted size (evicting models not in use, waiting for pinned ones),
+        load once the victims are unloaded, then commit the measured size, growing the
+        reservation first when the model measured larger than predicted."""
         name = source.name
         loop = asyncio.get_running_loop()
         budget = self._budget
@@ -460,13 +495,18 @@ class ModelRepositoryManager:
             if outcome.models:
                 self._remember_gpu(identity, footprint.gpu_bytes)
             return outcome
+        await self._prime_framework(source, config_override)
         prediction = self._predictor.predict(identity, source.path)
-        admission = await self._admit(name, prediction.bytes)
+        timeout = self._load_wait_timeout
+        admission = await self._gate.reserve(
+            name, prediction.bytes, self._policy, functools.partial(self._candidates, name), timeout=timeout
+        )
         # A model measured before (same files) is not measured again: measuring serialises
         # loads and costs two garbage collections; its size is known.
         known = prediction.source == "measured"
         try:
             await self._evict(admission, name)
+            await self._gate.covered(name, self._gate.clock() + timeout)
             started = time.monotonic()
             if known:
                 outcome = await loop.run_in_executor(
@@ -482,10 +522,10 @@ class ModelRepositoryManager:
                     self._remember_gpu(identity, footprint.gpu_bytes)
             seconds = time.monotonic() - started
         except BaseException:
-            (budget.cancel if serving else budget.release)(name)
+            budget.cancel(name)
             raise
         if not outcome.models:
-            (budget.cancel if serving else budget.release)(name)
+            budget.cancel(name)
             return outcome
         if known:
             size = prediction.bytes
@@ -495,6 +535,17 @@ class ModelRepositoryManager:
             from_files = await loop.run_in_executor(self._pool, self._predictor.from_files, source.path)
             size = max(measured, int((from_files or 0) / self._predictor.file_factor))
             self._predictor.record(identity, size)
+        try:
+            await self._cover_overrun(name, size)
+        except BaseException:
+            budget.cancel(name)
+            await self._unload_models(outcome.models)
+            raise
+        for model in outcome.models:
+            model.size_bytes = size
+            model.last_used = time.monotonic()
+        self._policy.touch(name, size, time.monotonic(), load_cost_s=seconds)
+        budget.commit(name, size)
         logger.info(
             "model '%s' takes %d bytes of host memory (%s %d, predicted %d from %s); "
             "%d of %d bytes in use",
@@ -504,41 +555,82 @@ class ModelRepositoryManager:
             measured,
             prediction.bytes,
             prediction.source,
-            budget.used + size - budget.reserved.get(name, 0),
+            budget.used,
             budget.limit_bytes,
         )
-        for model in outcome.models:
-            model.size_bytes = size
-            model.last_used = time.monotonic()
-        self._policy.touch(name, size, time.monotonic(), load_cost_s=seconds)
-        over = budget.commit(name, size)
-        if over > 0:  # it measured larger than predicted: make up the difference
-            victims = self._policy.victims(self._candidates(name), over, 0)
-            await self._evict(Admission(victims, frozenset(victims)), name)
         return outcome
 
-    async def _admit(self, name: str, predicted: int) -> Admission:
-        """Reserve room for a load. When the room is held by models that requests are using
-        right now (pins last milliseconds), wait for them with a short backoff, up to the load
-        wait timeout; a model larger than the whole budget fails at once."""
-        assert self._budget is not None
-        deadline = time.monotonic() + self._load_wait_timeout
-        delay = 0.005
-        while True:
+    async def _cover_overrun(self, name: str, size: int) -> None:
+        """The model measured ``size`` bytes: if that is more than its reservation, reserve the
+        excess as a load would (free bytes, evictions, waiting for pins) before it is READY;
+        if that cannot be had, OutOfMemoryError (the caller unloads the model)."""
+        budget = self._budget
+        assert budget is not None
+        granted = budget.reservation(name)
+        if size <= granted:
+            return
+        logger.warning(
+            "model '%s' measured %d bytes, %d more than its reservation; reserving the excess "
+            "before it is served",
+            name,
+            size,
+            size - granted,
+        )
+        try:
+            admission = await self._gate.reserve(
+                name,
+                size - granted,
+                self._policy,
+                functools.partial(self._candidates, name),
+                timeout=self._load_wait_timeout,
+                grow=True,
+            )
+            await self._evict(admission, name)
+            await self._gate.covered(name, self._gate.clock() + self._load_wait_timeout)
+        except OutOfMemoryError as exc:
+            raise OutOfMemoryError(
+                f"model '{name}' measured {size} bytes when loaded, more than the {granted} "
+                f"bytes predicted, and the excess does not fit: {exc.message}"
+            ) from None
+
+    async def _prime_framework(self, source: ModelSource, config_override: pb.ModelConfig | None) -> None:
+        """Pay the model's framework's one-time process cost (import, first session) once, in
+        a measured section of its own, so no model's measured size includes it. Reported,
+        not counted in the budget (see :mod:`quiver.lifecycle.memory`)."""
+        loop = asyncio.get_running_loop()
+        backend = await loop.run_in_executor(
+            self._pool,
+            functools.partial(backend_name, source, strict=self._strict, override=config_override),
+        )
+        if not backend or backend in self._frameworks:
+            return
+        async with self._prime_lock:
+            if backend in self._frameworks:
+                return
             try:
-                return self._budget.admit(name, predicted, self._policy, self._candidates(name))
-            except OutOfMemoryError:
-                if predicted > self._budget.limit_bytes or time.monotonic() + delay > deadline:
-                    raise
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
+                _, footprint = await loop.run_in_executor(
+                    self._pool, functools.partial(self._meter.measure, functools.partial(prime, backend))
+                )
+            except Exception as exc:  # e.g. the package is missing: the load says so
+                logger.debug("priming framework '%s' failed: %s", backend, exc)
+                return
+            self._frameworks[backend] = footprint.host_bytes
+            logger.info(
+                "framework '%s' took %d bytes of host memory once for this process (import and "
+                "first session); not charged to any model nor to the model memory limit",
+                backend,
+                footprint.host_bytes,
+            )
 
     def _candidates(self, loading: str) -> list[Candidate]:
         """Loaded models as eviction candidates; pinned when a request or a load uses them
-        (or an in-flight ensemble that they are part of)."""
+        (or an ensemble in flight or loading that they are part of)."""
         busy_ensembles = {
             e for e in self._composing if any(m.scheduler.inflight for m in self._ready.get(e, {}).values())
         }
+        busy_composing = {m for e in busy_ensembles for m in self._composing[e]}
+        for members in self._composing_loading.values():
+            busy_composing |= members
         # An archive is pinned as a whole: while it loads, or while any of its models is in use.
         busy_namespaces = {
             served
@@ -551,8 +643,9 @@ class ModelRepositoryManager:
                 continue
             pinned = (
                 self._lock(name).locked()
+                or name in self._awaiting
                 or any(m.scheduler.inflight for m in versions.values())
-                or any(name in self._composing[e] for e in busy_ensembles)
+                or name in busy_composing
                 or self._namespace_of.get(name) in busy_namespaces
             )
             candidates.append(
@@ -566,27 +659,41 @@ class ModelRepositoryManager:
         return candidates
 
     def _in_use(self, name: str) -> bool:
-        """Being loaded or unloaded, or serving a request now."""
-        return self._lock(name).locked() or any(
+        """Being loaded or unloaded, or serving a request now (or about to)."""
+        return self._lock(name).locked() or name in self._awaiting or any(
             m.scheduler.inflight for m in self._ready.get(name, {}).values()
         )
 
     async def _evict(self, admission: Admission, loading: str) -> None:
-        """Unload the admission's victims (ensembles that need them first), then wait for the
-        other evictions this load counts on."""
+        """Unload the models the admission claimed for ``loading`` (ensembles that need them
+        first); their bytes come to its reservation as each unload finishes."""
         for victim in admission.victims:
+            await self._evict_one(victim, loading, claimed=True)
+
+    async def _evict_one(self, victim: str, loading: str, *, claimed: bool) -> None:
+        """Unload ``victim`` to make room for ``loading``. A claimed victim is unloaded only
+        while still claimed for ``loading``: one unloaded meanwhile (the repository API, a
+        cascade) already gave its bytes, and a model loaded again since is not the victim."""
+        budget = self._budget
+
+        def still_victim() -> bool:
+            if claimed:
+                return budget is not None and budget.claimant(victim) == loading
+            return victim in self._ready
+
+        if not still_victim():
+            return
+        reason = f"evicted to make room for model '{loading}'"
+        for dependent in self._dependents(victim):
+            await self._unload_cascade(dependent, f"composing model '{victim}' was unloaded")
+        async with self._lock(victim):
+            if not still_victim():
+                return
             loaded = self._latest.get(victim)
             if loaded is not None:
                 self.multi_model.evictions += 1
                 self.multi_model.eviction_age_s.observe(max(0.0, time.monotonic() - loaded.loaded_at))
-            await self._unload_cascade(victim, f"evicted to make room for model '{loading}'")
-        if admission.victims:
-            await asyncio.get_running_loop().run_in_executor(self._pool, release_free_memory)
-        for name in admission.wait_for:
-            lock = self._locks.get(name)
-            if lock is not None and name not in admission.victims:
-                async with lock:  # its unload holds the lock until it finished
-                    pass
+            await self._unload_locked(victim, reason)
 
     async def _ensure_composing(
         self, ensemble: str, names: list[str], visiting: frozenset[str]
@@ -611,13 +718,26 @@ class ModelRepositoryManager:
                             f"ensemble '{ensemble}': composing model '{dep}' is not in the "
                             "model repository"
                         )
-                    await self._load_source(source, visiting=visiting)
+                    await self._load_missing(source, visiting)
             model = self._latest.get(dep)
             if model is None:
                 reason = next((s.reason for s in self._status.get(dep, []) if s.reason), "not loaded")
                 return {}, f"ensemble '{ensemble}': composing model '{dep}' is not available: {reason}"
             configs[dep] = model.config
         return configs, ""
+
+    async def _load_missing(self, source: ModelSource, visiting: frozenset[str]) -> dict[str, str]:
+        """Load a model on demand (a request's, or an ensemble's composing model) unless a
+        load that held its lock meanwhile loaded it: loading it again would be a reload,
+        wasted, and under a full budget one that needs room for a second copy while its
+        first is pinned (two such reloads would wait for each other). Returns failures."""
+        try:
+            async with self._lock(source.name):
+                if source.name in self._ready:
+                    return {}
+                return await self._load_locked(source, None, visiting)
+        finally:
+            self._gate.notify()
 
     def _dependents(self, name: str) -> list[str]:
         """Loaded ensembles that have ``name`` among their composing models."""
@@ -802,10 +922,13 @@ class ModelRepositoryManager:
         try:
             await self._unload_and_record(name, reason)
         finally:
+            # Released only now that the unload has finished (for an eviction, to the load
+            # that claimed it); an unload through the repository API counts the same.
             self._gpu_sizes.pop(name, None)
             if self._budget is not None:
                 self._budget.release(name)
                 self._policy.forget(name)
+            self._gate.notify()
             if name in self._leases or name in self._namespace:
                 await self._drop_namespace(name, f"archive model '{name}' was unloaded")
 
@@ -853,16 +976,22 @@ class ModelRepositoryManager:
         logger.info("unloaded model '%s' (%s)", name, reason)
 
     async def _unload_models(self, models: list[Model]) -> None:
-        """Drain the models' schedulers (in-flight requests finish), then free the instances."""
+        """Drain the models' schedulers (in-flight requests finish), then free the instances
+        (never during a measured load, whose RSS delta the freed memory would shrink) and,
+        under a budget, give the freed heap back to the OS before the bytes count as free."""
         await asyncio.gather(*(m.scheduler.stop() for m in models))
         loop = asyncio.get_running_loop()
         await asyncio.gather(
             *(
-                loop.run_in_executor(self._pool, unload_instance, m.name, instance)
+                loop.run_in_executor(
+                    self._pool, self._meter.shared, functools.partial(unload_instance, m.name, instance)
+                )
                 for m in models
                 for instance in m.instances
             )
         )
+        if self._budget is not None and any(m.instances for m in models):
+            await loop.run_in_executor(self._pool, self._meter.shared, release_free_memory)
 
     # -- poll --------------------------------------------------------------------------
 
@@ -966,6 +1095,21 @@ class ModelRepositoryManager:
             self.multi_model.loading_wait_time_us.observe((time.monotonic() - waited_from) * 1e6)
 
     async def _acquire_loading(self, name: str, version: str, deadline: float) -> Model:
+        # A request waiting for its model's load pins it: once loaded, the model is not
+        # evicted before the waiting requests reach it (they enqueue without yielding after
+        # get(), which makes them in flight).
+        self._awaiting[name] = self._awaiting.get(name, 0) + 1
+        try:
+            return await self._acquire_loading_pinned(name, version, deadline)
+        finally:
+            left = self._awaiting[name] - 1
+            if left:
+                self._awaiting[name] = left
+            else:
+                del self._awaiting[name]
+                self._gate.notify()
+
+    async def _acquire_loading_pinned(self, name: str, version: str, deadline: float) -> Model:
         while True:
             task = self._loading.get(name)
             if task is None:
@@ -1003,7 +1147,7 @@ class ModelRepositoryManager:
         if source is None:
             await self._load_archive(name, name, self._key_stores(name))
             return
-        failures = await self._load_source(source)
+        failures = await self._load_missing(source, frozenset())
         if name not in self._ready:
             reason = failures.get(name) or next(iter(failures.values()), "no version loaded")
             raise UnavailableError(f"model '{name}' failed to load: {reason}")
@@ -1240,10 +1384,26 @@ class ModelRepositoryManager:
 
     @property
     def memory(self) -> tuple[int, int]:
-        """Bytes of the memory budget in use and its limit (0, 0 without a budget)."""
+        """Bytes of the memory budget in use (resident, retiring and reserved: never above
+        the limit) and its limit (0, 0 without a budget)."""
         if self._budget is None:
             return 0, 0
         return self._budget.used, self._budget.limit_bytes
+
+    @property
+    def memory_reserved(self) -> int:
+        """Bytes of the budget reserved by loads under way (part of :attr:`memory`'s used)."""
+        return 0 if self._budget is None else self._budget.reserved_bytes
+
+    @property
+    def framework_bytes(self) -> dict[str, int]:
+        """Each framework's one-time host memory, measured once (outside the budget)."""
+        return dict(self._frameworks)
+
+    def request_done(self, model: Model) -> None:
+        """A request on ``model`` finished (its pin may be released): loads waiting for room
+        look again."""
+        self._gate.notify()
 
     @property
     def ready_models(self) -> list[Model]:
@@ -1254,6 +1414,7 @@ class ModelRepositoryManager:
     async def stop(self) -> None:
         """Stop polling, drain every model's scheduler, unload the instances (``finalize`` runs)."""
         self._closed = True
+        self._gate.close()  # loads waiting for room give up now
         if self._poll_task is not None:
             self._poll_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -10,23 +10,26 @@ Three parts, each usable alone:
   fingerprint or ETag) and predicts a size before a load: the measurement of that exact
   identity, else from the model's files (``overhead + factor * file bytes``, see below),
   raised to any earlier measurement of the same model name.
-- :class:`MemoryBudget` tracks resident models and in-flight loads against a limit:
-  ``reserve`` before a load (checked and counted at once, so concurrent loads cannot
-  overshoot together), ``commit`` the measured size when it is READY, ``release`` when it is
-  unloaded or its load failed. :meth:`MemoryBudget.admit` chooses victims with an
-  :class:`~quiver.lifecycle.eviction.EvictionPolicy` and reserves in one step.
+- :class:`~quiver.lifecycle.budget.MemoryBudget` (in :mod:`quiver.lifecycle.budget`,
+  re-exported here) is the ledger that keeps resident, retiring and reserved bytes under the
+  limit at every step, and :class:`~quiver.lifecycle.budget.BudgetGate` is where loads wait
+  for room.
 
 **Why RSS deltas are trustworthy here, and when they are not.** RSS is per process, so a
-delta measured around one load includes whatever other threads allocated meanwhile. The
-meter therefore serializes *measured* sections with a lock (loads that need no measurement
-can run alongside each other through :meth:`MemoryMeter.shared`, but never alongside a
-measured one). Inference in other threads still allocates while a load is measured; it is the
-remaining noise, small next to model weights. Second, glibc keeps freed memory in its heap:
-a load that parses a protobuf into temporary buffers shows those buffers in RSS until
-``malloc_trim`` returns them. The meter collects garbage and trims (glibc only; elsewhere a
-no-op) before and after each measured load, which turns a noisy transient into the retained
-footprint. Measured on this machine (2 cores, onnxruntime 1.31 CPU, MatMul chains of
-1024x1024 FP32 weights, several models loaded in one process, one inference run each):
+delta measured around one load includes whatever other threads allocated or freed meanwhile.
+The meter therefore serializes *measured* sections with a lock; loads that need no
+measurement and unloads run through :meth:`MemoryMeter.shared`, alongside each other but
+never alongside a measured load (an unload freeing 100 MB during a measured load would make
+that load look 100 MB smaller). Inference in other threads still allocates while a load is
+measured; it is the remaining noise, small next to model weights. Second, glibc keeps freed
+memory in its heap: a load that parses a protobuf into temporary buffers shows those buffers
+in RSS until ``malloc_trim`` returns them. The meter collects garbage and trims (glibc only;
+elsewhere a no-op) before and after each measured load, which turns a noisy transient into
+the retained footprint. Third, glibc's moving mmap threshold lets a freed model's blocks stay
+in the heap and be reused by the next load (measured as 0, then as 2 models): under a budget
+the manager fixes the threshold (:func:`fix_mmap_threshold`). Measured on this machine (2
+cores, onnxruntime 1.31 CPU, MatMul chains of 1024x1024 FP32 weights, several models loaded
+in one process, one inference run each):
 
 =========  ==============  ==================  ==========================
 file size  RSS+ (trimmed)  RSS+ (not trimmed)  ratio trimmed / file size
@@ -39,13 +42,24 @@ file size  RSS+ (trimmed)  RSS+ (not trimmed)  ratio trimmed / file size
 (reload)   100.2 / 200.5   200.1 / 360.4       1.00
 =========  ==============  ==================  ==========================
 
-TorchScript (``torch.jit.load`` of Linear stacks) retained 1.01x as well. The first session
-of a framework in a process also pays a one-time ~7-10 MB (runtime init) that is attributed
-to that first model. Hence :data:`DEFAULT_FILE_FACTOR` = 1.1 (the measured 1.00-1.05 plus a
-margin) and :data:`DEFAULT_OVERHEAD_BYTES` = 2 MiB per model. Untrimmed, the *transient*
+TorchScript (``torch.jit.load`` of Linear stacks) retained 1.01x as well. Hence
+:data:`DEFAULT_FILE_FACTOR` = 1.1 (the measured 1.00-1.05 plus a margin) and :data:`DEFAULT_OVERHEAD_BYTES` = 2 MiB per model. Untrimmed, the *transient*
 peak during a load is 1.3-3x the file size; the budget counts retained bytes, so keep some
 headroom below the machine's memory for one load's transient (measured loads are serialized,
 so there is at most one such peak at a time).
+
+**A framework's one-time cost is not a model's.** The first model of a framework in a process
+also pays for the framework itself. Measured here (RSS, trimmed): importing onnxruntime
+20.3 MB and its first session 10.4 MB (a second one 0.2 MB); importing torch 196 MB and its
+first TorchScript module 11.2 MB (a second one 0.1 MB). Charged to the first model, that
+cost would stick to it (its remembered size, hence every later prediction) and could make a
+10 MB model look larger than a 30 MB budget. So the manager *primes* each framework once
+(:func:`quiver.lifecycle.frameworks.prime`: import it and open a tiny session) in a measured
+section of its own before the first model of that framework loads; models are measured
+after it, and their sizes hold only their own bytes. The framework's bytes are reported
+(``quiver_model_framework_bytes{framework}`` and a log line) and are **not** counted in the
+model memory budget, like the interpreter and the server's own libraries: the budget is for
+models, and the machine needs room for the frameworks in use besides it.
 """
 
 from __future__ import annotations
@@ -59,15 +73,14 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import psutil
 
-from quiver.errors import UnavailableError
-from quiver.lifecycle.eviction import Candidate, EvictionPolicy
+from quiver.lifecycle.budget import Admission, MemoryBudget, OutOfMemoryError
 
 __all__ = [
     "DEFAULT_FILE_FACTOR",
@@ -83,6 +96,7 @@ __all__ = [
     "Prediction",
     "SizePredictor",
     "file_bytes",
+    "fix_mmap_threshold",
     "gpu_memory_info",
     "gpu_memory_used",
     "release_free_memory",
@@ -105,18 +119,41 @@ DEFAULT_UNKNOWN_BYTES = 64 * MiB
 # -- process memory ----------------------------------------------------------------------------
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
+def _load_libc_function(name: str) -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim: Callable[[int], int] = libc.malloc_trim
+        function: Callable[..., int] = getattr(libc, name)
     except (OSError, AttributeError):
         return None  # not glibc (musl has no malloc_trim)
-    return trim
+    return function
 
 
-_MALLOC_TRIM = _load_malloc_trim()
+_MALLOC_TRIM = _load_libc_function("malloc_trim")
+_MALLOPT = _load_libc_function("mallopt")
+_M_MMAP_THRESHOLD = -3
+
+#: Allocations from this size up are mapped on their own and unmapped when freed (see
+#: :func:`fix_mmap_threshold`).
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Make glibc map every allocation of ``threshold`` bytes or more on its own, for good.
+
+    By default glibc raises its mmap threshold each time a large mapped block is freed (up to
+    32 MiB), after which blocks of that size come from the heap and may stay in RSS when freed:
+    unloading one model then loading another measured one model's growth as 0 and the next as
+    2 models (10 MB ONNX models, loaded and unloaded in turn: 10.6, 21.1, 0.1 MB). Setting the
+    threshold fixes it (and turns the adjustment off): the same sequence measures 10.6, 10.6,
+    10.6 MB. The cost is a map and unmap per large block (request tensors of a MiB or more),
+    as glibc does anyway before it first moves its threshold (which starts at 128 KiB). The
+    manager sets it when a memory budget is configured. Returns whether it was set (glibc
+    only)."""
+    if _MALLOPT is None:
+        return False
+    return bool(_MALLOPT(_M_MMAP_THRESHOLD, int(threshold)))
 
 
 def release_free_memory() -> None:
@@ -457,193 +494,6 @@ class SizePredictor:
         if previous is not None:
             return Prediction(max(previous, self.overhead_bytes), "previous")
         return Prediction(max(self.default_bytes, self.overhead_bytes), "default")
-
-
-# -- MemoryBudget ------------------------------------------------------------------------------
-
-
-class OutOfMemoryError(UnavailableError):
-    """A model cannot fit in the memory budget even after evicting everything evictable.
-
-    UNAVAILABLE on the v2 protocols; the SageMaker routes answer 507 for it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """What :meth:`MemoryBudget.admit` decided: the models to unload for this load, and the
-    models (those victims, plus models other loads are evicting when this load counts on
-    their memory too) whose unloads must finish before this load may start."""
-
-    victims: list[str]
-    wait_for: frozenset[str]
-
-
-class MemoryBudget:
-    """Bytes of resident models plus in-flight reservations, kept under ``limit_bytes``.
-
-    Keys are whatever the manager names a loaded unit by (the model name). A key can be
-    *resident* (committed, with its measured size), *reserved* (a load under way, with its
-    predicted size) or both (a reload: the old versions serve while the new ones load), and a
-    resident key can be *releasing* (chosen for eviction, still in memory until its unload
-    finishes).
-
-    ``used`` = resident + reserved bytes. ``available`` = ``limit - used + releasing``: the
-    bytes a new reservation may claim, counting the memory of models already being evicted
-    (claimed once: the load that evicted them reserved it). :meth:`reserve` checks and counts
-    in one step under a lock, so concurrent loads cannot both claim the same free bytes.
-    Thread-safe; on the event loop every method is atomic.
-    """
-
-    def __init__(self, limit_bytes: int) -> None:
-        if limit_bytes <= 0:
-            raise ValueError("limit_bytes must be positive")
-        self.limit_bytes = int(limit_bytes)
-        self._resident: dict[str, int] = {}
-        self._reserved: dict[str, int] = {}
-        self._releasing: set[str] = set()
-        self._lock = threading.RLock()
-
-    # -- reading
-
-    @property
-    def resident(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._resident)
-
-    @property
-    def reserved(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._reserved)
-
-    @property
-    def releasing(self) -> frozenset[str]:
-        with self._lock:
-            return frozenset(self._releasing)
-
-    @property
-    def used(self) -> int:
-        with self._lock:
-            return sum(self._resident.values()) + sum(self._reserved.values())
-
-    @property
-    def releasing_bytes(self) -> int:
-        with self._lock:
-            return sum(self._resident[n] for n in self._releasing)
-
-    @property
-    def available(self) -> int:
-        with self._lock:
-            return self.limit_bytes - self.used + self.releasing_bytes
-
-    def fits(self, size: int) -> bool:
-        """Whether a reservation of ``size`` bytes would succeed now."""
-        return size <= self.available
-
-    def size_of(self, name: str) -> int | None:
-        """Committed bytes of a resident key, else ``None``."""
-        with self._lock:
-            return self._resident.get(name)
-
-    # -- changing
-
-    def reserve(self, name: str, predicted: int) -> None:
-        """Count ``predicted`` bytes for a load of ``name`` until :meth:`commit` or
-        :meth:`release`. Raises :class:`OutOfMemoryError` if they are not available, and
-        ``ValueError`` if ``name`` already has a reservation (single-flight is the manager's)."""
-        predicted = max(0, int(predicted))
-        with self._lock:
-            if name in self._reserved:
-                raise ValueError(f"model '{name}' already has a memory reservation")
-            if predicted > self.available:
-                raise OutOfMemoryError(self._no_room(name, predicted))
-            self._reserved[name] = predicted
-
-    def commit(self, name: str, measured: int) -> int:
-        """The load of ``name`` finished: its reservation becomes its resident size, replacing
-        a previous resident size of the same key (a reload). Returns the bytes by which the
-        budget is now exceeded (``> 0`` when the model measured larger than predicted: the
-        caller should evict that much more), else 0. Models already being evicted count as
-        gone: the overshoot is what remains once their unloads finish."""
-        measured = max(0, int(measured))
-        with self._lock:
-            self._reserved.pop(name, None)
-            self._releasing.discard(name)
-            self._resident[name] = measured
-            return max(0, -self.available)
-
-    def begin_release(self, name: str) -> None:
-        """``name`` was chosen for eviction; its bytes count as available to the load that
-        chose it (reserved at once), while it stays counted in ``used`` until :meth:`release`."""
-        with self._lock:
-            if name in self._resident:
-                self._releasing.add(name)
-
-    def release(self, name: str) -> int:
-        """``name`` is unloaded, or its load failed: drop its resident size and any reservation.
-        Returns the bytes freed."""
-        with self._lock:
-            self._releasing.discard(name)
-            return self._resident.pop(name, 0) + self._reserved.pop(name, 0)
-
-    def cancel(self, name: str) -> int:
-        """Drop only the reservation of ``name`` (a failed reload whose old versions keep serving)."""
-        with self._lock:
-            return self._reserved.pop(name, 0)
-
-    def admit(
-        self,
-        name: str,
-        predicted: int,
-        policy: EvictionPolicy,
-        candidates: Sequence[Candidate],
-    ) -> Admission:
-        """Choose victims and reserve ``predicted`` bytes for ``name``, in one step.
-
-        ``candidates`` are the loaded models (with pins); only keys resident here, not
-        already releasing and not reserved (loading or reloading) are offered to the policy,
-        with their committed sizes. The victims are marked releasing. The caller unloads
-        each victim and then calls :meth:`release` (and ``policy.forget``), and starts the
-        load only after every unload in :attr:`Admission.wait_for` has finished. Raises
-        :class:`OutOfMemoryError` when it cannot fit, changing nothing.
-        """
-        predicted = max(0, int(predicted))
-        with self._lock:
-            if name in self._reserved:
-                raise ValueError(f"model '{name}' already has a memory reservation")
-            already_releasing = frozenset(self._releasing)
-            victims: list[str] = []
-            if predicted > self.available:
-                offered = [
-                    replace(c, size_bytes=self._resident[c.name])
-                    for c in candidates
-                    if c.name in self._resident
-                    and c.name not in self._releasing
-                    and c.name not in self._reserved
-                    and c.name != name
-                ]
-                victims = policy.victims(offered, predicted, self.available)
-                freed = sum(self._resident[v] for v in victims)
-                if not victims or predicted > self.available + freed:
-                    raise OutOfMemoryError(self._no_room(name, predicted, offered))
-                self._releasing.update(victims)
-            # Memory really free once this load's own victims are gone (other evictions in
-            # flight still occupy theirs): if that is not enough, the load must also wait
-            # for those, whose bytes the accounting already lets it claim.
-            own = sum(self._resident[v] for v in victims)
-            free_after_own = self.limit_bytes - self.used + own
-            wait_for = frozenset(victims)
-            if predicted > free_after_own:
-                wait_for |= already_releasing
-            self._reserved[name] = predicted
-            return Admission(victims, wait_for)
-
-    def _no_room(self, name: str, predicted: int, offered: Sequence[Candidate] = ()) -> str:
-        evictable = sum(c.size_bytes for c in offered if not c.pinned)
-        return (
-            f"not enough memory to load model '{name}': it needs about {predicted} bytes; "
-            f"{max(0, self.available)} bytes are free and {evictable} more could be freed by "
-            f"evicting models not in use, under the model memory limit of {self.limit_bytes} bytes"
-        )
 
 
 # -- GpuMemoryLimit ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import psutil
@@ -176,6 +176,8 @@ class MultiModelView:
     disk_cache_damaged: int = 0
     disk_cache_used: int = 0
     disk_cache_size: int = 0
+    memory_reserved: int = 0
+    framework_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def _histogram(name: str, help_text: str, histogram: Histogram) -> Metric:
@@ -263,6 +265,20 @@ def _multi_model_metrics(view: MultiModelView) -> Iterator[Metric]:
         "The model memory budget (--model-memory-limit)",
         value=view.memory_limit,
     )
+    yield GaugeMetricFamily(
+        "quiver_model_memory_reserved_bytes",
+        "Bytes of the model memory budget reserved by loads under way (part of the used bytes)",
+        value=view.memory_reserved,
+    )
+    frameworks = GaugeMetricFamily(
+        "quiver_model_framework_bytes",
+        "Host memory a framework took once for the process (import, first session), "
+        "outside the model memory budget",
+        labels=["framework"],
+    )
+    for framework, size in sorted(view.framework_bytes.items()):
+        frameworks.add_metric([framework], size)
+    yield frameworks
     yield GaugeMetricFamily(
         "quiver_disk_cache_used_bytes",
         "Bytes of the model disk cache in use (extracted models and downloads in flight)",

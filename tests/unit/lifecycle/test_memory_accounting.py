@@ -1,10 +1,8 @@
-"""MemoryMeter, SizePredictor and MemoryBudget: fakes for the pure logic, a real onnxruntime
-session for the one measured test."""
+"""MemoryMeter and SizePredictor: fakes for the pure logic, a real onnxruntime session for the
+one measured test (the budget's ledger is tested in test_budget.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import random
 import threading
 import time
 from pathlib import Path
@@ -12,16 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quiver.errors import UnavailableError
-from quiver.lifecycle.eviction import Candidate, GreedyDualSizePolicy, LRUPolicy
 from quiver.lifecycle.memory import (
     DEFAULT_FILE_FACTOR,
     DEFAULT_OVERHEAD_BYTES,
-    Admission,
-    MemoryBudget,
     MemoryMeter,
     ModelIdentity,
-    OutOfMemoryError,
     SizePredictor,
     gpu_memory_used,
 )
@@ -239,169 +232,3 @@ def test_predictor_defaults_and_validation() -> None:
         SizePredictor(file_factor=0)
     with pytest.raises(ValueError):
         SizePredictor(overhead_bytes=-1)
-
-
-# -- MemoryBudget -----------------------------------------------------------------------------
-
-
-def test_budget_reserve_commit_release() -> None:
-    budget = MemoryBudget(100)
-    assert budget.fits(100) and not budget.fits(101)
-    budget.reserve("a", 60)
-    assert (budget.used, budget.available) == (60, 40)
-    assert not budget.fits(41)  # the reservation counts before the load finishes
-    with pytest.raises(OutOfMemoryError) as caught:
-        budget.reserve("b", 41)
-    assert isinstance(caught.value, UnavailableError)
-    assert "model 'b'" in str(caught.value)
-    with pytest.raises(ValueError):
-        budget.reserve("a", 1)  # one load of a model at a time
-
-    assert budget.commit("a", 50) == 0  # measured smaller than predicted: the rest is freed
-    assert (budget.resident, budget.reserved, budget.available) == ({"a": 50}, {}, 50)
-    budget.reserve("b", 50)
-    assert budget.commit("b", 70) == 20  # measured larger: 20 bytes over, evict that much
-    assert budget.release("a") == 50
-    assert budget.used == 70
-    budget.reserve("c", 10)
-    assert budget.release("c") == 10  # a failed load drops its reservation
-    assert budget.size_of("b") == 70 and budget.size_of("c") is None
-    with pytest.raises(ValueError):
-        MemoryBudget(0)
-
-
-def test_budget_reload_counts_old_and_new_until_commit() -> None:
-    budget = MemoryBudget(100)
-    budget.reserve("m", 40)
-    budget.commit("m", 40)
-    budget.reserve("m", 45)  # reload: the old version serves while the new one loads
-    assert budget.used == 85
-    assert budget.commit("m", 45) == 0
-    assert budget.resident == {"m": 45} and budget.used == 45
-    budget.reserve("m", 30)
-    assert budget.cancel("m") == 30  # a failed reload: the old version keeps its bytes
-    assert budget.resident == {"m": 45}
-
-
-def test_admit_evicts_with_the_policy_and_reserves_at_once() -> None:
-    budget = MemoryBudget(100)
-    for name, size in [("a", 30), ("b", 30), ("c", 30)]:
-        budget.reserve(name, size)
-        budget.commit(name, size)
-    candidates = [
-        Candidate("a", 999, last_used=1.0),  # the budget's own sizes are used, not the caller's
-        Candidate("b", 30, last_used=0.0, pinned=True),
-        Candidate("c", 30, last_used=2.0),
-    ]
-    assert budget.admit("d", 10, LRUPolicy(), candidates) == Admission([], frozenset())
-    assert budget.admit("e", 30, LRUPolicy(), candidates) == Admission(["a"], frozenset({"a"}))
-    assert budget.releasing == {"a"}
-    assert budget.available == 0  # a's 30 bytes went to e already
-    # A concurrent load cannot claim a's bytes again; c is evictable, b is pinned.
-    assert budget.admit("f", 30, LRUPolicy(), candidates).victims == ["c"]
-    with pytest.raises(OutOfMemoryError):
-        budget.admit("g", 1, LRUPolicy(), candidates)  # only b is left, and it is pinned
-    budget.release("a")
-    budget.release("c")
-    assert budget.used == 30 + 10 + 30 + 30  # b, d, e, f (reservations)
-    assert budget.used <= budget.limit_bytes
-
-
-def test_admit_raises_when_it_cannot_fit_even_after_evicting_everything() -> None:
-    budget = MemoryBudget(100)
-    budget.reserve("a", 50)
-    budget.commit("a", 50)
-    with pytest.raises(OutOfMemoryError, match="needs about 101 bytes"):
-        budget.admit("big", 101, LRUPolicy(), [Candidate("a", 50, 0.0)])
-    assert budget.releasing == frozenset() and budget.reserved == {}
-
-
-@pytest.mark.parametrize("policy_name", ["lru", "gds-1"])
-def test_concurrent_loads_never_exceed_the_budget(policy_name: str) -> None:
-    """Many asyncio tasks load and use models at once: admit, unload the victims, load
-    (measured at or below the prediction), commit. The bytes really in memory (tracked
-    independently) never go over the limit, and neither does the accounting."""
-    limit = 1000
-    rng = random.Random(42)
-    sizes = {f"m{i}": rng.randint(50, 400) for i in range(30)}
-    policy = LRUPolicy() if policy_name == "lru" else GreedyDualSizePolicy("uniform")
-    budget = MemoryBudget(limit)
-    state: dict[str, str] = {}  # name -> loading | ready | unloading
-    in_use: dict[str, int] = {}
-    last_used: dict[str, float] = {}
-    in_memory = {"bytes": 0, "peak": 0}
-    outcomes = {"hits": 0, "loads": 0, "full": 0}
-    ready_events: dict[str, asyncio.Event] = {}
-
-    def account(delta: int) -> None:
-        in_memory["bytes"] += delta
-        in_memory["peak"] = max(in_memory["peak"], in_memory["bytes"])
-        assert in_memory["bytes"] <= limit
-        assert budget.used - budget.releasing_bytes <= limit
-
-    unloads: dict[str, asyncio.Task[None]] = {}
-
-    async def unload(name: str) -> None:
-        await asyncio.sleep(rng.random() * 0.002)
-        account(-budget.size_of(name))  # type: ignore[operator]
-        budget.release(name)
-        policy.forget(name)
-        del state[name]
-
-    async def request(name: str, tick: float) -> None:
-        await asyncio.sleep(tick * 0.0005)  # arrivals spread out, many still overlapping
-        while True:
-            if state.get(name) == "ready":
-                outcomes["hits"] += 1
-                break
-            if state.get(name) == "loading":
-                await ready_events[name].wait()
-                continue
-            if state.get(name) == "unloading":
-                await unloads[name]
-                continue
-            candidates = [
-                Candidate(
-                    n, budget.size_of(n) or 0, last_used.get(n, 0.0), pinned=in_use.get(n, 0) > 0
-                )
-                for n, s in state.items()
-                if s == "ready"
-            ]
-            try:
-                admission = budget.admit(name, sizes[name], policy, candidates)
-            except OutOfMemoryError:
-                outcomes["full"] += 1
-                return
-            for victim in admission.victims:
-                state[victim] = "unloading"  # no new requests on a chosen victim
-                unloads[victim] = asyncio.create_task(unload(victim))
-            state[name] = "loading"
-            ready_events[name] = asyncio.Event()
-            await asyncio.gather(*(unloads[v] for v in admission.wait_for))
-            measured = sizes[name] - rng.randint(0, 20)
-            account(sizes[name])  # a load's transient is its prediction at most
-            await asyncio.sleep(rng.random() * 0.003)
-            account(measured - sizes[name])
-            assert budget.commit(name, measured) == 0
-            policy.touch(name, measured, tick)
-            outcomes["loads"] += 1
-            state[name] = "ready"
-            ready_events[name].set()
-            break
-        in_use[name] = in_use.get(name, 0) + 1
-        last_used[name] = tick
-        await asyncio.sleep(rng.random() * 0.002)
-        in_use[name] -= 1
-
-    async def main() -> None:
-        names = list(sizes)
-        weights = [1 / (k + 1) for k in range(len(names))]
-        await asyncio.gather(
-            *(request(rng.choices(names, weights)[0], float(t)) for t in range(400))
-        )
-
-    asyncio.run(main())
-    assert outcomes["loads"] > 10 and outcomes["hits"] > 0, outcomes
-    assert in_memory["peak"] <= limit
-    assert budget.used <= limit
-    assert sum(budget.resident.values()) == in_memory["bytes"]
