@@ -11,7 +11,6 @@ checks against the model's configuration live in the service.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ import orjson
 
 from quiver.errors import InvalidArgumentError
 from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.protocol.limits import MAX_RANK, check_depth, element_count, may_nest_too_deep
 from quiver.types import (
     HAVE_BF16,
     DataType,
@@ -37,13 +37,18 @@ def _bad(message: str) -> InvalidArgumentError:
     return InvalidArgumentError(message)
 
 
-def _shape(value: Any, name: str) -> tuple[int, ...]:
+def _shape(value: Any, name: str, datatype: DataType) -> tuple[tuple[int, ...], int]:
+    """The shape and its element count (limits.element_count checks rank and size)."""
     if not isinstance(value, list):
         raise _bad(f"input '{name}': 'shape' must be a list of integers")
-    for dim in value:
-        if type(dim) is not int or dim < 0:
-            raise _bad(f"input '{name}': 'shape' must be a list of non-negative integers, got {value}")
-    return tuple(value)
+    if len(value) <= MAX_RANK:
+        for dim in value:
+            if type(dim) is not int:
+                raise _bad(
+                    f"input '{name}': 'shape' must be a list of non-negative integers, got {value}"
+                )
+    shape = tuple(value)
+    return shape, element_count(shape, name, datatype)
 
 
 def _parameters(value: Any, where: str) -> dict[str, Any]:
@@ -54,27 +59,44 @@ def _parameters(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _flatten_strings(data: Any, name: str, out: list[bytes]) -> None:
-    for item in data:
-        if isinstance(item, str):
-            out.append(item.encode("utf-8"))
-        elif isinstance(item, list):
-            _flatten_strings(item, name, out)
+def _flatten_strings(data: list[Any], name: str) -> list[bytes]:
+    """Every string of a (nested) list, in order, UTF-8 encoded. Iterative: the nesting is
+    bounded by the parse-time depth check anyway, but nothing here recurses."""
+    if set(map(type, data)) == {str}:
+        return [item.encode("utf-8") for item in data]
+    out: list[bytes] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, str):
+                out.append(item.encode("utf-8"))
+            elif isinstance(item, list):
+                stack.append(iter(item))
+                break
+            else:
+                raise _bad(f"input '{name}': BYTES data must be strings, got {type(item).__name__}")
         else:
-            raise _bad(f"input '{name}': BYTES data must be strings, got {type(item).__name__}")
+            stack.pop()
+    return out
 
 
 def _all_ints(data: list[Any]) -> bool:
+    # recursion bounded by MAX_JSON_DEPTH: decode_request checked the nesting first
     return all(_all_ints(v) if isinstance(v, list) else type(v) is int for v in data)
 
 
-def _json_array(data: Any, datatype: DataType, shape: tuple[int, ...], name: str) -> np.ndarray[Any, Any]:
-    count = math.prod(shape)
+def _json_array(
+    data: Any, datatype: DataType, shape: tuple[int, ...], count: int, name: str
+) -> np.ndarray[Any, Any]:
     if not isinstance(data, list):
         data = [data]
     if datatype is DataType.BYTES:
-        flat: list[bytes] = []
-        _flatten_strings(data, name, flat)
+        flat = _flatten_strings(data, name)
+        if len(flat) != count:
+            raise _bad(
+                f"input '{name}': shape {list(shape)} needs {count} elements but 'data' has "
+                f"{len(flat)}"
+            )
         array = np.empty(len(flat), dtype=object)
         array[:] = flat
     else:
@@ -113,6 +135,22 @@ def _json_array(data: Any, datatype: DataType, shape: tuple[int, ...], name: str
     return array.reshape(shape)
 
 
+def _check_depth(header: dict[str, Any]) -> None:
+    """Each field of the request, and of each input and output, held to MAX_JSON_DEPTH."""
+    for key, value in header.items():
+        if key in ("inputs", "outputs") and type(value) is list:
+            for tensor in value:
+                if type(tensor) is not dict:
+                    check_depth(tensor, f"inference request: '{key}'")
+                    continue
+                name = tensor.get("name")
+                where = f"{key[:-1]} '{name}'" if isinstance(name, str) else f"an entry of '{key}'"
+                for field, item in tensor.items():
+                    check_depth(item, f"{where}: '{field}'")
+        else:
+            check_depth(value, f"inference request: '{key}'")
+
+
 def decode_request(
     body: bytes, header_length: int | None, model_name: str, model_version: str
 ) -> InferenceRequest:
@@ -130,6 +168,8 @@ def decode_request(
         raise _bad(f"malformed JSON in inference request for model '{model_name}': {exc}") from None
     if not isinstance(header, dict):
         raise _bad("inference request must be a JSON object")
+    if may_nest_too_deep(body, header_length):
+        _check_depth(header)
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list):
         raise _bad("inference request needs 'inputs', a list of tensors")
@@ -147,7 +187,7 @@ def decode_request(
         datatype = _WIRE.get(wire_type) if isinstance(wire_type, str) else None
         if datatype is None:
             raise _bad(f"input '{name}': unknown datatype {wire_type!r}")
-        shape = _shape(raw.get("shape"), name)
+        shape, count = _shape(raw.get("shape"), name, datatype)
         params = _parameters(raw.get("parameters"), f"input '{name}'")
         binary_size = params.get("binary_data_size")
         if binary_size is not None:
@@ -163,7 +203,6 @@ def decode_request(
                 )
             chunk = view[offset:end]
             offset = end
-            count = math.prod(shape)
             if datatype is DataType.BYTES:
                 data = deserialize_bytes(chunk, count, name).reshape(shape)
             else:
@@ -179,7 +218,7 @@ def decode_request(
         else:
             if "data" not in raw:
                 raise _bad(f"input '{name}': has neither 'data' nor 'binary_data_size'")
-            data = _json_array(raw["data"], datatype, shape, name)
+            data = _json_array(raw["data"], datatype, shape, count, name)
         inputs.append(Tensor(name, datatype, shape, data, params))
     if offset != size:
         raise _bad(
@@ -217,10 +256,13 @@ def decode_request(
 def _json_data(tensor: Tensor) -> Any:
     data = tensor.data
     if tensor.datatype is DataType.BYTES:
-        return [
-            v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
-            for v in data.reshape(-1)
-        ]
+        items = data.reshape(-1).tolist()
+        kinds = set(map(type, items))
+        if kinds == {str}:
+            return items
+        if kinds == {bytes}:
+            return [v.decode("utf-8", errors="replace") for v in items]
+        return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in items]
     if tensor.datatype is DataType.BF16:
         return data.astype(np.float32).reshape(-1)
     return data.reshape(-1)
