@@ -256,16 +256,26 @@ def decode_request(
 def _json_data(tensor: Tensor) -> Any:
     data = tensor.data
     if tensor.datatype is DataType.BYTES:
-        items = data.reshape(-1).tolist()
-        kinds = set(map(type, items))
-        if kinds == {str}:
-            return items
-        if kinds == {bytes}:
-            return [v.decode("utf-8", errors="replace") for v in items]
-        return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in items]
+        flat = data.reshape(-1)
+        if flat.size <= _JSON_CHUNK:
+            return _json_strings(flat)
+        out: list[str] = []  # a chunk at a time, as _dumps_response writes them
+        for start in range(0, flat.size, _JSON_CHUNK):
+            out.extend(_json_strings(flat[start : start + _JSON_CHUNK]))
+        return out
     if tensor.datatype is DataType.BF16:
         return data.astype(np.float32).reshape(-1)
     return data.reshape(-1)
+
+
+def _json_strings(flat: np.ndarray[Any, Any]) -> list[str]:
+    items = flat.tolist()
+    kinds = set(map(type, items))
+    if kinds == {str}:
+        return items  # type: ignore[no-any-return]
+    if kinds == {bytes}:
+        return [v.decode("utf-8", errors="replace") for v in items]
+    return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in items]
 
 
 def _binary_data(tensor: Tensor) -> bytes:
@@ -308,10 +318,43 @@ def encode_response(
     if response.parameters:
         body["parameters"] = response.parameters
     body["outputs"] = outputs
-    header = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    header = _dumps_response(body)
     if not buffers:
         return header, None
     return b"".join([header, *buffers]), len(header)
+
+
+#: JSON ``data`` of more elements is written this many at a time (see _dumps_response).
+_JSON_CHUNK = 1 << 16
+
+
+def _dumps_response(body: dict[str, Any]) -> bytes:
+    """``orjson.dumps(body)``, byte for byte; ``outputs`` (the last key) with long ``data``
+    are written a chunk at a time, so that no single call holds the GIL (and the event
+    loop, when this runs on a codec thread) for the whole of a large response."""
+    outputs: list[dict[str, Any]] = body["outputs"]
+    if all(len(entry.get("data", ())) <= _JSON_CHUNK for entry in outputs):
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    option = orjson.OPT_SERIALIZE_NUMPY
+    parts = [orjson.dumps({**body, "outputs": []}, option=option)[:-2]]  # ... "outputs":[
+    for index, entry in enumerate(outputs):
+        if index:
+            parts.append(b",")
+        data = entry.get("data", ())
+        if len(data) <= _JSON_CHUNK:
+            parts.append(orjson.dumps(entry, option=option))
+            continue
+        meta = {key: value for key, value in entry.items() if key != "data"}  # data is last
+        parts.append(orjson.dumps(meta, option=option)[:-1] + b',"data":[')
+        parts.append(
+            b",".join(
+                orjson.dumps(data[start : start + _JSON_CHUNK], option=option)[1:-1]
+                for start in range(0, len(data), _JSON_CHUNK)
+            )
+        )
+        parts.append(b"]}")
+    parts.append(b"]}")
+    return b"".join(parts)
 
 
 def encode_json(value: Any) -> bytes:

@@ -183,3 +183,39 @@ def test_any_body_decodes_or_is_a_client_error(header: dict[str, object], tail: 
     for body, length in ((raw, None), (raw + tail, len(raw))):
         with contextlib.suppress(InvalidArgumentError):
             decode_request(body, length, "m", "")
+
+
+@pytest.mark.parametrize("size", [0, 5, (1 << 16) + 3, 3 * (1 << 16)])
+def test_long_json_outputs_are_written_in_chunks_byte_for_byte(size: int) -> None:
+    request = decode_request(b'{"inputs": [], "outputs": [{"name": "B", "parameters": {"binary_data": true}}, {"name": "S"}, {"name": "F"}, {"name": "T"}]}', None, "m", "")
+    words = np.empty(size, dtype=object)
+    words[:] = [b"w%d" % i for i in range(size)]
+    floats = np.arange(size, dtype=np.float32) / 4
+    response = InferenceResponse(
+        "m", "1",
+        [
+            Tensor("B", DataType.FP32, (size,), floats),
+            Tensor("S", DataType.BYTES, (size,), words),
+            Tensor("F", DataType.FP32, (size,), floats),
+            Tensor("T", DataType.BYTES, (1,), np.array(["short"], dtype=object)),
+        ],
+        "id-7",
+        {"p": 1},
+    )
+    body, header_length = encode_response(response, request)
+    assert header_length is not None
+    header = json.loads(body[:header_length])
+    assert [o["name"] for o in header["outputs"]] == ["B", "S", "F", "T"]
+    assert header["outputs"][1]["data"] == [w.decode() for w in words]
+    assert header["outputs"][2]["data"] == floats.tolist()
+    assert header["id"] == "id-7" and header["parameters"] == {"p": 1}
+    assert body[header_length:] == floats.tobytes()
+    # the same bytes as one orjson call
+    outputs = [
+        {"name": "B", "datatype": "FP32", "shape": [size], "parameters": {"binary_data_size": 4 * size}},
+        {"name": "S", "datatype": "BYTES", "shape": [size], "data": [w.decode() for w in words]},
+        {"name": "F", "datatype": "FP32", "shape": [size], "data": floats},
+        {"name": "T", "datatype": "BYTES", "shape": [1], "data": ["short"]},
+    ]
+    whole = {"model_name": "m", "model_version": "1", "id": "id-7", "parameters": {"p": 1}, "outputs": outputs}
+    assert body[:header_length] == orjson.dumps(whole, option=orjson.OPT_SERIALIZE_NUMPY)
