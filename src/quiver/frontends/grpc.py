@@ -23,10 +23,15 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from quiver.errors import InvalidArgumentError, QuiverError
-from quiver.frontends.offload import OFFLOAD_BYTES, in_worker, response_size
+from quiver.frontends.offload import OFFLOAD_NS, PARSE_INLINE_BYTES, in_worker
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import grpc_status
-from quiver.protocol.v2_grpc import decode_infer_request, encode_infer_response
+from quiver.protocol.v2_grpc import (
+    decode_cost,
+    decode_infer_request,
+    encode_cost,
+    encode_infer_response,
+)
 from quiver.service import InferenceService
 from quiver.types import InferenceRequest, InferenceResponse
 
@@ -203,10 +208,12 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     async def _decode(self, data: bytes) -> tuple[Any, InferenceRequest]:
         """The message (for its name and id) and the request it carries."""
-        if len(data) < OFFLOAD_BYTES:
+        if len(data) < PARSE_INLINE_BYTES:
             message = _parse_request(data)
+        else:
+            message = await in_worker(_parse_request, data)
+        if decode_cost(message) < OFFLOAD_NS:
             return message, decode_infer_request(message)
-        message = await in_worker(_parse_request, data)
         return message, await in_worker(decode_infer_request, message)
 
     async def model_infer_bytes(self, data: bytes, context: Any) -> bytes:
@@ -217,7 +224,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             message, request = await self._decode(data)
             model = message.model_name
             response = await self.service.infer(request)
-            if response_size(response) < OFFLOAD_BYTES:
+            if encode_cost(response) < OFFLOAD_NS:
                 return _serialized_response(response)
             return await in_worker(_serialized_response, response)
         except QuiverError as exc:
@@ -234,7 +241,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             message, request = await self._decode(data)
             request_id, model = message.id, message.model_name
             response = await self.service.infer(request)
-            if response_size(response) < OFFLOAD_BYTES:
+            if encode_cost(response) < OFFLOAD_NS:
                 return _serialized_stream_response(response)
             return await in_worker(_serialized_stream_response, response)
         except QuiverError as exc:

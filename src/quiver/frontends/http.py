@@ -25,11 +25,17 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver.errors import InvalidArgumentError, QuiverError
-from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_BYTES, in_worker, response_size
+from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
 from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import http_status
 from quiver.protocol.limits import check_body_depth
-from quiver.protocol.v2_json import decode_request, encode_json, encode_response
+from quiver.protocol.v2_json import (
+    decode_cost,
+    decode_request,
+    encode_cost,
+    encode_json,
+    encode_response,
+)
 from quiver.service import InferenceService
 from quiver.types import InferenceResponse
 
@@ -300,7 +306,7 @@ class HttpFrontend:
                         "Inference-Header-Content-Length must be an integer, got "
                         f"'{raw_length.decode('latin-1')}'"
                     ) from None
-            if len(body) < OFFLOAD_BYTES:
+            if decode_cost(body, header_length) < OFFLOAD_NS:
                 infer_request = decode_request(body, header_length, model, version)
             else:
                 infer_request = await in_worker(decode_request, body, header_length, model, version)
@@ -308,7 +314,7 @@ class HttpFrontend:
                 response = await _unless_disconnected(self.service.infer(infer_request), receive)
             else:
                 response = await self.service.infer(infer_request)
-            if response_size(response) < OFFLOAD_BYTES:
+            if encode_cost(response, infer_request) < OFFLOAD_NS:
                 payload, json_length = encode_response(response, infer_request)
             else:
                 payload, json_length = await in_worker(encode_response, response, infer_request)

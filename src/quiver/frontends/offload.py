@@ -1,11 +1,14 @@
-"""Large decodes and encodes on worker threads, so the event loop keeps serving meanwhile.
+"""Long decodes and encodes on worker threads, so the event loop keeps serving meanwhile.
 
 A 60 MB body of 15 million BYTES elements takes seconds to become an array; done on the
-event loop it would hold every health check and every small request for as long. Bodies and
-responses from :data:`OFFLOAD_BYTES` on are decoded and encoded on a small pool of threads
-of their own (not the loop's default executor, which disk and S3 work share: a stalled store
-must not hold decodes). Smaller ones stay inline, where a thread hop would cost more than the
-work (see the README's Protocol section for the measurements).
+event loop it held every health check and every other request for as long. The protocol
+modules estimate how long a decode or an encode will take (``decode_cost``,
+``encode_cost``: JSON is parsed, BYTES elements are walked, fixed-size binary tensors are
+views); from :data:`OFFLOAD_NS` on, the work runs on a small pool of threads of its own
+(not the loop's default executor, which disk and S3 work share: a stalled store must not
+hold decodes). Shorter work stays inline, where the thread hop (about 50-100 us) would
+cost more than it saves: a small request, or a large binary tensor of a fixed-size type,
+is decoded as fast as before.
 """
 
 from __future__ import annotations
@@ -16,16 +19,16 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
-import numpy as np
-
-from quiver.types import InferenceResponse
-
-#: Bodies (and responses) of at least this many bytes are decoded (encoded) on a thread.
-OFFLOAD_BYTES = 1 << 20
-#: Deflate expands at most about 1032:1: smaller compressed bodies inflate inline.
-INFLATE_INLINE_BYTES = OFFLOAD_BYTES // 1032
+#: Decodes and encodes estimated at this many nanoseconds or more run on a codec thread.
+OFFLOAD_NS = 500_000
+#: gRPC messages of this many bytes or more are parsed on a codec thread (their buffers
+#: are copied: about half a millisecond per MiB).
+PARSE_INLINE_BYTES = 1 << 20
+#: Deflate expands at most about 1032:1: smaller compressed bodies inflate inline (to at
+#: most 256 KiB, well under OFFLOAD_NS); larger ones on a codec thread.
+INFLATE_INLINE_BYTES = 256
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -51,14 +54,4 @@ async def in_worker(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -
     return await loop.run_in_executor(_executor(), functools.partial(fn, *args, **kwargs))
 
 
-def response_size(response: InferenceResponse) -> int:
-    """About the bytes an encoded response will take: its arrays' sizes (a BYTES element
-    counts as its pointer, so a response of many elements counts as large)."""
-    total = 0
-    for tensor in response.outputs:
-        data: Any = tensor.data
-        total += data.nbytes if isinstance(data, np.ndarray) else 0
-    return total
-
-
-__all__ = ["INFLATE_INLINE_BYTES", "OFFLOAD_BYTES", "in_worker", "response_size"]
+__all__ = ["INFLATE_INLINE_BYTES", "OFFLOAD_NS", "PARSE_INLINE_BYTES", "in_worker"]

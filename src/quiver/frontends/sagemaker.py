@@ -61,11 +61,17 @@ from quiver.errors import (
     UnsupportedError,
 )
 from quiver.frontends.http import BodyTooLarge, _unless_disconnected, read_body
-from quiver.frontends.offload import OFFLOAD_BYTES, in_worker, response_size
+from quiver.frontends.offload import OFFLOAD_NS, in_worker
 from quiver.frontends.status import http_status
 from quiver.lifecycle.memory import OutOfMemoryError
 from quiver.protocol.limits import check_body_depth
-from quiver.protocol.v2_json import decode_request, encode_json, encode_response
+from quiver.protocol.v2_json import (
+    decode_cost,
+    decode_request,
+    encode_cost,
+    encode_json,
+    encode_response,
+)
 from quiver.repository.cache import CacheFullError
 from quiver.service import InferenceService
 from quiver.types import InferenceResponse
@@ -393,7 +399,7 @@ class SageMakerFrontend:
                 raise InvalidArgumentError(
                     f"Inference-Header-Content-Length must be an integer, got '{raw_length.decode('latin-1')}'"
                 ) from None
-        if len(body) < OFFLOAD_BYTES:
+        if decode_cost(body, header_length) < OFFLOAD_NS:
             request = decode_request(body, header_length, model, "")
         else:
             request = await in_worker(decode_request, body, header_length, model, "")
@@ -402,7 +408,7 @@ class SageMakerFrontend:
             response = await _unless_disconnected(self.service.infer(request), receive)
         else:
             response = await self.service.infer(request)
-        if response_size(response) < OFFLOAD_BYTES:
+        if encode_cost(response, request) < OFFLOAD_NS:
             payload, json_length = encode_response(response, request)
         else:
             payload, json_length = await in_worker(encode_response, response, request)

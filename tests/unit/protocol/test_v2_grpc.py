@@ -15,8 +15,10 @@ from tritonclient.grpc import service_pb2
 from quiver.errors import InvalidArgumentError
 from quiver.protocol.v2_grpc import (
     CONTENTS_FIELD,
+    decode_cost,
     decode_infer_request,
     decode_infer_response,
+    encode_cost,
     encode_infer_request,
     encode_infer_response,
     parameters_to_dict,
@@ -163,3 +165,25 @@ def test_any_message_decodes_or_is_a_client_error(inputs: list[tuple[str, list[i
             tensor.contents.int_contents.extend(ints)
     with contextlib.suppress(InvalidArgumentError):
         decode_infer_request(request)
+
+
+def test_costs_send_only_long_work_off_the_event_loop() -> None:
+    from quiver.frontends.offload import OFFLOAD_NS
+
+    def message(datatype: str, count: int, raw: bool) -> service_pb2.ModelInferRequest:
+        request = service_pb2.ModelInferRequest(model_name="m")
+        tensor = request.inputs.add(name="X", datatype=datatype, shape=[count])
+        if raw:
+            request.raw_input_contents.append(bytes(4 * count))
+        else:
+            tensor.contents.int_contents.extend([0] * count)
+        return request
+
+    assert decode_cost(message("FP32", 224 * 224 * 3, raw=True)) < OFFLOAD_NS  # a view
+    assert decode_cost(message("BYTES", 4096, raw=True)) >= OFFLOAD_NS
+    assert decode_cost(message("INT32", 16, raw=False)) < OFFLOAD_NS
+    assert decode_cost(message("INT32", 4096, raw=False)) >= OFFLOAD_NS
+    image = Tensor("Y", DataType.FP32, (224 * 224 * 3,), np.zeros(224 * 224 * 3, np.float32))
+    assert encode_cost(InferenceResponse("m", "1", [image])) >= OFFLOAD_NS
+    words = Tensor("Y", DataType.BYTES, (16,), np.array([b"w"] * 16, dtype=object))
+    assert encode_cost(InferenceResponse("m", "1", [words])) < OFFLOAD_NS

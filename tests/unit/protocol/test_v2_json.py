@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from quiver.errors import InvalidArgumentError
 from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
-from quiver.protocol.v2_json import decode_request, encode_response
+from quiver.protocol.v2_json import decode_cost, decode_request, encode_cost, encode_response
 from quiver.types import DataType, InferenceResponse, Tensor
 
 
@@ -219,3 +219,30 @@ def test_long_json_outputs_are_written_in_chunks_byte_for_byte(size: int) -> Non
     ]
     whole = {"model_name": "m", "model_version": "1", "id": "id-7", "parameters": {"p": 1}, "outputs": outputs}
     assert body[:header_length] == orjson.dumps(whole, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def test_costs_send_only_long_work_off_the_event_loop() -> None:
+    from quiver.frontends.offload import OFFLOAD_NS
+
+    def binary(datatype: str, data: bytes, escape: bool = False) -> tuple[bytes, int]:
+        name = "\\u0042YTES" if escape else datatype
+        tensor = {"name": "X", "datatype": "NAME", "shape": [1], "parameters": {"binary_data_size": len(data)}}
+        header = json.dumps({"inputs": [tensor]}).replace("NAME", name).encode()
+        return header + data, len(header)
+
+    image = bytes(224 * 224 * 3 * 4)  # a binary FP32 image is a view: inline, as before
+    assert decode_cost(*binary("FP32", image)) < OFFLOAD_NS
+    assert decode_cost(*binary("BYTES", bytes(64 << 10))) >= OFFLOAD_NS
+    assert decode_cost(*binary("FP32", bytes(64 << 10), escape=True)) >= OFFLOAD_NS  # could spell BYTES
+    small = json.dumps({"inputs": [{"name": "X", "datatype": "INT32", "shape": [16], "data": list(range(16))}]}).encode()
+    assert decode_cost(small, None) < OFFLOAD_NS
+    large = json.dumps({"inputs": [{"name": "X", "datatype": "INT32", "shape": [20_000], "data": list(range(20_000))}]}).encode()
+    assert decode_cost(large, None) >= OFFLOAD_NS
+
+    request = decode_request(b'{"inputs": [], "outputs": [{"name": "Y", "parameters": {"binary_data": true}}]}', None, "m", "")
+    image_out = Tensor("Y", DataType.FP32, (224 * 224 * 3,), np.zeros(224 * 224 * 3, np.float32))
+    assert encode_cost(InferenceResponse("m", "1", [image_out]), request) < OFFLOAD_NS
+    as_json = decode_request(b'{"inputs": []}', None, "m", "")
+    assert encode_cost(InferenceResponse("m", "1", [image_out]), as_json) >= OFFLOAD_NS
+    few = Tensor("Y", DataType.FP32, (1000,), np.zeros(1000, np.float32))
+    assert encode_cost(InferenceResponse("m", "1", [few]), as_json) < OFFLOAD_NS
