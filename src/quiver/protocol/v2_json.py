@@ -11,6 +11,7 @@ checks against the model's configuration live in the service.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,13 @@ import orjson
 
 from quiver.errors import InvalidArgumentError
 from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
-from quiver.protocol.limits import MAX_RANK, check_depth, element_count, may_nest_too_deep
+from quiver.protocol.limits import (
+    MAX_JSON_DEPTH,
+    MAX_RANK,
+    check_depth,
+    element_count,
+    may_nest_too_deep,
+)
 from quiver.types import (
     HAVE_BF16,
     DataType,
@@ -29,6 +36,10 @@ from quiver.types import (
 )
 
 _WIRE = {dt.value: dt for dt in DataType}
+#: A header shorter than this cannot nest MAX_JSON_DEPTH deep: every bracket is closed.
+_DEPTH_SCAN_BYTES = 2 * MAX_JSON_DEPTH
+#: Element counts up to this need no more checks (2**40 elements of 8 bytes fit an array).
+_SMALL_COUNT = 1 << 40
 _INT_KINDS = frozenset("iu")
 _NUMBER_KINDS = frozenset("iuf")
 
@@ -47,6 +58,10 @@ def _shape(value: Any, name: str, datatype: DataType) -> tuple[tuple[int, ...], 
                 raise _bad(
                     f"input '{name}': 'shape' must be a list of non-negative integers, got {value}"
                 )
+        if value and min(value) > 0:  # the common case: no 0 or negative dimension
+            count = math.prod(value)
+            if count <= _SMALL_COUNT:
+                return tuple(value), count
     shape = tuple(value)
     return shape, element_count(shape, name, datatype)
 
@@ -168,7 +183,7 @@ def decode_request(
         raise _bad(f"malformed JSON in inference request for model '{model_name}': {exc}") from None
     if not isinstance(header, dict):
         raise _bad("inference request must be a JSON object")
-    if may_nest_too_deep(body, header_length):
+    if header_length >= _DEPTH_SCAN_BYTES and may_nest_too_deep(body, header_length):
         _check_depth(header)
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list):
@@ -304,6 +319,10 @@ def _binary_outputs(request: InferenceRequest) -> tuple[bool, dict[str, bool]]:
 # copying about 0.5 per byte. A binary tensor of a fixed-size type is a view: no work.
 
 
+#: Up to this, encode_cost answers its upper bound (at most 0.1 ms: no need to be precise).
+_SMALL_COST = 100_000
+
+
 def decode_cost(body: bytes, header_length: int | None) -> int:
     """About the nanoseconds :func:`decode_request` takes for this body. A binary part is
     costed as BYTES when the JSON header could ask for them: it says ``BYTES``, or it has
@@ -320,10 +339,17 @@ def decode_cost(body: bytes, header_length: int | None) -> int:
 
 def encode_cost(response: InferenceResponse, request: InferenceRequest) -> int:
     """About the nanoseconds :func:`encode_response` takes for this response."""
+    bound = 0  # 100 per element is the most any output costs (binary: at most 4 per element)
+    for tensor in response.outputs:
+        data: Any = tensor.data
+        if isinstance(data, np.ndarray):
+            bound += 100 * data.size
+    if bound <= _SMALL_COST:
+        return bound
     binary_default, wanted = _binary_outputs(request)
     cost = 0
     for tensor in response.outputs:
-        data: Any = tensor.data
+        data = tensor.data
         if not isinstance(data, np.ndarray):
             continue
         if tensor.datatype is not DataType.BYTES and wanted.get(tensor.name, binary_default):
@@ -377,7 +403,10 @@ def _dumps_response(body: dict[str, Any]) -> bytes:
     are written a chunk at a time, so that no single call holds the GIL (and the event
     loop, when this runs on a codec thread) for the whole of a large response."""
     outputs: list[dict[str, Any]] = body["outputs"]
-    if all(len(entry.get("data", ())) <= _JSON_CHUNK for entry in outputs):
+    for entry in outputs:
+        if len(entry.get("data", ())) > _JSON_CHUNK:
+            break
+    else:
         return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
     option = orjson.OPT_SERIALIZE_NUMPY
     parts = [orjson.dumps({**body, "outputs": []}, option=option)[:-2]]  # ... "outputs":[
