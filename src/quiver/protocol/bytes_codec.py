@@ -19,6 +19,9 @@ _LEN = struct.Struct("<I")
 VECTOR_MIN = 256
 #: Elements encoded per join by the loop.
 _CHUNK = 1 << 16
+#: Elements per numpy call: each call holds the GIL, so a codec thread lets the event loop
+#: in between (1M elements: about 10 ms).
+_BLOCK = 1 << 20
 
 
 def serialize_bytes(array: np.ndarray[Any, Any]) -> bytes:
@@ -59,7 +62,10 @@ def _serialize_uniform(flat: np.ndarray[Any, Any]) -> bytes | None:
     count = flat.size
     if not len(first):
         # every element empty (what equals b"" or "" is what the loop encodes as empty too)
-        return bytes(4 * count) if bool((flat == first).all()) else None
+        for start in range(0, count, _BLOCK):
+            if not bool((flat[start : start + _BLOCK] == first).all()):
+                return None
+        return bytes(4 * count)
     items = flat.tolist()
     if set(map(type, items)) != {kind}:
         return None
@@ -107,16 +113,21 @@ def deserialize_bytes(buffer: bytes | memoryview, count: int, name: str) -> np.n
 
 
 def _deserialize_uniform(view: memoryview, count: int, stride: int) -> np.ndarray[Any, Any] | None:
-    """Elements that all have length ``stride - 4``, else None (read in place, no copies)."""
+    """Elements that all have length ``stride - 4``, else None (read in place)."""
     length = stride - 4
     prefixes = np.ndarray((count,), dtype="<u4", buffer=view, strides=(stride,))
-    if (prefixes != length).any():
-        return None
+    for start in range(0, count, _BLOCK):
+        if (prefixes[start : start + _BLOCK] != length).any():
+            return None
+    out = np.empty(count, dtype=object)
     if not length:
-        out = np.empty(count, dtype=object)
-        out.fill(b"")
+        for start in range(0, count, _BLOCK):
+            out[start : start + _BLOCK] = b""
         return out
-    return np.ndarray((count,), dtype=f"V{length}", buffer=view, offset=4, strides=(stride,)).astype(object)
+    elements = np.ndarray((count,), dtype=f"V{length}", buffer=view, offset=4, strides=(stride,))
+    for start in range(0, count, _BLOCK):
+        out[start : start + _BLOCK] = elements[start : start + _BLOCK]  # void -> bytes
+    return out
 
 
 def _explain(view: memoryview, count: int, name: str) -> None:
