@@ -185,6 +185,26 @@ def _bad_requests() -> list[tuple[str, Any, str]]:
     r = _request("identity_fp32", INPUT0=("FP32", [2]))
     r.inputs[0].parameters["shared_memory_region"].string_param = "region0"
     cases.append(("shared memory", r, "shared memory region 'region0' is not registered"))
+    huge = 1 << 62
+    r = _request("identity_int32", INPUT0=("INT32", [0, huge]))
+    r.raw_input_contents.append(b"")
+    cases.append(("zero and huge dims, raw", r, f"input 'INPUT0': shape [0, {huge}] is too large"))
+    r = _request("identity_int32", INPUT0=("INT32", [huge, 0]))
+    cases.append(("huge and zero dims, contents", r, f"input 'INPUT0': shape [{huge}, 0] is too large"))
+    r = _request("identity_bytes", INPUT0=("BYTES", [0, huge]))
+    r.raw_input_contents.append(b"")
+    cases.append(("BYTES zero and huge dims", r, "is too large"))
+    r = _request("identity_int32", INPUT0=("INT32", [huge, huge]))
+    r.inputs[0].contents.int_contents.append(1)
+    cases.append(("dims past int64 together", r, "its dimensions multiply to more than 9223372036854775807 bytes"))
+    r = _request("identity_int32", INPUT0=("INT32", [1] * 65))
+    r.raw_input_contents.append(bytes(4))
+    cases.append(("rank 65", r, "input 'INPUT0': 'shape' has 65 dimensions, more than the 64 allowed"))
+    r = _request("identity_int32", INPUT0=("INT32", [0] * 100_000))
+    cases.append(("rank 100000", r, "'shape' has 100000 dimensions"))
+    r = _request("identity_bytes", INPUT0=("BYTES", [3]))
+    r.inputs[0].contents.bytes_contents.extend([b"a", b"b"])
+    cases.append(("BYTES contents count", r, "input 'INPUT0': shape [3] needs 3 elements but contents.bytes_contents has 2"))
     return cases
 
 
@@ -195,6 +215,39 @@ def test_malformed_requests_are_invalid_argument(stub: Any, client: Any, request
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
     assert client.is_server_ready()
+    _simple_answers(client)
+
+
+def _simple_answers(client: Any) -> None:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(a)
+    np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("OUTPUT0"), a * 2)
+
+
+def test_a_message_that_is_not_a_request_is_invalid_argument(server: QuiverServer, client: Any) -> None:
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # bytes as they are
+        for garbage in (b"\xff\xff\xff", b"\x0a\x80\x80\x80\x80\x10"):
+            with pytest.raises(grpc.RpcError) as info:
+                infer(garbage, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed ModelInferRequest message" in info.value.details()
+    _simple_answers(client)
+
+
+def test_limits_in_a_stream_fail_that_request_only(server: QuiverServer) -> None:
+    bad = _request("identity_int32", INPUT0=("INT32", [0, 1 << 62]))
+    good = _request("identity_int32", INPUT0=("INT32", [2]))
+    good.inputs[0].contents.int_contents.extend([7, 8])
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answers = list(stub.ModelStreamInfer(iter([good, bad, good]), timeout=30))
+    assert answers[0].error_message == "" and answers[2].error_message == ""
+    assert "is too large" in answers[1].error_message
+    for answer in (answers[0], answers[2]):
+        np.testing.assert_array_equal(np.frombuffer(answer.infer_response.raw_output_contents[0], np.int32), [7, 8])
 
 
 def test_typed_contents_for_narrow_types_and_empty_tensors(stub: Any) -> None:

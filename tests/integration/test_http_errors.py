@@ -208,3 +208,112 @@ def test_chunked_body_over_the_limit_on_the_repository_api(server: QuiverServer)
         assert response.status == 413
     finally:
         conn.close()
+
+
+# -- limits: shapes past what an array can be, JSON nested past Triton's 100 levels ---------
+
+HUGE = 1 << 62
+
+
+def deep(depth: int, leaf: str = '"x"', kind: str = "list") -> str:
+    """JSON text nested ``depth`` deep (json.dumps itself would recurse past ~1000)."""
+    if kind == "list":
+        return "[" * depth + leaf + "]" * depth
+    return '{"k":' * depth + leaf + "}" * depth
+
+
+def with_text(value: dict[str, Any], text: str) -> bytes:
+    """``value`` as JSON with the string "MARK" replaced by raw JSON ``text``."""
+    return json.dumps(value).replace('"MARK"', text).encode()
+
+
+def binary(header: dict[str, Any], data: bytes = b"") -> tuple[bytes, dict[str, str]]:
+    raw = json.dumps(header).encode()
+    return raw + data, {"Inference-Header-Content-Length": str(len(raw))}
+
+
+def one_input(datatype: str, shape: Any, data: Any = "MARK", **extra: Any) -> dict[str, Any]:
+    return {"inputs": [{"name": "INPUT0", "datatype": datatype, "shape": shape, "data": data}], **extra}
+
+
+LIMIT_CASES: list[tuple[str, str, bytes, dict[str, str], str]] = [
+    ("zero and huge dims", "identity_int32", json.dumps(one_input("INT32", [0, HUGE], [])).encode(), {},
+     f"input 'INPUT0': shape [0, {HUGE}] is too large"),
+    ("huge and zero dims", "simple", json.dumps(simple_body(inputs=[one_input("INT32", [HUGE, 0], [])["inputs"][0] | {"name": n} for n in ("INPUT0", "INPUT1")])).encode(), {},
+     "input 'INPUT0': shape"),
+    ("rank 65", "identity_int32", json.dumps(one_input("INT32", [1] * 65, [1])).encode(), {},
+     "input 'INPUT0': 'shape' has 65 dimensions, more than the 64 allowed"),
+    ("rank 65 of zeros", "identity_int32", json.dumps(one_input("INT32", [0] * 65, [])).encode(), {}, "has 65 dimensions"),
+    ("dim past int64", "identity_int32", json.dumps(one_input("INT32", [1 << 63], [])).encode(), {}, "non-negative integers (int64)"),
+    ("BYTES data 1000 deep", "identity_bytes", with_text(one_input("BYTES", [1]), deep(1000)), {},
+     "input 'INPUT0': 'data': JSON nesting depth exceeds maximum allowed limit (100)"),
+    ("INT32 data 100 deep", "identity_int32", with_text(one_input("INT32", [1]), deep(100, "1")), {},
+     "input 'INPUT0': 'data': JSON nesting depth exceeds maximum allowed limit (100)"),
+    ("request parameters 1000 deep", "identity_int32", with_text(one_input("INT32", [1], [1], parameters={"p": "MARK"}), deep(1000, "1", "dict")), {},
+     "inference request: 'parameters': JSON nesting depth exceeds"),
+    ("input parameters 500 deep", "identity_int32", with_text({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [1], "parameters": {"p": "MARK"}}]}, deep(500, "[]")), {},
+     "input 'INPUT0': 'parameters': JSON nesting depth exceeds"),
+    ("output parameters 500 deep", "identity_int32", with_text(one_input("INT32", [1], [1], outputs=[{"name": "OUTPUT0", "parameters": {"p": "MARK"}}]), deep(500)), {},
+     "output 'OUTPUT0': 'parameters': JSON nesting depth exceeds"),
+    ("python model parameters 1000 deep", "add_sub", with_text({"inputs": [{"name": n, "datatype": "FP32", "shape": [4], "data": [1, 2, 3, 4]} for n in ("INPUT0", "INPUT1")], "parameters": {"p": "MARK"}}, deep(1000, "1", "dict")), {},
+     "inference request: 'parameters': JSON nesting depth exceeds"),
+    ("binary zero and huge", "identity_int32", *binary({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [0, HUGE], "parameters": {"binary_data_size": 0}}]}),
+     f"input 'INPUT0': shape [0, {HUGE}] is too large"),
+    ("binary BYTES zero and huge", "identity_bytes", *binary({"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [0, HUGE], "parameters": {"binary_data_size": 0}}]}),
+     "is too large"),
+    ("binary BYTES count past the bytes", "identity_bytes", *binary({"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1 << 40], "parameters": {"binary_data_size": 8}}]}, bytes(8)),
+     "need at least"),
+]
+
+
+@pytest.mark.parametrize(("model", "body", "headers", "message"), [c[1:] for c in LIMIT_CASES], ids=[c[0] for c in LIMIT_CASES])
+def test_limits_are_client_errors(server: QuiverServer, model: str, body: bytes, headers: dict[str, str], message: str) -> None:
+    status, error = infer(server, model, body, headers)
+    assert status == 400, error
+    assert message in error
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v2/repository/index", with_text({"ready": "MARK"}, deep(1000)), "request body: 'ready': JSON nesting depth exceeds"),
+        ("/v2/repository/models/simple/load", with_text({"parameters": {"config": "MARK"}}, deep(1000, "1", "dict")), "request body: 'parameters': JSON nesting depth exceeds"),
+        ("/v2/repository/models/simple/unload", with_text({"parameters": "MARK"}, deep(200, "{}", "dict")), "request body: 'parameters': JSON nesting depth exceeds"),
+        ("/v2/logging", with_text({"log_info": "MARK"}, deep(1000)), "request body: 'log_info': JSON nesting depth exceeds"),
+        ("/v2/logging", deep(2000).encode(), "malformed JSON"),  # past orjson's own 1024
+    ],
+)
+def test_deep_bodies_on_the_other_routes(server: QuiverServer, path: str, body: bytes, message: str) -> None:
+    status, payload, _ = request(server, "POST", path, body)
+    assert status == 400 and payload is not None, payload
+    assert message in payload["error"]
+
+
+def test_tritonclient_after_the_limits(server: QuiverServer) -> None:
+    """A client that sent all of the above still gets right answers, JSON and binary."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.url)
+    try:
+        for model, body, headers, _ in [c[1:] for c in LIMIT_CASES]:
+            infer(server, model, body, headers)
+        sent = {
+            True: np.array([b"a", b"", b"\x00\xc3\xa9"] * 100, dtype=object),  # binary
+            False: np.array(["a", "", "\u00e9"] * 100, dtype=object),  # JSON: strings
+        }
+        for binary_data, words in sent.items():
+            inp = httpclient.InferInput("INPUT0", list(words.shape), "BYTES")
+            inp.set_data_from_numpy(words, binary_data=binary_data)
+            out = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+            got = client.infer("identity_bytes", [inp], outputs=[out]).as_numpy("OUTPUT0").tolist()
+            assert got == [w if isinstance(w, bytes) else w.encode() for w in words]
+    finally:
+        client.close()
+
+
+def test_bytes_that_are_not_utf8_for_an_onnx_string_model(server: QuiverServer) -> None:
+    payload = struct.pack("<I", 2) + b"\x00\xff"
+    body, headers = binary({"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(payload)}}]}, payload)
+    status, error = infer(server, "identity_bytes", body, headers)
+    assert status == 400, error
+    assert "input 'INPUT0': onnxruntime string tensors hold UTF-8 text" in error

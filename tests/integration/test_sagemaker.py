@@ -354,3 +354,38 @@ def test_safe_port_range(single_repo: Path) -> None:
         assert 23000 <= server.sagemaker_port <= 23999
         assert call(server.sagemaker_url, "GET", "/ping").status == 200
 
+
+
+def test_limits_are_client_errors_on_both_routes(mme: QuiverServer, ensemble_repo: Path) -> None:
+    """Shapes past an array and JSON past 100 levels, as JSON and as binary+json, on
+    /invocations and /models/{name}/invoke: 400 naming the field, then a right answer."""
+    base = mme.sagemaker_url
+    assert call(base, "POST", "/models", {"model_name": "limits", "url": str(ensemble_repo / "add_ten")}).status == 200
+    huge = 1 << 62
+    deep = "[" * 1000 + "1" + "]" * 1000
+    try:
+        bodies: list[tuple[bytes, dict[str, str], str]] = []
+        text = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": "MARK"}]})
+        bodies.append((text.replace('"MARK"', deep).encode(), {"Content-Type": "application/json"}, "input 'INPUT0': 'data': JSON nesting depth exceeds maximum allowed limit (100)"))
+        text = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}], "parameters": {"p": "MARK"}})
+        bodies.append((text.replace('"MARK"', deep).encode(), {"Content-Type": "application/json"}, "inference request: 'parameters': JSON nesting depth exceeds"))
+        plain = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [0, huge], "data": []}]}).encode()
+        bodies.append((plain, {"Content-Type": "application/json"}, f"input 'INPUT0': shape [0, {huge}] is too large"))
+        plain = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1] * 65, "data": [1]}]}).encode()
+        bodies.append((plain, {"Content-Type": "application/json"}, "'shape' has 65 dimensions"))
+        header = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [huge, 0], "parameters": {"binary_data_size": 0}}]}).encode()
+        bodies.append((header, {"Content-Type": BINARY_JSON + str(len(header))}, f"input 'INPUT0': shape [{huge}, 0] is too large"))
+        header = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1 << 40], "parameters": {"binary_data_size": 4}}]}).encode()
+        bodies.append((header + bytes(4), {"Content-Type": BINARY_JSON + str(len(header))}, "need at least"))
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        for body, headers, message in bodies:
+            for path, extra in (("/invocations", {TARGET: "limits"}), ("/models/limits/invoke", {})):
+                reply = call(base, "POST", path, body, headers | extra)
+                assert reply.status == 400, (path, reply.body)
+                assert message in reply.json()["error"], (path, reply.body)
+                np.testing.assert_array_equal(outputs(invoke(base, path, x, "INPUT0", **extra))["OUTPUT0"], x + 10)
+        deep_load = json.dumps({"model_name": "MARK", "url": "x"}).replace('"MARK"', deep).encode()
+        reply = call(base, "POST", "/models", deep_load, {"Content-Type": "application/json"})
+        assert reply.status == 400 and "load request: 'model_name': JSON nesting depth exceeds" in reply.json()["error"]
+    finally:
+        call(base, "DELETE", "/models/limits")

@@ -159,8 +159,15 @@ class OnnxInstance(ThreadedInstance):
         feed: dict[str, Any] = {}
         for tensor in request.inputs:
             data = tensor.data
-            if tensor.name in self._string_inputs:
-                data = np.vectorize(_to_str, otypes=[object])(data) if data.size else data
+            if tensor.name in self._string_inputs and data.size:
+                try:
+                    data = np.vectorize(_to_str, otypes=[object])(data)
+                except UnicodeDecodeError as exc:
+                    raise InvalidArgumentError(
+                        f"input '{tensor.name}': onnxruntime string tensors hold UTF-8 text, and "
+                        f"an element is not: {exc.reason} at byte {exc.start} (model "
+                        f"'{self._config.name}')"
+                    ) from None
             reshape = self._in_reshape.get(tensor.name)
             if reshape is not None:
                 lead = data.shape[:1] if self._batching else ()
@@ -224,7 +231,14 @@ class OnnxInstance(ThreadedInstance):
         timing = self.timing
         t0 = time.monotonic_ns()
         names = self._names(requests)
-        feeds = [self._feed(r) for r in requests]
+        feeds: list[dict[str, Any]] = []
+        for request in requests:
+            try:
+                feeds.append(self._feed(request))
+            except QuiverError as exc:  # that request's own mistake: the others still run
+                good = [r for r in requests if r is not request]
+                answers = iter(self.execute(good))
+                return [exc if r is request else next(answers) for r in requests]
         sizes = [next(iter(f.values())).shape[0] if f else 1 for f in feeds]
         try:
             feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}

@@ -17,15 +17,23 @@ from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.offload import OFFLOAD_NS, PARSE_INLINE_BYTES, in_worker
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import grpc_status
-from quiver.protocol.v2_grpc import decode_infer_request, encode_infer_response
+from quiver.protocol.v2_grpc import (
+    decode_cost,
+    decode_infer_request,
+    encode_cost,
+    encode_infer_response,
+)
 from quiver.service import InferenceService
+from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
 
@@ -196,39 +204,70 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         return response
 
     # -- inference -------------------------------------------------------------------
+    #
+    # ModelInfer and ModelStreamInfer are served by _RawInferHandler with no (de)serializers:
+    # the servicer gets the message bytes and returns bytes, so a large message is parsed,
+    # decoded, encoded and serialized on a codec thread (frontends/offload.py), and a small
+    # one inline, as grpc would have. A message that is not a ModelInferRequest is then
+    # INVALID_ARGUMENT rather than grpc's own failure.
 
-    async def ModelInfer(self, request: Any, context: Any) -> Any:
+    async def _decode(self, data: bytes) -> tuple[Any, InferenceRequest]:
+        """The message (for its name and id) and the request it carries."""
+        if len(data) < PARSE_INLINE_BYTES:
+            message = _parse_request(data)
+        else:
+            message = await in_worker(_parse_request, data)
+        if decode_cost(message) < OFFLOAD_NS:
+            return message, decode_infer_request(message)
+        return message, await in_worker(decode_infer_request, message)
+
+    async def model_infer_bytes(self, data: bytes, context: Any) -> bytes:
+        """ModelInfer: a serialized ModelInferRequest in, a ModelInferResponse out."""
         self._enter()
+        model = ""
         try:
-            response = await self.service.infer(decode_infer_request(request))
-            return encode_infer_response(response)
+            message, request = await self._decode(data)
+            model = message.model_name
+            response = await self.service.infer(request)
+            if encode_cost(response) < OFFLOAD_NS:
+                return _serialized_response(response)
+            return await in_worker(_serialized_response, response)
         except QuiverError as exc:
             await _abort(context, exc)
         except Exception as exc:
-            logger.exception("inference on model '%s' failed unexpectedly", request.model_name)
-            await _abort_internal(context, request.model_name, exc)
+            logger.exception("inference on model '%s' failed unexpectedly", model)
+            await _abort_internal(context, model, exc)
         finally:
             self._leave()
 
-    async def _stream_one(self, request: Any) -> Any:
+    async def _stream_one(self, data: bytes) -> bytes:
+        request_id = model = ""
         try:
-            response = await self.service.infer(decode_infer_request(request))
-            return pb.ModelStreamInferResponse(infer_response=encode_infer_response(response))
+            message, request = await self._decode(data)
+            request_id, model = message.id, message.model_name
+            response = await self.service.infer(request)
+            if encode_cost(response) < OFFLOAD_NS:
+                return _serialized_stream_response(response)
+            return await in_worker(_serialized_stream_response, response)
         except QuiverError as exc:
-            message = exc.message
+            error = exc.message
         except Exception as exc:
-            logger.exception("inference on model '%s' failed unexpectedly", request.model_name)
-            message = _internal_message(request.model_name, exc)
+            logger.exception("inference on model '%s' failed unexpectedly", model)
+            error = _internal_message(model, exc)
         # As Triton: the error, and the request id so the client knows which one failed.
-        return pb.ModelStreamInferResponse(
-            error_message=message, infer_response=pb.ModelInferResponse(id=request.id)
+        failed = pb.ModelStreamInferResponse(
+            error_message=error, infer_response=pb.ModelInferResponse(id=request_id)
         )
+        serialized: bytes = failed.SerializeToString()
+        return serialized
 
-    async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-        """Requests run concurrently; answers go out in request order (Triton's order for
-        models that are not decoupled). A failed request is answered with ``error_message``
-        and the stream goes on."""
-        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+    async def model_stream_infer_bytes(
+        self, request_iterator: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[bytes]:
+        """ModelStreamInfer: requests run concurrently; answers go out in request order
+        (Triton's order for models that are not decoupled). A failed request is answered
+        with ``error_message`` and the stream goes on."""
+        pending: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
 
         async def read() -> None:
@@ -258,6 +297,42 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 if leftover is not None:
                     leftover.cancel()
                     self._leave()
+
+
+def _parse_request(data: bytes) -> Any:
+    try:
+        return pb.ModelInferRequest.FromString(data)
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"malformed ModelInferRequest message: {exc}") from None
+
+
+def _serialized_response(response: InferenceResponse) -> bytes:
+    serialized: bytes = encode_infer_response(response).SerializeToString()
+    return serialized
+
+
+def _serialized_stream_response(response: InferenceResponse) -> bytes:
+    message = pb.ModelStreamInferResponse()
+    message.infer_response.CopyFrom(encode_infer_response(response))
+    serialized: bytes = message.SerializeToString()
+    return serialized
+
+
+class _RawInferHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """ModelInfer and ModelStreamInfer with bytes in and out (see InferenceServicer)."""
+
+    def __init__(self, servicer: InferenceServicer) -> None:
+        self._handlers = {
+            f"/{SERVICE_NAME}/ModelInfer": grpc.unary_unary_rpc_method_handler(
+                servicer.model_infer_bytes
+            ),
+            f"/{SERVICE_NAME}/ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                servicer.model_stream_infer_bytes
+            ),
+        }
+
+    def service(self, handler_call_details: Any) -> Any:
+        return self._handlers.get(handler_call_details.method)
 
 
 #: Triton's API group of each RPC, for --grpc-restricted-protocol.
@@ -364,6 +439,8 @@ class GrpcFrontend:
                 ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared listener
             ]
         )
+        # First: the generated handler's ModelInfer and ModelStreamInfer are never reached.
+        server.add_generic_rpc_handlers((_RawInferHandler(self.servicer),))
         generic_only = _GenericHandlersOnly(server)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, generic_only)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, generic_only)

@@ -25,9 +25,17 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
 from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import http_status
-from quiver.protocol.v2_json import decode_request, encode_json, encode_response
+from quiver.protocol.limits import check_body_depth
+from quiver.protocol.v2_json import (
+    decode_cost,
+    decode_request,
+    encode_cost,
+    encode_json,
+    encode_response,
+)
 from quiver.service import InferenceService
 from quiver.types import InferenceResponse
 
@@ -186,6 +194,7 @@ class HttpFrontend:
             raise InvalidArgumentError(f"malformed JSON in request body: {exc}") from None
         if not isinstance(value, dict):
             raise InvalidArgumentError("request body must be a JSON object")
+        check_body_depth(value, body, "request body")
         return value
 
     async def _guarded(self, request: Request, handler: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
@@ -297,12 +306,18 @@ class HttpFrontend:
                         "Inference-Header-Content-Length must be an integer, got "
                         f"'{raw_length.decode('latin-1')}'"
                     ) from None
-            infer_request = decode_request(body, header_length, model, version)
+            if decode_cost(body, header_length) < OFFLOAD_NS:
+                infer_request = decode_request(body, header_length, model, version)
+            else:
+                infer_request = await in_worker(decode_request, body, header_length, model, version)
             if self.service.queues(model, version):
                 response = await _unless_disconnected(self.service.infer(infer_request), receive)
             else:
                 response = await self.service.infer(infer_request)
-            payload, json_length = encode_response(response, infer_request)
+            if encode_cost(response, infer_request) < OFFLOAD_NS:
+                payload, json_length = encode_response(response, infer_request)
+            else:
+                payload, json_length = await in_worker(encode_response, response, infer_request)
         except QuiverError as exc:
             await _send(send, http_status(exc.code), _error_body(exc.message))
             return
@@ -360,7 +375,10 @@ async def read_body(
     if encoding is not None:
         name = encoding.decode("latin-1").strip().lower()
         if name != "identity":
-            body = _decompress(body, name, limit)
+            if len(body) < INFLATE_INLINE_BYTES:
+                body = _decompress(body, name, limit)
+            else:
+                body = await in_worker(_decompress, body, name, limit)
     return body
 
 

@@ -61,9 +61,17 @@ from quiver.errors import (
     UnsupportedError,
 )
 from quiver.frontends.http import BodyTooLarge, _unless_disconnected, read_body
+from quiver.frontends.offload import OFFLOAD_NS, in_worker
 from quiver.frontends.status import http_status
 from quiver.lifecycle.memory import OutOfMemoryError
-from quiver.protocol.v2_json import decode_request, encode_json, encode_response
+from quiver.protocol.limits import check_body_depth
+from quiver.protocol.v2_json import (
+    decode_cost,
+    decode_request,
+    encode_cost,
+    encode_json,
+    encode_response,
+)
 from quiver.repository.cache import CacheFullError
 from quiver.repository.names import check_local_path
 from quiver.service import InferenceService
@@ -392,13 +400,19 @@ class SageMakerFrontend:
                 raise InvalidArgumentError(
                     f"Inference-Header-Content-Length must be an integer, got '{raw_length.decode('latin-1')}'"
                 ) from None
-        request = decode_request(body, header_length, model, "")
+        if decode_cost(body, header_length) < OFFLOAD_NS:
+            request = decode_request(body, header_length, model, "")
+        else:
+            request = await in_worker(decode_request, body, header_length, model, "")
         response: InferenceResponse
         if self.service.queues(model):
             response = await _unless_disconnected(self.service.infer(request), receive)
         else:
             response = await self.service.infer(request)
-        payload, json_length = encode_response(response, request)
+        if encode_cost(response, request) < OFFLOAD_NS:
+            payload, json_length = encode_response(response, request)
+        else:
+            payload, json_length = await in_worker(encode_response, response, request)
         if json_length is None:
             return _Reply(200, payload)
         return _Reply(200, payload, BINARY_JSON_PREFIX + str(json_length))
@@ -499,6 +513,7 @@ class SageMakerFrontend:
             raise InvalidArgumentError(f"malformed JSON in load request: {exc}") from None
         if not isinstance(value, dict):
             raise InvalidArgumentError('load request must be a JSON object {"model_name": ..., "url": ...}')
+        check_body_depth(value, body, "load request")
         name, url = value.get("model_name"), value.get("url")
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("load request needs 'model_name', a non-empty string")

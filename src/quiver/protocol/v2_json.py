@@ -20,6 +20,13 @@ import orjson
 
 from quiver.errors import InvalidArgumentError
 from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.protocol.limits import (
+    MAX_JSON_DEPTH,
+    MAX_RANK,
+    check_depth,
+    element_count,
+    may_nest_too_deep,
+)
 from quiver.types import (
     HAVE_BF16,
     DataType,
@@ -30,6 +37,10 @@ from quiver.types import (
 )
 
 _WIRE = {dt.value: dt for dt in DataType}
+#: A header shorter than this cannot nest MAX_JSON_DEPTH deep: every bracket is closed.
+_DEPTH_SCAN_BYTES = 2 * MAX_JSON_DEPTH
+#: Element counts up to this need no more checks (2**40 elements of 8 bytes fit an array).
+_SMALL_COUNT = 1 << 40
 _INT_KINDS = frozenset("iu")
 _NUMBER_KINDS = frozenset("iuf")
 
@@ -38,13 +49,22 @@ def _bad(message: str) -> InvalidArgumentError:
     return InvalidArgumentError(message)
 
 
-def _shape(value: Any, name: str) -> tuple[int, ...]:
+def _shape(value: Any, name: str, datatype: DataType) -> tuple[tuple[int, ...], int]:
+    """The shape and its element count (limits.element_count checks rank and size)."""
     if not isinstance(value, list):
         raise _bad(f"input '{name}': 'shape' must be a list of integers")
-    for dim in value:
-        if type(dim) is not int or dim < 0:
-            raise _bad(f"input '{name}': 'shape' must be a list of non-negative integers, got {value}")
-    return tuple(value)
+    if len(value) <= MAX_RANK:
+        for dim in value:
+            if type(dim) is not int:
+                raise _bad(
+                    f"input '{name}': 'shape' must be a list of non-negative integers, got {value}"
+                )
+        if value and min(value) > 0:  # the common case: no 0 or negative dimension
+            count = math.prod(value)
+            if count <= _SMALL_COUNT:
+                return tuple(value), count
+    shape = tuple(value)
+    return shape, element_count(shape, name, datatype)
 
 
 def _parameters(value: Any, where: str) -> dict[str, Any]:
@@ -55,27 +75,44 @@ def _parameters(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _flatten_strings(data: Any, name: str, out: list[bytes]) -> None:
-    for item in data:
-        if isinstance(item, str):
-            out.append(item.encode("utf-8"))
-        elif isinstance(item, list):
-            _flatten_strings(item, name, out)
+def _flatten_strings(data: list[Any], name: str) -> list[bytes]:
+    """Every string of a (nested) list, in order, UTF-8 encoded. Iterative: the nesting is
+    bounded by the parse-time depth check anyway, but nothing here recurses."""
+    if set(map(type, data)) == {str}:
+        return [item.encode("utf-8") for item in data]
+    out: list[bytes] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, str):
+                out.append(item.encode("utf-8"))
+            elif isinstance(item, list):
+                stack.append(iter(item))
+                break
+            else:
+                raise _bad(f"input '{name}': BYTES data must be strings, got {type(item).__name__}")
         else:
-            raise _bad(f"input '{name}': BYTES data must be strings, got {type(item).__name__}")
+            stack.pop()
+    return out
 
 
 def _all_ints(data: list[Any]) -> bool:
+    # recursion bounded by MAX_JSON_DEPTH: decode_request checked the nesting first
     return all(_all_ints(v) if isinstance(v, list) else type(v) is int for v in data)
 
 
-def _json_array(data: Any, datatype: DataType, shape: tuple[int, ...], name: str) -> np.ndarray[Any, Any]:
-    count = math.prod(shape)
+def _json_array(
+    data: Any, datatype: DataType, shape: tuple[int, ...], count: int, name: str
+) -> np.ndarray[Any, Any]:
     if not isinstance(data, list):
         data = [data]
     if datatype is DataType.BYTES:
-        flat: list[bytes] = []
-        _flatten_strings(data, name, flat)
+        flat = _flatten_strings(data, name)
+        if len(flat) != count:
+            raise _bad(
+                f"input '{name}': shape {list(shape)} needs {count} elements but 'data' has "
+                f"{len(flat)}"
+            )
         array = np.empty(len(flat), dtype=object)
         array[:] = flat
     else:
@@ -124,6 +161,20 @@ def _loads_nonfinite(raw: bytes, error: orjson.JSONDecodeError, model_name: str)
         except (ValueError, RecursionError):
             pass
     raise _bad(f"malformed JSON in inference request for model '{model_name}': {error}") from None
+def _check_depth(header: dict[str, Any]) -> None:
+    """Each field of the request, and of each input and output, held to MAX_JSON_DEPTH."""
+    for key, value in header.items():
+        if key in ("inputs", "outputs") and type(value) is list:
+            for tensor in value:
+                if type(tensor) is not dict:
+                    check_depth(tensor, f"inference request: '{key}'")
+                    continue
+                name = tensor.get("name")
+                where = f"{key[:-1]} '{name}'" if isinstance(name, str) else f"an entry of '{key}'"
+                for field, item in tensor.items():
+                    check_depth(item, f"{where}: '{field}'")
+        else:
+            check_depth(value, f"inference request: '{key}'")
 
 
 def decode_request(
@@ -144,6 +195,8 @@ def decode_request(
         header = _loads_nonfinite(raw_header, exc, model_name)
     if not isinstance(header, dict):
         raise _bad("inference request must be a JSON object")
+    if header_length >= _DEPTH_SCAN_BYTES and may_nest_too_deep(body, header_length):
+        _check_depth(header)
     raw_inputs = header.get("inputs")
     if not isinstance(raw_inputs, list):
         raise _bad("inference request needs 'inputs', a list of tensors")
@@ -161,7 +214,7 @@ def decode_request(
         datatype = _WIRE.get(wire_type) if isinstance(wire_type, str) else None
         if datatype is None:
             raise _bad(f"input '{name}': unknown datatype {wire_type!r}")
-        shape = _shape(raw.get("shape"), name)
+        shape, count = _shape(raw.get("shape"), name, datatype)
         params = _parameters(raw.get("parameters"), f"input '{name}'")
         binary_size = params.get("binary_data_size")
         if binary_size is not None:
@@ -177,7 +230,6 @@ def decode_request(
                 )
             chunk = view[offset:end]
             offset = end
-            count = math.prod(shape)
             if datatype is DataType.BYTES:
                 data = deserialize_bytes(chunk, count, name).reshape(shape)
             else:
@@ -193,7 +245,7 @@ def decode_request(
         else:
             if "data" not in raw:
                 raise _bad(f"input '{name}': has neither 'data' nor 'binary_data_size'")
-            data = _json_array(raw["data"], datatype, shape, name)
+            data = _json_array(raw["data"], datatype, shape, count, name)
         inputs.append(Tensor(name, datatype, shape, data, params))
     if offset != size:
         raise _bad(
@@ -262,13 +314,26 @@ def _nonfinite_data(flat: np.ndarray[Any, Any]) -> Any:
 def _json_data(tensor: Tensor) -> Any:
     data = tensor.data
     if tensor.datatype is DataType.BYTES:
-        return [
-            v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
-            for v in data.reshape(-1)
-        ]
+        flat = data.reshape(-1)
+        if flat.size <= _JSON_CHUNK:
+            return _json_strings(flat)
+        out: list[str] = []  # a chunk at a time, as _dumps_response writes them
+        for start in range(0, flat.size, _JSON_CHUNK):
+            out.extend(_json_strings(flat[start : start + _JSON_CHUNK]))
+        return out
     if tensor.datatype is DataType.BF16:
         return data.astype(np.float32).reshape(-1)
     return data.reshape(-1)
+
+
+def _json_strings(flat: np.ndarray[Any, Any]) -> list[str]:
+    items = flat.tolist()
+    kinds = set(map(type, items))
+    if kinds == {str}:
+        return items  # type: ignore[no-any-return]
+    if kinds == {bytes}:
+        return [v.decode("utf-8", errors="replace") for v in items]
+    return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v) for v in items]
 
 
 def _binary_data(tensor: Tensor) -> bytes:
@@ -277,16 +342,71 @@ def _binary_data(tensor: Tensor) -> bytes:
     return np.ascontiguousarray(tensor.data).tobytes()
 
 
-def encode_response(
-    response: InferenceResponse, request: InferenceRequest
-) -> tuple[bytes, int | None]:
-    """Serialise a response; returns the body and the JSON header length if binary follows."""
+def _binary_outputs(request: InferenceRequest) -> tuple[bool, dict[str, bool]]:
+    """Whether outputs go binary by default, and for the outputs the request names."""
     binary_default = bool(request.parameters.get("binary_data_output", False))
     wanted: dict[str, bool] = {}
     if request.outputs is not None:
         for requested in request.outputs:
             flag = requested.parameters.get("binary_data")
             wanted[requested.name] = binary_default if flag is None else bool(flag)
+    return binary_default, wanted
+
+
+# -- costs: how long decode_request and encode_response take, roughly ---------------------
+#
+# The frontends decode and encode on a thread when these say the work is long enough to
+# hold the event loop (frontends/offload.py). Nanoseconds, measured on the dev machine and
+# rounded up: parsing JSON about 8 per byte; a BYTES element about 250 (64 per byte of its
+# binary data: an element is at least 4); a JSON or BYTES element on the way out about 100;
+# copying about 0.5 per byte. A binary tensor of a fixed-size type is a view: no work.
+
+
+#: Up to this, encode_cost answers its upper bound (at most 0.1 ms: no need to be precise).
+_SMALL_COST = 100_000
+
+
+def decode_cost(body: bytes, header_length: int | None) -> int:
+    """About the nanoseconds :func:`decode_request` takes for this body. A binary part is
+    costed as BYTES when the JSON header could ask for them: it says ``BYTES``, or it has
+    an escape, which could spell it."""
+    size = len(body)
+    json_size = header_length if header_length is not None and 0 <= header_length <= size else size
+    cost = 8 * json_size
+    if json_size < size and (
+        body.find(b"BYTES", 0, json_size) >= 0 or body.find(b"\\", 0, json_size) >= 0
+    ):
+        cost += 64 * (size - json_size)
+    return cost
+
+
+def encode_cost(response: InferenceResponse, request: InferenceRequest) -> int:
+    """About the nanoseconds :func:`encode_response` takes for this response."""
+    bound = 0  # 100 per element is the most any output costs (binary: at most 4 per element)
+    for tensor in response.outputs:
+        data: Any = tensor.data
+        if isinstance(data, np.ndarray):
+            bound += 100 * data.size
+    if bound <= _SMALL_COST:
+        return bound
+    binary_default, wanted = _binary_outputs(request)
+    cost = 0
+    for tensor in response.outputs:
+        data = tensor.data
+        if not isinstance(data, np.ndarray):
+            continue
+        if tensor.datatype is not DataType.BYTES and wanted.get(tensor.name, binary_default):
+            cost += data.nbytes // 2
+        else:
+            cost += 100 * data.size
+    return cost
+
+
+def encode_response(
+    response: InferenceResponse, request: InferenceRequest
+) -> tuple[bytes, int | None]:
+    """Serialise a response; returns the body and the JSON header length if binary follows."""
+    binary_default, wanted = _binary_outputs(request)
     outputs: list[dict[str, Any]] = []
     buffers: list[bytes] = []
     for tensor in response.outputs:
@@ -314,10 +434,53 @@ def encode_response(
     if response.parameters:
         body["parameters"] = response.parameters
     body["outputs"] = outputs
-    header = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    header = _dumps_response(body)
     if not buffers:
         return header, None
     return b"".join([header, *buffers]), len(header)
+
+
+#: JSON ``data`` of more elements is written this many at a time (see _dumps_response).
+_JSON_CHUNK = 1 << 16
+
+
+def _data_length(entry: dict[str, Any]) -> int:
+    """Elements of an output's JSON ``data``; 0 for data already written (the ``orjson.Fragment``
+    of an output with non-finite values), which goes out as it is."""
+    data = entry.get("data", ())
+    return 0 if isinstance(data, orjson.Fragment) else len(data)
+
+
+def _dumps_response(body: dict[str, Any]) -> bytes:
+    """``orjson.dumps(body)``, byte for byte; ``outputs`` (the last key) with long ``data``
+    are written a chunk at a time, so that no single call holds the GIL (and the event
+    loop, when this runs on a codec thread) for the whole of a large response."""
+    outputs: list[dict[str, Any]] = body["outputs"]
+    for entry in outputs:
+        if _data_length(entry) > _JSON_CHUNK:
+            break
+    else:
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    option = orjson.OPT_SERIALIZE_NUMPY
+    parts = [orjson.dumps({**body, "outputs": []}, option=option)[:-2]]  # ... "outputs":[
+    for index, entry in enumerate(outputs):
+        if index:
+            parts.append(b",")
+        data = entry.get("data", ())
+        if _data_length(entry) <= _JSON_CHUNK:
+            parts.append(orjson.dumps(entry, option=option))
+            continue
+        meta = {key: value for key, value in entry.items() if key != "data"}  # data is last
+        parts.append(orjson.dumps(meta, option=option)[:-1] + b',"data":[')
+        parts.append(
+            b",".join(
+                orjson.dumps(data[start : start + _JSON_CHUNK], option=option)[1:-1]
+                for start in range(0, len(data), _JSON_CHUNK)
+            )
+        )
+        parts.append(b"]}")
+    parts.append(b"]}")
+    return b"".join(parts)
 
 
 def encode_json(value: Any) -> bytes:

@@ -76,3 +76,17 @@ def test_requests_with_nonfinite_tokens_are_read() -> None:
         decode_request(b'{"inputs": [NaN', None, "m", "")
     with pytest.raises(InvalidArgumentError, match="INT32 data must be integers"):
         decode_request(b'{"inputs": [{"name": "A", "datatype": "INT32", "shape": [1], "data": [NaN]}]}', None, "m", "")
+
+
+def test_long_output_with_nonfinite_values_beside_a_long_finite_one() -> None:
+    """Outputs longer than the chunk that long JSON data is written in: the one with a NaN is
+    written whole with its tokens, the finite one a chunk at a time; both read back exactly."""
+    finite = np.arange(70_000, dtype=np.float32)
+    odd = np.arange(70_000, dtype=np.float32)
+    odd[[0, 65_536, 69_999]] = [np.nan, np.inf, -np.inf]
+    body = _encode(
+        Tensor("A", DataType.FP32, finite.shape, finite), Tensor("B", DataType.FP32, odd.shape, odd)
+    )
+    parsed = json.loads(body)
+    np.testing.assert_array_equal(np.array(parsed["outputs"][0]["data"], np.float32), finite)
+    np.testing.assert_array_equal(np.array(parsed["outputs"][1]["data"], np.float32), odd)

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2
 
 from quiver.errors import InvalidArgumentError
 from quiver.protocol.v2_grpc import (
     CONTENTS_FIELD,
+    decode_cost,
     decode_infer_request,
     decode_infer_response,
+    encode_cost,
     encode_infer_request,
     encode_infer_response,
     parameters_to_dict,
@@ -107,3 +113,77 @@ def test_errors_name_the_tensor() -> None:
     message.inputs.add(name="C", datatype="BYTES", shape=[2]).contents.bytes_contents.append(b"x")
     with pytest.raises(InvalidArgumentError, match=r"input 'C': shape \[2\] needs 2 elements but contents\.bytes_contents has 1"):
         decode_infer_request(message)
+
+
+HUGE = 1 << 62
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shape", "raw", "message"),
+    [
+        ("INT32", [0, HUGE], b"", f"input 'X': shape [0, {HUGE}] is too large"),
+        ("INT32", [0, HUGE], None, f"input 'X': shape [0, {HUGE}] is too large"),
+        ("BYTES", [HUGE, 0], b"", "is too large"),
+        ("BYTES", [HUGE, 0], None, "is too large"),
+        ("FP32", [HUGE, HUGE], b"", "its dimensions multiply to more than"),
+        ("INT32", [HUGE, HUGE], None, "its dimensions multiply to more than"),
+        ("INT32", [1] * 65, b"\0\0\0\0", "input 'X': 'shape' has 65 dimensions, more than the 64 allowed"),
+        ("FP16", [1] * 65, None, "has 65 dimensions"),
+        ("INT32", [-1, -1], b"\0\0\0\0", "'shape' must be a list of non-negative integers"),
+        ("BYTES", [2], None, "needs 2 elements but contents.bytes_contents has 0"),
+    ],
+)
+def test_shape_limits(datatype: str, shape: list[int], raw: bytes | None, message: str) -> None:
+    request = service_pb2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="X", datatype=datatype, shape=shape)
+    if raw is not None:
+        request.raw_input_contents.append(raw)
+    with pytest.raises(InvalidArgumentError) as info:
+        decode_infer_request(request)
+    assert message in info.value.message
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([d.value for d in DataType] + ["FP8"]),
+            st.lists(st.one_of(st.integers(-2, 4), st.sampled_from([HUGE, (1 << 63) - 1])), max_size=4),
+            st.one_of(st.none(), st.binary(max_size=40)),
+            st.lists(st.integers(-(1 << 31), (1 << 31) - 1), max_size=5),
+        ),
+        max_size=3,
+    )
+)
+def test_any_message_decodes_or_is_a_client_error(inputs: list[tuple[str, list[int], bytes | None, list[int]]]) -> None:
+    request = service_pb2.ModelInferRequest(model_name="m")
+    for index, (datatype, shape, raw, ints) in enumerate(inputs):
+        tensor = request.inputs.add(name=f"I{index}", datatype=datatype, shape=shape)
+        if raw is not None:
+            request.raw_input_contents.append(raw)
+        elif ints:
+            tensor.contents.int_contents.extend(ints)
+    with contextlib.suppress(InvalidArgumentError):
+        decode_infer_request(request)
+
+
+def test_costs_send_only_long_work_off_the_event_loop() -> None:
+    from quiver.frontends.offload import OFFLOAD_NS
+
+    def message(datatype: str, count: int, raw: bool) -> service_pb2.ModelInferRequest:
+        request = service_pb2.ModelInferRequest(model_name="m")
+        tensor = request.inputs.add(name="X", datatype=datatype, shape=[count])
+        if raw:
+            request.raw_input_contents.append(bytes(4 * count))
+        else:
+            tensor.contents.int_contents.extend([0] * count)
+        return request
+
+    assert decode_cost(message("FP32", 224 * 224 * 3, raw=True)) < OFFLOAD_NS  # a view
+    assert decode_cost(message("BYTES", 4096, raw=True)) >= OFFLOAD_NS
+    assert decode_cost(message("INT32", 16, raw=False)) < OFFLOAD_NS
+    assert decode_cost(message("INT32", 4096, raw=False)) >= OFFLOAD_NS
+    image = Tensor("Y", DataType.FP32, (224 * 224 * 3,), np.zeros(224 * 224 * 3, np.float32))
+    assert encode_cost(InferenceResponse("m", "1", [image])) >= OFFLOAD_NS
+    words = Tensor("Y", DataType.BYTES, (16,), np.array([b"w"] * 16, dtype=object))
+    assert encode_cost(InferenceResponse("m", "1", [words])) < OFFLOAD_NS
