@@ -85,8 +85,9 @@ class Alarm:
 
 
 class Admission:
-    """One accepted request, as a context manager: counted in flight until it is answered; a
-    caller that leaves counts as ``CANCELED``, an error as ``error_reason`` (if given)."""
+    """One accepted request, counted in flight from :meth:`SchedulerCore.accept` to the end of
+    its ``with`` block; a caller that leaves counts as ``CANCELED``, an error as
+    ``error_reason`` (if given)."""
 
     __slots__ = ("_core", "_error_reason", "_start")
 
@@ -96,9 +97,7 @@ class Admission:
         self._error_reason = error_reason
 
     def __enter__(self) -> None:
-        core = self._core
-        core._inflight += 1
-        core.stats.pending += 1
+        return None
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
@@ -165,7 +164,10 @@ class SchedulerCore:
         return error
 
     def accept(self, start: int, error_reason: str | None = None) -> Admission:
-        """``with core.accept(start):`` around the wait for an accepted request's answer."""
+        """``with core.accept(start):`` around the wait for the answer to a request accepted
+        (arrived) at ``start``; it is in flight from this call."""
+        self._inflight += 1
+        self.stats.pending += 1
         return Admission(self, start, error_reason)
 
     # -- workers -------------------------------------------------------------------------
