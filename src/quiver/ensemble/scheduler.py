@@ -9,22 +9,22 @@ the step's error code and a message naming the step and its model.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
+from quiver.clock import SYSTEM_CLOCK, Clock
 from quiver.ensemble.plan import EnsemblePlan, Step
-from quiver.errors import InternalError, QuiverError, UnavailableError, error_for_code
+from quiver.errors import InternalError, QuiverError, error_for_code
 from quiver.metrics.statistics import ModelStatistics
+from quiver.scheduling.core import CoreScheduler, SchedulerCore, batch_rows
 from quiver.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 InferFn = Callable[[InferenceRequest], Awaitable[InferenceResponse]]
-Clock = Callable[[], int]
 
 #: Request parameters an ensemble passes on to its steps.
 _PASSED_ON = ("priority", "timeout", "sequence_id", "sequence_start", "sequence_end")
 
 
-class EnsembleScheduler:
+class EnsembleScheduler(CoreScheduler):
     queueing = False  # the composing models queue, not the ensemble
 
     def __init__(
@@ -34,20 +34,12 @@ class EnsembleScheduler:
         stats: ModelStatistics,
         *,
         batching: bool = False,
-        clock: Clock = time.monotonic_ns,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._plan = plan
         self._infer = infer
-        self._stats = stats
         self._batching = batching
-        self._clock = clock
-        self._inflight = 0
-        self._stopping = False
-        self._idle: asyncio.Event | None = None
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
+        self._core = SchedulerCore(f"ensemble '{plan.name}'", stats, clock)
 
     def _step_request(self, step: Step, request: InferenceRequest, tensors: dict[str, Tensor]) -> InferenceRequest:
         inputs = []
@@ -65,29 +57,15 @@ class EnsembleScheduler:
         )
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
-        if self._stopping:
-            self._stats.record_failure(0, "REJECTED")
-            raise UnavailableError(f"ensemble '{self._plan.name}' is unloading")
-        start = self._clock()
-        self._inflight += 1
-        self._stats.pending += 1
-        try:
+        core = self._core
+        core.open()
+        start = core.clock.now()
+        with core.accept(start, error_reason="BACKEND"):
             response = await self._run(request)
-        except asyncio.CancelledError:
-            self._stats.record_failure(self._clock() - start, "CANCELED")
-            raise
-        except Exception:
-            self._stats.record_failure(self._clock() - start, "BACKEND")
-            raise
-        finally:
-            self._inflight -= 1
-            self._stats.pending -= 1
-            if self._inflight == 0 and self._idle is not None:
-                self._idle.set()
-        elapsed = self._clock() - start
-        rows = request.inputs[0].shape[0] if self._batching and request.inputs else 1
-        self._stats.record_execution(rows, 0, elapsed, 0)
-        self._stats.record_success(elapsed, 0, 0, elapsed, 0, rows)
+        elapsed = core.clock.now() - start
+        rows = batch_rows(request, self._batching)
+        core.stats.record_execution(rows, 0, elapsed, 0)
+        core.stats.record_success(elapsed, 0, 0, elapsed, 0, rows)
         return response
 
     async def _run(self, request: InferenceRequest) -> InferenceResponse:
@@ -136,10 +114,3 @@ class EnsembleScheduler:
             raise InternalError(f"ensemble '{plan.name}': output(s) {', '.join(missing)} were not produced")
         outputs = [tensors[name] for name in plan.outputs]
         return InferenceResponse(plan.name, "", outputs, request.id)
-
-    async def stop(self) -> None:
-        self._stopping = True
-        if self._inflight:
-            if self._idle is None:
-                self._idle = asyncio.Event()
-            await self._idle.wait()

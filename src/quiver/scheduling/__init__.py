@@ -7,14 +7,14 @@ scheduler (the next free instance).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from quiver.backends.base import ModelInstance
+from quiver.clock import SYSTEM_CLOCK, Clock
 from quiver.config import ModelConfig
 from quiver.metrics.statistics import ModelStatistics
 from quiver.scheduling.base import Scheduler
-from quiver.scheduling.direct import Clock, DirectScheduler
+from quiver.scheduling.direct import DirectScheduler
 from quiver.scheduling.dynamic import DynamicBatcher, queue_from_config
 from quiver.scheduling.sequence import SequenceBatcher, create_sequence_batcher
 
@@ -23,7 +23,7 @@ def create_scheduler(
     config: ModelConfig,
     instances: list[ModelInstance],
     stats: ModelStatistics,
-    clock: Clock = time.monotonic_ns,
+    clock: Clock = SYSTEM_CLOCK,
     *,
     version_dir: Path | None = None,
 ) -> Scheduler:

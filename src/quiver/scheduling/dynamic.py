@@ -1,31 +1,27 @@
 """DynamicBatcher: Triton's dynamic batching over a model's instances.
 
-Each instance has a worker task. A free worker forms the next batch from the
-:class:`~quiver.scheduling.queue.BatchQueue` (waiting for ``max_queue_delay`` or a queue
-timeout with a timer, never polling), runs it on its instance, and answers each request's
-future. With ``preserve_ordering``, a batch's answers wait for every earlier batch's.
+Each instance has a worker task (:class:`~quiver.scheduling.core.SchedulerCore` runs them). A
+free worker forms the next batch from the :class:`~quiver.scheduling.queue.BatchQueue`
+(waiting for ``max_queue_delay`` or a queue timeout on the core's alarm, never polling), runs
+it on its instance, and answers each request's future. With ``preserve_ordering``, a batch's
+answers wait for every earlier batch's. At stop, the workers run out what is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.backends.base import ModelInstance
+from quiver.clock import SYSTEM_CLOCK, Clock
 from quiver.errors import InternalError, InvalidArgumentError, QuiverError, UnavailableError
 from quiver.metrics.statistics import ModelStatistics
+from quiver.scheduling.core import CoreScheduler, ErrorFactory, Execution, SchedulerCore
 from quiver.scheduling.queue import BatchQueue, PendingRequest, QueuePolicy
 from quiver.types import InferenceRequest, InferenceResponse
-
-logger = logging.getLogger(__name__)
-
-Clock = Callable[[], int]
 
 
 def _policy(proto: Any) -> QueuePolicy:
@@ -71,7 +67,7 @@ def queue_from_config(config: pb.ModelDynamicBatching, max_batch_size: int, mode
     )
 
 
-class DynamicBatcher:
+class DynamicBatcher(CoreScheduler):
     queueing = True
 
     def __init__(
@@ -84,66 +80,51 @@ class DynamicBatcher:
         priority_levels: int = 0,
         default_priority_level: int = 0,
         preserve_ordering: bool = False,
-        clock: Clock = time.monotonic_ns,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if not instances:
             raise InternalError(f"model '{model}' has no instances to schedule on")
         self._model = model
-        self._instances = instances
-        self._stats = stats
         self._queue = queue
         self._levels = priority_levels
         self._default_level = (default_priority_level or 1) - 1
         self._batching = queue.max_batch_size > 0
         self._preserve_ordering = preserve_ordering
-        self._clock = clock
-        self._inflight = 0
-        self._stopping = False
-        self._idle_workers: deque[asyncio.Future[None]] = deque()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0
         self._order: deque[asyncio.Future[None]] = deque()  # preserve_ordering: batches in dispatch order
-        self._workers: list[asyncio.Task[None]] = []
-        self._idle: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # bound by the first request
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
-
-    def _start(self) -> asyncio.AbstractEventLoop:
-        """Start one worker per instance on the running loop (at the first request)."""
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._workers = [
-            loop.create_task(self._work(instance), name=f"quiver-batcher-{self._model}-{index}")
-            for index, instance in enumerate(self._instances)
-        ]
-        return loop
+        self._core = core = SchedulerCore(f"model '{model}'", stats, clock)
+        core.use_workers(
+            instances,
+            name=f"quiver-batcher-{model}",
+            next_batch=self._next_batch,
+            execute=self._execute,
+            futures=lambda batch: (p.future for p in batch),
+            fail_queued=self._fail_queued,
+            run_queued_at_stop=True,
+        )
 
     # -- requests ----------------------------------------------------------------------
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
-        if self._stopping:
-            self._stats.record_failure(0, "REJECTED")
-            raise UnavailableError(f"model '{self._model}' is unloading")
-        loop = self._loop or self._start()
+        core = self._core
+        core.open()
         params = request.parameters
         level = self._default_level
         priority = params.get("priority", 0)
         if priority:
             if type(priority) is not int or priority < 0 or priority > max(self._levels, 1):
-                self._stats.record_failure(0, "REJECTED")
-                raise InvalidArgumentError(
-                    f"model '{self._model}': priority {priority!r} is out of range; it has "
-                    f"{max(self._levels, 1)} priority level(s)"
+                raise core.reject(
+                    InvalidArgumentError(
+                        f"model '{self._model}': priority {priority!r} is out of range; it has "
+                        f"{max(self._levels, 1)} priority level(s)"
+                    )
                 )
             level = priority - 1 if self._levels else 0
         timeout = params.get("timeout")
         if timeout is not None and (type(timeout) is not int or timeout < 0):
-            self._stats.record_failure(0, "REJECTED")
-            raise InvalidArgumentError(
-                f"model '{self._model}': 'timeout' must be a non-negative integer of microseconds"
+            raise core.reject(
+                InvalidArgumentError(
+                    f"model '{self._model}': 'timeout' must be a non-negative integer of microseconds"
+                )
             )
         inputs = request.inputs
         if self._batching and inputs:
@@ -152,63 +133,32 @@ class DynamicBatcher:
         else:
             rows = 1
             signature = ()
-        now = self._clock()
-        future: asyncio.Future[InferenceResponse] = loop.create_future()
+        now = core.clock.now()
+        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
         pending = PendingRequest(request, future, rows, signature, now, level=level)
         try:
             self._queue.push(pending, timeout)
-        except QuiverError:
-            self._stats.record_failure(0, "REJECTED")
-            raise
-        self._inflight += 1
-        self._stats.pending += 1
-        self._wake_one()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if not future.done():
-                future.cancel()
-            self._stats.record_failure(self._clock() - now, "CANCELED")
-            raise
-        finally:
-            self._inflight -= 1
-            self._stats.pending -= 1
-            if self._inflight == 0 and self._idle is not None:
-                self._idle.set()
-
-    def _wake_one(self) -> None:
-        while self._idle_workers:
-            waiter = self._idle_workers.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    def _wake_at(self, when: int) -> None:
-        """Wake a worker at ``when`` (monotonic ns) unless an earlier timer is set."""
-        if self._timer is not None and self._timer_at <= when:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        assert self._loop is not None
-        delay = max(0.0, (when - self._clock()) / 1e9)
-        self._timer_at = when
-        self._timer = self._loop.call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = 0
-        self._wake_one()
+        except QuiverError as error:
+            raise core.reject(error) from None
+        with core.accept(now):
+            core.wake_one()
+            try:
+                return await future
+            except asyncio.CancelledError:
+                if not future.done():
+                    future.cancel()
+                raise
 
     # -- workers -----------------------------------------------------------------------
 
-    async def _next_batch(self) -> list[PendingRequest] | None:
+    async def _next_batch(self, index: int) -> list[PendingRequest] | None:
+        core = self._core
         queue = self._queue
-        loop = asyncio.get_running_loop()
         while True:
-            now = self._clock()
+            now = core.clock.now()
             for pending in queue.expire(now):
                 if not pending.future.done():  # a caller that left was counted as CANCELED
-                    self._stats.record_failure(now - pending.enqueued_ns, "REJECTED")
+                    core.stats.record_failure(now - pending.enqueued_ns, "REJECTED")
                     pending.future.set_exception(
                         UnavailableError(
                             f"model '{self._model}': request timed out in the queue after "
@@ -218,36 +168,16 @@ class DynamicBatcher:
             batch, wake_at = queue.form(now)
             if batch:
                 if len(queue):
-                    self._wake_one()  # more may be formable for another free instance
+                    core.wake_one()  # more may be formable for another free instance
                 return batch
-            if self._stopping and not len(queue):
+            if core.stopping and not len(queue):
                 return None
-            deadline = queue.next_deadline()
-            for when in (wake_at, deadline):
+            for when in (wake_at, queue.next_deadline()):
                 if when:
-                    self._wake_at(when)
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._idle_workers.append(waiter)
-            await waiter
-
-    async def _work(self, instance: ModelInstance) -> None:
-        while True:
-            batch = await self._next_batch()
-            if batch is None:
-                return
-            try:
-                await self._execute(instance, batch)
-            except Exception:  # a bug here must not kill the worker and strand the queue
-                logger.exception("model '%s': batch execution failed", self._model)
-                for pending in batch:
-                    if not pending.future.done():
-                        pending.future.set_exception(
-                            InternalError(f"model '{self._model}': batch execution failed")
-                        )
+                    core.alarm.at(when)
+            await core.wait_for_work()
 
     async def _execute(self, instance: ModelInstance, batch: list[PendingRequest]) -> None:
-        clock = self._clock
-        stats = self._stats
         live = [p for p in batch if not p.gone]  # a caller may have left since forming
         if not live:
             return
@@ -258,49 +188,19 @@ class DynamicBatcher:
             turn = asyncio.get_running_loop().create_future()
             self._order.append(turn)
         try:
-            dispatched = clock()
-            results = await instance.run([p.request for p in live])
-            done = clock()
-            timing = instance.timing
-            input_ns, infer_ns, output_ns = timing.input_ns, timing.infer_ns, timing.output_ns
-            if not (input_ns or infer_ns or output_ns):
-                infer_ns = done - dispatched
+            core = self._core
             rows = sum(p.rows for p in live)
-            stats.record_execution(rows, input_ns, infer_ns, output_ns)
+            execution = await Execution.run(instance, [p.request for p in live], rows, core.stats, core.clock)
             if previous is not None:
                 await asyncio.shield(previous)
-            for pending, result in zip(live, results, strict=True):
-                if pending.future.done():
-                    continue
-                if isinstance(result, QuiverError):
-                    stats.record_failure(done - pending.enqueued_ns, "BACKEND")
-                    pending.future.set_exception(result)
-                else:
-                    stats.record_success(
-                        done - pending.enqueued_ns,
-                        dispatched - pending.enqueued_ns,
-                        input_ns,
-                        infer_ns,
-                        output_ns,
-                        pending.rows,
-                    )
-                    pending.future.set_result(result)
+            for pending, result in zip(live, execution.results, strict=True):
+                execution.answer(pending.future, result, pending.enqueued_ns, pending.rows)
         finally:
             if turn is not None:
                 turn.set_result(None)
                 self._order.remove(turn)
 
-    # -- stopping ----------------------------------------------------------------------
-
-    async def stop(self) -> None:
-        """Refuse new requests, run what is queued, wait for the workers to finish."""
-        self._stopping = True
-        while self._idle_workers:
-            self._wake_one()
-        if self._workers:
-            await asyncio.gather(*self._workers, return_exceptions=True)
-        if self._timer is not None:
-            self._timer.cancel()
+    def _fail_queued(self, error: ErrorFactory) -> None:
         for pending in self._queue.drain():
             if not pending.future.done():
-                pending.future.set_exception(UnavailableError(f"model '{self._model}' is unloading"))
+                pending.future.set_exception(error())

@@ -19,7 +19,8 @@ The batcher
   ``max_sequence_idle_microseconds`` (1 s by default), with a timer, never by polling.
 
 :class:`SequenceTable` is the bookkeeping as pure logic (every method takes ``now``), for
-fake-clock unit tests; :class:`SequenceBatcher` owns the waiting, the workers and the tensors.
+fake-clock unit tests; :class:`SequenceBatcher` owns the routing and the tensors, on a
+:class:`~quiver.scheduling.core.SchedulerCore` that runs its workers and its idle timer.
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,22 +36,9 @@ from typing import Any
 import numpy as np
 
 from quiver.backends.base import ModelInstance
+from quiver.clock import SYSTEM_CLOCK, Clock
 from quiver.config import ModelConfig
-from quiver.errors import (
-    InternalError,
-    InvalidArgumentError,
-    QuiverError,
-    UnavailableError,
-)
-from quiver.metrics.statistics import ModelStatistics
-from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
-
-logger = logging.getLogger(__name__)
-
-Clock = Callable[[], int]
-CorrelationId = int | str
-
-from quiver.config.sequence import (  # noqa: E402
+from quiver.config.sequence import (
     CORRID,
     DEFAULT_MAX_IDLE_US,
     END,
@@ -62,6 +48,14 @@ from quiver.config.sequence import (  # noqa: E402
     sequence_settings,
     zeros,
 )
+from quiver.errors import InternalError, InvalidArgumentError, QuiverError
+from quiver.metrics.statistics import ModelStatistics
+from quiver.scheduling.core import CoreScheduler, ErrorFactory, Execution, SchedulerCore
+from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
+
+logger = logging.getLogger(__name__)
+
+CorrelationId = int | str
 
 # ------------------------------------------------------------------------- bookkeeping
 
@@ -303,7 +297,7 @@ def correlation_id(params: dict[str, Any]) -> CorrelationId | None:
     return None
 
 
-class SequenceBatcher:
+class SequenceBatcher(CoreScheduler):
     """The Scheduler for models with ``sequence_batching``: one worker task per instance."""
 
     queueing = False  # requests of a sequence run even if their client left: state must advance
@@ -315,18 +309,15 @@ class SequenceBatcher:
         stats: ModelStatistics,
         settings: SequenceSettings,
         *,
-        clock: Clock = time.monotonic_ns,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if not instances:
             raise InternalError(f"model '{config.name}' has no instances to schedule on")
         self._model = config.name
-        self._instances = instances
-        self._stats = stats
         self._settings = settings
         self._batching = config.max_batch_size > 0
         self._declared_outputs = set(config.output_map)
         self._state_outputs = settings.state_outputs
-        self._clock = clock
         self.table = SequenceTable(
             config.name,
             strategy=settings.strategy,
@@ -338,63 +329,53 @@ class SequenceBatcher:
             max_queue_delay_ns=settings.max_queue_delay_ns,
             preferred_batch_sizes=settings.preferred_batch_sizes,
         )
-        self._inflight = 0
-        self._stopping = False
-        self._idle_workers: deque[asyncio.Future[None]] = deque()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0
-        self._workers: list[asyncio.Task[None]] = []
-        self._idle: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
-
-    def _start(self) -> asyncio.AbstractEventLoop:
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._workers = [
-            loop.create_task(self._work(index, instance), name=f"quiver-sequence-{self._model}-{index}")
-            for index, instance in enumerate(self._instances)
-        ]
-        return loop
+        self._core = core = SchedulerCore(f"model '{config.name}'", stats, clock)
+        core.use_workers(
+            instances,
+            name=f"quiver-sequence-{config.name}",
+            next_batch=self._next_batch,
+            execute=self._execute,
+            futures=lambda batch: (item.future for _, item in batch),
+            fail_queued=self._fail_queued,
+            finished=self._finished,
+            on_alarm=self._on_alarm,
+        )
 
     # -- requests ------------------------------------------------------------------------
 
-    def _reject(self, message: str) -> InvalidArgumentError:
-        self._stats.record_failure(0, "REJECTED")
-        return InvalidArgumentError(message)
-
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
-        if self._stopping:
-            self._stats.record_failure(0, "REJECTED")
-            raise UnavailableError(f"model '{self._model}' is unloading")
-        loop = self._loop or self._start()
+        core = self._core
+        core.open()
         params = request.parameters
         cid = correlation_id(params)
         if cid is None:
-            raise self._reject(
-                f"inference request to model '{self._model}' must specify a non-zero or "
-                "non-empty correlation ID"
+            raise core.reject(
+                InvalidArgumentError(
+                    f"inference request to model '{self._model}' must specify a non-zero or "
+                    "non-empty correlation ID"
+                )
             )
         inputs = request.inputs
         if self._batching and inputs and inputs[0].shape[0] != 1:
-            raise self._reject(
-                f"inference request to model '{self._model}' must specify batch-size 1 due to "
-                "requirements of sequence batcher"
+            raise core.reject(
+                InvalidArgumentError(
+                    f"inference request to model '{self._model}' must specify batch-size 1 due to "
+                    "requirements of sequence batcher"
+                )
             )
         for control in self._settings.controls:
             if control.kind == CORRID and isinstance(cid, str) and control.datatype is not DataType.BYTES:
-                raise self._reject(
-                    f"inference request for sequence {cid} to model '{self._model}': the "
-                    f"correlation ID is a string but control input '{control.name}' is "
-                    f"{control.datatype.config_name}"
+                raise core.reject(
+                    InvalidArgumentError(
+                        f"inference request for sequence {cid} to model '{self._model}': the "
+                        f"correlation ID is a string but control input '{control.name}' is "
+                        f"{control.datatype.config_name}"
+                    )
                 )
-        now = self._clock()
+        now = core.clock.now()
         self._expire(now)
         signature = tuple((t.name, t.datatype, t.shape[1:]) for t in inputs) if self._batching else ()
-        future: asyncio.Future[InferenceResponse] = loop.create_future()
+        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
         item = SequenceItem(
             request,
             future,
@@ -405,23 +386,12 @@ class SequenceBatcher:
         )
         try:
             self.table.admit(cid, item, now)
-        except QuiverError:
-            self._stats.record_failure(0, "REJECTED")
-            raise
-        self._inflight += 1
-        self._stats.pending += 1
-        self._wake_all()
-        try:
+        except QuiverError as error:
+            raise core.reject(error) from None
+        # A caller that leaves leaves its item queued: the sequence's state must advance.
+        with core.accept(now):
+            core.wake_all()
             return await future
-        except asyncio.CancelledError:
-            # The item stays queued: the sequence's state must still advance through it.
-            self._stats.record_failure(self._clock() - now, "CANCELED")
-            raise
-        finally:
-            self._inflight -= 1
-            self._stats.pending -= 1
-            if self._inflight == 0 and self._idle is not None:
-                self._idle.set()
 
     def _expire(self, now: int) -> None:
         for sequence in self.table.expire(now):
@@ -432,69 +402,34 @@ class SequenceBatcher:
                 self._settings.max_idle_ns // 1000,
             )
 
-    # -- waking --------------------------------------------------------------------------
-
-    def _wake_all(self) -> None:
-        while self._idle_workers:
-            waiter = self._idle_workers.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def _wake_at(self, when: int) -> None:
-        if self._timer is not None and self._timer_at <= when:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        assert self._loop is not None
-        self._timer_at = when
-        self._timer = self._loop.call_later(max(0.0, (when - self._clock()) / 1e9), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = 0
-        self._expire(self._clock())
-        self._wake_all()
+    def _on_alarm(self) -> None:
+        self._expire(self._core.clock.now())
+        self._core.wake_all()
 
     # -- workers -------------------------------------------------------------------------
 
     async def _next_batch(self, index: int) -> list[tuple[Sequence, SequenceItem]] | None:
-        loop = asyncio.get_running_loop()
+        core = self._core
         table = self.table
         while True:
-            if self._stopping:
+            if core.stopping:
                 return None
-            now = self._clock()
+            now = core.clock.now()
             self._expire(now)
             batch, wake_at = table.form(index, now)
             if batch:
-                self._wake_all()  # another instance may find work too
+                core.wake_all()  # another instance may find work too
                 return batch
             for when in (wake_at, table.next_expiry()):
                 if when:
-                    self._wake_at(when)
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._idle_workers.append(waiter)
-            await waiter
+                    core.alarm.at(when)
+            await core.wait_for_work()
 
-    async def _work(self, index: int, instance: ModelInstance) -> None:
-        while True:
-            batch = await self._next_batch(index)
-            if batch is None:
-                return
-            try:
-                await self._execute(instance, batch)
-            except Exception:  # a bug here must not kill the worker and strand the queue
-                logger.exception("model '%s': sequence batch execution failed", self._model)
-                for _, item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(
-                            InternalError(f"model '{self._model}': batch execution failed")
-                        )
-            finally:
-                now = self._clock()
-                for sequence, item in batch:
-                    self.table.done(sequence, item, now)
-                self._wake_all()
+    def _finished(self, batch: list[tuple[Sequence, SequenceItem]]) -> None:
+        now = self._core.clock.now()
+        for sequence, item in batch:
+            self.table.done(sequence, item, now)
+        self._core.wake_all()
 
     # -- tensors -------------------------------------------------------------------------
 
@@ -552,59 +487,24 @@ class SequenceBatcher:
         response.outputs = kept
 
     async def _execute(self, instance: ModelInstance, batch: list[tuple[Sequence, SequenceItem]]) -> None:
-        clock = self._clock
-        stats = self._stats
-        dispatched = clock()
+        core = self._core
+        dispatched = core.clock.now()
         try:
             requests = [self._prepare(sequence, item) for sequence, item in batch]
         except Exception as exc:
             raise InternalError(f"model '{self._model}': preparing sequence inputs failed: {exc}") from exc
-        results = await instance.run(requests)
-        done = clock()
-        timing = instance.timing
-        input_ns, infer_ns, output_ns = timing.input_ns, timing.infer_ns, timing.output_ns
-        if not (input_ns or infer_ns or output_ns):
-            infer_ns = done - dispatched
-        stats.record_execution(len(batch), input_ns, infer_ns, output_ns)
-        for (sequence, item), result in zip(batch, results, strict=True):
-            if isinstance(result, QuiverError):
-                if not item.future.done():
-                    stats.record_failure(done - item.enqueued_ns, "BACKEND")
-                    item.future.set_exception(result)
-                continue
-            self._keep_state(sequence, result)
-            if item.future.done():
-                continue  # its client left; the state advanced all the same
-            stats.record_success(
-                done - item.enqueued_ns,
-                dispatched - item.enqueued_ns,
-                input_ns,
-                infer_ns,
-                output_ns,
-                1,
-            )
-            item.future.set_result(result)
+        execution = await Execution.run(instance, requests, len(batch), core.stats, core.clock, dispatched)
+        for (sequence, item), result in zip(batch, execution.results, strict=True):
+            if not isinstance(result, QuiverError):
+                self._keep_state(sequence, result)  # even if its client left: the state advances
+            execution.answer(item.future, result, item.enqueued_ns)
 
-    # -- stopping ------------------------------------------------------------------------
-
-    async def stop(self) -> None:
-        """Refuse new requests, fail the queued ones, let running executions finish."""
-        self._stopping = True
-        now = self._clock()
+    def _fail_queued(self, error: ErrorFactory) -> None:
+        now = self._core.clock.now()
         for item in self.table.drain():
             if not item.future.done():
-                self._stats.record_failure(now - item.enqueued_ns, "REJECTED")
-                item.future.set_exception(UnavailableError(f"model '{self._model}' is unloading"))
-        self._wake_all()
-        if self._workers:
-            await asyncio.gather(*self._workers, return_exceptions=True)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.table.drain()
-        if self._inflight:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
+                self._core.stats.record_failure(now - item.enqueued_ns, "REJECTED")
+                item.future.set_exception(error())
 
 
 def create_sequence_batcher(
@@ -613,6 +513,6 @@ def create_sequence_batcher(
     stats: ModelStatistics,
     *,
     version_dir: Path | None = None,
-    clock: Clock = time.monotonic_ns,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> SequenceBatcher:
     return SequenceBatcher(config, instances, stats, sequence_settings(config, version_dir), clock=clock)
