@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
@@ -31,13 +31,14 @@ from support.fuzz import (
     http_call,
     start_server,
 )
-from support.hostile import NAME_KINDS, SHAPE_KINDS, Req, served_version
+from support.hostile import NAME_KINDS, SHAPE_KINDS, In, Req, example_request, served_version
 from support.hostile_grpc import (
     METHODS,
     UNARY,
     call_stream,
     call_unary,
     defang_log_settings,
+    encode_request,
     field_overrides,
     grpc_infer_requests,
     grpc_outputs,
@@ -124,6 +125,9 @@ def unsafe(method: str, payload: bytes) -> bool:
 
 
 @fuzz(200)
+# a message that does not parse is the client's mistake: INVALID_ARGUMENT, not UNKNOWN
+@example(method="ServerLive", payload=b"\x05")
+@example(method="ModelInfer", payload=b"\xff")
 @given(method=st.sampled_from(UNARY), payload=st.one_of(st.binary(max_size=300), st.sampled_from([b"\x0a\xff\xff\xff\xff\x0f", b"\x08" + b"\xff" * 10, b"\x12\x00" * 100, b"\x0a\x05simple"])))
 def test_random_bytes_on_every_method(server: QuiverServer, watch: Watch, channel: grpc.Channel, method: str, payload: bytes) -> None:
     assume(not unsafe(method, payload))
@@ -145,6 +149,8 @@ def method_messages() -> st.SearchStrategy[tuple[str, Any]]:
 
 @fuzz(300)
 @given(call=method_messages())
+# a log file name open() refuses (NUL)
+@example(call=("LogSettings", pb.LogSettingsRequest(settings={"log_file": pb.LogSettingsRequest.SettingValue(string_param="\x00")})))
 def test_random_messages_on_every_method(server: QuiverServer, watch: Watch, channel: grpc.Channel, call: tuple[str, Any]) -> None:
     method, message = call
     if method == "LogSettings":
@@ -182,8 +188,19 @@ def test_model_infer_requests(watch: Watch, channel: grpc.Channel, request: tupl
     infer_case(watch, channel, *request)
 
 
+def example_infer(model: str, inputs: list[In], **options: Any) -> tuple[Req, Any]:
+    req = example_request(model, inputs, **options)
+    return req, encode_request(req)
+
+
 @fuzz(200)
 @given(request=grpc_infer_requests(FULL_CATALOG, mutations=(1, 2), only=SHAPE_KINDS + NAME_KINDS))
+# the issue's: a rank over 64, a zero beside a huge dimension; a name too long for a file
+@example(request=example_infer("identity_fp32", [In("INPUT0", "FP32", [1] * 65, [1.0], "contents")], mutations=["shape"]))
+@example(request=example_infer("identity_fp32", [In("INPUT0", "FP32", [0, 2**62], [], "contents")], mutations=["shape"]))
+@example(request=example_infer("identity_fp32", [In("INPUT0", "FP32", [2**62, 0], [], "binary")], mutations=["shape"]))
+@example(request=example_infer("a" * 256, [In("INPUT0", "FP32", [1], [1.0], "contents")], mutations=["model"]))
+@example(request=example_infer("identity_fp32", [In("INPUT0", "FP32", [1], [1.0], "contents")], version="-1", mutations=["version"]))
 def test_model_infer_shapes_names_versions(watch: Watch, channel: grpc.Channel, request: tuple[Req, Any]) -> None:
     infer_case(watch, channel, *request)
 
@@ -214,6 +231,7 @@ def test_model_infer_past_the_message_limit(watch: Watch, channel: grpc.Channel,
         max_size=5,
     )
 )
+@example(items=[b"4"])
 def test_stream_infer(watch: Watch, channel: grpc.Channel, items: list[bytes]) -> None:
     """Each request of a stream is answered (a response or its error_message), in order; a
     bad one never ends the stream with INTERNAL, and no error_message is an internal error."""
@@ -240,6 +258,7 @@ def test_stream_infer(watch: Watch, channel: grpc.Channel, items: list[bytes]) -
         ),
     )
 )
+@example(payload=b"\x13")
 def test_health_check(watch: Watch, channel: grpc.Channel, payload: bytes) -> None:
     stub = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
     with watch.case("Health/Check", payload) as case:

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from support.fuzz import (
@@ -40,10 +40,15 @@ from support.hostile import (
     NESTING_KINDS,
     SHAPE_KINDS,
     HttpBody,
+    In,
+    Out,
     Raw,
     dumps,
+    example_request,
     http_bodies,
+    http_encode,
     json_values,
+    nested,
     parameter_values,
     path_segments,
     served_version,
@@ -218,8 +223,17 @@ def test_inference_bodies(server: QuiverServer, watch: Watch, encoded: HttpBody)
     post_inference(server, watch, encoded)
 
 
+def fp32(shape: list[int], flat: list[float], form: str = "json") -> In:
+    return In("INPUT0", "FP32", shape, flat, form)
+
+
 @fuzz(250)
 @given(encoded=http_bodies(FULL_CATALOG, mutations=(1, 2), only=SHAPE_KINDS))
+# the issue's: a zero beside a huge dimension, a rank over 64 (numpy's limit), past int64
+@example(encoded=http_encode(example_request("identity_2d_fp32", [fp32([0, 2**62], [])], mutations=["shape"])))
+@example(encoded=http_encode(example_request("identity_fp32", [fp32([1] * 65, [1.0])], mutations=["shape"])))
+@example(encoded=http_encode(example_request("identity_fp32", [fp32([0, 2**63], [])], mutations=["shape"])))
+@example(encoded=http_encode(example_request("identity_fp32", [fp32([2**63 - 1, 0], [], "binary")], mutations=["shape"])))
 def test_inference_shapes_and_sizes(server: QuiverServer, watch: Watch, encoded: HttpBody) -> None:
     """Shapes (rank 0..100, zero beside huge dimensions), datatypes, binary sizes that lie."""
     post_inference(server, watch, encoded)
@@ -227,6 +241,11 @@ def test_inference_shapes_and_sizes(server: QuiverServer, watch: Watch, encoded:
 
 @fuzz(150)
 @given(encoded=http_bodies(FULL_CATALOG, mutations=(1, 2), only=NESTING_KINDS))
+# BYTES data nested 1,000 deep; top-k of an empty output
+@example(encoded=http_encode(example_request(
+    "identity_bytes", [In("INPUT0", "BYTES", [1], ["x"], data=nested(1000, "list"))], mutations=["deep"])))
+@example(encoded=http_encode(example_request(
+    "identity_fp32", [fp32([0], [])], outputs=[Out("OUTPUT0", {"classification": 2})], mutations=["classify"])))
 def test_inference_nesting_and_parameters(server: QuiverServer, watch: Watch, encoded: HttpBody) -> None:
     """Nesting past every limit in data and parameters; parameters of every type."""
     post_inference(server, watch, encoded)
@@ -234,6 +253,9 @@ def test_inference_nesting_and_parameters(server: QuiverServer, watch: Watch, en
 
 @fuzz(150)
 @given(encoded=http_bodies(FULL_CATALOG, mutations=(1, 1), only=NAME_KINDS))
+# a name longer than a file name may be (an on-demand lookup); a negative version
+@example(encoded=http_encode(example_request("a" * 256, [fp32([1], [1.0])], mutations=["model"])))
+@example(encoded=http_encode(example_request("identity_fp32", [fp32([1], [1.0])], version="-1", mutations=["version"])))
 def test_inference_names_and_versions(server: QuiverServer, watch: Watch, encoded: HttpBody) -> None:
     """Hostile model names (which an on-demand server looks up on disk) and versions."""
     post_inference(server, watch, encoded)
@@ -359,6 +381,12 @@ def load_bodies() -> st.SearchStrategy[Any]:
     load_body=load_bodies(),
     unload_body=st.one_of(st.builds(lambda d: {"parameters": {"unload_dependents": d}}, json_values(4)), json_values(6)),
 )
+# file: names the filesystem refuses (NUL, too long); a model name too long to look up
+@example(action="load", model="victim", index_body={}, unload_body={},
+         load_body={"parameters": {"config": '{"backend": "onnxruntime"}', "file:1/\x00": "AAAA"}})
+@example(action="load", model="victim", index_body={}, unload_body={},
+         load_body={"parameters": {"config": '{"backend": "onnxruntime"}', "file:1/" + "a" * 300: "AAAA"}})
+@example(action="load", model="a" * 300, index_body={}, load_body={}, unload_body={})
 def test_repository_bodies(
     server: QuiverServer, watch: Watch, action: str, model: str, index_body: Any, load_body: Any, unload_body: Any
 ) -> None:
@@ -379,11 +407,16 @@ LOG_KEYS = ["log_file", "log_info", "log_warning", "log_error", "log_verbose_lev
 @fuzz(60)
 @given(
     body=st.one_of(
+        # one setting at a time: its value alone decides the answer
+        st.dictionaries(st.sampled_from(LOG_KEYS), st.one_of(json_values(4), st.sampled_from(SAFE_LOG_FILES), st.sampled_from(["ISO8601", "default", "iso8601", ""])), min_size=1, max_size=1),
         st.dictionaries(st.sampled_from(LOG_KEYS), st.one_of(json_values(4), st.sampled_from(SAFE_LOG_FILES), st.sampled_from(["ISO8601", "default", "iso8601", ""])), max_size=4),
         st.dictionaries(st.one_of(st.sampled_from(LOG_KEYS), st.text(max_size=8)), json_values(4), max_size=3),
     ),
     grpc_read=st.booleans(),
 )
+# a log file name open() refuses (NUL); a verbose level gRPC's uint32 cannot carry
+@example(body={"log_file": "\x00"}, grpc_read=False)
+@example(body={"log_verbose_level": 2**40}, grpc_read=True)
 def test_logging_bodies(server: QuiverServer, watch: Watch, body: dict[str, Any], grpc_read: bool) -> None:
     data = dumps(defang(body))
     with watch.case("POST /v2/logging", data) as case:

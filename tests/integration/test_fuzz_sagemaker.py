@@ -12,10 +12,11 @@ import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from support.archives import single_archive
@@ -37,8 +38,10 @@ from support.hostile import (
     BINARY_JSON,
     HttpBody,
     dumps,
+    example_request,
     hostile_names,
     http_bodies,
+    http_encode,
     json_values,
     model_names,
     path_segments,
@@ -151,38 +154,57 @@ def sagemaker_content_types(json_length: int | None) -> st.SearchStrategy[str]:
     )
 
 
-@st.composite
-def invocations(draw: st.DrawFn) -> tuple[str, dict[str, str], HttpBody, str]:
-    """(path, headers, body, model): a v2 body (valid or mutated) for a model, sent the
-    SageMaker way (binary length in the content type) or tritonclient's (its header)."""
-    encoded = draw(http_bodies(CATALOG))
-    model = encoded.req.model
+def sagemaker_framing(draw: st.DrawFn, encoded: HttpBody, *, lie: bool) -> dict[str, str]:
+    """The headers of a body: the binary length in the content type (SageMaker's way) or in
+    Inference-Header-Content-Length (tritonclient's); ``lie`` lets the content type lie."""
     headers = dict(encoded.headers)
     json_length = headers.pop("Inference-Header-Content-Length", None)
     if json_length is not None and draw(st.booleans()):
-        headers["Inference-Header-Content-Length"] = json_length  # tritonclient's way
-    elif json_length is not None or draw(st.integers(0, 3)) == 0:
+        headers["Inference-Header-Content-Length"] = json_length
+    elif json_length is not None or (lie and draw(st.integers(0, 3)) == 0):
         truth = int(json_length) if json_length is not None and json_length.lstrip("-").isdigit() else None
-        headers["Content-Type"] = draw(sagemaker_content_types(truth))
-        if truth is None or headers["Content-Type"] != f"{BINARY_JSON};json-header-size={truth}":
+        truthful = f"{BINARY_JSON};json-header-size={truth}"
+        headers["Content-Type"] = draw(sagemaker_content_types(truth)) if lie else truthful
+        if truth is None or headers["Content-Type"] != truthful:
             encoded.req.mutations.append("content-type")
+    return headers
+
+
+@st.composite
+def invocations(draw: st.DrawFn) -> tuple[str, dict[str, str], HttpBody, str]:
+    """(path, headers, body, model): a hostile v2 body for a model (see ``http_bodies``),
+    framed the SageMaker way or tritonclient's, sent to ``/invocations`` with the model as
+    TargetModel or to ``/models/{model}/invoke``."""
+    encoded = draw(http_bodies(CATALOG))
+    model = encoded.req.model
+    headers = sagemaker_framing(draw, encoded, lie=True)
     if draw(st.booleans()):
-        target = draw(st.one_of(st.just(model), target_models()))
+        headers[TARGET] = model
+        return "/invocations", headers, encoded, model
+    return f"/models/{quote(model, safe='')}/invoke", headers, encoded, model
+
+
+@st.composite
+def named_invocations(draw: st.DrawFn) -> tuple[str, dict[str, str], HttpBody, str]:
+    """(path, headers, body, model): a valid body for a model, sent under a hostile
+    TargetModel or ``/models/{name}/invoke`` name (which an on-demand server looks up on
+    disk and in its caches)."""
+    encoded = draw(http_bodies(CATALOG, mutations=(0, 0)))
+    model = encoded.req.model
+    headers = sagemaker_framing(draw, encoded, lie=False)
+    if draw(st.booleans()):
+        target = draw(target_models())
         if target != model:
             encoded.req.mutations.append("target")
         headers[TARGET] = target
-        path = "/invocations"
-    else:
-        name = draw(st.one_of(st.just(model), path_segments(MODEL_NAMES)))
-        if name != model:
-            encoded.req.mutations.append("name")
-        path = f"/models/{quote(name, safe='') if name == model else name}/invoke"
-    return path, headers, encoded, model
+        return "/invocations", headers, encoded, model
+    name = draw(path_segments(MODEL_NAMES))
+    if name != model:
+        encoded.req.mutations.append("name")
+    return f"/models/{name}/invoke", headers, encoded, model
 
 
-@fuzz(250)
-@given(call=invocations())
-def test_invocations(server: QuiverServer, watch: Watch, call: tuple[str, dict[str, str], HttpBody, str]) -> None:
+def invoke(server: QuiverServer, watch: Watch, call: tuple[str, dict[str, str], HttpBody, str]) -> None:
     path, headers, encoded, model = call
     req = encoded.req
     spec = next((m for m in CATALOG if m.name == model), None)
@@ -204,21 +226,41 @@ def test_invocations(server: QuiverServer, watch: Watch, call: tuple[str, dict[s
         case.http(http_call(server.sagemaker_port, "POST", path, body, headers), expect=expect)
 
 
+@fuzz(200)
+@given(call=invocations())
+def test_invocations(server: QuiverServer, watch: Watch, call: tuple[str, dict[str, str], HttpBody, str]) -> None:
+    invoke(server, watch, call)
+
+
+@fuzz(150)
+@given(call=named_invocations())
+# a TargetModel longer than a file name may be (an on-demand lookup)
+@example(call=("/invocations", {"Content-Type": "application/json", TARGET: "a" * 256},
+               http_encode(example_request("simple", [], mutations=["target"])), "simple"))
+def test_invocation_targets(server: QuiverServer, watch: Watch, call: tuple[str, dict[str, str], HttpBody, str]) -> None:
+    invoke(server, watch, call)
+
+
 # -- the multi-model API: registrations, listings, deletions ---------------------------------
 
 
-def urls(repo: Path) -> st.SearchStrategy[str]:
-    local = [str(repo / name) for name in ("add_sub", "string_upper", "pipeline", "victim", "broken", ARCHIVE)]
-    local += [str(repo), str(repo.parent / "empty"), str(repo.parent / "file.txt"), str(repo / "nonexistent")]
-    hostile = [
-        "", "/", "/etc", "/etc/passwd", "/proc/self/environ", "/dev/zero", "/dev/../proc/self", "/sys/kernel",
-        "/proc", "file:///etc/passwd", "file://" + str(repo / "add_sub"), "file://", "s3://", "s3://bucket",
-        "s3://bucket/", "s3://bucket/key.tar.gz", "s3://bucket/../x", "s3://b/" + "a" * 2000, "s3://bucket/a/../../x/",
-        "http://127.0.0.1:1/x.tar.gz", "ftp://x", "\x00", str(repo) + "/\x00x", "a" * 5000, "/" + "a" * 300,
-        "/" + "a/" * 3000, str(repo / ("a" * 300 + ".tar.gz")), "../../etc", "~", "$HOME", "\u6a21\u578b",
-        str(repo / "add_sub") + "/../simple", str(repo / "add_sub") + "/", str(repo / ".." / "models" / "string_upper"),
-    ]
-    return st.one_of(st.sampled_from(local), st.sampled_from(hostile), st.text(max_size=20))
+#: Where urls point: {repo} is the model repository, {root} the folder above it.
+URLS_LOCAL = [
+    "{repo}/add_sub", "{repo}/string_upper", "{repo}/pipeline", "{repo}/victim", "{repo}/broken", "{repo}/" + ARCHIVE,
+    "{repo}", "{root}/empty", "{root}/file.txt", "{repo}/nonexistent", "file://{repo}/add_sub",
+    "{repo}/add_sub/../simple", "{repo}/add_sub/", "{repo}/../models/string_upper", "{repo}/\x00x",
+    "{repo}/" + "a" * 300 + ".tar.gz",
+]
+URLS_HOSTILE = [
+    "", "/", "/etc", "/etc/passwd", "/proc/self/environ", "/dev/zero", "/dev/../proc/self", "/sys/kernel",
+    "/proc", "file:///etc/passwd", "file://", "s3://", "s3://bucket", "s3://bucket/", "s3://bucket/key.tar.gz",
+    "s3://bucket/../x", "s3://b/" + "a" * 2000, "s3://bucket/a/../../x/", "http://127.0.0.1:1/x.tar.gz", "ftp://x",
+    "\x00", "a" * 5000, "/" + "a" * 300, "/" + "a/" * 3000, "../../etc", "~", "$HOME", "\u6a21\u578b",
+]
+
+
+def urls() -> st.SearchStrategy[str]:
+    return st.one_of(st.sampled_from(URLS_LOCAL), st.sampled_from(URLS_HOSTILE), st.text(max_size=20))
 
 
 def registration_names() -> st.SearchStrategy[str]:
@@ -228,29 +270,47 @@ def registration_names() -> st.SearchStrategy[str]:
     )
 
 
+@st.composite
+def registrations(draw: st.DrawFn) -> tuple[str, Any]:
+    """(model_name, body of POST /models): mostly {"model_name", "url"} with hostile values,
+    sometimes any JSON."""
+    name = draw(registration_names())
+    body = draw(st.one_of(
+        st.builds(lambda u: {"model_name": name, "url": u}, urls()),
+        st.builds(lambda n, u: {"model_name": n, "url": u}, st.one_of(st.just(name), json_values(4)), st.one_of(urls(), json_values(4))),
+        json_values(6),
+    ))
+    return name, body
+
+
+def with_paths(value: Any, repo: Path) -> Any:
+    if isinstance(value, dict):
+        return {k: with_paths(v, repo) for k, v in value.items()}
+    if isinstance(value, str) and "{r" in value:
+        return value.replace("{repo}", str(repo)).replace("{root}", str(repo.parent))
+    return value
+
+
 @fuzz(120)
-@given(data=st.data())
-def test_registrations(server: QuiverServer, watch: Watch, repo: Path, data: st.DataObject) -> None:
+@given(
+    registration=registrations(),
+    target=st.one_of(st.none(), target_models()),
+    then=st.lists(st.sampled_from(["get", "invoke", "delete", "list"]), max_size=3),
+)
+# a url longer than a file name may be
+@example(registration=("x", {"model_name": "x", "url": "/" + "a" * 300}), target=None, then=[])
+def test_registrations(server: QuiverServer, watch: Watch, repo: Path, registration: tuple[str, Any], target: str | None, then: list[str]) -> None:
     """POST /models with hostile names and urls (and bodies of every shape), then what a
     client does next with the name: GET it, invoke it, DELETE it, list the models."""
-    name = data.draw(registration_names(), label="model_name")
-    body = data.draw(
-        st.one_of(
-            st.builds(lambda n, u: {"model_name": n, "url": u}, st.just(name), urls(repo)),
-            st.builds(lambda n, u: {"model_name": n, "url": u}, st.one_of(st.just(name), json_values(4)), st.one_of(urls(repo), json_values(4))),
-            json_values(6),
-        ),
-        label="body",
-    )
+    name, body = registration
     headers = {"Content-Type": "application/json"}
-    target = data.draw(st.one_of(st.none(), target_models()), label="target")
     if target is not None:
         headers[TARGET] = target
-    raw = dumps(body)
+    raw = dumps(with_paths(body, repo))
     with watch.case(f"POST /models {headers}", raw) as case:
         case.http(http_call(server.sagemaker_port, "POST", "/models", raw, headers))
     segment = quote(name, safe="")
-    for step in data.draw(st.lists(st.sampled_from(["get", "invoke", "delete", "list"]), max_size=3), label="then"):
+    for step in then:
         if step == "get":
             method, path, payload = "GET", f"/models/{segment}", None
         elif step == "invoke":
@@ -266,6 +326,7 @@ def test_registrations(server: QuiverServer, watch: Watch, repo: Path, data: st.
 
 
 @fuzz(80)
+@example(query="max_results=%C2%B2", token=None)  # str.isdigit, but not int()
 @given(query=query_strings(), token=st.one_of(st.none(), st.text(max_size=20), st.binary(max_size=20).map(lambda b: base64.urlsafe_b64encode(b).decode().rstrip("="))))
 def test_model_listing(server: QuiverServer, watch: Watch, query: str, token: str | None) -> None:
     if token is not None:

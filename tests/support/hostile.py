@@ -440,7 +440,7 @@ def _pick(draw: st.DrawFn, items: list[Any]) -> int:
 
 #: Groups of mutation kinds, for tests that focus on one part of the request.
 SHAPE_KINDS = ("shape", "shape_keeps_count", "shape_keeps_count", "datatype", "raw", "bytes_prefix", "binary_size", "values", "form")
-NESTING_KINDS = ("deep", "deep", "params", "outputs", "field")
+NESTING_KINDS = ("deep", "deep", "params", "outputs", "classify", "field")
 NAME_KINDS = ("model", "version", "name", "drop_input", "dup_input")
 
 
@@ -456,7 +456,7 @@ def mutate(draw: st.DrawFn, request: Req, *, http: bool = True, only: tuple[str,
         http_edits=list(request.http_edits),
     )
     kinds = ["shape", "shape_keeps_count", "shape_keeps_count", "datatype", "name", "raw", "bytes_prefix",
-             "params", "outputs", "drop_input", "dup_input", "model", "version", "form", "values"]
+             "params", "outputs", "classify", "drop_input", "dup_input", "model", "version", "form", "values"]
     if http:
         kinds += ["field", "field", "binary_size", "header_length", "body_tail", "deep", "deep"]
     if only:
@@ -503,6 +503,11 @@ def mutate(draw: st.DrawFn, request: Req, *, http: bool = True, only: tuple[str,
     elif kind == "outputs":
         outs = draw(st.lists(st.tuples(st.one_of(st.text(max_size=8), st.sampled_from(["OUTPUT0", "OUTPUT1", "OUTPUT", "UPPER", "DOUBLED"])), parameter_maps()), max_size=4))
         req.outputs = [Out(n, {"classification": draw(parameter_values()), **p} if draw(st.booleans()) else p) for n, p in outs]
+    elif kind == "classify":
+        # top-k of an output: of every output, with k at the edges (the outputs may be empty)
+        names = [o.name for o in req.outputs or []] or ["OUTPUT0", "OUTPUT", "UPPER", "DOUBLED", "OUTPUT1"]
+        k = draw(st.sampled_from([0, 1, 2, 10, 11, 2**31, 2**63 - 1, -1]))
+        req.outputs = [Out(name, {"classification": k}) for name in names]
     elif kind == "drop_input" and req.inputs:
         del req.inputs[_pick(draw, req.inputs)]
     elif kind == "dup_input" and target is not None:
@@ -701,3 +706,16 @@ def http_bodies(
     """A valid v2 inference body for a model of ``catalog`` with hostile mutations (see
     :func:`mutated_requests`), encoded for HTTP (JSON, or JSON plus binary tensors)."""
     return http_encode(draw(mutated_requests(catalog, http=True, mutations=mutations, only=only)), draw)
+
+
+def example_request(
+    model: str,
+    inputs: list[In],
+    *,
+    mutations: list[str],
+    version: str = "",
+    outputs: list[Out] | None = None,
+    parameters: dict[str, Any] | None = None,
+) -> Req:
+    """A request written out by hand, for ``@example``: the known holes, always tried first."""
+    return Req(model, version, inputs, outputs, dict(parameters or {}), "", list(mutations))
