@@ -246,6 +246,10 @@ def test_inference_shapes_and_sizes(server: QuiverServer, watch: Watch, encoded:
     "identity_bytes", [In("INPUT0", "BYTES", [1], ["x"], data=nested(1000, "list"))], mutations=["deep"])))
 @example(encoded=http_encode(example_request(
     "identity_fp32", [fp32([0], [])], outputs=[Out("OUTPUT0", {"classification": 2})], mutations=["classify"])))
+# parameters nested 1,000 deep, which a Python model gets as JSON
+@example(encoded=http_encode(example_request(
+    "add_sub", [In("INPUT0", "FP32", [4], [1.0] * 4), In("INPUT1", "FP32", [4], [1.0] * 4)],
+    parameters={"x": nested(1000, "list", b"1")}, mutations=["deep"])))
 def test_inference_nesting_and_parameters(server: QuiverServer, watch: Watch, encoded: HttpBody) -> None:
     """Nesting past every limit in data and parameters; parameters of every type."""
     post_inference(server, watch, encoded)
@@ -297,7 +301,7 @@ HEADER_LENGTHS = ["-1", "0", "", "abc", "1e3", "+5", "0x10", "999999999999999999
 
 @fuzz(120)
 @given(
-    route=st.sampled_from(["/v2/models/simple/infer", "/v2/repository/index", "/v2/logging", "/v2/repository/models/victim/unload"]),
+    route=st.sampled_from(["/v2/models/simple/infer", "/v2/models/identity_fp32/infer", "/v2/repository/index", "/v2/logging", "/v2/repository/models/victim/unload"]),
     encoding=st.one_of(st.none(), encodings()),
     accept=st.one_of(st.none(), st.sampled_from(["gzip", "deflate", "br", "gzip;q=0", "*", "gzip, deflate;q=0.5", ";;;", "q=", "\u00e9", "gzip;q=abc"])),
     header_length=st.one_of(st.none(), st.sampled_from(HEADER_LENGTHS)),
@@ -311,7 +315,11 @@ def test_hostile_headers(
 ) -> None:
     from support.fuzz import CANARY_BODY
 
-    body = CANARY_BODY if route.endswith("/infer") else b"{}"
+    body = b"{}"
+    if route == "/v2/models/simple/infer":
+        body = CANARY_BODY
+    elif route.endswith("/infer"):  # an answer past 1 KiB: compressed if the client accepts
+        body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [2000], "data": [0.5] * 2000}]}).encode()
     headers: dict[str, str] = {"Content-Type": content_type} if content_type else {}
     if encoding is not None:
         headers["Content-Encoding"] = encoding[0]
@@ -496,6 +504,15 @@ def test_raw_connections(server: QuiverServer, watch: Watch, request: tuple[byte
         for status in statuses_in(answer):
             if status >= 500:
                 case.fail(f"answered {status}: {answer[:1000]!r}")
+
+
+@fuzz(60)
+@given(method=st.sampled_from(METHODS), path=st.one_of(st.sampled_from(["/metrics", "/metrics/", "/", "/metrics?x=1", "/v2/health/live"]), path_segments(["metrics"]).map(lambda s: "/" + s)),
+       body=st.one_of(st.none(), st.binary(max_size=200)), accept=st.one_of(st.none(), st.sampled_from(["gzip", "application/openmetrics-text", "*/*;q=x", "text/plain; version=0.0.4"])))
+def test_metrics_listener(server: QuiverServer, watch: Watch, method: str, path: str, body: bytes | None, accept: str | None) -> None:
+    headers = {"Accept": accept, "Accept-Encoding": accept} if accept else {}
+    with watch.case(f"{method} metrics {path}", body) as case:
+        case.http(http_call(server.metrics_port, method, path, body, headers))
 
 
 def test_server_exits_cleanly_after_fuzzing(server: QuiverServer, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ answered right. Knobs: tests/support/fuzz.py."""
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,10 +119,11 @@ METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
     body=st.one_of(st.binary(max_size=300), json_values().map(dumps)),
     content_type=st.sampled_from(["application/json", "", "text/csv", BINARY_JSON + ";json-header-size=3", "application/x-npy"]),
     target=st.one_of(st.none(), target_models()),
+    encoding=st.one_of(st.none(), st.sampled_from(["gzip", "deflate", "br", "identity", ""])),
 )
 def test_random_requests_on_every_route(
     server: QuiverServer, watch: Watch, route: tuple[str, str], method: str | None, model: str, body: bytes,
-    content_type: str, target: str | None,
+    content_type: str, target: str | None, encoding: str | None,
 ) -> None:
     verb = method or route[0]
     if verb == "DELETE" and model in PROTECTED:
@@ -130,6 +132,10 @@ def test_random_requests_on_every_route(
     headers = {"Content-Type": content_type} if content_type else {}
     if target is not None:
         headers[TARGET] = target
+    if encoding is not None:
+        headers["Content-Encoding"] = encoding
+        if encoding == "gzip" and body[:1] == b"{":
+            body = gzip.compress(body)
     with watch.case(f"{verb} {path} {headers}", body) as case:
         reply = http_call(server.sagemaker_port, verb, path, body, headers)
         if verb == "HEAD" and reply.status >= 500:
@@ -299,6 +305,7 @@ def with_paths(value: Any, repo: Path) -> Any:
 )
 # a url longer than a file name may be
 @example(registration=("x", {"model_name": "x", "url": "/" + "a" * 300}), target=None, then=[])
+@example(registration=("y", {"model_name": "y", "url": "{repo}/" + "a" * 300 + ".tar.gz"}), target=None, then=[])
 def test_registrations(server: QuiverServer, watch: Watch, repo: Path, registration: tuple[str, Any], target: str | None, then: list[str]) -> None:
     """POST /models with hostile names and urls (and bodies of every shape), then what a
     client does next with the name: GET it, invoke it, DELETE it, list the models."""

@@ -192,10 +192,13 @@ def versions() -> st.SearchStrategy[str]:
 
 
 def served_version(version: str) -> bool:
-    """Whether a request may name ``version``: every model of the fuzzed repositories serves
-    version 1 only, and "" means the latest. Anything else (0, negative, 2, not a decimal
-    integer) must be refused (the issue's rule: versions are positive integers)."""
-    return version == "" or (version.isascii() and version.isdigit() and int(version) == 1)
+    """Whether a request may name ``version`` and be served: every model of the fuzzed
+    repositories serves version 1 only, and "" means the latest. Triton reads versions with
+    ``std::stoll``, so " 1", "1 ", "+1" and "01" are 1 too; anything else (0, negative, 2,
+    not a decimal integer, digits of other scripts) must be refused: versions are positive
+    integers."""
+    text = version.strip().removeprefix("+")
+    return version == "" or (text.isascii() and text.isdigit() and int(text) == 1)
 
 
 #: Path segments sent as they are (not percent-encoded by the fuzzer): traversal in its
