@@ -395,6 +395,8 @@ def load_bodies() -> st.SearchStrategy[Any]:
 @example(action="load", model="victim", index_body={}, unload_body={},
          load_body={"parameters": {"config": '{"backend": "onnxruntime"}', "file:1/" + "a" * 300: "AAAA"}})
 @example(action="load", model="a" * 300, index_body={}, load_body={}, unload_body={})
+# base64 that is not even ASCII
+@example(action="load", model="victim", index_body={}, unload_body={}, load_body={"parameters": {"file:1/model.onnx": "\u00e9"}})
 def test_repository_bodies(
     server: QuiverServer, watch: Watch, action: str, model: str, index_body: Any, load_body: Any, unload_body: Any
 ) -> None:

@@ -168,7 +168,8 @@ def sagemaker_framing(draw: st.DrawFn, encoded: HttpBody, *, lie: bool) -> dict[
     if json_length is not None and draw(st.booleans()):
         headers["Inference-Header-Content-Length"] = json_length
     elif json_length is not None or (lie and draw(st.integers(0, 3)) == 0):
-        truth = int(json_length) if json_length is not None and json_length.lstrip("-").isdigit() else None
+        digits = (json_length or "").lstrip("-")
+        truth = int(json_length) if json_length and digits.isascii() and digits.isdigit() else None
         truthful = f"{BINARY_JSON};json-header-size={truth}"
         headers["Content-Type"] = draw(sagemaker_content_types(truth)) if lie else truthful
         if truth is None or headers["Content-Type"] != truthful:
