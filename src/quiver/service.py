@@ -16,7 +16,6 @@ import quiver
 from quiver import logs
 from quiver.config import ModelConfig
 from quiver.errors import (
-    InternalError,
     InvalidArgumentError,
     NotFoundError,
     QuiverError,
@@ -261,7 +260,10 @@ def classify(
     data = tensor.data
     rows = data.reshape(data.shape[0], -1) if batched and data.ndim > 0 else data.reshape(1, -1)
     if rows.shape[1] == 0:
-        raise InternalError(f"model '{model}': output '{tensor.name}' is empty; nothing to classify")
+        # the request's own inputs were empty: the client's mistake, not the server's
+        raise InvalidArgumentError(
+            f"model '{model}': output '{tensor.name}' is empty; nothing to classify"
+        )
     k = min(k, rows.shape[1])
     values = rows.astype(np.float64, copy=False)
     order = np.argsort(-values, axis=1, kind="stable")[:, :k]

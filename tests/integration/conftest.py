@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -162,3 +163,19 @@ def server(repository: Path) -> Iterator[QuiverServer]:
         yield running
     assert running.process is not None
     assert running.process.returncode == 0, running.log
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """The fuzz tests' knobs (tests/support/fuzz.py); QUIVER_FUZZ_EXAMPLES and QUIVER_FUZZ_SEED
+    say the same (and work whatever paths pytest is given)."""
+    group = parser.getgroup("quiver fuzz")
+    group.addoption("--fuzz-examples", type=int, default=None, help="examples per fuzz test (test_fuzz_*.py)")
+    group.addoption("--fuzz-seed", default=None, help="fuzz seed: an integer, or 'random' (default: derandomized)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The fuzz modules build their hypothesis settings when imported, which is after this.
+    for option, variable in (("--fuzz-examples", "QUIVER_FUZZ_EXAMPLES"), ("--fuzz-seed", "QUIVER_FUZZ_SEED")):
+        value = config.getoption(option, default=None)
+        if value is not None:
+            os.environ[variable] = str(value)

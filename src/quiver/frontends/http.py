@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import contextlib
 import functools
 import gzip
@@ -235,7 +234,7 @@ class HttpFrontend:
                     raise InvalidArgumentError(f"load parameter '{key}' must be base64 text")
                 try:
                     files[key[5:]] = base64.b64decode(value, validate=True)
-                except binascii.Error:
+                except ValueError:  # binascii.Error, or text that is not ASCII at all
                     raise InvalidArgumentError(f"load parameter '{key}' is not valid base64") from None
             await self.service.load_model(name, config, files or None)
             return Response(status_code=200)

@@ -472,7 +472,7 @@ class SageMakerFrontend:
         limit = MAX_PAGE
         raw_max = query.get("max_results", [""])[-1]
         if raw_max:
-            if not raw_max.isdigit() or int(raw_max) < 1:
+            if not (raw_max.isascii() and raw_max.isdigit()) or int(raw_max) < 1:
                 raise InvalidArgumentError(f"max_results must be a positive integer, got '{raw_max}'")
             limit = min(int(raw_max), MAX_PAGE)
         after = ""
