@@ -201,6 +201,9 @@ def update(changes: dict[str, Any]) -> dict[str, Any]:
     return _update(changes, trusted=False)
 
 
+_MAX_UINT32 = (1 << 32) - 1
+
+
 def _update(changes: dict[str, Any], *, trusted: bool) -> dict[str, Any]:
     with _lock:
         candidate = dict(_settings)
@@ -216,8 +219,12 @@ def _update(changes: dict[str, Any], *, trusted: bool) -> dict[str, Any]:
                 if not isinstance(value, bool):
                     raise InvalidArgumentError(f"logging setting '{key}' must be true or false")
             elif isinstance(current, int):
-                if type(value) is not int or value < 0:
-                    raise InvalidArgumentError(f"logging setting '{key}' must be a non-negative integer")
+                if type(value) is not int or not 0 <= value <= _MAX_UINT32:
+                    # gRPC's LogSettings carries it as a uint32: a larger level could be set
+                    # over HTTP but never read back over gRPC
+                    raise InvalidArgumentError(
+                        f"logging setting '{key}' must be an integer from 0 to {_MAX_UINT32}"
+                    )
             elif not isinstance(value, str):
                 raise InvalidArgumentError(f"logging setting '{key}' must be a string")
             candidate[key] = value

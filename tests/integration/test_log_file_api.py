@@ -79,6 +79,12 @@ def test_log_file_is_refused_by_default(tmp_path: Path) -> None:
         assert _grpc_log_file(grpc) == ""
         # ``null`` means "leave it": accepted, as Triton accepts it.
         assert http.update_log_settings({"log_file": None})["log_file"] == ""
+        # A verbose level is a uint32 on gRPC: past it is the client's mistake over HTTP too
+        # (it used to be accepted there and then broke every gRPC LogSettings call).
+        with pytest.raises(InferenceServerException) as info:
+            http.update_log_settings({"log_verbose_level": 1 << 32})
+        assert info.value.status() == "400" and "log_verbose_level" in str(info.value.message())
+        assert grpc.get_log_settings(as_json=True)["settings"]["log_verbose_level"] == {"uint32_param": 0}
 
 
 def test_log_file_only_inside_the_log_folder(tmp_path: Path) -> None:
