@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import quiver
 
 if TYPE_CHECKING:
-    from quiver.runner import ServerOptions
+    from quiver.settings import Settings
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -29,13 +29,12 @@ def _bool(value: str) -> bool:
 
 def _fraction(value: str) -> float:
     """A fraction in (0, 1], for --model-load-gpu-limit."""
+    from quiver.settings import parse_fraction
+
     try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
-    if not 0 < number <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a fraction in (0, 1]")
-    return number
+        return parse_fraction(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds(value: str) -> float:
@@ -471,103 +470,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from quiver.repository.storage import RetryPolicy
-    from quiver.runner import Runner, ServerOptions
+    import os
 
-    local: list[Path] = []
-    remote: list[str] = []
-    for location in args.model_repository:
-        if location.startswith("s3://"):
-            remote.append(location)
-        elif "://" in location and not location.startswith("file://"):
-            print(f"quiver: error: unsupported model repository location '{location}'", file=sys.stderr)
-            return 2
-        else:
-            local.append(Path(location.removeprefix("file://")).resolve())
-    if args.s3_retries < 1:
-        print("quiver: error: --s3-retries must be at least 1", file=sys.stderr)
+    from quiver import settings as server_settings
+
+    try:
+        settings = server_settings.from_args(args, os.environ)
+    except server_settings.SettingsError as exc:
+        print(f"quiver: error: {exc}", file=sys.stderr)
         return 2
-    s3_options: dict[str, object] = {}
-    if args.s3_endpoint_url:
-        s3_options["endpoint_url"] = args.s3_endpoint_url
-    if args.s3_region:
-        s3_options["region"] = args.s3_region
-    if args.s3_retries != 5 or args.s3_timeout is not None:
-        retry = RetryPolicy(attempts=args.s3_retries)
-        if args.s3_timeout is not None:
-            retry = RetryPolicy(
-                attempts=args.s3_retries, connect_timeout=args.s3_timeout, read_timeout=args.s3_timeout
-            )
-        s3_options["retry"] = retry
-    gpu_limit = args.model_load_gpu_limit
-    if gpu_limit is None:
-        import os
+    if settings.ray is not None:
+        return _run_ray(settings)
+    from quiver.runner import Runner
 
-        variable = os.environ.get("SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT", "").strip()
-        if variable:
-            try:
-                gpu_limit = _fraction(variable)
-            except argparse.ArgumentTypeError as exc:
-                print(f"quiver: error: SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT: {exc}", file=sys.stderr)
-                return 2
-    options = ServerOptions(
-        model_repositories=local,
-        s3_repositories=remote,
-        s3_options=s3_options,
-        model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
-        model_cache_size=args.model_cache_size,
-        model_archive_max_bytes=args.model_archive_max_bytes or 0,
-        model_archive_max_ratio=args.model_archive_max_ratio,
-        model_archive_max_files=args.model_archive_max_files,
-        model_cache_revalidate_timeout=args.model_cache_revalidate_timeout,
-        http_address=args.http_address,
-        http_port=args.http_port,
-        grpc_address=args.grpc_address,
-        grpc_port=args.grpc_port,
-        metrics_address=args.metrics_address,
-        metrics_port=args.metrics_port,
-        model_control_mode=args.model_control_mode or ("on_demand" if args.ray else "none"),
-        load_models=args.load_model,
-        model_memory_limit=args.model_memory_limit or 0,
-        model_load_gpu_limit=gpu_limit or 0.0,
-        model_eviction_policy=args.model_eviction_policy,
-        model_load_wait_timeout=args.model_load_wait_timeout,
-        repository_poll_secs=args.repository_poll_secs,
-        strict_model_config=args.strict_model_config,
-        exit_on_error=args.exit_on_error,
-        model_load_thread_count=args.model_load_thread_count,
-        http_max_input_size=args.http_max_input_size,
-        http_restricted_api=args.http_restricted_api,
-        grpc_restricted_protocol=args.grpc_restricted_protocol,
-        allow_http=args.allow_http,
-        allow_grpc=args.allow_grpc,
-        allow_metrics=args.allow_metrics,
-        allow_cpu_metrics=args.allow_cpu_metrics,
-        allow_gpu_metrics=args.allow_gpu_metrics,
-        metrics_interval_ms=args.metrics_interval_ms,
-        grpc_max_message_size=args.grpc_max_message_size,
-        inline_execution_threshold_us=args.inline_execution_threshold_us,
-    )
-    if not _sagemaker_options(args, options):
-        return 2
-    from quiver.errors import InvalidArgumentError
-    from quiver.frontends.restrictions import Restrictions
-
-    for flag, specs in (
-        ("--http-restricted-api", options.http_restricted_api),
-        ("--grpc-restricted-protocol", options.grpc_restricted_protocol),
-    ):
-        try:
-            Restrictions(specs)
-        except InvalidArgumentError as exc:
-            print(f"quiver: error: {flag}: {exc}", file=sys.stderr)
-            return 2
-    for path in options.model_repositories:
-        if not path.is_dir():
-            print(f"quiver: error: model repository '{path}' is not a directory", file=sys.stderr)
-            return 2
-    if args.ray:
-        return _run_ray(args, options)
     try:
         import uvloop
 
@@ -576,86 +491,22 @@ def _run_serve(args: argparse.Namespace) -> int:
         loop_factory = None
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(Runner(options).run())
+            return runner.run(Runner(settings).run())
     except OSError as exc:
         logging.getLogger("quiver").error("%s", exc)
         return 1
 
 
-def _run_ray(args: argparse.Namespace, options: ServerOptions) -> int:
-    from quiver.frontends.sagemaker import SageMakerSettings
-    from quiver.rayserve.launch import RaySettings, run
+def _run_ray(settings: Settings) -> int:
+    from quiver.rayserve.launch import run
+    from quiver.runner import StartError, configure_logging
 
-    if options.sagemaker_settings is None:  # the SageMaker routes are always on the Ray port
-        options.sagemaker_settings = SageMakerSettings.from_env()
-
-    for flag in ("ray_replicas", "ray_min_replicas", "ray_max_replicas", "ray_max_ongoing_requests"):
-        value = getattr(args, flag)
-        least = 0 if flag == "ray_min_replicas" else 1
-        if value is not None and value < least:
-            print(f"quiver: error: --{flag.replace('_', '-')} must be at least {least}, got {value}", file=sys.stderr)
-            return 2
-    if args.ray_request_timeout <= 0:
-        print("quiver: error: --ray-request-timeout must be positive", file=sys.stderr)
-        return 2
-    if args.ray_min_replicas is not None and args.ray_max_replicas is not None and args.ray_min_replicas > args.ray_max_replicas:
-        print("quiver: error: --ray-min-replicas is larger than --ray-max-replicas", file=sys.stderr)
-        return 2
-    settings = RaySettings(
-        address=args.ray_address,
-        num_cpus=args.ray_num_cpus,
-        replicas=args.ray_replicas,
-        min_replicas=args.ray_min_replicas,
-        max_replicas=args.ray_max_replicas,
-        target_ongoing_requests=args.ray_target_ongoing_requests,
-        max_ongoing_requests=args.ray_max_ongoing_requests,
-        replica_cpus=args.ray_replica_cpus,
-        request_retries=max(0, args.ray_request_retries),
-        request_timeout=args.ray_request_timeout,
-        graceful_shutdown_timeout=args.ray_graceful_shutdown_timeout,
-    )
-    return run(options, settings)
-
-
-def _sagemaker_options(args: argparse.Namespace, options: ServerOptions) -> bool:
-    """Fill the SageMaker fields from the flags and Triton's SAGEMAKER_* variables; False
-    (after printing why) when they make no sense."""
-    import os
-
-    from quiver.errors import InvalidArgumentError
-    from quiver.frontends.sagemaker import (
-        DEFAULT_PORT,
-        SageMakerSettings,
-        check_port,
-        enabled_by_env,
-        parse_port_range,
-    )
-
-    allow = args.allow_sagemaker if args.allow_sagemaker is not None else enabled_by_env()
-    port = args.sagemaker_port
-    if port is None:
-        bind = os.environ.get("SAGEMAKER_BIND_TO_PORT", "").strip()
-        if bind and not bind.isdigit():
-            print(f"quiver: error: SAGEMAKER_BIND_TO_PORT must be a port number, got '{bind}'", file=sys.stderr)
-            return False
-        port = int(bind) if bind else DEFAULT_PORT
-    safe = args.sagemaker_safe_port_range
-    if safe is None:
-        safe = os.environ.get("SAGEMAKER_SAFE_PORT_RANGE", "").strip()
-    settings = None
-    if allow:
-        try:
-            settings = SageMakerSettings.from_env()
-            check_port(port, parse_port_range(safe) if safe else None)
-        except InvalidArgumentError as exc:
-            print(f"quiver: error: {exc}", file=sys.stderr)
-            return False
-    options.allow_sagemaker = allow
-    options.sagemaker_address = args.sagemaker_address
-    options.sagemaker_port = port
-    options.sagemaker_safe_port_range = safe
-    options.sagemaker_settings = settings
-    return True
+    try:
+        configure_logging(settings)
+    except StartError as exc:
+        print(f"quiver: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return run(settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -665,23 +516,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "serve":
-        from quiver import logs
-        from quiver.errors import InvalidArgumentError
-
-        if args.allow_log_file_api and not args.log_file_dir:
-            print("quiver: error: --allow-log-file-api needs --log-file-dir DIR", file=sys.stderr)
-            return 2
-        try:
-            logs.configure(
-                verbose=args.log_verbose,
-                info=args.log_info,
-                log_file=args.log_file,
-                log_format=args.log_format,
-                log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
-            )
-        except InvalidArgumentError as exc:
-            print(f"quiver: error: {exc}", file=sys.stderr)
-            return 2
         return _run_serve(args)
     parser.error(f"unknown command {args.command}")
     return 2

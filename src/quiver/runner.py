@@ -1,8 +1,25 @@
 """Assembly and ordered start/stop of one Quiver server process.
 
-Start: load the repository, then open the listeners. Stop (SIGINT/SIGTERM): close the
-listeners and let in-flight requests finish, drain every model's scheduler, unload the
-models (running ``finalize``), exit 0.
+:func:`assemble` builds the parts one server is made of (model manager, inference service,
+the v2 and SageMaker applications) from :class:`~quiver.settings.Settings`; the
+single-process :class:`Runner` and the Ray replica (:mod:`quiver.rayserve.deployments`) both
+use it, and :func:`load_models` for the models loaded at start.
+
+:class:`Runner` starts in this order, each step on an ``AsyncExitStack``:
+
+1. logging (``--log-*``);
+2. the metrics registry and its collector (with ``--allow-metrics``);
+3. the model manager and its disk cache;
+4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
+5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
+   every listener is up); then the server is ready.
+
+A failure at any step closes exactly what the earlier steps opened, in reverse order, logs
+why, and exits non-zero (2 for a logging set-up the flags make impossible, as for other flags;
+1 otherwise). SIGINT/SIGTERM stop the server in the same reverse order: not ready, every
+listener stops taking requests at once (gRPC health NOT_SERVING first) and the in-flight ones
+finish, then the listeners close from HTTP to metrics, the manager drains every model's
+scheduler and unloads the models (``finalize`` runs), the collector closes; exit 0.
 """
 
 from __future__ import annotations
@@ -12,79 +29,183 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Awaitable
-from dataclasses import dataclass, field
-from pathlib import Path
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from quiver.errors import QuiverError
+from quiver import logs
+from quiver.errors import InvalidArgumentError
 from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.restrictions import Restrictions
-from quiver.frontends.sagemaker import (
-    SageMakerFrontend,
-    SageMakerSettings,
-    check_port,
-    parse_port_range,
-)
+from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.lifecycle import ModelRepositoryManager
-from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
-from quiver.repository.archive import DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO, ExtractLimits
-from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT
+from quiver.repository.archive import ExtractLimits
 from quiver.service import InferenceService
+from quiver.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class ServerOptions:
-    model_repositories: list[Path]
-    http_address: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_address: str = "127.0.0.1"
-    grpc_port: int = 8001
-    metrics_address: str = "127.0.0.1"
-    metrics_port: int = 8002
-    model_control_mode: str = "none"
-    load_models: list[str] = field(default_factory=list)
-    model_memory_limit: int = 0
-    model_load_gpu_limit: float = 0.0  # fraction of each GPU's memory; 0: no limit
-    model_eviction_policy: str = "lru"
-    model_load_wait_timeout: float = 60.0
-    repository_poll_secs: float = 15.0
-    strict_model_config: bool = False
-    exit_on_error: bool = True
-    model_load_thread_count: int = 4
-    http_max_input_size: int = 64 * 1024 * 1024
-    http_restricted_api: list[str] = field(default_factory=list)
-    grpc_restricted_protocol: list[str] = field(default_factory=list)
-    inline_execution_threshold_us: int = 200
-    allow_http: bool = True
-    allow_grpc: bool = True
-    allow_metrics: bool = True
-    allow_cpu_metrics: bool = True
-    allow_gpu_metrics: bool = True
-    metrics_interval_ms: int = 2000
-    grpc_max_message_size: int = 64 * 1024 * 1024
-    allow_sagemaker: bool = False
-    sagemaker_address: str = "127.0.0.1"
-    sagemaker_port: int = 8080
-    sagemaker_safe_port_range: str = ""  # "LOW-HIGH"; empty: any port
-    sagemaker_settings: SageMakerSettings | None = None  # None: from the SAGEMAKER_* variables
-    s3_repositories: list[str] = field(default_factory=list)  # s3://bucket/prefix locations
-    s3_options: dict[str, Any] = field(default_factory=dict)  # S3Storage options (endpoint, ...)
-    model_cache_dir: Path | None = None  # None: $QUIVER_CACHE_DIR or a folder under the temp dir
-    model_cache_size: int = DEFAULT_CACHE_BYTES
-    model_archive_max_bytes: int = 0  # expanded bytes of one archive; 0: the cache size
-    model_archive_max_ratio: float = DEFAULT_MAX_RATIO  # 0: no ratio limit
-    model_archive_max_files: int = DEFAULT_MAX_FILES
-    model_cache_revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT  # seconds
-    extra: dict[str, object] = field(default_factory=dict)
+class StartError(Exception):
+    """A start-up step failed; ``exit_code`` is the process's exit code."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# -- assembly (shared with the Ray replica) ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What one server is made of; nothing here is started yet."""
+
+    manager: ModelRepositoryManager
+    service: InferenceService
+    http: HttpFrontend  # the v2 API over HTTP
+    sagemaker: SageMakerFrontend | None  # the SageMaker routes, when settings.sagemaker is set
+
+
+def assemble(settings: Settings) -> Parts:
+    """The model manager, the inference service over it and its HTTP applications."""
+    manager = ModelRepositoryManager(
+        list(settings.model_repositories),
+        control_mode=settings.model_control_mode,
+        memory_limit_bytes=settings.model_memory_limit,
+        gpu_limit=settings.model_load_gpu_limit,
+        eviction_policy=settings.model_eviction_policy,
+        load_wait_timeout=settings.model_load_wait_timeout,
+        startup_models=list(settings.load_models),
+        strict_config=settings.strict_model_config,
+        load_threads=settings.model_load_thread_count,
+        inline_threshold_ns=settings.inline_execution_threshold_us * 1000,
+        remote_repositories=list(settings.s3_repositories),
+        s3_options=settings.s3_options,
+        cache_dir=settings.model_cache_dir,
+        cache_size=settings.model_cache_size,
+        archive_limits=ExtractLimits(
+            max_bytes=settings.model_archive_max_bytes or settings.model_cache_size,
+            max_files=settings.model_archive_max_files,
+            max_ratio=settings.model_archive_max_ratio,
+        ),
+        cache_revalidate_timeout=settings.model_cache_revalidate_timeout,
+    )
+    service = InferenceService(manager)
+    http = HttpFrontend(
+        service,
+        max_input_size=settings.http_max_input_size,
+        restrictions=Restrictions(list(settings.http_restricted_api)),
+    )
+    sagemaker = None
+    if settings.sagemaker is not None:
+
+        async def load_from(name: str, url: str, target: str) -> str:
+            return await manager.load_url(name, url)
+
+        sagemaker = SageMakerFrontend(
+            service,
+            settings.sagemaker,
+            repositories=list(settings.model_repositories),
+            max_input_size=settings.http_max_input_size,
+            # S3 locations, archives and folders outside the repositories: the multi-model manager.
+            load_from=load_from if manager.on_demand else None,
+        )
+    return Parts(manager, service, http, sagemaker)
+
+
+def configure_logging(settings: Settings) -> None:
+    """``--log-*``; a log file or folder that cannot be opened raises StartError (exit 2)."""
+    try:
+        logs.configure(
+            verbose=settings.log_verbose,
+            info=settings.log_info,
+            log_file=settings.log_file,
+            log_format=settings.log_format,
+            log_file_dir=settings.log_file_dir,
+        )
+    except InvalidArgumentError as exc:
+        raise StartError(str(exc), exit_code=2) from None
+
+
+async def load_models(parts: Parts, settings: Settings) -> None:
+    """Start the manager (the models its control mode loads at start); with
+    ``--exit-on-error`` a model that fails to load raises StartError."""
+    failures = await parts.manager.start(poll_seconds=settings.repository_poll_secs)
+    _log_model_table(parts.manager)
+    if failures and settings.exit_on_error:
+        raise StartError(
+            f"{len(failures)} model(s) failed to load and --exit-on-error is true: "
+            + "; ".join(f"{name}: {reason}" for name, reason in sorted(failures.items()))
+        )
+
+
+# -- listeners ---------------------------------------------------------------------------------
+
+
+class _Listener:
+    """One open listener: ``begin_stop`` stops taking requests without waiting, ``close``
+    waits for the in-flight ones and releases the port."""
+
+    name = ""
+
+    async def begin_stop(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+class _AsgiListener(_Listener):
+    def __init__(self, name: str, server: AsgiServer, serving: asyncio.Task[None], sock: socket.socket) -> None:
+        self.name = name
+        self.server = server
+        self.serving = serving
+        self.socket = sock
+
+    async def begin_stop(self) -> None:
+        self.server.should_exit = True
+
+    async def close(self) -> None:
+        self.server.should_exit = True
+        try:
+            await self.serving
+        finally:
+            self.socket.close()
+
+
+class _GrpcListener(_Listener):
+    name = "GRPC"
+
+    def __init__(self, frontend: GrpcFrontend) -> None:
+        self.frontend = frontend
+        self._stopping: asyncio.Task[None] | None = None
+
+    async def begin_stop(self) -> None:
+        await self.frontend.begin_shutdown()  # health NOT_SERVING before anything closes
+        self._stopping = asyncio.create_task(self.frontend.stop(grace=30))
+
+    async def close(self) -> None:
+        await (self._stopping if self._stopping is not None else self.frontend.stop(0))
+
+
+class _MetricsListener(_Listener):
+    name = "Metrics"
+
+    def __init__(self, frontend: MetricsFrontend) -> None:
+        self.frontend = frontend
+
+    async def begin_stop(self) -> None:
+        pass  # scrapes go on while the other listeners drain
+
+    async def close(self) -> None:
+        await self.frontend.stop()
 
 
 def _listen(address: str, port: int) -> socket.socket:
@@ -101,145 +222,134 @@ def _listen(address: str, port: int) -> socket.socket:
     return sock
 
 
-def repository_manager(options: ServerOptions) -> ModelRepositoryManager:
-    """The model repository manager the options describe (not started)."""
-    return ModelRepositoryManager(
-        options.model_repositories,
-        control_mode=options.model_control_mode,
-        memory_limit_bytes=options.model_memory_limit,
-        gpu_limit=options.model_load_gpu_limit,
-        eviction_policy=options.model_eviction_policy,
-        load_wait_timeout=options.model_load_wait_timeout,
-        startup_models=options.load_models,
-        strict_config=options.strict_model_config,
-        load_threads=options.model_load_thread_count,
-        inline_threshold_ns=options.inline_execution_threshold_us * 1000,
-        remote_repositories=options.s3_repositories,
-        s3_options=options.s3_options,
-        cache_dir=options.model_cache_dir,
-        cache_size=options.model_cache_size,
-        archive_limits=ExtractLimits(
-            max_bytes=options.model_archive_max_bytes or options.model_cache_size,
-            max_files=options.model_archive_max_files,
-            max_ratio=options.model_archive_max_ratio,
-        ),
-        cache_revalidate_timeout=options.model_cache_revalidate_timeout,
-    )
+def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket:
+    low, high = port_range
+    for port in range(low, high + 1):
+        try:
+            return _listen(address, port)
+        except OSError:
+            continue
+    raise OSError(f"no free port for the SageMaker listener in the safe port range {low}-{high}")
+
+
+async def _serve_asgi(name: str, app: object, sock: socket.socket) -> _AsgiListener:
+    try:
+        server, serving = await serve(app, sock, graceful_seconds=30)
+    except BaseException as exc:
+        sock.close()
+        if isinstance(exc, Exception):
+            raise OSError(f"the {name} listener stopped at start: {exc}") from None
+        raise
+    return _AsgiListener(name, server, serving, sock)
+
+
+# -- the single-process server -----------------------------------------------------------------
 
 
 class Runner:
-    def __init__(self, options: ServerOptions) -> None:
-        self.options = options
-        self.manager = repository_manager(options)
-        self.service = InferenceService(self.manager)
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.parts: Parts | None = None
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
         self._stop.set()
 
     async def run(self) -> int:
+        """Start, serve until a signal (or a listener stops by itself), stop; the exit code."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
-
-        failures = await self.manager.start(poll_seconds=self.options.repository_poll_secs)
-        _log_model_table(self.manager)
-        if failures and self.options.exit_on_error:
-            logger.error(
-                "%d model(s) failed to load and --exit-on-error is true; exiting", len(failures)
-            )
-            await self.manager.stop()
-            return 1
-
-        opts = self.options
-        metrics = _metrics_frontend(self.manager, opts) if opts.allow_metrics else None
-        if metrics is not None:
+        async with contextlib.AsyncExitStack() as stack:
             try:
-                metrics.bind(opts.metrics_address, opts.metrics_port)
-            except OSError:
-                await self.manager.stop()
-                raise
-        sagemaker: tuple[AsgiServer, asyncio.Task[None], socket.socket] | None = None
-        if opts.allow_sagemaker:
-            try:
-                sagemaker = await _start_sagemaker(self.service, opts)
-            except OSError:
-                await self.manager.stop()
-                raise
-        grpc_frontend: GrpcFrontend | None = None
-        if opts.allow_grpc:
-            grpc_frontend = GrpcFrontend(
-                self.service,
-                max_message_size=opts.grpc_max_message_size,
-                restrictions=Restrictions(opts.grpc_restricted_protocol),
-            )
-            grpc_port = await grpc_frontend.start(opts.grpc_address, opts.grpc_port)
-        http_server: AsgiServer | None = None
-        http_socket: socket.socket | None = None
-        serving: asyncio.Task[None] | None = None
-        if opts.allow_http:
-            frontend = HttpFrontend(
-                self.service,
-                max_input_size=opts.http_max_input_size,
-                restrictions=Restrictions(opts.http_restricted_api),
-            )
-            try:
-                http_socket = _listen(opts.http_address, opts.http_port)
-            except OSError:
-                if grpc_frontend is not None:
-                    await grpc_frontend.stop(0)
-                raise
-            host, port = http_socket.getsockname()[:2]
-            try:
-                http_server, serving = await serve(frontend.app(), http_socket, graceful_seconds=30)
-            except BaseException:
-                if grpc_frontend is not None:
-                    await grpc_frontend.stop(0)
-                await self.manager.stop()
-                raise
-        if metrics is not None:
-            await metrics.start()  # logs 'started Metrics service at HOST:PORT'
-        self.service.ready = True
-        if sagemaker is not None:
-            sm_host, sm_port = sagemaker[2].getsockname()[:2]
-            logger.info("started SageMaker service at %s:%d", sm_host, sm_port)
-        if grpc_frontend is not None:
-            await grpc_frontend.set_serving(True)
-            logger.info("started GRPC service at %s:%d", opts.grpc_address, grpc_port)
-        if http_server is not None:
-            logger.info("started HTTP service at %s:%d", host, port)
-
-        stop_wait = asyncio.create_task(self._stop.wait())
-        waits: set[asyncio.Task[None] | asyncio.Task[bool]] = {stop_wait}
-        if serving is not None:
-            waits.add(serving)
-        if sagemaker is not None:
-            waits.add(sagemaker[1])
-        _done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        self.service.ready = False
-        logger.info("stopping: draining in-flight requests")
-        draining: list[Awaitable[None]] = []
-        if grpc_frontend is not None:
-            await grpc_frontend.begin_shutdown()  # health NOT_SERVING before anything closes
-            draining.append(grpc_frontend.stop(grace=30))
-        if http_server is not None and serving is not None:
-            http_server.should_exit = True
-            draining.append(serving)
-        if sagemaker is not None:
-            sagemaker[0].should_exit = True
-            draining.append(sagemaker[1])
-        await asyncio.gather(*draining)
-        if metrics is not None:
-            await metrics.stop()
-        stop_wait.cancel()
-        await self.manager.stop()
-        if http_socket is not None:
-            http_socket.close()
-        if sagemaker is not None:
-            sagemaker[2].close()
+                listeners = await self._start(stack)
+            except StartError as exc:
+                if exc.exit_code == 2:  # logging is not set up: say it as other flag errors do
+                    print(f"quiver: error: {exc}", file=sys.stderr)
+                else:
+                    logger.error("%s", exc)
+                return exc.exit_code  # the stack closes what was opened, last first
+            await self._serve(listeners)
+            assert self.parts is not None
+            self.parts.service.ready = False
+            logger.info("stopping: draining in-flight requests")
+            # Every listener stops taking requests now (gRPC's health says NOT_SERVING before
+            # any closes) and drains while the stack closes them one by one, HTTP first.
+            for listener in sorted(listeners, key=lambda each: not isinstance(each, _GrpcListener)):
+                await listener.begin_stop()
         logger.info("stopped")
         return 0
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> list[_Listener]:
+        settings = self.settings
+        configure_logging(settings)  # 1.
+        # 2. the metrics registry, 3. the manager (assembled first: the collector reads it;
+        # assembling opens nothing). The disk cache opens on first use and closes with it.
+        parts = self.parts = assemble(settings)
+        registry: CollectorRegistry | None = None
+        if settings.allow_metrics:
+            collector = _metrics_collector(parts.manager, settings)
+            stack.callback(collector.close)
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(collector)
+        stack.push_async_callback(parts.manager.stop)
+        # 4. the models loaded at start
+        await load_models(parts, settings)
+        # 5. the listeners
+        listeners: list[_Listener] = []
+
+        def opened(listener: _Listener) -> None:
+            listeners.append(listener)
+            stack.push_async_callback(listener.close)
+
+        try:
+            if registry is not None:
+                metrics = MetricsFrontend(registry)
+                metrics.bind(settings.metrics_address, settings.metrics_port)
+                opened(_MetricsListener(metrics))
+                await metrics.start()  # logs 'started Metrics service at HOST:PORT'
+            if settings.allow_sagemaker:
+                assert parts.sagemaker is not None
+                safe = settings.sagemaker_safe_port_range
+                if settings.sagemaker_port == 0 and safe is not None:
+                    sock = _listen_in_range(settings.sagemaker_address, safe)
+                else:
+                    sock = _listen(settings.sagemaker_address, settings.sagemaker_port)
+                opened(await _serve_asgi("SageMaker", parts.sagemaker, sock))
+            grpc: GrpcFrontend | None = None
+            if settings.allow_grpc:
+                grpc = GrpcFrontend(
+                    parts.service,
+                    max_message_size=settings.grpc_max_message_size,
+                    restrictions=Restrictions(list(settings.grpc_restricted_protocol)),
+                )
+                grpc_port = await grpc.start(settings.grpc_address, settings.grpc_port)
+                opened(_GrpcListener(grpc))
+            if settings.allow_http:
+                sock = _listen(settings.http_address, settings.http_port)
+                opened(await _serve_asgi("HTTP", parts.http.app(), sock))
+        except OSError as exc:
+            raise StartError(str(exc)) from None
+        parts.service.ready = True
+        for listener in listeners:
+            if isinstance(listener, _AsgiListener):
+                host, port = listener.socket.getsockname()[:2]
+                logger.info("started %s service at %s:%d", listener.name, host, port)
+            elif isinstance(listener, _GrpcListener) and grpc is not None:
+                await grpc.set_serving(True)
+                logger.info("started GRPC service at %s:%d", settings.grpc_address, grpc_port)
+        return listeners
+
+    async def _serve(self, listeners: list[_Listener]) -> None:
+        """Until a stop is requested or an HTTP listener stops by itself."""
+        stop_wait = asyncio.create_task(self._stop.wait())
+        waits: set[asyncio.Future[Any]] = {stop_wait}
+        waits |= {listener.serving for listener in listeners if isinstance(listener, _AsgiListener)}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
 
 
 def _log_model_table(manager: ModelRepositoryManager) -> None:
@@ -253,8 +363,9 @@ def _log_model_table(manager: ModelRepositoryManager) -> None:
     logger.info("model repository:\n%s", "\n".join(lines))
 
 
-def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> MetricsFrontend:
-    """Triton's metrics on a registry of this server's own (not prometheus_client's global one)."""
+def _metrics_collector(manager: ModelRepositoryManager, settings: Settings) -> TritonCollector:
+    """Triton's metrics, for a registry of this server's own (not prometheus_client's global one)."""
+
     def multi_model() -> MultiModelView | None:
         used, limit = manager.memory
         if not manager.on_demand and not limit:
@@ -277,66 +388,10 @@ def _metrics_frontend(manager: ModelRepositoryManager, opts: ServerOptions) -> M
             framework_bytes=manager.framework_bytes,
         )
 
-    collector = TritonCollector(
+    return TritonCollector(
         lambda: manager.ready_models,
         multi_model=multi_model,
-        cpu=opts.allow_cpu_metrics,
-        gpu=opts.allow_gpu_metrics,
-        interval_ms=opts.metrics_interval_ms,
+        cpu=settings.allow_cpu_metrics,
+        gpu=settings.allow_gpu_metrics,
+        interval_ms=settings.metrics_interval_ms,
     )
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    return MetricsFrontend(registry, on_stop=collector.close)
-
-
-async def _start_sagemaker(
-    service: InferenceService, opts: ServerOptions
-) -> tuple[AsgiServer, asyncio.Task[None], socket.socket]:
-    """Open the SageMaker listener (``--sagemaker-port``; port 0 picks a free one, inside
-    the safe port range when there is one) and serve it; raises OSError with the reason."""
-    try:
-        settings = opts.sagemaker_settings or SageMakerSettings.from_env()
-        safe = parse_port_range(opts.sagemaker_safe_port_range) if opts.sagemaker_safe_port_range else None
-        check_port(opts.sagemaker_port, safe)
-    except QuiverError as exc:
-        raise OSError(str(exc)) from None
-    if opts.sagemaker_port == 0 and safe is not None:
-        sock = _listen_in_range(opts.sagemaker_address, safe)
-    else:
-        sock = _listen(opts.sagemaker_address, opts.sagemaker_port)
-    frontend = sagemaker_frontend(service, opts, settings)
-    try:
-        server, task = await serve(frontend, sock, graceful_seconds=30)
-    except BaseException as exc:
-        sock.close()
-        raise OSError(f"the SageMaker listener stopped at start: {exc}") from None
-    return server, task, sock
-
-
-def sagemaker_frontend(
-    service: InferenceService, opts: ServerOptions, settings: SageMakerSettings
-) -> SageMakerFrontend:
-    """The SageMaker routes' ASGI application for ``service``."""
-    manager = service.manager
-
-    async def load_from(name: str, url: str, target: str) -> str:
-        return await manager.load_url(name, url)
-
-    return SageMakerFrontend(
-        service,
-        settings,
-        repositories=opts.model_repositories,
-        max_input_size=opts.http_max_input_size,
-        # S3 locations, archives and folders outside the repositories: the multi-model manager.
-        load_from=load_from if manager.on_demand else None,
-    )
-
-
-def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket:
-    low, high = port_range
-    for port in range(low, high + 1):
-        try:
-            return _listen(address, port)
-        except OSError:
-            continue
-    raise OSError(f"no free port for the SageMaker listener in the safe port range {low}-{high}")

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.http as httpclient
 from build_repository import SIMPLE_CONFIG, simple_onnx
 
@@ -144,3 +149,84 @@ def test_sigint_stops_an_idle_server_with_exit_zero(tmp_path: Path) -> None:
     server = QuiverServer(tmp_path).start()
     assert server.stop(signal.SIGINT) == 0, server.log
     assert "stopped" in server.log
+
+
+# -- a start-up that fails part way closes what it opened, last first ---------------------------
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _serve_to_exit(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``quiver serve`` over a repository holding the ``slow`` Python model (which writes
+    ``finalized`` when unloaded), with the temp folder in ``tmp_path/tmp``; waits for its exit."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    return subprocess.run(
+        [sys.executable, "-m", "quiver", "serve", "--model-repository", str(tmp_path / "repo"), *flags],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("taken", ["http", "grpc", "sagemaker", "metrics"])
+def test_a_taken_port_fails_start_up_and_closes_what_was_opened(tmp_path: Path, taken: str) -> None:
+    write_python(tmp_path / "repo", "slow", SLOW_MODEL, SLOW_CONFIG)
+    ports = dict(zip(("http", "grpc", "sagemaker", "metrics"), _free_ports(4), strict=True))
+    with socket.create_server(("127.0.0.1", ports[taken])):
+        result = _serve_to_exit(
+            tmp_path,
+            *(f"--{name}-port={port}" for name, port in ports.items()),
+            "--allow-sagemaker=true",
+        )
+    assert result.returncode == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{ports[taken]}" in result.stderr
+    assert "Traceback" not in result.stderr and "started HTTP service" not in result.stderr
+    # The models loaded before the listeners were unloaded (finalize ran) ...
+    assert (tmp_path / "repo" / "slow" / "finalized").read_text() == "done"
+    # ... every listener opened before the failure is closed again ...
+    for name, port in ports.items():
+        if name != taken:
+            socket.create_server(("127.0.0.1", port)).close()
+    # ... and nothing is left in the temp folder.
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_model_that_fails_to_load_closes_the_manager_before_any_listener_opens(tmp_path: Path) -> None:
+    write_python(tmp_path / "repo", "slow", SLOW_MODEL, SLOW_CONFIG)
+    write_onnx(tmp_path / "repo", "bad_config", simple_onnx(), BROKEN_CONFIG)
+    http, metrics = _free_ports(2)
+    result = _serve_to_exit(
+        tmp_path, f"--http-port={http}", f"--metrics-port={metrics}", "--grpc-port=0", "--exit-on-error=true"
+    )
+    assert result.returncode == 1
+    assert "1 model(s) failed to load and --exit-on-error is true" in result.stderr
+    assert "started" not in result.stderr  # no listener opened
+    assert (tmp_path / "repo" / "slow" / "finalized").read_text() == "done"
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_an_unusable_log_file_dir_fails_before_anything_opens(tmp_path: Path) -> None:
+    write_python(tmp_path / "repo", "slow", SLOW_MODEL, SLOW_CONFIG)
+    (tmp_path / "afile").write_text("")
+    result = _serve_to_exit(
+        tmp_path, "--allow-log-file-api", f"--log-file-dir={tmp_path / 'afile'}", "--http-port=0", "--grpc-port=0",
+        "--metrics-port=0",
+    )  # fmt: skip
+    assert result.returncode == 2 and "--log-file-dir" in result.stderr
+    assert not (tmp_path / "repo" / "slow" / "finalized").exists()  # no model was loaded
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_an_unusable_log_file_fails_before_anything_opens(tmp_path: Path) -> None:
+    write_python(tmp_path / "repo", "slow", SLOW_MODEL, SLOW_CONFIG)
+    result = _serve_to_exit(
+        tmp_path, f"--log-file={tmp_path / 'missing' / 'quiver.log'}", "--http-port=0", "--grpc-port=0",
+        "--metrics-port=0",
+    )  # fmt: skip
+    assert result.returncode == 2 and "quiver: error:" in result.stderr, result.stderr
+    assert not (tmp_path / "repo" / "slow" / "finalized").exists()

@@ -34,14 +34,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response
 
-from quiver.frontends.http import HttpFrontend
-from quiver.frontends.restrictions import Restrictions
-from quiver.frontends.sagemaker import SageMakerSettings
 from quiver.rayserve.cache_slots import CacheSlot
 from quiver.rayserve.forward import ForwardedRequest, ForwardedResponse, call_asgi
 from quiver.rayserve.routing import SAGEMAKER, route
-from quiver.runner import ServerOptions, repository_manager, sagemaker_frontend
-from quiver.service import InferenceService
+from quiver.runner import StartError, assemble, load_models
+from quiver.settings import Settings
 
 logger = logging.getLogger("quiver.ray")
 
@@ -63,32 +60,31 @@ class Resident:
 class QuiverReplica:
     """One Quiver model manager, and the v2 and SageMaker applications over it."""
 
-    async def __init__(self, options: ServerOptions) -> None:  # type: ignore[misc]  # Ray awaits it
+    async def __init__(self, settings: Settings) -> None:  # type: ignore[misc]  # Ray awaits it
         self.cache_slot: CacheSlot | None = None
-        if options.model_cache_dir is not None:
+        if settings.model_cache_dir is not None:
             # One disk cache per process: replicas sharing a node take numbered sub-folders.
-            self.cache_slot = CacheSlot(options.model_cache_dir)
-            options = dataclasses.replace(options, model_cache_dir=self.cache_slot.folder)
-        self.options = options
-        self.manager = repository_manager(options)
-        self.service = InferenceService(self.manager)
-        self.v2 = HttpFrontend(
-            self.service,
-            max_input_size=options.http_max_input_size,
-            restrictions=Restrictions(options.http_restricted_api),
-        ).app()
-        settings = options.sagemaker_settings or SageMakerSettings.from_env()
-        self.sagemaker = sagemaker_frontend(self.service, options, settings)
+            self.cache_slot = CacheSlot(settings.model_cache_dir)
+            settings = dataclasses.replace(settings, model_cache_dir=self.cache_slot.folder)
+        self.settings = settings
+        parts = assemble(settings)
+        assert parts.sagemaker is not None  # --ray always has the SageMaker routes
+        self.manager = parts.manager
+        self.service = parts.service
+        self.v2 = parts.http.app()
+        self.sagemaker = parts.sagemaker
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id if context is not None else str(os.getpid())
         self.manager.add_residency_listener(self._residency_changed)
-        failures = await self.manager.start(poll_seconds=options.repository_poll_secs)
-        if failures and options.exit_on_error:
+        try:
+            await load_models(parts, settings)
+        except BaseException as exc:
             await self.manager.stop()
-            raise RuntimeError(
-                f"{len(failures)} model(s) failed to load and --exit-on-error is true: "
-                + "; ".join(f"{name}: {reason}" for name, reason in sorted(failures.items()))
-            )
+            if self.cache_slot is not None:
+                self.cache_slot.release()
+            if isinstance(exc, StartError):
+                raise RuntimeError(str(exc)) from None
+            raise
         self.service.ready = True
         for name in self.served_names():  # loaded at start: Ray learns them now
             await self.resident(name)

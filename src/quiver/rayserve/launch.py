@@ -9,36 +9,15 @@ import logging
 import signal
 import socket
 import threading
-from dataclasses import dataclass
 from typing import Any
 
-from quiver.runner import ServerOptions
+from quiver.settings import RaySettings, Settings
 
 logger = logging.getLogger("quiver.ray")
 
 APP_NAME = "quiver"
 #: Ray Serve's own per-request access log costs CPU on every request: off, warnings only.
 QUIET_LOGS = {"enable_access_log": False, "log_level": "WARNING"}
-
-
-@dataclass(slots=True)
-class RaySettings:
-    address: str = ""  # "" starts a local cluster; "auto", "HOST:PORT" or "ray://HOST:PORT" attach
-    num_cpus: int | None = None  # CPUs of a local cluster (None: the machine's)
-    replicas: int = 1  # replicas when not autoscaling
-    min_replicas: int | None = None  # autoscaling when min or max is given
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 2.0
-    max_ongoing_requests: int = 32
-    replica_cpus: float = 1.0
-    request_retries: int = 1
-    request_timeout: float = 300.0
-    graceful_shutdown_timeout: float = 30.0
-    routing_stats_period: float = 1.0
-
-    @property
-    def autoscaling(self) -> bool:
-        return self.min_replicas is not None or self.max_replicas is not None
 
 
 class ClusterUnreachable(Exception):
@@ -97,20 +76,22 @@ def deployment_options(settings: RaySettings) -> dict[str, Any]:
     return options
 
 
-def build_application(options: ServerOptions, settings: RaySettings) -> Any:
+def build_application(settings: Settings) -> Any:
     from ray import serve
 
     from quiver.rayserve.deployments import QuiverIngress, QuiverReplica
 
-    replica = serve.deployment(name="QuiverReplica", **deployment_options(settings))(QuiverReplica)
+    assert settings.ray is not None
+    ray_settings = settings.ray
+    replica = serve.deployment(name="QuiverReplica", **deployment_options(ray_settings))(QuiverReplica)
     ingress = serve.deployment(
         name="QuiverIngress",
         num_replicas=1,
         ray_actor_options={"num_cpus": 0},
         logging_config=QUIET_LOGS,
-        max_ongoing_requests=max(256, settings.max_ongoing_requests * 8),
+        max_ongoing_requests=max(256, ray_settings.max_ongoing_requests * 8),
     )(QuiverIngress)
-    return ingress.bind(replica.bind(options), options.http_max_input_size, settings.request_retries)
+    return ingress.bind(replica.bind(settings), settings.http_max_input_size, ray_settings.request_retries)
 
 
 def _http_port(address: str, port: int) -> int:
@@ -121,8 +102,10 @@ def _http_port(address: str, port: int) -> int:
         return int(sock.getsockname()[1])
 
 
-def run(options: ServerOptions, settings: RaySettings) -> int:
+def run(options: Settings) -> int:
     """Deploy and serve until a signal; returns the exit code."""
+    assert options.ray is not None
+    settings = options.ray
     try:
         import ray
         from ray import serve
@@ -163,7 +146,7 @@ def run(options: ServerOptions, settings: RaySettings) -> int:
             },
             logging_config=QUIET_LOGS,
         )
-        serve.run(build_application(options, settings), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(build_application(options), name=APP_NAME, route_prefix="/", blocking=False)
         logger.info(
             "Ray Serve application '%s' running on %s: %s",
             APP_NAME,

@@ -1,0 +1,326 @@
+"""``quiver serve``'s flags and environment variables, merged once into one frozen object.
+
+:func:`from_args` is the only place that reads the environment for the server's settings, and
+nothing changes a :class:`Settings` once built (``dataclasses.replace`` makes a new one). The
+precedence, for every setting that has both a flag and a variable:
+
+- a flag given on the command line wins;
+- else Triton's variable: ``SAGEMAKER_BIND_TO_PORT`` (``--sagemaker-port``),
+  ``SAGEMAKER_SAFE_PORT_RANGE`` (``--sagemaker-safe-port-range``),
+  ``SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT`` (``--model-load-gpu-limit``),
+  ``SAGEMAKER_MULTI_MODEL`` or any ``SAGEMAKER_TRITON_*`` (``--allow-sagemaker``);
+  ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL`` (``--s3-endpoint-url``);
+- else the built-in default.
+
+The SageMaker routes' own settings (``SAGEMAKER_MULTI_MODEL``, ``SAGEMAKER_TRITON_PING_MODE``,
+``SAGEMAKER_TRITON_DEFAULT_MODEL_NAME``) are read here too, when the routes are on (always
+with ``--ray``). Left to their owners, on purpose: ``QUIVER_CACHE_DIR`` (the model manager's
+default cache folder when ``--model-cache-dir`` is not given: it may fall back to a private
+folder when another process holds that default, which an explicit folder never does) and the
+AWS credentials, profile and region (boto3 reads them; secrets are not copied into settings
+that travel to Ray replicas).
+
+A :class:`SettingsError` names the flag or variable that makes no sense; the command line
+prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from quiver.errors import InvalidArgumentError
+from quiver.frontends.restrictions import Restrictions
+from quiver.frontends.sagemaker import (
+    DEFAULT_PORT,
+    SageMakerSettings,
+    check_port,
+    enabled_by_env,
+    parse_port_range,
+)
+from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
+from quiver.repository.archive import DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO
+from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT
+from quiver.repository.storage import RetryPolicy
+
+#: ``--s3-retries`` when none is given (S3Storage's own default then applies).
+DEFAULT_S3_RETRIES = 5
+
+
+class SettingsError(ValueError):
+    """A flag or variable whose value makes no sense (the message names it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RaySettings:
+    """``--ray-*``: the Ray Serve deployment of ``quiver serve --ray``."""
+
+    address: str = ""  # "" starts a local cluster; "auto", "HOST:PORT" or "ray://HOST:PORT" attach
+    num_cpus: int | None = None  # CPUs of a local cluster (None: the machine's)
+    replicas: int = 1  # replicas when not autoscaling
+    min_replicas: int | None = None  # autoscaling when min or max is given
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 2.0
+    max_ongoing_requests: int = 32
+    replica_cpus: float = 1.0
+    request_retries: int = 1
+    request_timeout: float = 300.0
+    graceful_shutdown_timeout: float = 30.0
+    routing_stats_period: float = 1.0
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything one Quiver server (or Ray replica) is assembled and started from."""
+
+    model_repositories: tuple[Path, ...] = ()
+    s3_repositories: tuple[str, ...] = ()  # s3://bucket/prefix locations
+    # listeners
+    http_address: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_address: str = "127.0.0.1"
+    grpc_port: int = 8001
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = 8002
+    allow_http: bool = True
+    allow_grpc: bool = True
+    allow_metrics: bool = True
+    allow_cpu_metrics: bool = True
+    allow_gpu_metrics: bool = True
+    metrics_interval_ms: int = 2000
+    http_max_input_size: int = 64 * 1024 * 1024
+    grpc_max_message_size: int = 64 * 1024 * 1024
+    http_restricted_api: tuple[str, ...] = ()
+    grpc_restricted_protocol: tuple[str, ...] = ()
+    # SageMaker: sagemaker is the routes' settings when allow_sagemaker (or --ray), else None
+    allow_sagemaker: bool = False
+    sagemaker_address: str = "127.0.0.1"
+    sagemaker_port: int = DEFAULT_PORT
+    sagemaker_safe_port_range: tuple[int, int] | None = None  # None: any port
+    sagemaker: SageMakerSettings | None = None
+    # models
+    model_control_mode: str = "none"
+    load_models: tuple[str, ...] = ()
+    model_memory_limit: int = 0
+    model_load_gpu_limit: float = 0.0  # fraction of each GPU's memory; 0: no limit
+    model_eviction_policy: str = "lru"
+    model_load_wait_timeout: float = 60.0
+    repository_poll_secs: float = 15.0
+    strict_model_config: bool = False
+    exit_on_error: bool = True
+    model_load_thread_count: int = 4
+    inline_execution_threshold_us: int = 200
+    # model cache and S3
+    model_cache_dir: Path | None = None  # None: the manager's default ($QUIVER_CACHE_DIR, ...)
+    model_cache_size: int = DEFAULT_CACHE_BYTES
+    model_archive_max_bytes: int = 0  # expanded bytes of one archive; 0: the cache size
+    model_archive_max_ratio: float = DEFAULT_MAX_RATIO  # 0: no ratio limit
+    model_archive_max_files: int = DEFAULT_MAX_FILES
+    model_cache_revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT  # seconds
+    s3_endpoint_url: str | None = None  # None: AWS itself
+    s3_region: str | None = None  # None: boto3's (AWS_DEFAULT_REGION, the profile)
+    s3_retry: RetryPolicy | None = None  # None: S3Storage's default
+    # logging
+    log_verbose: int = 0
+    log_info: bool = True
+    log_file: str = ""
+    log_format: str = "default"
+    log_file_dir: str | None = None  # the logging API's folder; None: the API may not set log_file
+    # Ray: None serves from this process
+    ray: RaySettings | None = None
+
+    @property
+    def s3_options(self) -> dict[str, object]:
+        """Keyword arguments of every S3Storage the manager opens."""
+        options: dict[str, object] = {}
+        if self.s3_endpoint_url:
+            options["endpoint_url"] = self.s3_endpoint_url
+        if self.s3_region:
+            options["region"] = self.s3_region
+        if self.s3_retry is not None:
+            options["retry"] = self.s3_retry
+        return options
+
+
+def parse_fraction(value: str) -> float:
+    """A fraction in (0, 1] (``--model-load-gpu-limit`` and its variable); ValueError if not."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"'{value}' is not a number") from None
+    if not 0 < number <= 1:
+        raise ValueError(f"{value} is not a fraction in (0, 1]")
+    return number
+
+
+def _variable(environ: Mapping[str, str], name: str) -> str:
+    return environ.get(name, "").strip()
+
+
+def _repositories(locations: list[str]) -> tuple[tuple[Path, ...], tuple[str, ...]]:
+    local: list[Path] = []
+    remote: list[str] = []
+    for location in locations:
+        if location.startswith("s3://"):
+            remote.append(location)
+        elif "://" in location and not location.startswith("file://"):
+            raise SettingsError(f"unsupported model repository location '{location}'")
+        else:
+            path = Path(location.removeprefix("file://")).resolve()
+            if not path.is_dir():
+                raise SettingsError(f"model repository '{path}' is not a directory")
+            local.append(path)
+    return tuple(local), tuple(remote)
+
+
+def _gpu_limit(args: argparse.Namespace, environ: Mapping[str, str]) -> float:
+    if args.model_load_gpu_limit is not None:
+        return float(args.model_load_gpu_limit)
+    variable = _variable(environ, "SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT")
+    if not variable:
+        return 0.0
+    try:
+        return parse_fraction(variable)
+    except ValueError as exc:
+        raise SettingsError(f"SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT: {exc}") from None
+
+
+def _s3_retry(args: argparse.Namespace) -> RetryPolicy | None:
+    if args.s3_retries < 1:
+        raise SettingsError("--s3-retries must be at least 1")
+    if args.s3_retries == DEFAULT_S3_RETRIES and args.s3_timeout is None:
+        return None
+    if args.s3_timeout is None:
+        return RetryPolicy(attempts=args.s3_retries)
+    return RetryPolicy(attempts=args.s3_retries, connect_timeout=args.s3_timeout, read_timeout=args.s3_timeout)
+
+
+def _sagemaker(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, object]:
+    allow = args.allow_sagemaker if args.allow_sagemaker is not None else enabled_by_env(environ)
+    port = args.sagemaker_port
+    if port is None:
+        bind = _variable(environ, "SAGEMAKER_BIND_TO_PORT")
+        if bind and not bind.isdigit():
+            raise SettingsError(f"SAGEMAKER_BIND_TO_PORT must be a port number, got '{bind}'")
+        port = int(bind) if bind else DEFAULT_PORT
+    text = args.sagemaker_safe_port_range
+    if text is None:
+        text = _variable(environ, "SAGEMAKER_SAFE_PORT_RANGE")
+    routes = None
+    safe = None
+    try:
+        if allow or args.ray:  # the SageMaker routes are always on the Ray port
+            routes = SageMakerSettings.from_env(environ)
+        if allow:  # the range only matters to a listener of its own
+            safe = parse_port_range(text) if text else None
+            check_port(port, safe)
+    except InvalidArgumentError as exc:
+        raise SettingsError(str(exc)) from None
+    return {
+        "allow_sagemaker": bool(allow),
+        "sagemaker_address": args.sagemaker_address,
+        "sagemaker_port": port,
+        "sagemaker_safe_port_range": safe,
+        "sagemaker": routes,
+    }
+
+
+def _ray(args: argparse.Namespace) -> RaySettings | None:
+    if not args.ray:
+        return None
+    for flag in ("ray_replicas", "ray_min_replicas", "ray_max_replicas", "ray_max_ongoing_requests"):
+        value = getattr(args, flag)
+        least = 0 if flag == "ray_min_replicas" else 1
+        if value is not None and value < least:
+            raise SettingsError(f"--{flag.replace('_', '-')} must be at least {least}, got {value}")
+    if args.ray_request_timeout <= 0:
+        raise SettingsError("--ray-request-timeout must be positive")
+    if args.ray_min_replicas is not None and args.ray_max_replicas is not None and args.ray_min_replicas > args.ray_max_replicas:
+        raise SettingsError("--ray-min-replicas is larger than --ray-max-replicas")
+    return RaySettings(
+        address=args.ray_address,
+        num_cpus=args.ray_num_cpus,
+        replicas=args.ray_replicas,
+        min_replicas=args.ray_min_replicas,
+        max_replicas=args.ray_max_replicas,
+        target_ongoing_requests=args.ray_target_ongoing_requests,
+        max_ongoing_requests=args.ray_max_ongoing_requests,
+        replica_cpus=args.ray_replica_cpus,
+        request_retries=max(0, args.ray_request_retries),
+        request_timeout=args.ray_request_timeout,
+        graceful_shutdown_timeout=args.ray_graceful_shutdown_timeout,
+    )
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    """The settings ``quiver serve``'s parsed flags and ``environ`` describe (see the module
+    docstring for the precedence); raises SettingsError naming what makes no sense."""
+    if args.allow_log_file_api and not args.log_file_dir:
+        raise SettingsError("--allow-log-file-api needs --log-file-dir DIR")
+    local, remote = _repositories(args.model_repository)
+    for flag, specs in (
+        ("--http-restricted-api", args.http_restricted_api),
+        ("--grpc-restricted-protocol", args.grpc_restricted_protocol),
+    ):
+        try:
+            Restrictions(specs)
+        except InvalidArgumentError as exc:
+            raise SettingsError(f"{flag}: {exc}") from None
+    s3_retry = _s3_retry(args)
+    gpu_limit = _gpu_limit(args, environ)
+    sagemaker = _sagemaker(args, environ)
+    ray = _ray(args)
+    endpoint = args.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
+    return Settings(
+        model_repositories=local,
+        s3_repositories=remote,
+        http_address=args.http_address,
+        http_port=args.http_port,
+        grpc_address=args.grpc_address,
+        grpc_port=args.grpc_port,
+        metrics_address=args.metrics_address,
+        metrics_port=args.metrics_port,
+        allow_http=args.allow_http,
+        allow_grpc=args.allow_grpc,
+        allow_metrics=args.allow_metrics,
+        allow_cpu_metrics=args.allow_cpu_metrics,
+        allow_gpu_metrics=args.allow_gpu_metrics,
+        metrics_interval_ms=args.metrics_interval_ms,
+        http_max_input_size=args.http_max_input_size,
+        grpc_max_message_size=args.grpc_max_message_size,
+        http_restricted_api=tuple(args.http_restricted_api),
+        grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
+        **sagemaker,  # type: ignore[arg-type]
+        model_control_mode=args.model_control_mode or ("on_demand" if args.ray else "none"),
+        load_models=tuple(args.load_model),
+        model_memory_limit=args.model_memory_limit or 0,
+        model_load_gpu_limit=gpu_limit,
+        model_eviction_policy=args.model_eviction_policy,
+        model_load_wait_timeout=args.model_load_wait_timeout,
+        repository_poll_secs=args.repository_poll_secs,
+        strict_model_config=args.strict_model_config,
+        exit_on_error=args.exit_on_error,
+        model_load_thread_count=args.model_load_thread_count,
+        inline_execution_threshold_us=args.inline_execution_threshold_us,
+        model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
+        model_cache_size=args.model_cache_size,
+        model_archive_max_bytes=args.model_archive_max_bytes or 0,
+        model_archive_max_ratio=args.model_archive_max_ratio,
+        model_archive_max_files=args.model_archive_max_files,
+        model_cache_revalidate_timeout=args.model_cache_revalidate_timeout,
+        s3_endpoint_url=endpoint,
+        s3_region=args.s3_region or None,
+        s3_retry=s3_retry,
+        log_verbose=args.log_verbose,
+        log_info=args.log_info,
+        log_file=args.log_file,
+        log_format=args.log_format,
+        log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
+        ray=ray,
+    )

@@ -1,0 +1,129 @@
+"""quiver.settings: flags and variables merged once into a frozen Settings (no server started)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from quiver.cli import build_parser
+from quiver.repository.storage import RetryPolicy
+from quiver.settings import Settings, SettingsError, from_args
+
+
+def settings(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> Settings:
+    args = build_parser().parse_args(["serve", "--model-repository", str(tmp_path), *flags])
+    return from_args(args, env or {})
+
+
+def test_settings_are_frozen(tmp_path: Path) -> None:
+    built = settings(tmp_path)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.http_port = 1  # type: ignore[misc]
+    assert built.model_repositories == (tmp_path.resolve(),)
+    assert dataclasses.replace(built, http_port=1).http_port == 1 and built.http_port == 8000
+
+
+def test_defaults_without_flags_or_variables(tmp_path: Path) -> None:
+    built = settings(tmp_path)
+    assert (built.allow_sagemaker, built.sagemaker, built.sagemaker_port) == (False, None, 8080)
+    assert built.model_load_gpu_limit == 0.0
+    assert built.s3_endpoint_url is None and built.s3_options == {}
+    assert built.model_cache_dir is None and built.ray is None
+    assert built.model_control_mode == "none" and built.log_file_dir is None
+
+
+def test_sagemaker_variables_turn_the_listener_on_and_pick_its_port(tmp_path: Path) -> None:
+    env = {"SAGEMAKER_MULTI_MODEL": "true", "SAGEMAKER_BIND_TO_PORT": "9090"}
+    built = settings(tmp_path, env=env)
+    assert built.allow_sagemaker and built.sagemaker_port == 9090
+    assert built.sagemaker is not None and built.sagemaker.multi_model
+    assert settings(tmp_path, env={"SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "m"}).allow_sagemaker
+
+
+def test_flags_beat_sagemaker_variables(tmp_path: Path) -> None:
+    env = {
+        "SAGEMAKER_MULTI_MODEL": "true",
+        "SAGEMAKER_BIND_TO_PORT": "9090",
+        "SAGEMAKER_SAFE_PORT_RANGE": "9000-9100",
+        "SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT": "0.5",
+    }
+    built = settings(
+        tmp_path,
+        "--sagemaker-port", "7070", "--sagemaker-safe-port-range", "7000-7100", "--model-load-gpu-limit", "0.25",
+        env=env,
+    )  # fmt: skip
+    assert (built.sagemaker_port, built.sagemaker_safe_port_range) == (7070, (7000, 7100))
+    assert built.model_load_gpu_limit == 0.25
+    off = settings(tmp_path, "--allow-sagemaker=false", env=env)
+    assert not off.allow_sagemaker and off.sagemaker is None
+
+
+def test_gpu_limit_from_the_sagemaker_variable(tmp_path: Path) -> None:
+    assert settings(tmp_path, env={"SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT": "0.5"}).model_load_gpu_limit == 0.5
+    with pytest.raises(SettingsError, match="SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT"):
+        settings(tmp_path, env={"SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT": "2"})
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "message"),
+    [
+        ({"SAGEMAKER_BIND_TO_PORT": "http"}, ("--allow-sagemaker",), "SAGEMAKER_BIND_TO_PORT"),
+        ({"SAGEMAKER_SAFE_PORT_RANGE": "9000-9100"}, ("--allow-sagemaker", "--sagemaker-port", "80"), "9000-9100"),
+        ({"SAGEMAKER_TRITON_PING_MODE": "sometimes"}, ("--allow-sagemaker",), "SAGEMAKER_TRITON_PING_MODE"),
+        ({}, ("--s3-retries", "0"), "--s3-retries"),
+        ({}, ("--http-restricted-api", "nonsense"), "--http-restricted-api"),
+        ({}, ("--allow-log-file-api",), "--log-file-dir"),
+        ({}, ("--ray", "--ray-min-replicas", "3", "--ray-max-replicas", "2"), "--ray-min-replicas"),
+        ({}, ("--ray", "--ray-request-timeout", "-1"), "--ray-request-timeout"),
+    ],
+)
+def test_nonsense_names_the_flag_or_variable(
+    tmp_path: Path, env: dict[str, str], flags: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(SettingsError, match=message):
+        settings(tmp_path, *flags, env=env)
+
+
+def test_sagemaker_variables_are_not_checked_while_the_listener_is_off(tmp_path: Path) -> None:
+    built = settings(tmp_path, "--allow-sagemaker=false", env={"SAGEMAKER_SAFE_PORT_RANGE": "junk"})
+    assert not built.allow_sagemaker
+
+
+def test_ray_always_has_the_sagemaker_routes_but_no_listener_of_their_own(tmp_path: Path) -> None:
+    built = settings(tmp_path, "--ray", env={"SAGEMAKER_TRITON_PING_MODE": "live"})
+    assert built.ray is not None and built.model_control_mode == "on_demand"
+    assert built.sagemaker is not None and built.sagemaker.ping_mode == "live"
+    plain = settings(tmp_path, "--ray")
+    assert not plain.allow_sagemaker and plain.sagemaker is not None
+    assert settings(tmp_path, "--ray", "--model-control-mode", "explicit").model_control_mode == "explicit"
+
+
+def test_s3_endpoint_flag_then_variables(tmp_path: Path) -> None:
+    both = {"AWS_ENDPOINT_URL_S3": "http://s3-only", "AWS_ENDPOINT_URL": "http://all"}
+    assert settings(tmp_path, "--s3-endpoint-url", "http://flag", env=both).s3_endpoint_url == "http://flag"
+    assert settings(tmp_path, env=both).s3_endpoint_url == "http://s3-only"
+    assert settings(tmp_path, env={"AWS_ENDPOINT_URL": "http://all"}).s3_endpoint_url == "http://all"
+    built = settings(tmp_path, "--s3-region", "eu-west-1", "--s3-retries", "3", "--s3-timeout", "2", env=both)
+    assert built.s3_options == {
+        "endpoint_url": "http://s3-only",
+        "region": "eu-west-1",
+        "retry": RetryPolicy(attempts=3, connect_timeout=2.0, read_timeout=2.0),
+    }
+
+
+def test_repositories_split_into_local_and_s3(tmp_path: Path) -> None:
+    args = build_parser().parse_args(
+        ["serve", "--model-repository", f"file://{tmp_path}", "--model-repository", "s3://bucket/models"]
+    )
+    built = from_args(args, {})
+    assert built.model_repositories == (tmp_path.resolve(),) and built.s3_repositories == ("s3://bucket/models",)
+    for location, message in ((str(tmp_path / "nope"), "is not a directory"), ("gs://b/p", "unsupported")):
+        with pytest.raises(SettingsError, match=message):
+            from_args(build_parser().parse_args(["serve", "--model-repository", location]), {})
+
+
+def test_cache_dir_flag_is_resolved_and_the_variable_is_left_to_the_manager(tmp_path: Path) -> None:
+    assert settings(tmp_path, "--model-cache-dir", str(tmp_path / "c")).model_cache_dir == (tmp_path / "c").resolve()
+    assert settings(tmp_path, env={"QUIVER_CACHE_DIR": str(tmp_path)}).model_cache_dir is None
