@@ -17,18 +17,14 @@ import copy
 import enum
 import json
 import logging
-import struct
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-try:  # numpy has no bfloat16 of its own; ml_dtypes (installed with onnx) provides it.
-    import ml_dtypes
-
-    _BF16: np.dtype[Any] | None = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - depends on the environment
-    _BF16 = None
+from quiver.errors import InvalidArgumentError
+from quiver.protocol.bytes_codec import deserialize_bytes, element_count, serialize_bytes
+from quiver.types import HAVE_BF16, DataType
 
 __all__ = [
     "TRITONSERVER_MEMORY_CPU",
@@ -69,63 +65,36 @@ TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 
 # --------------------------------------------------------------------------- datatypes
 
-#: TRITONSERVER_DataType values, as ``Tensor.triton_dtype()`` returns them.
+#: TRITONSERVER_DataType values, as ``Tensor.triton_dtype()`` returns them (from the one
+#: datatype table, ``quiver.types.DataType``).
 TYPE_INVALID = 0
-TYPE_BOOL = 1
-TYPE_UINT8 = 2
-TYPE_UINT16 = 3
-TYPE_UINT32 = 4
-TYPE_UINT64 = 5
-TYPE_INT8 = 6
-TYPE_INT16 = 7
-TYPE_INT32 = 8
-TYPE_INT64 = 9
-TYPE_FP16 = 10
-TYPE_FP32 = 11
-TYPE_FP64 = 12
-TYPE_BYTES = 13
-TYPE_BF16 = 14
+TYPE_BOOL = DataType.BOOL.triton_value
+TYPE_UINT8 = DataType.UINT8.triton_value
+TYPE_UINT16 = DataType.UINT16.triton_value
+TYPE_UINT32 = DataType.UINT32.triton_value
+TYPE_UINT64 = DataType.UINT64.triton_value
+TYPE_INT8 = DataType.INT8.triton_value
+TYPE_INT16 = DataType.INT16.triton_value
+TYPE_INT32 = DataType.INT32.triton_value
+TYPE_INT64 = DataType.INT64.triton_value
+TYPE_FP16 = DataType.FP16.triton_value
+TYPE_FP32 = DataType.FP32.triton_value
+TYPE_FP64 = DataType.FP64.triton_value
+TYPE_BYTES = DataType.BYTES.triton_value
+TYPE_BF16 = DataType.BF16.triton_value
 
-_TRITON_TO_NUMPY: dict[int, Any] = {
-    TYPE_BOOL: np.bool_,
-    TYPE_UINT8: np.uint8,
-    TYPE_UINT16: np.uint16,
-    TYPE_UINT32: np.uint32,
-    TYPE_UINT64: np.uint64,
-    TYPE_INT8: np.int8,
-    TYPE_INT16: np.int16,
-    TYPE_INT32: np.int32,
-    TYPE_INT64: np.int64,
-    TYPE_FP16: np.float16,
-    TYPE_FP32: np.float32,
-    TYPE_FP64: np.float64,
-    TYPE_BYTES: np.object_,
-}
-if _BF16 is not None:
-    _TRITON_TO_NUMPY[TYPE_BF16] = _BF16.type
-
+#: The datatypes with a numpy type here (BF16 only with ml_dtypes, as in Triton's stub).
+_NUMPY_DATATYPES = [dt for dt in DataType if dt is not DataType.BF16 or HAVE_BF16]
+_TRITON_TO_NUMPY: dict[int, Any] = {dt.triton_value: dt.numpy_dtype.type for dt in _NUMPY_DATATYPES}
 _NUMPY_TO_TRITON: dict[np.dtype[Any], int] = {
     np.dtype(np_type): code for code, np_type in _TRITON_TO_NUMPY.items()
 }
 
-#: config.pbtxt datatype names -> numpy type, as ``triton_string_to_numpy`` returns.
+#: config.pbtxt datatype names -> numpy type, as ``triton_string_to_numpy`` returns (Triton's
+#: own table gives Python's ``bool`` for TYPE_BOOL).
 TRITON_STRING_TO_NUMPY: dict[str, Any] = {
-    "TYPE_BOOL": bool,
-    "TYPE_UINT8": np.uint8,
-    "TYPE_UINT16": np.uint16,
-    "TYPE_UINT32": np.uint32,
-    "TYPE_UINT64": np.uint64,
-    "TYPE_INT8": np.int8,
-    "TYPE_INT16": np.int16,
-    "TYPE_INT32": np.int32,
-    "TYPE_INT64": np.int64,
-    "TYPE_FP16": np.float16,
-    "TYPE_FP32": np.float32,
-    "TYPE_FP64": np.float64,
-    "TYPE_STRING": np.object_,
+    dt.config_name: bool if dt is DataType.BOOL else dt.numpy_dtype.type for dt in _NUMPY_DATATYPES
 }
-if _BF16 is not None:
-    TRITON_STRING_TO_NUMPY["TYPE_BF16"] = _BF16.type
 
 
 def triton_to_numpy_type(data_type: int) -> Any:
@@ -160,25 +129,7 @@ def numpy_to_pb_dtype(data_type: Any) -> str | None:
     code = numpy_to_triton_type(data_type)
     if code is None:
         return None
-    return _CONFIG_NAMES[code]
-
-
-_CONFIG_NAMES = {
-    TYPE_BOOL: "TYPE_BOOL",
-    TYPE_UINT8: "TYPE_UINT8",
-    TYPE_UINT16: "TYPE_UINT16",
-    TYPE_UINT32: "TYPE_UINT32",
-    TYPE_UINT64: "TYPE_UINT64",
-    TYPE_INT8: "TYPE_INT8",
-    TYPE_INT16: "TYPE_INT16",
-    TYPE_INT32: "TYPE_INT32",
-    TYPE_INT64: "TYPE_INT64",
-    TYPE_FP16: "TYPE_FP16",
-    TYPE_FP32: "TYPE_FP32",
-    TYPE_FP64: "TYPE_FP64",
-    TYPE_BYTES: "TYPE_STRING",
-    TYPE_BF16: "TYPE_BF16",
-}
+    return DataType.from_triton_value(code).config_name
 
 
 # ------------------------------------------------------------------- BYTES encoding
@@ -186,7 +137,7 @@ _CONFIG_NAMES = {
 
 def serialize_byte_tensor(input_tensor: np.ndarray[Any, Any]) -> bytes | None:
     """Encode a BYTES tensor as Triton sends it: each element as a 4-byte little-endian
-    length followed by its bytes, in C order.
+    length followed by its bytes, in C order (Quiver's one BYTES codec).
 
     Elements that are not ``bytes`` are converted with ``str(element).encode("utf-8")``.
     Returns the encoded ``bytes`` (``b""`` for an empty tensor), or None when the dtype
@@ -194,44 +145,24 @@ def serialize_byte_tensor(input_tensor: np.ndarray[Any, Any]) -> bytes | None:
     """
     if input_tensor.dtype.kind not in ("O", "S", "U"):
         return None
-    parts: list[bytes] = []
-    for item in np.asarray(input_tensor).reshape(-1, order="C").tolist():
-        if isinstance(item, bytes):
-            data = item
-        elif isinstance(item, (bytearray, memoryview)):
-            data = bytes(item)
-        else:
-            data = str(item).encode("utf-8")
-        parts.append(struct.pack("<I", len(data)))
-        parts.append(data)
-    return b"".join(parts)
+    return serialize_bytes(np.asarray(input_tensor))
 
 
 def deserialize_bytes_tensor(encoded_tensor: Any) -> np.ndarray[Any, Any]:
     """Decode length-prefixed bytes into a 1-D numpy object array of ``bytes``."""
-    buffer = memoryview(bytes(encoded_tensor))
-    items: list[bytes] = []
-    offset = 0
-    end = len(buffer)
-    while offset < end:
-        if offset + 4 > end:
-            raise TritonModelException("Invalid bytes tensor data: incomplete length field")
-        (length,) = struct.unpack_from("<I", buffer, offset)
-        offset += 4
-        if offset + length > end:
-            raise TritonModelException("Invalid bytes tensor data: string extends beyond buffer")
-        items.append(bytes(buffer[offset : offset + length]))
-        offset += length
-    result = np.empty(len(items), dtype=np.object_)
-    result[:] = items
-    return result
+    data = bytes(encoded_tensor)
+    try:
+        return deserialize_bytes(data, element_count(data), "")
+    except InvalidArgumentError as exc:
+        raise TritonModelException(f"Invalid bytes tensor data: {exc}") from None
 
 
 # --------------------------------------------------------------------------- errors
 
 
 class _ErrorCode(enum.IntEnum):
-    """TRITONSERVER_Error_Code values."""
+    """TRITONSERVER_Error_Code values: ``quiver.errors.ErrorCode``'s members, numbered in
+    their order (a test holds the two together)."""
 
     UNKNOWN = 0
     INTERNAL = 1

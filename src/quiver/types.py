@@ -7,7 +7,9 @@ there); treat them as immutable once built.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,13 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 class DataType(enum.Enum):
-    """Triton's tensor datatypes, by their wire name (``"FP32"``)."""
+    """Triton's tensor datatypes, by their wire name (``"FP32"``): the one datatype table.
+
+    Each has its numpy dtype, its size, its config.pbtxt name (``TYPE_FP32``) and its number
+    (``TRITONSERVER_DataType``, the same as the config protobuf's ``DataType`` enum, which
+    ``triton_python_backend_utils`` calls ``TYPE_FP32``). Backends keep only their framework's
+    names for these (onnxruntime's ``tensor(float)``, torch's dtypes).
+    """
 
     BOOL = "BOOL"
     UINT8 = "UINT8"
@@ -55,9 +63,18 @@ class DataType(enum.Enum):
         """The name used in config.pbtxt: ``TYPE_FP32``, ``TYPE_STRING`` for BYTES."""
         return "TYPE_STRING" if self is DataType.BYTES else "TYPE_" + self.value
 
+    @property
+    def triton_value(self) -> int:
+        """``TRITONSERVER_DataType`` / the config protobuf's ``DataType`` number (FP32: 11)."""
+        return _TRITON_VALUE[self]
+
     @classmethod
     def from_wire(cls, name: str) -> DataType:
         return _WIRE[name]
+
+    @classmethod
+    def from_triton_value(cls, value: int) -> DataType:
+        return _FROM_TRITON_VALUE[value]
 
     @classmethod
     def from_config(cls, name: str) -> DataType:
@@ -91,6 +108,11 @@ _NUMPY: dict[DataType, np.dtype[Any]] = {
 }
 _ITEMSIZE = {dt: (0 if dt is DataType.BYTES else npd.itemsize) for dt, npd in _NUMPY.items()}
 _WIRE = {dt.value: dt for dt in DataType}
+#: wire name -> datatype, for the protocol modules' lookups (``.get`` on the request path).
+BY_WIRE_NAME: Mapping[str, DataType] = MappingProxyType(_WIRE)
+#: The members stand in Triton's order: BOOL is 1 ... BF16 is 14 (0 is TYPE_INVALID).
+_TRITON_VALUE = {dt: number for number, dt in enumerate(DataType, start=1)}
+_FROM_TRITON_VALUE = {number: dt for dt, number in _TRITON_VALUE.items()}
 _CONFIG = {dt.config_name: dt for dt in DataType}
 _FROM_NUMPY = {npd: dt for dt, npd in _NUMPY.items() if dt is not DataType.BYTES}
 if not HAVE_BF16:  # pragma: no cover

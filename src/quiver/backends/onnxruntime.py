@@ -343,7 +343,7 @@ def _complete_io(config: pb.ModelConfig, entries: Any, nodes: list[Any], skip: i
         for node in nodes:
             entry = entries.add()
             entry.name = node.name
-            entry.data_type = pb.DataType.Value(_ort_datatype(node, config.name).config_name)
+            entry.data_type = _ort_datatype(node, config.name).triton_value
             dims = _dims(node.shape)[skip:]
             entry.dims.extend(dims)
             if not dims and not entry.HasField("reshape"):
@@ -355,7 +355,7 @@ def _complete_io(config: pb.ModelConfig, entries: Any, nodes: list[Any], skip: i
         if node is None:
             continue  # reported with the list of names at load
         if entry.data_type == pb.TYPE_INVALID:
-            entry.data_type = pb.DataType.Value(_ort_datatype(node, config.name).config_name)
+            entry.data_type = _ort_datatype(node, config.name).triton_value
         if len(entry.dims) == 0 and not entry.HasField("reshape"):
             entry.dims.extend(_dims(node.shape)[skip:])
 

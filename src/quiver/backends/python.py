@@ -93,23 +93,6 @@ _RESERVED_PARAMETERS = frozenset(
     }
 )
 
-_TRITON_DTYPE: dict[DataType, int] = {
-    DataType.BOOL: pb_utils.TYPE_BOOL,
-    DataType.UINT8: pb_utils.TYPE_UINT8,
-    DataType.UINT16: pb_utils.TYPE_UINT16,
-    DataType.UINT32: pb_utils.TYPE_UINT32,
-    DataType.UINT64: pb_utils.TYPE_UINT64,
-    DataType.INT8: pb_utils.TYPE_INT8,
-    DataType.INT16: pb_utils.TYPE_INT16,
-    DataType.INT32: pb_utils.TYPE_INT32,
-    DataType.INT64: pb_utils.TYPE_INT64,
-    DataType.FP16: pb_utils.TYPE_FP16,
-    DataType.FP32: pb_utils.TYPE_FP32,
-    DataType.FP64: pb_utils.TYPE_FP64,
-    DataType.BYTES: pb_utils.TYPE_BYTES,
-    DataType.BF16: pb_utils.TYPE_BF16,
-}
-
 
 # ------------------------------------------------------------------------ helpers
 
@@ -483,7 +466,7 @@ class PythonInstance(ThreadedInstance):
             array = tensor.data
             if tuple(array.shape) != tuple(tensor.shape):
                 array = array.reshape(tensor.shape)
-            inputs.append(pb_utils.Tensor._wrap(tensor.name, array, _TRITON_DTYPE[tensor.datatype]))
+            inputs.append(pb_utils.Tensor._wrap(tensor.name, array, tensor.datatype.triton_value))
         params = request.parameters
         correlation_id = params.get("sequence_id", 0)
         if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):

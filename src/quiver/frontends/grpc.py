@@ -2,8 +2,9 @@
 
 The servicer subclasses the base class ``tritonclient`` ships, so every RPC not written here
 answers UNIMPLEMENTED, as the base class does. This module only does gRPC: decode messages,
-call the :class:`~quiver.service.InferenceService`, encode the answer, map errors to
-statuses through ``quiver.frontends.status``. The standard health service
+call the :class:`~quiver.service.InferenceService`, encode the answer. Errors become statuses
+at one place, :func:`_rpc` (``quiver.frontends.status.grpc_error``): a unary RPC aborts with
+the status, a stream's request is answered with ``error_message``. The standard health service
 (``grpc.health.v1.Health``) runs beside it.
 """
 
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+import contextvars
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -22,10 +24,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.errors import InvalidArgumentError
 from quiver.frontends.offload import OFFLOAD_NS, PARSE_INLINE_BYTES, in_worker
 from quiver.frontends.restrictions import Restrictions
-from quiver.frontends.status import grpc_status
+from quiver.frontends.status import grpc_error
 from quiver.protocol.v2_grpc import (
     decode_cost,
     decode_infer_request,
@@ -33,9 +35,7 @@ from quiver.protocol.v2_grpc import (
     encode_infer_response,
 )
 from quiver.service import InferenceService
-from quiver.types import InferenceRequest, InferenceResponse
-
-logger = logging.getLogger(__name__)
+from quiver.types import InferenceResponse
 
 #: The service name clients may ask the health service about, besides "" (the server).
 SERVICE_NAME = "inference.GRPCInferenceService"
@@ -44,18 +44,51 @@ DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 STREAM_WINDOW = 64
 
 
-async def _abort(context: Any, exc: QuiverError) -> NoReturn:
-    await context.abort(grpc_status(exc.code), exc.message)
-    raise AssertionError("context.abort returned")  # pragma: no cover
+#: (model, request id) of the current RPC or stream request, once known: an unexpected
+#: error's message names the model, a stream's error answer carries the id. Each RPC and each
+#: stream request runs in its own task, with its own copy.
+_call: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("quiver_grpc_call", default=("", ""))
+
+_Reply = TypeVar("_Reply")
+_Servicer = TypeVar("_Servicer", bound="InferenceServicer")
 
 
-async def _abort_internal(context: Any, model: str, exc: Exception) -> NoReturn:
-    await context.abort(grpc.StatusCode.INTERNAL, _internal_message(model, exc))
-    raise AssertionError("context.abort returned")  # pragma: no cover
+def _translated(exc: Exception, rpc: str) -> tuple[grpc.StatusCode, str]:
+    model = _call.get()[0]
+    where = f"gRPC {rpc} on model '{model}'" if model else f"gRPC {rpc}"
+    return grpc_error(exc, model=model, where=where)
 
 
-def _internal_message(model: str, exc: Exception) -> str:
-    return f"internal error in model '{model}': {type(exc).__name__}: {exc}"
+def _rpc(
+    method: Callable[[_Servicer, Any, Any], Awaitable[_Reply]],
+) -> Callable[[_Servicer, Any, Any], Awaitable[_Reply]]:
+    """The one translation of a unary RPC's errors: ``context.abort`` with the status."""
+
+    @functools.wraps(method)
+    async def call(self: _Servicer, request: Any, context: Any) -> _Reply:
+        _call.set((getattr(request, "name", "") or getattr(request, "model_name", ""), ""))
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise  # the method aborted with its own status
+        except Exception as exc:
+            code, message = _translated(exc, method.__name__)
+        await context.abort(code, message)
+        raise AssertionError("context.abort returned")  # pragma: no cover
+
+    return call
+
+
+def _stream_error(exc: Exception) -> bytes:
+    """The one translation of a stream request's errors: as Triton, a ModelStreamInferResponse
+    with ``error_message`` and the request id, so the client knows which one failed; the
+    stream goes on."""
+    _, message = _translated(exc, "ModelStreamInfer")
+    failed = pb.ModelStreamInferResponse(
+        error_message=message, infer_response=pb.ModelInferResponse(id=_call.get()[1])
+    )
+    serialized: bytes = failed.SerializeToString()
+    return serialized
 
 
 def _tensor_metadata(entries: list[dict[str, Any]]) -> list[Any]:
@@ -103,20 +136,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             name=metadata["name"], version=metadata["version"], extensions=metadata["extensions"]
         )
 
+    @_rpc
     async def ModelReady(self, request: Any, context: Any) -> Any:
         # Triton answers an unknown model with ready=false, not an error; a version that is
         # not a positive integer is INVALID_ARGUMENT.
-        try:
-            ready = self.service.model_ready(request.name, request.version)
-        except QuiverError as exc:
-            await _abort(context, exc)
-        return pb.ModelReadyResponse(ready=ready)
+        return pb.ModelReadyResponse(ready=self.service.model_ready(request.name, request.version))
 
+    @_rpc
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        try:
-            metadata = self.service.model_metadata(request.name, request.version)
-        except QuiverError as exc:
-            await _abort(context, exc)
+        metadata = self.service.model_metadata(request.name, request.version)
         return pb.ModelMetadataResponse(
             name=metadata["name"],
             versions=metadata["versions"],
@@ -125,73 +153,59 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             outputs=_tensor_metadata(metadata["outputs"]),
         )
 
+    @_rpc
     async def ModelConfig(self, request: Any, context: Any) -> Any:
-        try:
-            model = self.service.manager.get(request.name, request.version)
-        except QuiverError as exc:
-            await _abort(context, exc)
+        model = self.service.manager.get(request.name, request.version)
         return pb.ModelConfigResponse(config=model.config.proto)
 
     # -- statistics, repository and logging extensions -------------------------------------
 
+    @_rpc
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
-        try:
-            stats = self.service.model_statistics(request.name, request.version)
-        except QuiverError as exc:
-            await _abort(context, exc)
+        stats = self.service.model_statistics(request.name, request.version)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
+    @_rpc
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
-        try:
-            entries = await self.service.repository_index(request.ready)
-        except QuiverError as exc:
-            await _abort(context, exc)
+        entries = await self.service.repository_index(request.ready)
         return pb.RepositoryIndexResponse(
             models=[pb.RepositoryIndexResponse.ModelIndex(**entry) for entry in entries]
         )
 
+    @_rpc
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
         config: str | None = None
         files: dict[str, bytes] = {}
-        try:
-            for key, value in request.parameters.items():
-                if key == "config":
-                    if value.WhichOneof("parameter_choice") != "string_param":
-                        raise InvalidArgumentError("load parameter 'config' must be a string_param")
-                    config = value.string_param
-                elif key.startswith("file:"):
-                    if value.WhichOneof("parameter_choice") != "bytes_param":
-                        raise InvalidArgumentError(f"load parameter '{key}' must be a bytes_param")
-                    files[key[5:]] = value.bytes_param
-            await self.service.load_model(request.model_name, config, files or None)
-        except QuiverError as exc:
-            await _abort(context, exc)
+        for key, value in request.parameters.items():
+            if key == "config":
+                if value.WhichOneof("parameter_choice") != "string_param":
+                    raise InvalidArgumentError("load parameter 'config' must be a string_param")
+                config = value.string_param
+            elif key.startswith("file:"):
+                if value.WhichOneof("parameter_choice") != "bytes_param":
+                    raise InvalidArgumentError(f"load parameter '{key}' must be a bytes_param")
+                files[key[5:]] = value.bytes_param
+        await self.service.load_model(request.model_name, config, files or None)
         return pb.RepositoryModelLoadResponse()
 
+    @_rpc
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
-        try:
-            dependents = False
-            if "unload_dependents" in request.parameters:
-                value = request.parameters["unload_dependents"]
-                if value.WhichOneof("parameter_choice") != "bool_param":
-                    raise InvalidArgumentError("unload parameter 'unload_dependents' must be a bool_param")
-                dependents = value.bool_param
-            await self.service.unload_model(request.model_name, dependents)
-        except QuiverError as exc:
-            await _abort(context, exc)
+        dependents = False
+        if "unload_dependents" in request.parameters:
+            value = request.parameters["unload_dependents"]
+            if value.WhichOneof("parameter_choice") != "bool_param":
+                raise InvalidArgumentError("unload parameter 'unload_dependents' must be a bool_param")
+            dependents = value.bool_param
+        await self.service.unload_model(request.model_name, dependents)
         return pb.RepositoryModelUnloadResponse()
 
+    @_rpc
     async def LogSettings(self, request: Any, context: Any) -> Any:
-        try:
-            changes: dict[str, Any] = {}
-            for key, value in request.settings.items():
-                kind = value.WhichOneof("parameter_choice")
-                changes[key] = getattr(value, kind) if kind else None
-            settings = (
-                self.service.update_log_settings(changes) if changes else self.service.log_settings()
-            )
-        except QuiverError as exc:
-            await _abort(context, exc)
+        changes: dict[str, Any] = {}
+        for key, value in request.settings.items():
+            kind = value.WhichOneof("parameter_choice")
+            changes[key] = getattr(value, kind) if kind else None
+        settings = self.service.update_log_settings(changes) if changes else self.service.log_settings()
         response = pb.LogSettingsResponse()
         for key, setting in settings.items():
             entry = response.settings[key]
@@ -211,55 +225,38 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     # one inline, as grpc would have. A message that is not a ModelInferRequest is then
     # INVALID_ARGUMENT rather than grpc's own failure.
 
-    async def _decode(self, data: bytes) -> tuple[Any, InferenceRequest]:
-        """The message (for its name and id) and the request it carries."""
+    async def _infer(self, data: bytes, serialize: Callable[[InferenceResponse], bytes]) -> bytes:
+        """Parse, decode, infer, encode and serialize one ModelInferRequest."""
         if len(data) < PARSE_INLINE_BYTES:
             message = _parse_request(data)
         else:
             message = await in_worker(_parse_request, data)
+        _call.set((message.model_name, message.id))
         if decode_cost(message) < OFFLOAD_NS:
-            return message, decode_infer_request(message)
-        return message, await in_worker(decode_infer_request, message)
+            request = decode_infer_request(message)
+        else:
+            request = await in_worker(decode_infer_request, message)
+        response = await self.service.infer(request)
+        if encode_cost(response) < OFFLOAD_NS:
+            return serialize(response)
+        return await in_worker(serialize, response)
 
+    @_rpc
     async def model_infer_bytes(self, data: bytes, context: Any) -> bytes:
         """ModelInfer: a serialized ModelInferRequest in, a ModelInferResponse out."""
         self._enter()
-        model = ""
         try:
-            message, request = await self._decode(data)
-            model = message.model_name
-            response = await self.service.infer(request)
-            if encode_cost(response) < OFFLOAD_NS:
-                return _serialized_response(response)
-            return await in_worker(_serialized_response, response)
-        except QuiverError as exc:
-            await _abort(context, exc)
-        except Exception as exc:
-            logger.exception("inference on model '%s' failed unexpectedly", model)
-            await _abort_internal(context, model, exc)
+            return await self._infer(data, _serialized_response)
         finally:
             self._leave()
 
     async def _stream_one(self, data: bytes) -> bytes:
-        request_id = model = ""
+        """One request of a stream, in its own task (so with its own ``_call``)."""
+        _call.set(("", ""))
         try:
-            message, request = await self._decode(data)
-            request_id, model = message.id, message.model_name
-            response = await self.service.infer(request)
-            if encode_cost(response) < OFFLOAD_NS:
-                return _serialized_stream_response(response)
-            return await in_worker(_serialized_stream_response, response)
-        except QuiverError as exc:
-            error = exc.message
+            return await self._infer(data, _serialized_stream_response)
         except Exception as exc:
-            logger.exception("inference on model '%s' failed unexpectedly", model)
-            error = _internal_message(model, exc)
-        # As Triton: the error, and the request id so the client knows which one failed.
-        failed = pb.ModelStreamInferResponse(
-            error_message=error, infer_response=pb.ModelInferResponse(id=request_id)
-        )
-        serialized: bytes = failed.SerializeToString()
-        return serialized
+            return _stream_error(exc)
 
     async def model_stream_infer_bytes(
         self, request_iterator: AsyncIterator[bytes], context: Any

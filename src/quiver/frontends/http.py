@@ -1,7 +1,9 @@
 """KServe v2 over HTTP with Triton's routes, JSON field names and binary tensor extension.
 
 This module only does HTTP: read and bound the body, undo ``Content-Encoding``, call the
-:class:`~quiver.service.InferenceService`, encode the answer, map errors to statuses.
+:class:`~quiver.service.InferenceService`, encode the answer. Errors become statuses at two
+places, both through ``quiver.frontends.status.http_error``: the Starlette app's exception
+handler (every route but inference) and the direct inference path's one ``except``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ import base64
 import contextlib
 import functools
 import gzip
-import logging
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -26,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from quiver.errors import InvalidArgumentError, QuiverError
 from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
 from quiver.frontends.restrictions import Restrictions, http_group
-from quiver.frontends.status import http_status
+from quiver.frontends.status import BodyTooLarge, http_error
 from quiver.protocol.limits import check_body_depth
 from quiver.protocol.v2_json import (
     decode_cost,
@@ -38,23 +39,12 @@ from quiver.protocol.v2_json import (
 from quiver.service import InferenceService
 from quiver.types import InferenceResponse
 
-logger = logging.getLogger(__name__)
-
 JSON = "application/json"
 BINARY = "application/octet-stream"
 
 
-class BodyTooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"request body is larger than the limit of {limit} bytes (--http-max-input-size)")
-
-
 def _error(status: int, message: str) -> Response:
     return Response(encode_json({"error": message}), status_code=status, media_type=JSON)
-
-
-def error_response(exc: QuiverError) -> Response:
-    return _error(http_status(exc.code), exc.message)
 
 
 def _json(value: Any) -> Response:
@@ -76,7 +66,16 @@ class HttpFrontend:
         self.max_input_size = max_input_size
         self._app = Starlette(
             routes=self.routes(),
-            exception_handlers={404: self._not_found, 405: self._not_allowed},
+            exception_handlers={
+                404: self._not_found,
+                405: self._not_allowed,
+                ClientDisconnect: self._disconnected,
+                QuiverError: self._failed,
+                BodyTooLarge: self._failed,
+                # Starlette gives this one to its outermost middleware, which calls it for
+                # any exception and then raises the exception again: __call__ drops that.
+                Exception: self._failed,
+            },
         )
 
     def routes(self) -> list[Route]:
@@ -117,6 +116,18 @@ class HttpFrontend:
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         return _error(405, f"method {request.method} is not allowed on {request.url.path}")
 
+    async def _disconnected(self, request: Request, exc: Exception) -> Response:
+        return Response(status_code=400)
+
+    async def _failed(self, request: Request, exc: Exception) -> Response:
+        """The one translation of the routes' errors to statuses."""
+        status, message = http_error(
+            exc,
+            model=request.path_params.get("model", ""),
+            where=f"{request.method} {request.url.path}",
+        )
+        return _error(status, message)
+
     # -- health and metadata ---------------------------------------------------------
 
     async def live(self, request: Request) -> Response:
@@ -131,45 +142,29 @@ class HttpFrontend:
     async def model_ready(self, request: Request) -> Response:
         name = request.path_params["model"]
         version = request.path_params.get("version", "")
-        try:
-            if self.service.model_ready(name, version):
-                return Response(status_code=200)
-            self.service.manager.get(name, version)
-        except QuiverError as exc:
-            return error_response(exc)
+        if self.service.model_ready(name, version):
+            return Response(status_code=200)
+        self.service.manager.get(name, version)
         return Response(status_code=503)  # pragma: no cover - raced with a load
 
     async def model_metadata(self, request: Request) -> Response:
-        try:
-            return _json(
-                self.service.model_metadata(
-                    request.path_params["model"], request.path_params.get("version", "")
-                )
-            )
-        except QuiverError as exc:
-            return error_response(exc)
+        return _json(
+            self.service.model_metadata(request.path_params["model"], request.path_params.get("version", ""))
+        )
 
     async def model_config(self, request: Request) -> Response:
-        try:
-            return _json(
-                self.service.model_config(
-                    request.path_params["model"], request.path_params.get("version", "")
-                )
-            )
-        except QuiverError as exc:
-            return error_response(exc)
+        return _json(
+            self.service.model_config(request.path_params["model"], request.path_params.get("version", ""))
+        )
 
     # -- statistics, repository and logging extensions -----------------------------------
 
     async def model_statistics(self, request: Request) -> Response:
-        try:
-            return _json(
-                self.service.model_statistics(
-                    request.path_params.get("model", ""), request.path_params.get("version", "")
-                )
+        return _json(
+            self.service.model_statistics(
+                request.path_params.get("model", ""), request.path_params.get("version", "")
             )
-        except QuiverError as exc:
-            return error_response(exc)
+        )
 
     async def _json_body(self, request: Request) -> dict[str, Any]:
         """A small JSON object body (empty means ``{}``), bounded by the input size limit."""
@@ -196,71 +191,44 @@ class HttpFrontend:
         check_body_depth(value, body, "request body")
         return value
 
-    async def _guarded(self, request: Request, handler: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
-        try:
-            return await handler(await self._json_body(request))
-        except QuiverError as exc:
-            return error_response(exc)
-        except BodyTooLarge as exc:
-            return _error(413, str(exc))
-        except ClientDisconnect:
-            return Response(status_code=400)
-        except Exception as exc:
-            logger.exception("%s %s failed unexpectedly", request.method, request.url.path)
-            return _error(500, f"internal error: {type(exc).__name__}: {exc}")
-
     async def repository_index(self, request: Request) -> Response:
-        async def handle(body: dict[str, Any]) -> Response:
-            ready = body.get("ready", False)
-            if not isinstance(ready, bool):
-                raise InvalidArgumentError("'ready' must be true or false")
-            return _json(await self.service.repository_index(ready))
-
-        return await self._guarded(request, handle)
+        body = await self._json_body(request)
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidArgumentError("'ready' must be true or false")
+        return _json(await self.service.repository_index(ready))
 
     async def repository_load(self, request: Request) -> Response:
         name = request.path_params["model"]
-
-        async def handle(body: dict[str, Any]) -> Response:
-            params = _parameters(body)
-            config = params.pop("config", None)
-            if config is not None and not isinstance(config, str):
-                raise InvalidArgumentError("load parameter 'config' must be a JSON string")
-            files: dict[str, bytes] = {}
-            for key, value in params.items():
-                if not key.startswith("file:"):
-                    continue
-                if not isinstance(value, str):
-                    raise InvalidArgumentError(f"load parameter '{key}' must be base64 text")
-                try:
-                    files[key[5:]] = base64.b64decode(value, validate=True)
-                except ValueError:  # binascii.Error, or text that is not ASCII at all
-                    raise InvalidArgumentError(f"load parameter '{key}' is not valid base64") from None
-            await self.service.load_model(name, config, files or None)
-            return Response(status_code=200)
-
-        return await self._guarded(request, handle)
+        params = _parameters(await self._json_body(request))
+        config = params.pop("config", None)
+        if config is not None and not isinstance(config, str):
+            raise InvalidArgumentError("load parameter 'config' must be a JSON string")
+        files: dict[str, bytes] = {}
+        for key, value in params.items():
+            if not key.startswith("file:"):
+                continue
+            if not isinstance(value, str):
+                raise InvalidArgumentError(f"load parameter '{key}' must be base64 text")
+            try:
+                files[key[5:]] = base64.b64decode(value, validate=True)
+            except ValueError:  # binascii.Error, or text that is not ASCII at all
+                raise InvalidArgumentError(f"load parameter '{key}' is not valid base64") from None
+        await self.service.load_model(name, config, files or None)
+        return Response(status_code=200)
 
     async def repository_unload(self, request: Request) -> Response:
         name = request.path_params["model"]
-
-        async def handle(body: dict[str, Any]) -> Response:
-            dependents = _parameters(body).get("unload_dependents", False)
-            if not isinstance(dependents, bool):
-                raise InvalidArgumentError("unload parameter 'unload_dependents' must be true or false")
-            await self.service.unload_model(name, dependents)
-            return Response(status_code=200)
-
-        return await self._guarded(request, handle)
+        dependents = _parameters(await self._json_body(request)).get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise InvalidArgumentError("unload parameter 'unload_dependents' must be true or false")
+        await self.service.unload_model(name, dependents)
+        return Response(status_code=200)
 
     async def logging(self, request: Request) -> Response:
         if request.method == "GET":
             return _json(self.service.log_settings())
-
-        async def handle(body: dict[str, Any]) -> Response:
-            return _json(self.service.update_log_settings(body))
-
-        return await self._guarded(request, handle)
+        return _json(self.service.update_log_settings(await self._json_body(request)))
 
     # -- inference: a lean ASGI path, no router or request objects -----------------------
 
@@ -281,7 +249,11 @@ class HttpFrontend:
                 if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
                     await self._infer(scope, receive, send, parts[0], parts[2])
                     return
-        await self._app(scope, receive, send)
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        with contextlib.suppress(Exception):  # answered and logged by _failed already
+            await self._app(scope, receive, send)
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, model: str, version: str) -> None:
         content_length = raw_length = encoding = accept = None
@@ -317,18 +289,11 @@ class HttpFrontend:
                 payload, json_length = encode_response(response, infer_request)
             else:
                 payload, json_length = await in_worker(encode_response, response, infer_request)
-        except QuiverError as exc:
-            await _send(send, http_status(exc.code), _error_body(exc.message))
-            return
-        except BodyTooLarge as exc:
-            await _send(send, 413, _error_body(str(exc)))
-            return
         except ClientDisconnect:
             return  # nobody to answer
         except Exception as exc:
-            logger.exception("inference on model '%s' failed unexpectedly", model)
-            message = f"internal error in model '{model}': {type(exc).__name__}: {exc}"
-            await _send(send, 500, _error_body(message))
+            status, message = http_error(exc, model=model, where=f"inference on model '{model}'")
+            await _send(send, status, _error_body(message))
             return
         headers: list[tuple[bytes, bytes]] = []
         content_type = _JSON

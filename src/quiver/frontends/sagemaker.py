@@ -60,9 +60,9 @@ from quiver.errors import (
     UnavailableError,
     UnsupportedError,
 )
-from quiver.frontends.http import BodyTooLarge, _unless_disconnected, read_body
+from quiver.frontends.http import _unless_disconnected, read_body
 from quiver.frontends.offload import OFFLOAD_NS, in_worker
-from quiver.frontends.status import http_status
+from quiver.frontends.status import http_error, http_status
 from quiver.lifecycle.memory import OutOfMemoryError
 from quiver.protocol.limits import check_body_depth
 from quiver.protocol.v2_json import (
@@ -302,17 +302,14 @@ class SageMakerFrontend:
         return _error(404, f"no route for {method} {path}")
 
     async def _guard(self, work: Awaitable[_Reply | None], path: str) -> _Reply | None:
+        """The one translation of this app's errors to statuses (capacity errors: 507)."""
         try:
             return await work
-        except QuiverError as exc:
-            return _error(error_status(exc), exc.message)
-        except BodyTooLarge as exc:
-            return _error(413, str(exc))
         except ClientDisconnect:
             raise
         except Exception as exc:
-            logger.exception("SageMaker %s failed unexpectedly", path)
-            return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+            status, message = http_error(exc, where=f"SageMaker {path}", status_of=error_status)
+            return _error(status, message)
 
     # -- ping --------------------------------------------------------------------------
 

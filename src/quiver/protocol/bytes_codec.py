@@ -45,6 +45,8 @@ def _serialize_loop(flat: np.ndarray[Any, Any]) -> bytes:
     for item in flat:
         if isinstance(item, str):
             item = item.encode("utf-8")
+        elif isinstance(item, memoryview):
+            item = item.tobytes()
         elif not isinstance(item, (bytes, bytearray)):
             item = str(item).encode("utf-8")
         parts.append(pack(len(item)))
@@ -130,23 +132,52 @@ def _deserialize_uniform(view: memoryview, count: int, stride: int) -> np.ndarra
     return out
 
 
-def _explain(view: memoryview, count: int, name: str) -> None:
-    """Raise the InvalidArgumentError that says where ``view`` fails to hold ``count`` elements."""
+def element_count(buffer: bytes | memoryview) -> int:
+    """How many elements ``buffer`` holds, all of it (``triton_python_backend_utils``'
+    ``deserialize_bytes_tensor`` has no count); InvalidArgumentError where it does not end
+    on an element."""
+    view = memoryview(buffer)
+    index, offset, claimed = _walk(view, None)
+    if claimed == -1:
+        raise InvalidArgumentError(f"incomplete length field after {index} BYTES elements")
+    if claimed is not None:
+        raise InvalidArgumentError(
+            f"BYTES element {index} of {claimed} bytes extends beyond buffer "
+            f"({len(view) - offset + claimed} bytes remain)"
+        )
+    return index
+
+
+def _walk(view: memoryview, count: int | None) -> tuple[int, int, int | None]:
+    """Walk the length prefixes of ``count`` elements (None: until the data ends):
+    ``(index, offset, claimed)``. ``claimed`` is None when they all fit (``offset`` is then
+    where they end), -1 when element ``index``'s length field is cut off, else the length it
+    claims, which runs to ``offset``, past the end."""
     size = len(view)
-    offset = 0
+    offset = index = 0
     unpack = _LEN.unpack_from
-    for index in range(count):
+    while offset < size if count is None else index < count:
         if offset + 4 > size:
-            raise InvalidArgumentError(
-                f"input '{name}': BYTES data ends after {index} of {count} elements"
-            )
+            return index, offset, -1
         (length,) = unpack(view, offset)
         offset += 4 + length
         if offset > size:
-            raise InvalidArgumentError(
-                f"input '{name}': BYTES element {index} claims {length} bytes but only "
-                f"{size - offset + length} remain"
-            )
+            return index, offset, length
+        index += 1
+    return index, offset, None
+
+
+def _explain(view: memoryview, count: int, name: str) -> None:
+    """Raise the InvalidArgumentError that says where ``view`` fails to hold ``count`` elements."""
+    size = len(view)
+    index, offset, claimed = _walk(view, count)
+    if claimed == -1:
+        raise InvalidArgumentError(f"input '{name}': BYTES data ends after {index} of {count} elements")
+    if claimed is not None:
+        raise InvalidArgumentError(
+            f"input '{name}': BYTES element {index} claims {claimed} bytes but only "
+            f"{size - offset + claimed} remain"
+        )
     raise InvalidArgumentError(
         f"input '{name}': BYTES data has {size - offset} bytes left over after {count} elements"
     )

@@ -31,9 +31,6 @@ from quiver.types import (
     Tensor,
 )
 
-_WIRE = {dt.value: dt for dt in DataType}
-_WIRE_NAME = {dt: dt.value for dt in DataType}
-
 #: wire name -> (datatype, numpy dtype, bytes per element when a raw buffer can go straight to
 #: ``np.frombuffer``, else 0: BYTES, and BF16 without ml_dtypes, take :func:`_from_raw`).
 _DECODE: dict[str, tuple[DataType, np.dtype[Any], int]] = {
@@ -340,7 +337,7 @@ def encode_infer_response(response: InferenceResponse) -> Any:
     buffers: list[bytes] = []
     for tensor in response.outputs:
         datatype = tensor.datatype
-        entry = add(name=tensor.name, datatype=_WIRE_NAME[datatype], shape=tensor.shape)
+        entry = add(name=tensor.name, datatype=datatype.value, shape=tensor.shape)
         if tensor.parameters:
             set_parameters(entry.parameters, tensor.parameters)
         data = tensor.data
@@ -357,7 +354,7 @@ def decode_infer_response(message: Any) -> InferenceResponse:
     outputs: list[Tensor] = []
     raw = message.raw_output_contents
     for index, tensor in enumerate(message.outputs):
-        datatype = _WIRE[tensor.datatype]
+        datatype = DataType.from_wire(tensor.datatype)
         shape = tuple(tensor.shape)
         if index < len(raw):
             data = _from_raw(raw[index], datatype, shape, tensor.name)

@@ -28,6 +28,7 @@ from quiver.protocol.limits import (
     may_nest_too_deep,
 )
 from quiver.types import (
+    BY_WIRE_NAME,
     HAVE_BF16,
     DataType,
     InferenceRequest,
@@ -36,7 +37,6 @@ from quiver.types import (
     Tensor,
 )
 
-_WIRE = {dt.value: dt for dt in DataType}
 #: A header shorter than this cannot nest MAX_JSON_DEPTH deep: every bracket is closed.
 _DEPTH_SCAN_BYTES = 2 * MAX_JSON_DEPTH
 #: Element counts up to this need no more checks (2**40 elements of 8 bytes fit an array).
@@ -211,7 +211,7 @@ def decode_request(
         if not isinstance(name, str):
             raise _bad("an input has no 'name'")
         wire_type = raw.get("datatype")
-        datatype = _WIRE.get(wire_type) if isinstance(wire_type, str) else None
+        datatype = BY_WIRE_NAME.get(wire_type) if isinstance(wire_type, str) else None
         if datatype is None:
             raise _bad(f"input '{name}': unknown datatype {wire_type!r}")
         shape, count = _shape(raw.get("shape"), name, datatype)

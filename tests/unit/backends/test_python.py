@@ -1202,3 +1202,20 @@ def test_concurrent_loads_keep_models_apart(tmp_path: Path) -> None:
     finally:
         for instance in instances:
             instance.unload()
+
+
+def test_pb_utils_tables_are_quivers() -> None:
+    from tritonclient.grpc import model_config_pb2
+
+    from quiver.errors import ErrorCode
+    from quiver.types import DataType
+
+    assert [(c.name, c.value) for c in pb_utils.TritonError.UNKNOWN.__class__] == [
+        (code.name, number) for number, code in enumerate(ErrorCode)
+    ]
+    for datatype in DataType:
+        assert model_config_pb2.DataType.Value(datatype.config_name) == datatype.triton_value
+        assert getattr(pb_utils, "TYPE_" + ("BYTES" if datatype is DataType.BYTES else datatype.value)) == (
+            datatype.triton_value
+        )
+        assert DataType.from_triton_value(datatype.triton_value) is datatype

@@ -76,3 +76,20 @@ def test_many_empty_elements_decode_and_encode_quickly() -> None:
     assert decoded.shape == (count,) and decoded[0] == b"" and decoded[-1] == b""
     assert encoded == raw
     assert elapsed < 2.0, elapsed  # the old loop: 2.6 s on the dev machine; numpy: 0.05 s
+
+
+def test_element_count_walks_the_whole_buffer() -> None:
+    from quiver.protocol.bytes_codec import element_count
+
+    assert element_count(b"") == 0
+    assert element_count(b"\x01\x00\x00\x00a\x00\x00\x00\x00") == 2
+    with pytest.raises(InvalidArgumentError, match="incomplete length field after 1"):
+        element_count(b"\x01\x00\x00\x00a\x00\x00")
+    with pytest.raises(InvalidArgumentError, match="element 0 of 5 bytes extends beyond buffer"):
+        element_count(b"\x05\x00\x00\x00ab")
+
+
+def test_memoryview_elements_are_their_bytes() -> None:
+    array = np.empty(1, dtype=object)
+    array[0] = memoryview(b"xyz")
+    assert serialize_bytes(array) == b"\x03\x00\x00\x00xyz"
