@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -387,6 +388,74 @@ def _denied_handler(method: str, message: str) -> Any:
     return grpc.unary_unary_rpc_method_handler(unary)
 
 
+class _Malformed:
+    """A request message that did not parse; the method answers INVALID_ARGUMENT for it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _ParsedByUs(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """A generated service's handlers, with request parsing the server's own business.
+
+    grpc calls a method's deserializer before the servicer is reached, and a message that
+    does not parse there is answered UNKNOWN, a server error to the client. Here the
+    deserializer hands back :class:`_Malformed` instead, and the method answers
+    INVALID_ARGUMENT naming the message type (a client's mistake), for every unary and
+    server-streaming method (Triton's service and the health service).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def service(self, handler_call_details: Any) -> Any:
+        handler = self._inner.service(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+
+        def tolerant(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as exc:  # DecodeError, or what a deserializer raises instead
+                return _Malformed(exc)
+
+        async def refuse(request: _Malformed, context: Any) -> None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed {method} request message: {request.error}",
+            )
+
+        def unary_like(inner: Any) -> Any:
+            async def unary(request: Any, context: Any) -> Any:
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                return await inner(request, context)
+
+            return unary
+
+        if handler.unary_unary is not None:
+            return handler._replace(
+                request_deserializer=tolerant, unary_unary=unary_like(handler.unary_unary)
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+            if not inspect.isasyncgenfunction(inner_stream):  # writes with context.write
+                return handler._replace(request_deserializer=tolerant, unary_stream=unary_like(inner_stream))
+
+            async def stream(request: Any, context: Any) -> Any:
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                async for item in inner_stream(request, context):
+                    yield item
+
+            return handler._replace(request_deserializer=tolerant, unary_stream=stream)
+        return handler
+
+
 class _GenericHandlersOnly:
     """What the generated ``add_*Servicer_to_server`` functions see instead of the server:
     their generic handler is added, their registered-method handlers are not.
@@ -403,7 +472,7 @@ class _GenericHandlersOnly:
         self._server = server
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self._server.add_generic_rpc_handlers(handlers)
+        self._server.add_generic_rpc_handlers(tuple(_ParsedByUs(h) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, handlers: Any) -> None:
         pass
