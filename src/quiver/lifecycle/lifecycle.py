@@ -99,7 +99,11 @@ class ModelLifeCycle:
     # -- owned tasks -------------------------------------------------------------------
 
     def spawn(self, coro: Coroutine[Any, Any, T], name: str = "quiver-load") -> asyncio.Task[T]:
-        """Run ``coro`` (a load or unload) as a task :meth:`stop` cancels and awaits."""
+        """Run ``coro`` (a load or unload) as a task :meth:`stop` cancels and awaits; once
+        stopped, UnavailableError."""
+        if self.closed:
+            coro.close()
+            raise UnavailableError("the server is stopping: no more models are loaded")
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self._tasks.add(task)
