@@ -14,19 +14,12 @@ Control modes, as Triton's:
   folder in an ``s3://`` repository, fetched through the disk cache; each archive is its own
   namespace (:mod:`quiver.lifecycle.archives`).
 
-The manager decides *what* loads and when; the parts it assembles decide *how*:
-
-=================  ==========================================================================
-``table``          the served-model table and the repository index (:mod:`.table`)
-``lifecycle``      loads, reloads, unloads, evictions, archive namespaces, owned load tasks
-                   (:mod:`.lifecycle`), under per-model locks taken in a documented order
-                   (:mod:`.locks`), blocking steps on the load pool (:mod:`.pool`)
-``dependencies``   ensembles and their composing models, archive namespaces (:mod:`.dependencies`)
-``admission``      memory budget, GPU limit, eviction policy, what is in use (:mod:`.admission`)
-``sources``        repositories, storage keys, URLs, the disk cache, request files (:mod:`.sources`)
-``pins``           requests waiting for a load, ensemble loads needing a model (:mod:`.pins`)
-``clock``          the one injected clock of all of them (:mod:`.clock`)
-=================  ==========================================================================
+The manager decides *what* loads and when; the parts it assembles (the README's "The
+lifecycle package" maps them) decide *how*: :mod:`.table` (what is served, the index),
+:mod:`.lifecycle` (loads, unloads, evictions, under the lock order of :mod:`.locks`),
+:mod:`.dependencies` (ensembles, archive namespaces), :mod:`.admission` (budget, GPU limit,
+eviction, what is in use), :mod:`.sources` (repositories, keys, URLs, the disk cache),
+:mod:`.flights` (single flight), :mod:`.pins`, :mod:`.pool` and one injected :mod:`.clock`.
 """
 
 from __future__ import annotations
