@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quiver.errors import InvalidArgumentError
-from quiver.lifecycle.dependencies import folder_steps, is_model_folder, served_model
-from quiver.repository.local import CONFIG_FILENAME, ModelSource
+from quiver.lifecycle.dependencies import model_folders, served_folder
+from quiver.repository.local import ModelSource
 from quiver.repository.names import NAMESPACE_SEPARATOR, check_key_name
 
 
@@ -37,26 +36,10 @@ def archive_layout(served: str, key: str, content: Path) -> tuple[ModelSource, l
     Raises :class:`InvalidArgumentError` naming the archive when it holds no model (no
     config.pbtxt) or several models of which none, or more than one, is the served one.
     """
-    if is_model_folder(content):
-        if not (content / CONFIG_FILENAME).is_file():
-            raise InvalidArgumentError(
-                f"archive '{key}' holds no config.pbtxt: a model archive needs its model's "
-                "configuration"
-            )
+    top = served_folder(content, f"archive '{key}'")
+    if top == content:
         return ModelSource(served, content.parent, content, archive=key), []
-    folders = sorted(
-        d for d in content.iterdir() if d.is_dir() and not d.is_symlink() and not d.name.startswith(".")
-    )
-    models = [f for f in folders if (f / CONFIG_FILENAME).is_file()]
-    if not models:
-        found = ", ".join(f"'{f.name}/'" for f in folders) or "nothing"
-        raise InvalidArgumentError(
-            f"archive '{key}' holds no model: no config.pbtxt at its top or in a model folder "
-            f"(it holds {found})"
-        )
-    steps = {f.name: folder_steps(f) if len(models) > 1 else None for f in models}
-    chosen = served_model(f"archive '{key}'", steps)
-    top = next(f for f in models if f.name == chosen)
+    models = model_folders(content)
     aliases = tuple(
         (f.name, served if f == top else namespaced(served, f.name)) for f in models
     )

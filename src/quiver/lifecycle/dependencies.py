@@ -37,6 +37,8 @@ __all__ = [
     "ensemble_steps",
     "folder_steps",
     "is_model_folder",
+    "model_folders",
+    "served_folder",
     "served_model",
 ]
 
@@ -102,6 +104,40 @@ def served_model(what: str, models: Mapping[str, set[str] | None]) -> str:
         f"{what} holds several models ({', '.join(models)}) and {why}: cannot tell which "
         "one to serve (Triton's rule: the only model, else the one top-level ensemble)"
     )
+
+
+def model_folders(content: Path) -> list[Path]:
+    """The model folders of a repository folder: folders (not hidden, not symbolic links)
+    with a config.pbtxt, sorted."""
+    return sorted(
+        d
+        for d in content.iterdir()
+        if d.is_dir() and not d.is_symlink() and not d.name.startswith(".") and (d / CONFIG_FILENAME).is_file()
+    )
+
+
+def served_folder(content: Path, what: str) -> Path:
+    """The model folder a repository folder ``content`` (an extracted archive, a SageMaker
+    url) serves: ``content`` itself when it is a model folder (it must have a config.pbtxt),
+    else by :func:`served_model` among its model folders (those with a config.pbtxt; hidden
+    folders and symbolic links are not looked at). InvalidArgumentError naming ``what``."""
+    if is_model_folder(content):
+        if not (content / CONFIG_FILENAME).is_file():
+            raise InvalidArgumentError(
+                f"{what} holds no config.pbtxt: a model archive needs its model's configuration"
+            )
+        return content
+    folders = sorted(
+        d for d in content.iterdir() if d.is_dir() and not d.is_symlink() and not d.name.startswith(".")
+    )
+    models = model_folders(content)
+    if not models:
+        found = ", ".join(f"'{f.name}/'" for f in folders) or "nothing"
+        raise InvalidArgumentError(
+            f"{what} holds no model: no config.pbtxt at its top or in a model folder (it holds {found})"
+        )
+    steps = {f.name: folder_steps(f) if len(models) > 1 else None for f in models}
+    return content / served_model(what, steps)
 
 
 @dataclass(slots=True)

@@ -16,6 +16,8 @@ from quiver.lifecycle.dependencies import (
     ensemble_steps,
     folder_steps,
     is_model_folder,
+    model_folders,
+    served_folder,
     served_model,
 )
 from quiver.repository.local import ModelSource
@@ -98,3 +100,25 @@ def test_archive_namespaces() -> None:
     namespace = graph.pop_namespace("k")
     assert namespace is not None and graph.namespace_of("k::pre") is None and not graph.has_namespace("k")
     assert graph.pop_namespace("k") is None
+
+
+def test_the_folder_a_repository_folder_serves(tmp_path: Path) -> None:
+    single = tmp_path / "single"
+    (single / "1").mkdir(parents=True)
+    (single / "config.pbtxt").write_text('backend: "identity"')
+    assert served_folder(single, "url 'single'") == single
+    (tmp_path / "bare" / "1").mkdir(parents=True)
+    with pytest.raises(InvalidArgumentError, match=r"url 'bare' holds no config\.pbtxt"):
+        served_folder(tmp_path / "bare", "url 'bare'")
+    repo = tmp_path / "repo"
+    ensemble(repo / "pipe", "pre")
+    (repo / "pre" / "1").mkdir(parents=True)
+    (repo / "pre" / "config.pbtxt").write_text('backend: "identity"')
+    (repo / ".hidden").mkdir()
+    (repo / "notes").mkdir()  # no config.pbtxt: not a model
+    (repo / "link").symlink_to(repo / "pre")
+    assert [p.name for p in model_folders(repo)] == ["pipe", "pre"]
+    assert served_folder(repo, "archive 'r'") == repo / "pipe"
+    (tmp_path / "empty" / "stuff").mkdir(parents=True)
+    with pytest.raises(InvalidArgumentError, match=r"holds no model: .* \(it holds 'stuff/'\)"):
+        served_folder(tmp_path / "empty", "archive 'e'")
