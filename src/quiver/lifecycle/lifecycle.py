@@ -24,8 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -123,12 +122,6 @@ class ModelLifeCycle:
             task.cancel()
             await settle(task)
             raise
-
-    @asynccontextmanager
-    async def hold(self, name: str) -> AsyncIterator[None]:
-        """The lock of ``name`` (see :mod:`quiver.lifecycle.locks`)."""
-        async with self._locks.hold(name):
-            yield
 
     # -- loading -----------------------------------------------------------------------
 
