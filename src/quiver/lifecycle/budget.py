@@ -54,11 +54,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from quiver.errors import UnavailableError
+from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy
 
 __all__ = ["Admission", "Blocked", "BudgetGate", "MemoryBudget", "OutOfMemoryError"]
@@ -355,11 +355,11 @@ class BudgetGate:
 
     :meth:`notify` wakes every waiter (call it when a pin is released, a load or an unload
     finished; the budget calls it on its own changes). :meth:`wait` sleeps until the next
-    notification or a deadline on ``clock`` (injectable: a test's fake clock makes deadlines
-    deterministic, since waiters re-read it each time they wake).
+    notification or a deadline, in seconds on ``clock`` (injectable: a fake clock's timer
+    ends the wait when the test moves it past the deadline).
     """
 
-    def __init__(self, budget: MemoryBudget | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, budget: MemoryBudget | None = None, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.budget = budget
         self.clock = clock
         self._event: asyncio.Event | None = None
@@ -377,27 +377,37 @@ class BudgetGate:
             self._event = None
             event.set()
 
+    def now(self) -> float:
+        """The clock's time in seconds."""
+        return seconds(self.clock)
+
     async def wait(self, deadline: float) -> bool:
         """Until the next :meth:`notify` (True) or ``deadline`` (False). Raises
         UnavailableError once the gate is closed."""
         if self.closed:
             raise UnavailableError("the server is stopping: no more models are loaded")
-        remaining = deadline - self.clock()
-        if remaining <= 0:
+        if deadline <= self.now():
             return False
         if self._event is None:
             self._event = asyncio.Event()
         event = self._event
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            self.notify()  # the others wake too, look again and wait on
+
+        timer = self.clock.call_at(int(deadline * 1e9), expire)
         self.waiting += 1
         try:
-            await asyncio.wait_for(event.wait(), remaining)
-        except TimeoutError:
-            return self.clock() < deadline  # a fake clock not yet there: look again
+            await event.wait()
         finally:
             self.waiting -= 1
+            timer.cancel()
         if self.closed:
             raise UnavailableError("the server is stopping: no more models are loaded")
-        return True
+        return not expired
 
     async def reserve(
         self,
@@ -414,7 +424,7 @@ class BudgetGate:
         budget = self.budget
         assert budget is not None
         decide = budget.grow if grow else budget.admit
-        deadline = self.clock() + timeout
+        deadline = self.now() + timeout
         while True:
             decision = decide(name, need, policy, candidates())
             if isinstance(decision, Admission):

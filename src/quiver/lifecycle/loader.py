@@ -7,7 +7,6 @@ on the manager's load threads, never on the event loop.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from quiver.config.model_config import resolve_backend
 from quiver.ensemble.plan import build_plan
 from quiver.ensemble.scheduler import EnsembleScheduler, InferFn
 from quiver.errors import ConfigError, QuiverError
+from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
 from quiver.lifecycle.model import Model
 from quiver.lifecycle.warmup import build_warmup_samples, run_warmup
 from quiver.metrics.statistics import ModelStatistics
@@ -119,9 +119,10 @@ def load_model(
     strict: bool,
     inline_threshold_ns: int = INLINE_THRESHOLD_NS,
     config_override: pb.ModelConfig | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> LoadOutcome:
     """Load every version the version policy selects; failures are reported, not raised."""
-    started = time.monotonic()
+    started = seconds(clock)
     try:
         proto, backend = read_config(source, strict=strict, override=config_override)
         versions = source.versions()
@@ -152,14 +153,14 @@ def load_model(
     failures: dict[int, str] = {}
     for version in selected:
         try:
-            models.append(_load_version(config, backend, source, version, labels, inline_threshold_ns))
+            models.append(_load_version(config, backend, source, version, labels, inline_threshold_ns, clock))
         except QuiverError as exc:
             failures[version] = str(exc)
             logger.error("failed to load model '%s' version %d: %s", source.name, version, exc)
         except Exception as exc:  # a backend bug must not take the server down
             logger.exception("failed to load model '%s' version %d", source.name, version)
             failures[version] = f"model '{source.name}' version {version}: {type(exc).__name__}: {exc}"
-    elapsed = time.monotonic() - started
+    elapsed = seconds(clock) - started
     for model in models:
         model.load_seconds = elapsed
     if models:
@@ -167,7 +168,7 @@ def load_model(
             "loaded model '%s' version(s) %s in %.3f s",
             source.name,
             ", ".join(m.version_str for m in models),
-            time.monotonic() - started,
+            elapsed,
         )
     return LoadOutcome(config, models, failures)
 
@@ -179,6 +180,7 @@ def _load_version(
     version: int,
     labels: dict[str, list[str]],
     inline_threshold_ns: int,
+    clock: Clock,
 ) -> Model:
     files = ModelFiles(source.repository, source.path, version)
     samples = build_warmup_samples(config, source.path)  # validated before any instance exists
@@ -189,7 +191,7 @@ def _load_version(
             if isinstance(instance, ThreadedInstance):
                 instance.inline_threshold_ns = inline_threshold_ns
             instances.append(instance)
-        run_warmup(config, version, instances, samples)
+        run_warmup(config, version, instances, samples, clock=clock)
     except BaseException:
         for instance in instances:
             unload_instance(config.name, instance)
@@ -221,18 +223,6 @@ def _read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[str]]:
     return labels
 
 
-def is_ensemble(source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None) -> tuple[bool, list[str]]:
-    """Whether the model is an ensemble, and the models it is composed of (a quick read of
-    its config; errors are left for the load to report)."""
-    try:
-        proto = read_proto(source, strict=strict, override=override)
-    except QuiverError:
-        return False, []
-    if proto.platform != "ensemble":
-        return False, []
-    return True, sorted({s.model_name for s in proto.ensemble_scheduling.step if s.model_name})
-
-
 def backend_name(source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None) -> str:
     """The backend the model's config names (``onnxruntime``, ``pytorch``, ``python``...),
     without importing it; ``""`` when the config does not say or cannot be read (the load
@@ -250,9 +240,10 @@ def load_ensemble(
     composing: dict[str, ModelConfig],
     infer: InferFn,
     config_override: pb.ModelConfig | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> LoadOutcome:
     """Load an ensemble whose composing models are READY (their configs in ``composing``)."""
-    started = time.monotonic()
+    started = seconds(clock)
     try:
         proto, _ = read_config(source, strict=strict, override=config_override)
         versions = source.versions()
@@ -270,7 +261,7 @@ def load_ensemble(
         logger.error("failed to load ensemble '%s': %s", source.name, exc)
         return LoadOutcome(None, [], {}, str(exc))
     models = []
-    elapsed = time.monotonic() - started
+    elapsed = seconds(clock) - started
     for version in selected:
         stats = ModelStatistics()
         scheduler = EnsembleScheduler(plan, infer, stats, batching=config.max_batch_size > 0)

@@ -72,7 +72,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +80,7 @@ from typing import Any, Literal, TypeVar
 import psutil
 
 from quiver.lifecycle.budget import Admission, MemoryBudget, OutOfMemoryError
+from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
 
 __all__ = [
     "DEFAULT_FILE_FACTOR",
@@ -332,7 +332,7 @@ class MemoryMeter:
         *,
         rss: Callable[[], int] = _process_rss,
         gpu: Callable[[], Mapping[int, int] | None] | None = gpu_memory_used,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
         trim: bool = True,
     ) -> None:
         self._rss = rss
@@ -360,17 +360,17 @@ class MemoryMeter:
             self._settle()
             rss_before = self._rss()
             gpu_before = self._gpu_now()
-            started = self._clock()
+            started = seconds(self._clock)
             result = load()
-            seconds = self._clock() - started
+            duration = seconds(self._clock) - started
             self._settle()
             host = max(0, self._rss() - rss_before)
             gpu_after = self._gpu_now() if gpu_before is not None else None
         gpu: dict[int, int] | None = None
         if gpu_before is not None and gpu_after is not None:
             gpu = {d: max(0, gpu_after.get(d, 0) - gpu_before.get(d, 0)) for d in gpu_after}
-        footprint = Footprint(host, gpu, seconds)
-        logger.debug("measured load: %d host bytes, gpu %s, %.3f s", host, gpu, seconds)
+        footprint = Footprint(host, gpu, duration)
+        logger.debug("measured load: %d host bytes, gpu %s, %.3f s", host, gpu, duration)
         return result, footprint
 
     def shared(self, load: Callable[[], T]) -> T:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from quiver.backends.base import ModelInstance
@@ -64,8 +63,8 @@ class Model:
     labels: dict[str, list[str]] = field(default_factory=dict)
     stats: ModelStatistics = field(default_factory=ModelStatistics)
     load_seconds: float = 0.0
-    last_used: float = 0.0  # time.monotonic() of the last lookup, for eviction
-    loaded_at: float = field(default_factory=time.monotonic)
+    last_used: float = 0.0  # the lifecycle clock's seconds at the last lookup, for eviction
+    loaded_at: float = 0.0  # the same clock's seconds when it was installed
     size_bytes: int = 0  # measured host footprint (0 when not measured)
 
     @property

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from quiver.backends.base import ModelInstance, format_exception
 from quiver.config import ModelConfig
 from quiver.errors import InternalError, InvalidArgumentError, QuiverError, error_for_code
+from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
 from quiver.protocol.bytes_codec import deserialize_bytes
 from quiver.types import DataType, InferenceRequest, Tensor
 
@@ -242,7 +242,12 @@ def _from_file(
 
 
 def run_warmup(
-    config: ModelConfig, version: int, instances: list[ModelInstance], samples: list[WarmupSample]
+    config: ModelConfig,
+    version: int,
+    instances: list[ModelInstance],
+    samples: list[WarmupSample],
+    *,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> None:
     """Run every sample ``count`` times on every instance; raises on the first failure.
 
@@ -251,20 +256,20 @@ def run_warmup(
     """
     if not samples:
         return
-    started = time.monotonic()
+    started = seconds(clock)
     for instance in instances:
         for sample in samples:
-            begun = time.monotonic()
+            begun = seconds(clock)
             asyncio.run(_run_sample(config, version, instance, sample))
             logger.debug(
                 "model '%s' version %d instance %s: warmup sample '%s' ran %d time(s) in %.3f s",
-                config.name, version, instance.name, sample.name, sample.count, time.monotonic() - begun,
+                config.name, version, instance.name, sample.name, sample.count, seconds(clock) - begun,
             )
     runs = sum(s.count for s in samples) * len(instances)
     logger.info(
         "model '%s' version %d: warmed up with %d sample(s) (%s), %d execution(s) on %d instance(s) in %.3f s",
         config.name, version, len(samples), ", ".join(f"'{s.name}'" for s in samples), runs,
-        len(instances), time.monotonic() - started,
+        len(instances), seconds(clock) - started,
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from lifecycle_fakes import FakeClock
 
 from quiver.errors import UnavailableError
 from quiver.lifecycle.budget import Admission, Blocked, BudgetGate, MemoryBudget, OutOfMemoryError
@@ -132,8 +133,8 @@ def test_the_listener_hears_every_change_that_may_free_bytes() -> None:
 
 
 def test_gate_waits_for_a_notification_and_fails_at_the_deadline_of_its_clock() -> None:
-    now = [0.0]
-    gate = BudgetGate(clock=lambda: now[0])
+    clock = FakeClock()
+    gate = BudgetGate(clock=clock)
     budget = MemoryBudget(100, listener=gate.notify)  # wired as the manager does
     gate.budget = budget
     resident(budget, a=80)
@@ -163,8 +164,10 @@ def test_gate_waits_for_a_notification_and_fails_at_the_deadline_of_its_clock() 
             gate.reserve("d", 60, LRUPolicy(), lambda: cands(budget, pinned), timeout=10)
         )
         await asyncio.sleep(0.01)
-        now[0] = 10.5  # the fake clock passes the deadline
-        gate.notify()
+        clock.advance(9.9)
+        await asyncio.sleep(0.01)
+        assert not late.done()
+        clock.advance(0.2)  # the fake clock passes the deadline: its timer ends the wait
         with pytest.raises(OutOfMemoryError, match="waited 10 s"):
             await late
         assert budget.reserved == {}

@@ -11,216 +11,30 @@ documented to overshoot until its excess is reserved or it is unloaded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import numpy as np
 import pytest
+from lifecycle_fakes import (
+    FakeClock,
+    World,
+    answer,
+    cfg,
+    install_fake_backend,
+    serving,
+    until,
+    write_ensemble,
+)
 
-import quiver.lifecycle.manager as manager_module
-from quiver.backends.base import ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles, _registry
-from quiver.config import ModelConfig
-from quiver.errors import InternalError, UnavailableError
+from quiver.errors import UnavailableError
 from quiver.lifecycle import frameworks
-from quiver.lifecycle.budget import MemoryBudget, OutOfMemoryError
-from quiver.lifecycle.manager import ModelRepositoryManager
-from quiver.lifecycle.memory import MemoryMeter, SizePredictor, file_bytes
-from quiver.service import InferenceService
-from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
-
-CONFIG = """
-name: "{name}"
-backend: "fakemem"
-max_batch_size: 0
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-"""
-
-
-ENSEMBLE = """
-name: "{name}"
-platform: "ensemble"
-max_batch_size: 0
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
-ensemble_scheduling {{
-  step [
-    {{ model_name: "{first}" model_version: -1 input_map {{ key: "INPUT0" value: "INPUT0" }}
-      output_map {{ key: "OUTPUT0" value: "mid" }} }},
-    {{ model_name: "{second}" model_version: -1 input_map {{ key: "INPUT0" value: "mid" }}
-      output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} }}
-  ]
-}}
-"""
-
-
-def write_ensemble(repo: Path, name: str, first: str, second: str) -> None:
-    (repo / name / "1").mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(ENSEMBLE.format(name=name, first=first, second=second))
-
-
-class World:
-    """The fake process: the bytes fake models hold (its RSS), how their loads behave, and
-    holds that keep requests in flight (pins)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.lock = threading.Lock()
-        self.bytes = 0  # held by models
-        self.outside = 0  # held by the process itself (a framework's runtime)
-        self.peak = 0
-        self.actual: dict[str, int] = {}  # bytes a load really takes (default: its file size)
-        self.overrun: set[str] = set()  # models allowed to hold more than their reservation
-        self.gates: dict[str, threading.Event] = {}  # a load (or unload) blocks until set
-        self.unload_gates: dict[str, threading.Event] = {}
-        self.started: dict[str, threading.Event] = {}
-        self.delay: dict[str, float] = {}
-        self.failing: set[str] = set()
-        self.holds: dict[str, asyncio.Event] = {}
-        self.loads: list[str] = []
-        self.budget: MemoryBudget | None = None
-
-    def rss(self) -> int:
-        with self.lock:
-            return self.bytes + self.outside
-
-    def alloc(self, name: str, size: int) -> None:
-        with self.lock:
-            self.bytes += size
-            self.peak = max(self.peak, self.bytes)
-            if name not in self.overrun:
-                assert self.budget is not None
-                # What the models really hold is covered by what the ledger commits.
-                assert self.bytes <= self.budget.used <= self.limit, (self.bytes, self.budget.used)
-
-    def free(self, size: int) -> None:
-        with self.lock:
-            self.bytes -= size
-
-
-class FakeInstance:
-    def __init__(self, world: World, name: str, size: int) -> None:
-        self.world = world
-        self.model = name
-        self.size = size
-        self.name = f"{name}_0"
-        self.timing = ExecutionTiming()
-
-    async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
-        hold = self.world.holds.get(self.model)
-        if hold is not None:
-            await hold.wait()
-        return [
-            InferenceResponse(self.model, "", [Tensor("OUTPUT0", DataType.FP32, (1,), r.inputs[0].data)], r.id)
-            for r in requests
-        ]
-
-    def unload(self) -> None:
-        gate = self.world.unload_gates.get(self.model)
-        if gate is not None:
-            assert gate.wait(10)
-        self.world.free(self.size)
-
-
-class FakeBackend:
-    name = "fakemem"
-
-    def __init__(self, world: World) -> None:
-        self.world = world
-
-    def auto_complete(self, config: object, files: ModelFiles, strict: bool) -> None:
-        return None
-
-    def create_instance(self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec) -> FakeInstance:
-        world, name = self.world, config.name
-        world.started.setdefault(name, threading.Event()).set()
-        gate = world.gates.get(name)
-        if gate is not None:
-            assert gate.wait(10)
-        delay = world.delay.get(name)
-        if delay:
-            threading.Event().wait(delay)
-        if name in world.failing:
-            raise InternalError(f"model '{name}' failed to load on purpose")
-        size = world.actual.get(name, file_bytes(files.model_dir))  # default: as predicted
-        world.alloc(name, size)
-        world.loads.append(name)
-        return FakeInstance(world, name, size)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def cfg(name: str) -> int:
-    """The bytes of a model's config.pbtxt, which its predicted size includes."""
-    return len(CONFIG.format(name=name).encode())
-
-
-def request(name: str, value: float) -> InferenceRequest:
-    return InferenceRequest(name, "", [Tensor("INPUT0", DataType.FP32, (1,), np.array([value], np.float32))])
-
-
-async def answer(service: InferenceService, name: str, value: float = 1.0) -> float:
-    response = await service.infer(request(name, value))
-    return float(response.outputs[0].data[0])
+from quiver.lifecycle.budget import OutOfMemoryError
 
 
 @pytest.fixture
 def world(monkeypatch: pytest.MonkeyPatch) -> World:
-    world = World(0)
-    monkeypatch.setitem(_registry.loaded, "fakemem", FakeBackend(world))
-    monkeypatch.setattr(manager_module, "release_free_memory", lambda: None)
-    return world
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    tmp_path: Path, world: World, limit: int, sizes: dict[str, int], *, clock: FakeClock | None = None
-) -> AsyncIterator[tuple[InferenceService, ModelRepositoryManager]]:
-    for name, size in sizes.items():
-        (tmp_path / name / "1").mkdir(parents=True)
-        (tmp_path / name / "config.pbtxt").write_text(CONFIG.format(name=name))
-        (tmp_path / name / "1" / "weights").write_bytes(b"\0" * size)
-    manager = ModelRepositoryManager(
-        [tmp_path], control_mode="on_demand", memory_limit_bytes=limit, load_threads=8
-    )
-    manager._meter = MemoryMeter(rss=world.rss, gpu=None, trim=False)
-    manager._predictor = SizePredictor(file_factor=1.0, overhead_bytes=0)
-    if clock is not None:
-        manager._gate.clock = clock
-    world.limit = limit
-    world.budget = manager._budget
-    service = InferenceService(manager)
-    manager.bind(service.infer)
-    await manager.start()
-    try:
-        yield service, manager
-        budget = manager._budget
-        assert budget is not None
-        assert budget.peak <= limit
-        assert budget.reserved == {} and budget.releasing == frozenset()
-        assert budget.resident == {m.name: m.size_bytes for m in manager.ready_models if m.instances}
-    finally:
-        for gate in [*world.gates.values(), *world.unload_gates.values()]:
-            gate.set()
-        for hold in world.holds.values():
-            hold.set()
-        await manager.stop()
-
-
-async def until(condition: object, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
+    return install_fake_backend(monkeypatch)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -240,8 +54,7 @@ def test_random_loads_unloads_and_evictions_hold_the_budget(
     names = [*sizes, "e"]
 
     async def main() -> None:
-        async with serving(tmp_path, world, 26_000, sizes) as (service, manager):
-            manager._policy = manager._policy if policy == "lru" else manager_module.GreedyDualSizePolicy()
+        async with serving(tmp_path, world, 26_000, sizes, eviction_policy=policy) as (service, manager):
             stop = asyncio.Event()
 
             async def client(k: int) -> int:
@@ -282,7 +95,7 @@ def test_a_load_waits_for_a_pinned_model_and_evicts_it_once_released(tmp_path: P
             waiting = asyncio.ensure_future(answer(service, "b", 4.0))
             await asyncio.sleep(0.05)
             assert not waiting.done() and manager.is_ready("a")  # waits, neither fails nor evicts
-            assert manager._gate.waiting == 1
+            assert manager.admission.gate.waiting == 1
             world.holds["a"].set()  # the request finishes: its pin is released, the load wakes
             assert await busy == 3.0
             assert await asyncio.wait_for(waiting, 5) == 4.0
@@ -312,15 +125,16 @@ def test_a_load_fails_when_the_wait_times_out_on_the_fake_clock(tmp_path: Path, 
             busy = asyncio.ensure_future(answer(service, "a"))
             await asyncio.sleep(0.01)
             waiting = asyncio.ensure_future(answer(service, "b"))
-            await until(lambda: manager._gate.waiting == 1)
-            clock.now += 59
-            manager._gate.notify()
+            await until(lambda: manager.admission.gate.waiting == 1)
+            clock.advance(59)
             await asyncio.sleep(0.02)
             assert not waiting.done()
-            clock.now += 2  # past --model-load-wait-timeout (60 s)
-            manager._gate.notify()
-            with pytest.raises(OutOfMemoryError, match="waited 60 s"):
+            clock.advance(2)  # past --model-load-wait-timeout (60 s): both timers fire
+            # The request's wait for the load and the load's wait for room end together: the
+            # request learns one or the other; the load fails, which the index shows.
+            with pytest.raises(UnavailableError, match=r"still loading after 60 s|waited 60 s"):
                 await asyncio.wait_for(waiting, 2)
+            await until(lambda: any("waited 60 s" in s.reason for s in manager.index() if s.name == "b"))
             world.holds["a"].set()
             await busy
             assert manager.is_ready("a") and not manager.is_ready("b")
@@ -336,7 +150,7 @@ def test_a_failed_load_gives_its_room_to_the_loads_waiting(tmp_path: Path, world
             failing = asyncio.ensure_future(answer(service, "c"))
             await until(lambda: "c" in world.started)
             waiting = asyncio.ensure_future(answer(service, "d", 2.0))
-            await until(lambda: manager._gate.waiting == 1)  # c's reservation holds the room
+            await until(lambda: manager.admission.gate.waiting == 1)  # c's reservation holds the room
             world.gates["c"].set()
             with pytest.raises(UnavailableError, match="failed to load on purpose"):
                 await failing
@@ -357,7 +171,7 @@ def test_bytes_are_released_only_when_a_repository_unload_finished(tmp_path: Pat
             assert not manager.is_ready("a")  # out of service at once...
             assert manager.memory == (10_000 + cfg("a"), 15_000)  # ...but its bytes count until unloaded
             waiting = asyncio.ensure_future(answer(service, "b", 7.0))
-            await until(lambda: manager._gate.waiting == 1)
+            await until(lambda: manager.admission.gate.waiting == 1)
             world.unload_gates["a"].set()  # the unload finishes and wakes the load
             await unloading
             assert await asyncio.wait_for(waiting, 5) == 7.0
@@ -395,7 +209,7 @@ def test_a_model_measuring_larger_than_predicted(tmp_path: Path, world: World) -
 
     async def main() -> None:
         async with serving(tmp_path, world, 25_000, sizes) as (service, manager):
-            budget = manager._budget
+            budget = manager.admission.budget
             assert budget is not None
             await answer(service, "a")
             await answer(service, "b")  # 4,000 more than predicted: taken from the free bytes
@@ -429,7 +243,7 @@ def test_a_frameworks_one_time_cost_is_measured_once_and_charged_to_no_model(
             await answer(service, "b")
             assert primed == [1]
             assert manager.framework_bytes == {"fakemem": 7_000}
-            assert manager._budget is not None and manager._budget.resident == {"b": 10_000 + cfg("b")}
+            assert manager.admission.budget is not None and manager.admission.budget.resident == {"b": 10_000 + cfg("b")}
             assert manager.memory == (10_000 + cfg("b"), 15_000)
 
     asyncio.run(main())
@@ -446,7 +260,7 @@ def test_the_composing_models_of_an_ensemble_in_flight_are_pinned(tmp_path: Path
             flowing = asyncio.ensure_future(answer(service, "e", 3.0))
             await asyncio.sleep(0.02)  # p has run; e is in flight, waiting on q
             waiting = asyncio.ensure_future(answer(service, "r", 4.0))
-            await until(lambda: manager._gate.waiting == 1)
+            await until(lambda: manager.admission.gate.waiting == 1)
             assert manager.is_ready("p") and manager.is_ready("q")  # neither was evicted
             world.holds["q"].set()
             assert await flowing == 3.0

@@ -92,10 +92,11 @@ def test_without_a_reading_nothing_is_held_back() -> None:
 def test_manager_without_a_gpu_accepts_the_limit_and_says_once_it_has_no_effect(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="quiver.lifecycle.manager"):
+    with caplog.at_level(logging.INFO, logger="quiver.lifecycle.admission"):
         manager = ModelRepositoryManager([tmp_path], gpu_limit=0.5, gpu_reader=lambda: None)
     notes = [r for r in caplog.records if "--model-load-gpu-limit" in r.getMessage()]
     assert len(notes) == 1 and notes[0].levelno == logging.INFO and "no effect" in notes[0].getMessage()
-    assert manager._gpu is None
+    assert manager.admission.gpu is None
     with_gpu = ModelRepositoryManager([tmp_path], gpu_limit=0.5, gpu_reader=FakeGpus({0: 0}))
-    assert with_gpu._gpu is not None and with_gpu._gpu.fraction == 0.5
+    gpu = with_gpu.admission.gpu
+    assert gpu is not None and gpu.fraction == 0.5

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lifecycle_fakes import FakeClock
 
 from quiver.lifecycle.memory import (
     DEFAULT_FILE_FACTOR,
@@ -31,16 +32,13 @@ class FakeProcess:
     def __init__(self) -> None:
         self.rss_bytes = 100 * MB
         self.gpu: dict[int, int] | None = None
-        self.now = 0.0
+        self.clock = FakeClock()
 
     def rss(self) -> int:
         return self.rss_bytes
 
     def gpu_used(self) -> dict[int, int] | None:
         return None if self.gpu is None else dict(self.gpu)
-
-    def clock(self) -> float:
-        return self.now
 
 
 def test_meter_reports_rss_growth_and_duration() -> None:
@@ -49,7 +47,7 @@ def test_meter_reports_rss_growth_and_duration() -> None:
 
     def load() -> str:
         proc.rss_bytes += 42 * MB
-        proc.now += 1.5
+        proc.clock.advance(1.5)
         return "model"
 
     result, footprint = meter.measure(load)

@@ -1,0 +1,424 @@
+"""Admission: whether a model may load now, and what must go to make room for it.
+
+:class:`AdmissionControl` owns the memory budget's ledger and gate
+(:mod:`quiver.lifecycle.budget`), the eviction policy (:mod:`quiver.lifecycle.eviction`),
+the memory meter and size predictor, frameworks' one-time cost, and the GPU load limit
+(:mod:`quiver.lifecycle.memory`). It wraps a (non-ensemble) model's blocking load:
+
+1. under ``--model-load-gpu-limit``, make room on the GPUs the load would grow (evicting
+   models not in use that hold memory there, waiting for pinned ones, else refusing);
+2. under ``--model-memory-limit``, reserve the predicted size (from free bytes, by claiming
+   victims, waiting for pins), let the victims unload, run the load measured (or shared when
+   its size is known), grow the reservation if it measured larger, commit the size.
+
+Which models may be evicted is decided here (:meth:`candidates`): a model is *in use* while
+it has an operation (a load or unload holds or waits for its lock), a pin (a request waiting
+for its load, an ensemble load needing it) or a request in flight; the composing models of an
+ensemble are in use while the ensemble, or anything it needs, has an operation or a request
+in flight; an archive's namespace is in use as a whole while any of its models is.
+Unloading is not done here: the life cycle that calls :meth:`load` passes itself as the
+:class:`Unloader` that evicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Protocol
+
+from tritonclient.grpc import model_config_pb2 as pb
+
+from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
+from quiver.lifecycle.clock import Clock, seconds
+from quiver.lifecycle.dependencies import DependencyGraph
+from quiver.lifecycle.eviction import Candidate, EvictionPolicy, GreedyDualSizePolicy, LRUPolicy
+from quiver.lifecycle.frameworks import prime
+from quiver.lifecycle.loader import LoadOutcome, backend_name
+from quiver.lifecycle.locks import ModelLocks
+from quiver.lifecycle.memory import (
+    GpuMemoryLimit,
+    MemoryMeter,
+    ModelIdentity,
+    SizePredictor,
+    fix_mmap_threshold,
+)
+from quiver.lifecycle.model import Model
+from quiver.lifecycle.pins import Pins
+from quiver.lifecycle.pool import LoadPool
+from quiver.lifecycle.table import ModelTable
+from quiver.repository.local import ModelSource
+
+__all__ = ["AdmissionControl", "Unloader"]
+
+logger = logging.getLogger(__name__)
+
+
+class Unloader(Protocol):
+    async def evict(self, victim: str, loading: str, *, claimed: bool) -> None:
+        """Unload ``victim`` (and the ensembles that need it) to make room for ``loading``."""
+        ...
+
+    async def discard(self, models: list[Model]) -> None:
+        """Unload models that were loaded but will not be served."""
+        ...
+
+
+class AdmissionControl:
+    def __init__(
+        self,
+        *,
+        table: ModelTable,
+        graph: DependencyGraph,
+        locks: ModelLocks,
+        pins: Pins,
+        pool: LoadPool,
+        clock: Clock,
+        memory_limit_bytes: int = 0,
+        eviction_policy: str = "lru",
+        load_wait_timeout: float = 60.0,
+        strict: bool = False,
+        gpu_limit: float = 0.0,
+        gpu_reader: Callable[[], Mapping[int, tuple[int, int]] | None] | None = None,
+        meter: MemoryMeter | None = None,
+        predictor: SizePredictor | None = None,
+    ) -> None:
+        self._table = table
+        self._graph = graph
+        self._locks = locks
+        self._pins = pins
+        self._pool = pool
+        self._clock = clock
+        self._strict = strict
+        self.load_wait_timeout = load_wait_timeout
+        # Loads wait at the gate for room (host budget or GPU limit), woken when a pin is
+        # released, a load or an unload finished.
+        self.gate = BudgetGate(clock=clock)
+        self.budget = MemoryBudget(memory_limit_bytes, listener=self.gate.notify) if memory_limit_bytes > 0 else None
+        self.gate.budget = self.budget
+        if self.budget is not None:
+            fix_mmap_threshold()  # RSS deltas that belong to one load (lifecycle.memory)
+        self._frameworks: dict[str, int] = {}  # framework -> its one-time bytes, measured once
+        self._prime_lock = asyncio.Lock()
+        self.policy: EvictionPolicy = (
+            GreedyDualSizePolicy() if eviction_policy in ("gds", "greedy-dual-size") else LRUPolicy()
+        )
+        self._meter = meter or MemoryMeter(clock=clock)
+        self._predictor = predictor or SizePredictor()
+        # --model-load-gpu-limit: on only when a GPU can be read; loaded name -> GPU bytes per device.
+        self._gpu: GpuMemoryLimit | None = None
+        self._gpu_sizes: dict[str, dict[int, int]] = {}
+        if gpu_limit > 0:
+            gpu = GpuMemoryLimit(gpu_limit, **({"reader": gpu_reader} if gpu_reader else {}))
+            if gpu.read() is None:
+                logger.info(
+                    "--model-load-gpu-limit %g has no effect: no GPU memory reading (no GPU, "
+                    "or NVML / pynvml not available)",
+                    gpu_limit,
+                )
+            else:
+                self._gpu = gpu
+
+    @property
+    def meter(self) -> MemoryMeter:
+        return self._meter
+
+    @property
+    def gpu(self) -> GpuMemoryLimit | None:
+        return self._gpu
+
+    @property
+    def framework_bytes(self) -> dict[str, int]:
+        return dict(self._frameworks)
+
+    def notify(self) -> None:
+        """Something changed (a request finished, a pin was released): waiting loads look again."""
+        self.gate.notify()
+
+    @property
+    def tracks_use(self) -> bool:
+        """Whether the policy counts uses (LRU needs only the last use, which models keep)."""
+        return not isinstance(self.policy, LRUPolicy)
+
+    def used(self, model: Model) -> None:
+        """A request looked ``model`` up (the policy's use count)."""
+        self.policy.touch(model.name, model.size_bytes, model.last_used)
+
+    def released(self, name: str) -> None:
+        """``name`` finished unloading (for any reason): its bytes come free now (to the load
+        that claimed it, if any)."""
+        self._gpu_sizes.pop(name, None)
+        if self.budget is not None:
+            self.budget.release(name)
+            self.policy.forget(name)
+        self.gate.notify()
+
+    def retired(self, name: str) -> None:
+        """The old versions of a reloaded ``name`` finished unloading."""
+        if self.budget is not None:
+            self.budget.retired(name)
+
+    def claimant(self, victim: str) -> str | None:
+        return self.budget.claimant(victim) if self.budget is not None else None
+
+    # -- in use ------------------------------------------------------------------------
+
+    def in_use(self, name: str) -> bool:
+        """Being loaded or unloaded, pinned, or serving a request now."""
+        return (
+            self._locks.busy(name)
+            or self._pins.pinned(name)
+            or any(m.scheduler.inflight for m in self._table.loaded(name))
+        )
+
+    def candidates(self, loading: str) -> list[Candidate]:
+        """Loaded models as eviction candidates, pinned when in use (see the module notes)."""
+        busy_composing: set[str] = set()
+        for ensemble, composing in self._graph.ensembles.items():
+            if self.in_use(ensemble) or any(self._locks.busy(m) for m in self._graph.closure(ensemble)):
+                busy_composing |= composing
+        busy_namespaces = {
+            ns.served for ns in self._graph.namespaces if any(self.in_use(n) for n in (ns.served, *ns.members))
+        }
+        candidates = []
+        for name in self._table.names:
+            versions = self._table.loaded(name)
+            if name == loading or not versions:
+                continue
+            pinned = (
+                self.in_use(name)
+                or name in busy_composing
+                or self._graph.namespace_of(name) in busy_namespaces
+                or name in busy_namespaces
+            )
+            candidates.append(
+                Candidate(
+                    name,
+                    sum(m.size_bytes for m in versions),
+                    max(m.last_used for m in versions),
+                    pinned,
+                )
+            )
+        return candidates
+
+    # -- loading -----------------------------------------------------------------------
+
+    async def load(
+        self,
+        source: ModelSource,
+        load: Callable[[], LoadOutcome],
+        *,
+        override: pb.ModelConfig | None,
+        fingerprint: str,
+        unloader: Unloader,
+    ) -> LoadOutcome:
+        """Run ``load`` (a model's blocking load) once it is admitted (see the module notes);
+        ``fingerprint`` is its files' (measured sizes belong to one)."""
+        name = source.name
+        identity = ModelIdentity(name, "", fingerprint)
+        gpu = self._gpu
+        if gpu is None:
+            return await self._load_host(source, identity, load, override, unloader)
+        predicted = gpu.predict(identity)
+        await self._admit_gpu(name, predicted, unloader)
+        try:
+            outcome = await self._load_host(source, identity, load, override, unloader)
+        finally:
+            gpu.settle(name)
+            self.gate.notify()
+        if outcome.models and name not in self._gpu_sizes and predicted is not None:
+            self._gpu_sizes[name] = predicted  # loaded unmeasured: its known size
+        return outcome
+
+    async def _admit_gpu(self, name: str, predicted: Mapping[int, int] | None, unloader: Unloader) -> None:
+        """Make room under the GPU load limit: evict models not in use that hold GPU memory
+        on the devices the load would take past the limit (re-reading the devices after each
+        eviction), wait for pinned ones within the load wait timeout (woken when a pin is
+        released or an unload finishes), or refuse the load."""
+        gpu = self._gpu
+        assert gpu is not None
+        deadline = seconds(self._clock) + self.load_wait_timeout
+        while True:
+            over = gpu.over(predicted, exclude=name)
+            if not over:
+                gpu.reserve(name, predicted)
+                return
+            offered = [
+                replace(c, size_bytes=sum(self._gpu_sizes.get(c.name, {}).get(d, 0) for d in over))
+                for c in self.candidates(name)
+            ]
+            offered = [c for c in offered if c.size_bytes > 0]
+            victims = self.policy.victims(offered, sum(over.values()), 0)
+            if not victims:  # not enough evictable: evict what there is, the readings decide
+                victims = [c.name for c in offered if not c.pinned]
+            claimed = self.budget.releasing if self.budget is not None else frozenset()
+            victims = [v for v in victims if v not in claimed]  # another load unloads those
+            if victims:
+                for victim in victims:
+                    await unloader.evict(victim, name, claimed=False)
+                continue
+            waiting_on = any(c.pinned or c.name in claimed for c in offered)
+            if not waiting_on or not await self.gate.wait(deadline):
+                raise OutOfMemoryError(gpu.describe(name, over))
+
+    def _remember_gpu(self, identity: ModelIdentity, gpu_bytes: Mapping[int, int] | None) -> None:
+        if self._gpu is not None and gpu_bytes is not None:
+            self._gpu.record(identity, gpu_bytes)
+            self._gpu_sizes[identity.name] = dict(gpu_bytes)
+
+    async def _load_host(
+        self,
+        source: ModelSource,
+        identity: ModelIdentity,
+        load: Callable[[], LoadOutcome],
+        override: pb.ModelConfig | None,
+        unloader: Unloader,
+    ) -> LoadOutcome:
+        """Load under the memory budget (see :mod:`quiver.lifecycle.budget` for the rules):
+        reserve the predicted size (evicting models not in use, waiting for pinned ones),
+        load once the victims are unloaded, then commit the measured size, growing the
+        reservation first when the model measured larger than predicted."""
+        name = source.name
+        budget = self.budget
+
+        async def discard(outcome: LoadOutcome) -> None:
+            await unloader.discard(outcome.models)
+
+        if budget is None:
+            if self._gpu is None or self._gpu.predict(identity) is not None:
+                return await self._pool.run(load, discard=discard)
+            outcome, footprint = await self._pool.run(
+                functools.partial(self._meter.measure, load), discard=lambda r: discard(r[0])
+            )
+            if outcome.models:
+                self._remember_gpu(identity, footprint.gpu_bytes)
+            return outcome
+        await self._prime_framework(source, override)
+        prediction = self._predictor.predict(identity, source.path)
+        timeout = self.load_wait_timeout
+        admission = await self.gate.reserve(
+            name, prediction.bytes, self.policy, functools.partial(self.candidates, name), timeout=timeout
+        )
+        # A model measured before (same files) is not measured again: measuring serialises
+        # loads and costs two garbage collections; its size is known.
+        known = prediction.source == "measured"
+        try:
+            await self._evict(admission, name, unloader)
+            await self.gate.covered(name, seconds(self._clock) + timeout)
+            started = seconds(self._clock)
+            if known:
+                outcome = await self._pool.run(functools.partial(self._meter.shared, load), discard=discard)
+                measured = prediction.bytes
+            else:
+                outcome, footprint = await self._pool.run(
+                    functools.partial(self._meter.measure, load), discard=lambda r: discard(r[0])
+                )
+                measured = footprint.host_bytes
+                if outcome.models:
+                    self._remember_gpu(identity, footprint.gpu_bytes)
+            load_seconds = seconds(self._clock) - started
+        except BaseException:
+            budget.cancel(name)
+            raise
+        if not outcome.models:
+            budget.cancel(name)
+            return outcome
+        if known:
+            size = prediction.bytes
+        else:
+            # RSS growth undercounts when the load reuses memory an eviction just freed (the
+            # heap does not always shrink): a model never counts for less than its files suggest.
+            from_files = await self._pool.run(self._predictor.from_files, source.path)
+            size = max(measured, int((from_files or 0) / self._predictor.file_factor))
+            self._predictor.record(identity, size)
+        try:
+            await self._cover_overrun(name, size, unloader)
+        except BaseException:
+            budget.cancel(name)
+            await unloader.discard(outcome.models)
+            raise
+        now = seconds(self._clock)
+        for model in outcome.models:
+            model.size_bytes = size
+            model.last_used = now
+        self.policy.touch(name, size, now, load_cost_s=load_seconds)
+        budget.commit(name, size)
+        logger.info(
+            "model '%s' takes %d bytes of host memory (%s %d, predicted %d from %s); "
+            "%d of %d bytes in use",
+            name,
+            size,
+            "known" if known else "measured",
+            measured,
+            prediction.bytes,
+            prediction.source,
+            budget.used,
+            budget.limit_bytes,
+        )
+        return outcome
+
+    async def _cover_overrun(self, name: str, size: int, unloader: Unloader) -> None:
+        """The model measured ``size`` bytes: if that is more than its reservation, reserve the
+        excess as a load would (free bytes, evictions, waiting for pins) before it is READY;
+        if that cannot be had, OutOfMemoryError (the caller unloads the model)."""
+        budget = self.budget
+        assert budget is not None
+        granted = budget.reservation(name)
+        if size <= granted:
+            return
+        logger.warning(
+            "model '%s' measured %d bytes, %d more than its reservation; reserving the excess "
+            "before it is served",
+            name,
+            size,
+            size - granted,
+        )
+        try:
+            admission = await self.gate.reserve(
+                name,
+                size - granted,
+                self.policy,
+                functools.partial(self.candidates, name),
+                timeout=self.load_wait_timeout,
+                grow=True,
+            )
+            await self._evict(admission, name, unloader)
+            await self.gate.covered(name, seconds(self._clock) + self.load_wait_timeout)
+        except OutOfMemoryError as exc:
+            raise OutOfMemoryError(
+                f"model '{name}' measured {size} bytes when loaded, more than the {granted} "
+                f"bytes predicted, and the excess does not fit: {exc.message}"
+            ) from None
+
+    async def _evict(self, admission: Admission, loading: str, unloader: Unloader) -> None:
+        """Unload the models the admission claimed for ``loading`` (ensembles that need them
+        first); their bytes come to its reservation as each unload finishes."""
+        for victim in admission.victims:
+            await unloader.evict(victim, loading, claimed=True)
+
+    async def _prime_framework(self, source: ModelSource, override: pb.ModelConfig | None) -> None:
+        """Pay the model's framework's one-time process cost (import, first session) once, in
+        a measured section of its own, so no model's measured size includes it. Reported,
+        not counted in the budget (see :mod:`quiver.lifecycle.memory`)."""
+        backend = await self._pool.run(
+            functools.partial(backend_name, source, strict=self._strict, override=override)
+        )
+        if not backend or backend in self._frameworks:
+            return
+        async with self._prime_lock:
+            if backend in self._frameworks:
+                return
+            try:
+                _, footprint = await self._pool.run(self._meter.measure, functools.partial(prime, backend))
+            except Exception as exc:  # e.g. the package is missing: the load says so
+                logger.debug("priming framework '%s' failed: %s", backend, exc)
+                return
+            self._frameworks[backend] = footprint.host_bytes
+            logger.info(
+                "framework '%s' took %d bytes of host memory once for this process (import and "
+                "first session); not charged to any model nor to the model memory limit",
+                backend,
+                footprint.host_bytes,
+            )

@@ -1,0 +1,82 @@
+"""Single flight: one load of a model however many callers wait for it.
+
+On-demand requests, SageMaker's ``POST /models`` and the repository API's load of a key all
+join the load of a name under way, or start it. The load is a task the life cycle owns (it
+goes on when a caller gives up or is cancelled; the server's stop cancels and awaits it); a
+caller waits for it until a deadline on the lifecycle clock. A load that failed is forgotten
+as it ends, so the next caller tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from quiver.errors import UnavailableError
+from quiver.lifecycle.clock import Clock
+
+__all__ = ["SingleFlight"]
+
+Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
+
+
+class SingleFlight:
+    def __init__(self, spawn: Spawn, clock: Clock) -> None:
+        self._spawn = spawn
+        self._clock = clock
+        self._flights: dict[str, asyncio.Task[None]] = {}
+
+    def join(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
+        """The load of ``name`` under way, or a new one started with ``start()``."""
+        task = self._flights.get(name)
+        if task is None:
+            task = self._spawn(start(), f"quiver-load-{name}")
+            self._flights[name] = task
+            task.add_done_callback(functools.partial(self._landed, name))
+        return task
+
+    def _landed(self, name: str, task: asyncio.Task[None]) -> None:
+        if self._flights.get(name) is task:
+            del self._flights[name]
+        if not task.cancelled():
+            task.exception()  # retrieved: waiters that timed out must not leave it unobserved
+
+    async def wait(self, task: asyncio.Task[None], deadline: float) -> None:
+        """Until ``task`` ends (its error, if it failed) or ``deadline`` (seconds on the clock:
+        TimeoutError). ``task`` is never cancelled by the wait."""
+        if not task.done():
+            expired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def expire() -> None:
+                if not expired.done():
+                    expired.set_result(None)
+
+            timer = self._clock.call_at(int(deadline * 1e9), expire)
+            try:
+                await asyncio.wait({task, expired}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                timer.cancel()
+                expired.cancel()
+            if not task.done():
+                raise TimeoutError
+        _raise_if_stopped(task)
+        task.result()
+
+    async def follow(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """:meth:`join` and wait for the end, however long it takes."""
+        task = self.join(name, start)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            _raise_if_stopped(task)
+            raise
+
+
+def _raise_if_stopped(task: asyncio.Task[None]) -> None:
+    """UnavailableError when ``task`` was cancelled by the server stopping rather than the
+    caller being cancelled."""
+    current = asyncio.current_task()
+    if task.cancelled() and (current is None or not current.cancelling()):
+        raise UnavailableError("the server is stopping: no more models are loaded")

@@ -1,0 +1,181 @@
+"""The served-model table and the repository index: which versions of which models are READY,
+and what the index says of every model the server knows (state and reason per version).
+
+Reading (:meth:`ModelTable.get` is the hot path of every request) is for everyone; changing
+is for :class:`quiver.lifecycle.lifecycle.ModelLifeCycle` alone, which calls
+:meth:`install`, :meth:`take` and :meth:`mark` as versions load and unload. Residency
+listeners (a cluster router) hear every change of what is served.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from quiver.errors import NotFoundError, UnavailableError
+from quiver.lifecycle.clock import Clock, seconds
+from quiver.lifecycle.loader import LoadOutcome
+from quiver.lifecycle.model import Model, ModelState, VersionStatus, parse_version
+
+__all__ = ["ModelTable"]
+
+logger = logging.getLogger(__name__)
+
+
+class ModelTable:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._ready: dict[str, dict[int, Model]] = {}
+        self._latest: dict[str, Model] = {}
+        self._status: dict[str, list[VersionStatus]] = {}
+        self._listeners: list[Callable[[str, bool], None]] = []
+        #: Called with a model each time a request looks it up by name (the eviction
+        #: policy's use count; None when the policy does not care).
+        self.on_use: Callable[[Model], None] | None = None
+
+    # -- reading -----------------------------------------------------------------------
+
+    def get(self, name: str, version: str = "") -> Model:
+        """The READY model serving ``name`` (latest loaded version when ``version`` is empty).
+
+        Every version a client names (HTTP paths, gRPC fields, the SageMaker and ensemble
+        paths) is checked here, once: not a positive integer is INVALID_ARG."""
+        number = parse_version(name, version) if version else None
+        if number is None:
+            model = self._latest.get(name)
+            if model is not None:
+                model.last_used = seconds(self._clock)
+                if self.on_use is not None:
+                    self.on_use(model)
+                return model
+            raise self._missing(name, "")
+        found = self._ready.get(name, {}).get(number)
+        if found is not None:
+            found.last_used = seconds(self._clock)
+            return found
+        raise self._missing(name, str(number))
+
+    def is_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.get(name, version)
+        except (NotFoundError, UnavailableError):
+            return False
+        return True
+
+    def serving(self, name: str) -> bool:
+        """Whether any version of ``name`` is READY (no lookup is counted)."""
+        return name in self._ready
+
+    def latest(self, name: str) -> Model | None:
+        """The latest READY version of ``name`` (no lookup is counted)."""
+        return self._latest.get(name)
+
+    def loaded(self, name: str) -> list[Model]:
+        """The READY versions of ``name``, by version."""
+        return [m for _, m in sorted(self._ready.get(name, {}).items())]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._ready)
+
+    @property
+    def models(self) -> list[Model]:
+        return [m for versions in self._ready.values() for m in versions.values()]
+
+    def known(self, name: str) -> bool:
+        """Whether the index has anything to say of ``name`` (loaded, or tried)."""
+        return name in self._status
+
+    def reason(self, name: str) -> str:
+        """Why ``name`` is not served, from its index entries."""
+        return next((s.reason for s in self._status.get(name, []) if s.reason), "not loaded")
+
+    def index(self) -> list[VersionStatus]:
+        """Every model version known, with its state and reason."""
+        return [s for name in sorted(self._status) for s in self._status[name]]
+
+    def _missing(self, name: str, version: str) -> Exception:
+        statuses = self._status.get(name)
+        if statuses is None:
+            return NotFoundError(f"unknown model: '{name}'")
+        specific = bool(version)
+        what = f"model '{name}'" + (f" version {version}" if specific else "")
+        if specific:
+            mine = [s for s in statuses if s.version == version]
+            if not mine:
+                if any(s.state is ModelState.READY for s in statuses):
+                    loaded = ", ".join(s.version for s in statuses if s.state is ModelState.READY)
+                    return NotFoundError(f"{what} is not served; versions served: {loaded}")
+                mine = [s for s in statuses if s.version == ""]
+            statuses = mine or statuses
+        status = statuses[0]
+        detail = f": {status.reason}" if status.reason else ""
+        return UnavailableError(f"{what} is not ready ({status.state.value}){detail}")
+
+    # -- changing (the life cycle only) ------------------------------------------------
+
+    def mark(self, name: str, state: ModelState, reason: str = "") -> None:
+        """One index entry for the whole model (no version)."""
+        self._status[name] = [VersionStatus(name, "", state, reason)]
+
+    def mark_versions(self, name: str, models: list[Model], state: ModelState, reason: str = "") -> None:
+        self._status[name] = [VersionStatus(name, m.version_str, state, reason) for m in models]
+
+    def was_ready(self, name: str) -> bool:
+        """Whether the index shows a READY version of ``name``."""
+        return any(s.state is ModelState.READY for s in self._status.get(name, []))
+
+    def forget(self, name: str) -> None:
+        self._status.pop(name, None)
+
+    def install(self, name: str, outcome: LoadOutcome) -> None:
+        """Serve what a load gave (replacing what served ``name``), with its failures in the index."""
+        statuses: list[VersionStatus] = []
+        if outcome.error:
+            statuses.append(VersionStatus(name, "", ModelState.UNAVAILABLE, outcome.error))
+        for version, reason in sorted(outcome.failures.items()):
+            statuses.append(VersionStatus(name, str(version), ModelState.UNAVAILABLE, reason))
+        if outcome.models:
+            now = seconds(self._clock)
+            for model in outcome.models:
+                model.loaded_at = now
+            versions = {m.version: m for m in outcome.models}
+            self._ready[name] = versions
+            self._latest[name] = versions[max(versions)]
+            statuses.extend(VersionStatus(name, m.version_str, ModelState.READY) for m in outcome.models)
+            self._tell(name, True)
+        else:
+            if self._ready.pop(name, None):
+                self._tell(name, False)
+            self._latest.pop(name, None)
+        statuses.sort(key=lambda s: (int(s.version) if s.version else -1))
+        self._status[name] = statuses
+
+    def take(self, name: str) -> list[Model]:
+        """Take ``name`` out of service (new requests find it not ready); its versions."""
+        versions = self._ready.pop(name, None)
+        self._latest.pop(name, None)
+        if versions:
+            self._tell(name, False)
+        return list(versions.values()) if versions else []
+
+    def take_all(self) -> list[Model]:
+        """Everything out of service, each model marked UNLOADING (the server stops)."""
+        models = self.models
+        for name, versions in self._ready.items():
+            self._status[name] = [VersionStatus(name, str(v), ModelState.UNLOADING) for v in versions]
+        self._ready.clear()
+        self._latest.clear()
+        return models
+
+    # -- residency ---------------------------------------------------------------------
+
+    def add_listener(self, listener: Callable[[str, bool], None]) -> None:
+        self._listeners.append(listener)
+
+    def _tell(self, name: str, resident: bool) -> None:
+        for listener in self._listeners:
+            try:
+                listener(name, resident)
+            except Exception:
+                logger.exception("residency listener failed for model '%s'", name)
