@@ -192,6 +192,7 @@ class _Registry:
             "python": "quiver.backends.python",
             "identity": "quiver.backends.identity",
             "pytorch": "quiver.backends.pytorch",
+            "tensorrt": "quiver.backends.tensorrt",
         }
     )
     loaded: dict[str, Backend] = field(default_factory=dict)
@@ -200,7 +201,7 @@ class _Registry:
 _registry = _Registry()
 
 #: Optional framework package -> the Quiver extra that installs it.
-_EXTRAS = {"torch": "torch"}
+_EXTRAS = {"torch": "torch", "tensorflow": "tensorflow", "nvidia.dali": "dali", "nvidia": "dali"}
 
 
 def get_backend(name: str) -> Backend:
@@ -216,7 +217,8 @@ def get_backend(name: str) -> Backend:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        extra = _EXTRAS.get(str(exc.name).partition(".")[0])
+        missing = str(exc.name)
+        extra = _EXTRAS.get(missing) or _EXTRAS.get(missing.partition(".")[0])
         hint = f"; install it with: pip install 'quiver[{extra}]'" if extra else ""
         raise UnsupportedError(
             f"backend '{name}' needs the Python package '{exc.name}', which is not installed{hint}"
