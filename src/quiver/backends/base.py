@@ -192,6 +192,7 @@ class _Registry:
             "python": "quiver.backends.python",
             "identity": "quiver.backends.identity",
             "pytorch": "quiver.backends.pytorch",
+            "tensorflow": "quiver.backends.tensorflow",
             "tensorrt": "quiver.backends.tensorrt",
         }
     )

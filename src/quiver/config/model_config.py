@@ -23,6 +23,8 @@ from quiver.types import DataType
 PLATFORM_BACKEND = {
     "onnxruntime_onnx": "onnxruntime",
     "pytorch_libtorch": "pytorch",
+    "tensorflow_graphdef": "tensorflow",
+    "tensorflow_savedmodel": "tensorflow",
     "tensorrt_plan": "tensorrt",
     "ensemble": "ensemble",
 }

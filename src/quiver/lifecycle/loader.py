@@ -40,6 +40,8 @@ _FILE_BACKENDS = {
     "model.onnx": "onnxruntime",
     "model.py": "python",
     "model.pt": "pytorch",
+    "model.graphdef": "tensorflow",
+    "model.savedmodel": "tensorflow",
     "model.plan": "tensorrt",
 }
 
