@@ -193,6 +193,7 @@ class _Registry:
             "identity": "quiver.backends.identity",
             "pytorch": "quiver.backends.pytorch",
             "tensorflow": "quiver.backends.tensorflow",
+            "dali": "quiver.backends.dali",
             "tensorrt": "quiver.backends.tensorrt",
         }
     )
