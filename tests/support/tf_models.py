@@ -1,23 +1,16 @@
-"""TensorFlow models built at test time: small frozen GraphDefs, a SavedModel, and the seed's
-Inception v3 (the real Keras architecture with random weights, frozen to a GraphDef whose
-input is ``input`` and output ``InceptionV3/Predictions/Softmax``, 1001 classes).
+"""TensorFlow models built at test time: small frozen GraphDefs and a SavedModel (the seed's
+Inception v3 is built by ``examples/seed_ensemble.py``).
 
 Importing this module imports TensorFlow: callers skip first when it is not installed."""
 
 from __future__ import annotations
 
 import os
-import textwrap
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf
-from tensorflow.core.framework import types_pb2
-from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
-
-INCEPTION_INPUT = "input"
-INCEPTION_OUTPUT = "InceptionV3/Predictions/Softmax"
 
 
 def graph_bytes(build: object) -> bytes:
@@ -83,50 +76,3 @@ def write_saved_model(path: Path) -> Path:
     module = _Affine()
     tf.saved_model.save(module, str(path), signatures={"serving_default": module.serve})
     return path
-
-
-def inception_v3_graphdef(classes: int = 1001) -> bytes:
-    """Keras' Inception v3 with random weights (seeded), frozen, named as the seed's model."""
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.applications.InceptionV3(weights=None, classes=classes)
-    function = tf.function(lambda x: model(x, training=False)).get_concrete_function(
-        tf.TensorSpec([None, 299, 299, 3], tf.float32, name=INCEPTION_INPUT)
-    )
-    graph_def = convert_variables_to_constants_v2(function).graph.as_graph_def()
-    placeholders = [n for n in graph_def.node if n.op == "Placeholder"]
-    assert [n.name for n in placeholders] == [INCEPTION_INPUT], placeholders
-    last = graph_def.node[-1].name
-    output = graph_def.node.add(name=INCEPTION_OUTPUT, op="Identity", input=[last])
-    output.attr["T"].type = types_pb2.DT_FLOAT
-    tf.keras.backend.clear_session()
-    return bytes(graph_def.SerializeToString())
-
-
-INCEPTION_CONFIG = textwrap.dedent(
-    """
-    name: "inception_graphdef"
-    platform: "tensorflow_graphdef"
-    max_batch_size: 256
-    input [
-      {
-        name: "input"
-        data_type: TYPE_FP32
-        format: FORMAT_NHWC
-        dims: [ 299, 299, 3 ]
-      }
-    ]
-    output [
-      {
-        name: "InceptionV3/Predictions/Softmax"
-        data_type: TYPE_FP32
-        dims: [ 1001 ]
-        label_filename: "inception_labels.txt"
-      }
-    ]
-    instance_group [
-      {
-        kind: KIND_GPU
-      }
-    ]
-    """
-)
