@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,24 +236,3 @@ def test_a_shape_tensorflow_refuses_is_a_400_naming_the_model(client: httpclient
 
 def test_tensorflow_version_variable_is_accepted(server: QuiverServer) -> None:
     assert "SAGEMAKER_TRITON_TENSORFLOW_VERSION=1" in server.log
-
-
-def test_the_budget_charges_tensorflow_to_the_first_model_that_imports_it(tmp_path: Path) -> None:
-    """Under --model-memory-limit the first TensorFlow load is measured with the import of
-    TensorFlow in it (hundreds of MB); the second TensorFlow model pays only for itself."""
-    repo = tmp_path / "models"
-    repo.mkdir()
-    add_sub = tfm.add_sub_graphdef()
-    for name in ("first", "second"):
-        write(repo, name, ADD_SUB.format(name=name, extra=""), {"1/model.graphdef": add_sub})
-    args = ("--model-control-mode=explicit", "--model-memory-limit", "4G")
-    with QuiverServer(repo, args=args, timeout=120) as running:
-        client = httpclient.InferenceServerClient(running.url, network_timeout=120)
-        client.load_model("first")
-        client.load_model("second")
-        sizes = {
-            m.group(1): int(m.group(2))
-            for m in re.finditer(r"model '(\w+)' takes (\d+) bytes of host memory", running.log)
-        }
-    assert sizes["first"] > 200 << 20, running.log
-    assert sizes["second"] < 50 << 20, running.log

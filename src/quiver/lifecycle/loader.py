@@ -57,17 +57,9 @@ class LoadOutcome:
 
 
 def read_config(
-    source: ModelSource,
-    *,
-    strict: bool,
-    override: pb.ModelConfig | None = None,
-    import_backend: bool = True,
+    source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None
 ) -> tuple[pb.ModelConfig, Backend | None]:
-    """The model's configuration as written (or as overridden), backend and platform resolved.
-
-    With ``import_backend`` false the backend is named but not imported (None is returned for
-    it): a quick look at a config must not import a framework outside the load that the memory
-    budget measures (TensorFlow alone is about 0.6 GB)."""
+    """The model's configuration as written (or as overridden), backend and platform resolved."""
     path = source.config_path
     if override is not None:
         proto = pb.ModelConfig()
@@ -95,7 +87,7 @@ def read_config(
     resolve_backend(proto, path)
     if not proto.backend and proto.platform != "ensemble":
         _guess_backend(proto, source)
-    backend = get_backend(proto.backend) if proto.backend and import_backend else None
+    backend = get_backend(proto.backend) if proto.backend else None
     return proto, backend
 
 
@@ -232,7 +224,7 @@ def is_ensemble(source: ModelSource, *, strict: bool, override: pb.ModelConfig |
     """Whether the model is an ensemble, and the models it is composed of (a quick read of
     its config; errors are left for the load to report)."""
     try:
-        proto, _ = read_config(source, strict=strict, override=override, import_backend=False)
+        proto, _ = read_config(source, strict=strict, override=override)
     except QuiverError:
         return False, []
     if proto.platform != "ensemble":
@@ -251,7 +243,7 @@ def load_ensemble(
     """Load an ensemble whose composing models are READY (their configs in ``composing``)."""
     started = time.monotonic()
     try:
-        proto, _ = read_config(source, strict=strict, override=config_override, import_backend=False)
+        proto, _ = read_config(source, strict=strict, override=config_override)
         versions = source.versions()
         if not versions:
             raise ConfigError(f"model '{source.name}': no version folder in {source.path}")
