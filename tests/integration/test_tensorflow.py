@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -236,3 +237,9 @@ def test_a_shape_tensorflow_refuses_is_a_400_naming_the_model(client: httpclient
 
 def test_tensorflow_version_variable_is_accepted(server: QuiverServer) -> None:
     assert "SAGEMAKER_TRITON_TENSORFLOW_VERSION=1" in server.log
+
+
+def test_the_import_of_tensorflow_is_logged_with_its_cost(server: QuiverServer) -> None:
+    found = re.search(r"backend 'tensorflow' ready: its import took [\d.]+ s and (\d+) MB", server.log)
+    assert found, server.log
+    assert int(found.group(1)) > 100  # TensorFlow is hundreds of MB

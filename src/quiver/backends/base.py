@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import psutil
 from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.config import InstanceGroup, ModelConfig
@@ -216,6 +217,7 @@ def get_backend(name: str) -> Backend:
         raise UnsupportedError(
             f"backend '{name}' is not supported (available: {', '.join(sorted(_registry.modules))})"
         )
+    rss_before, started = psutil.Process().memory_info().rss, time.monotonic()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -227,6 +229,15 @@ def get_backend(name: str) -> Backend:
         ) from None
     backend: Backend = module.BACKEND
     _registry.loaded[name] = backend
+    # A framework's import is the process's, once, not a model's: it happens before the load
+    # the memory budget measures, so say what it took (TensorFlow: seconds and ~0.6 GB).
+    logger.info(
+        "backend '%s' ready: its import took %.1f s and %d MB of host memory (not counted in "
+        "--model-memory-limit)",
+        name,
+        time.monotonic() - started,
+        max(0, psutil.Process().memory_info().rss - rss_before) >> 20,
+    )
     return backend
 
 

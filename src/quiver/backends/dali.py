@@ -16,6 +16,9 @@ imported only when a DALI model loads. As in Triton's DALI backend:
   request gets its samples stacked: they must share one shape, as Triton's responses do.
 * The ``num_threads`` parameter sets the pipeline's CPU threads.
 
+Importing DALI (about 65 MB, once per process) is logged and not charged to a model under
+``--model-memory-limit``, as TensorFlow's is not.
+
 **On a machine without a GPU** (DALI sees no CUDA device) a pipeline built for a GPU, such as
 the seed's (``device="mixed"`` JPEG decoding, ``device_id=0``), is rewritten before it is
 deserialized: every ``mixed`` or ``gpu`` operator becomes its CPU version and the device id

@@ -3,10 +3,11 @@
 
 ``tensorflow`` is an optional dependency (``pip install 'quiver[tensorflow]'``, the CPU build):
 this module is imported only when a TensorFlow model loads. Importing TensorFlow takes seconds
-and about half a gigabyte of host memory, which the memory budget charges to the first
-TensorFlow model loaded (its load is measured as process RSS growth, import included); later
-TensorFlow models pay only for themselves, and the runtime stays in the process after they
-are unloaded.
+and about 0.6 GB of host memory, once per process: the import is logged with what it took
+(``get_backend``: RSS growth), and it is not charged to a model under ``--model-memory-limit`` (a model
+measured with it would keep that size after TensorFlow stays loaded, and could no longer be
+reloaded in a budget that fits it). Leave that much headroom; each TensorFlow model's own
+load is measured as any other.
 
 Each instance owns a ``tf.compat.v1.Session`` over its own graph and runs on its own thread
 (``Session.run`` releases the GIL, so ``count: 2`` runs two executions at once). As in
