@@ -92,6 +92,8 @@ def test_default_instance_group_is_one_cpu_instance() -> None:
         ('platform: "tensorrt_plan"', "tensorrt", "tensorrt_plan", "model.plan"),
         ('backend: "tensorrt"', "tensorrt", "tensorrt_plan", "model.plan"),
         ('backend: "dali"', "dali", "", "model.dali"),
+        ('platform: "tensorflow_graphdef"', "tensorflow", "tensorflow_graphdef", "model.graphdef"),
+        ('platform: "tensorflow_savedmodel"', "tensorflow", "tensorflow_savedmodel", "model.savedmodel"),
     ],
 )
 def test_backend_platform_and_default_file(text: str, backend: str, platform: str, filename: str) -> None:
