@@ -3,7 +3,8 @@
 Everything is generated offline: ONNX graphs with ``onnx.helper``, Python models written as
 files, and the two pipelines of the seed documents (an image classifier and a sentence
 embedder, see ``build_pipelines``) exported from torch with weights that installed packages
-ship (the ``examples`` extra; nothing is downloaded). Run:
+ship (the ``examples`` extra; nothing is downloaded), and with the ``tensorflow`` and ``dali``
+extras the seed's own DALI + Inception v3 ensemble (``seed_ensemble.py``). Run:
 ``python examples/build_repository.py [OUTPUT_DIR] [--no-pipelines]`` (default:
 ``examples/model_repository``). The output is rebuilt, never committed.
 """
