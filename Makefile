@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REPOSITORY := examples/model_repository
 
-.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray bench-soak bench-compare clean
+.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray bench-soak bench-compare bench-dali-inception clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-$(REPOSITORY)/.built: $(STAMP) examples/build_repository.py
+$(REPOSITORY)/.built: $(STAMP) examples/build_repository.py examples/seed_ensemble.py
 	$(PY) examples/build_repository.py $(REPOSITORY)
 	touch $@
 
@@ -50,6 +50,9 @@ bench-soak: $(STAMP)
 
 bench-pipelines: $(REPOSITORY)/.built
 	$(PY) -m benchmarks.pipelines --repository $(REPOSITORY) $(ARGS)
+
+bench-dali-inception: $(STAMP)
+	$(PY) -m benchmarks.dali_inception $(ARGS)
 
 bench-compare: $(REPOSITORY)/.built
 	$(PY) -m benchmarks.compare $(ARGS)

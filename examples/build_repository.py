@@ -3,7 +3,8 @@
 Everything is generated offline: ONNX graphs with ``onnx.helper``, Python models written as
 files, and the two pipelines of the seed documents (an image classifier and a sentence
 embedder, see ``build_pipelines``) exported from torch with weights that installed packages
-ship (the ``examples`` extra; nothing is downloaded). Run:
+ship (the ``examples`` extra; nothing is downloaded), and with the ``tensorflow`` and ``dali``
+extras the seed's own DALI + Inception v3 ensemble (``seed_ensemble.py``). Run:
 ``python examples/build_repository.py [OUTPUT_DIR] [--no-pipelines]`` (default:
 ``examples/model_repository``). The output is rebuilt, never committed.
 """
@@ -11,6 +12,7 @@ ship (the ``examples`` extra; nothing is downloaded). Run:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import textwrap
@@ -738,6 +740,35 @@ def build(root: Path, pipelines: bool = True) -> None:
 
     if pipelines:
         build_pipelines(root)
+        build_dali_inception(root)
+
+
+def build_dali_inception(root: Path) -> None:
+    """The seed's ``ensemble_dali_inception`` (DALI preprocessing, then a TensorFlow Inception
+    v3 with random weights; see ``seed_ensemble.py``) and its archive ``model_tf_dali.tar.gz``,
+    when the ``tensorflow`` and ``dali`` extras are installed; else a line saying so."""
+    missing = []
+    for module, extra in (("tensorflow", "tensorflow"), ("nvidia.dali", "dali")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(extra)
+    if missing:
+        print(
+            "skipping ensemble_dali_inception (the seed's DALI + TensorFlow ensemble): it needs "
+            f"pip install 'quiver[{','.join(missing)}]'"
+        )
+        return
+    import seed_ensemble
+
+    folder = root / ".seed_ensemble"
+    seed_ensemble.build_seed_ensemble(folder)
+    (root / seed_ensemble.ARCHIVE).write_bytes(seed_ensemble.tar_repository(folder))
+    for model in folder.iterdir():
+        model.rename(root / model.name)
+    folder.rmdir()
 
 
 def main() -> None:

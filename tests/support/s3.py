@@ -66,8 +66,11 @@ def s3_client(endpoint: str, *, access_key: str = ACCESS_KEY, secret_key: str = 
 class SeaweedS3:
     """One ``weed server`` process with the S3 gateway; see the module docstring."""
 
-    def __init__(self, workdir: Path, *, ready_timeout: float = 40.0) -> None:
+    def __init__(self, workdir: Path, *, ready_timeout: float = 40.0, volume_max: int = 8) -> None:
+        """``volume_max`` volumes of 64 MB each hold the objects (SeaweedFS grows seven at a
+        time per bucket: give it more for large models)."""
         self.workdir = workdir
+        self.volume_max = volume_max
         self.data = workdir / "seaweed-data"
         self.data.mkdir(parents=True, exist_ok=True)
         self.ready_timeout = ready_timeout
@@ -114,7 +117,7 @@ class SeaweedS3:
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={self.data}",
             f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}",
             "-master.telemetry=false", "-master.volumeSizeLimitMB=64",
-            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}", "-volume.max=8",
+            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}", f"-volume.max={self.volume_max}",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
             f"-filer.localSocket={self.workdir / 'filer.sock'}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}",

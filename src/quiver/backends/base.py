@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import psutil
 from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.config import InstanceGroup, ModelConfig
@@ -192,6 +193,9 @@ class _Registry:
             "python": "quiver.backends.python",
             "identity": "quiver.backends.identity",
             "pytorch": "quiver.backends.pytorch",
+            "tensorflow": "quiver.backends.tensorflow",
+            "dali": "quiver.backends.dali",
+            "tensorrt": "quiver.backends.tensorrt",
         }
     )
     loaded: dict[str, Backend] = field(default_factory=dict)
@@ -200,7 +204,7 @@ class _Registry:
 _registry = _Registry()
 
 #: Optional framework package -> the Quiver extra that installs it.
-_EXTRAS = {"torch": "torch"}
+_EXTRAS = {"torch": "torch", "tensorflow": "tensorflow", "nvidia.dali": "dali", "nvidia": "dali"}
 
 
 def get_backend(name: str) -> Backend:
@@ -213,16 +217,27 @@ def get_backend(name: str) -> Backend:
         raise UnsupportedError(
             f"backend '{name}' is not supported (available: {', '.join(sorted(_registry.modules))})"
         )
+    rss_before, started = psutil.Process().memory_info().rss, time.monotonic()
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        extra = _EXTRAS.get(str(exc.name).partition(".")[0])
+        missing = str(exc.name)
+        extra = _EXTRAS.get(missing) or _EXTRAS.get(missing.partition(".")[0])
         hint = f"; install it with: pip install 'quiver[{extra}]'" if extra else ""
         raise UnsupportedError(
             f"backend '{name}' needs the Python package '{exc.name}', which is not installed{hint}"
         ) from None
     backend: Backend = module.BACKEND
     _registry.loaded[name] = backend
+    # A framework's import is the process's, once, not a model's: it happens before the load
+    # the memory budget measures, so say what it took (TensorFlow: seconds and ~0.6 GB).
+    logger.info(
+        "backend '%s' ready: its import took %.1f s and %d MB of host memory (not counted in "
+        "--model-memory-limit)",
+        name,
+        time.monotonic() - started,
+        max(0, psutil.Process().memory_info().rss - rss_before) >> 20,
+    )
     return backend
 
 

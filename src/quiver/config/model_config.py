@@ -23,14 +23,29 @@ from quiver.types import DataType
 PLATFORM_BACKEND = {
     "onnxruntime_onnx": "onnxruntime",
     "pytorch_libtorch": "pytorch",
+    "tensorflow_graphdef": "tensorflow",
+    "tensorflow_savedmodel": "tensorflow",
+    "tensorrt_plan": "tensorrt",
     "ensemble": "ensemble",
 }
-BACKEND_PLATFORM = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch"}
+#: backend -> platform, where the backend has one (tensorflow's depends on the model file).
+BACKEND_PLATFORM = {
+    "onnxruntime": "onnxruntime_onnx",
+    "pytorch": "pytorch_libtorch",
+    "tensorrt": "tensorrt_plan",
+}
 #: backend -> the file Triton looks for in a version folder when none is configured.
 DEFAULT_MODEL_FILENAME = {
     "onnxruntime": "model.onnx",
     "pytorch": "model.pt",
     "python": "model.py",
+    "tensorrt": "model.plan",
+    "dali": "model.dali",
+}
+#: tensorflow's default file depends on the platform.
+PLATFORM_MODEL_FILENAME = {
+    "tensorflow_graphdef": "model.graphdef",
+    "tensorflow_savedmodel": "model.savedmodel",
 }
 
 _KIND_NAMES = {
@@ -120,7 +135,11 @@ class ModelConfig:
 
     @property
     def default_model_filename(self) -> str:
-        return self.proto.default_model_filename or DEFAULT_MODEL_FILENAME.get(self.backend, "")
+        return (
+            self.proto.default_model_filename
+            or PLATFORM_MODEL_FILENAME.get(self.platform)
+            or DEFAULT_MODEL_FILENAME.get(self.backend, "")
+        )
 
     def input(self, name: str) -> TensorConfig | None:
         return self.input_map.get(name)

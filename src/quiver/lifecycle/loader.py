@@ -36,7 +36,14 @@ from quiver.scheduling import create_scheduler
 logger = logging.getLogger(__name__)
 
 #: Files that name their backend when a model comes without a config.pbtxt.
-_FILE_BACKENDS = {"model.onnx": "onnxruntime", "model.py": "python", "model.pt": "pytorch"}
+_FILE_BACKENDS = {
+    "model.onnx": "onnxruntime",
+    "model.py": "python",
+    "model.pt": "pytorch",
+    "model.graphdef": "tensorflow",
+    "model.savedmodel": "tensorflow",
+    "model.plan": "tensorrt",
+}
 
 
 @dataclass(slots=True)

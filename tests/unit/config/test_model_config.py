@@ -56,7 +56,7 @@ def test_json_form_matches_tritons() -> None:
         ('backend: "onnxruntime"\ninput [ { name: "x" data_type: TYPE_FP32 dims: [1] }, { name: "x" data_type: TYPE_FP32 dims: [1] } ]', "input 'x' is declared twice"),
         ('backend: "onnxruntime"\ninstance_group [ { count: -2 } ]', "instance_group[0].count"),
         ('backend: "onnxruntime"\nversion_policy: { latest: { num_versions: 0 } }', "num_versions"),
-        ('platform: "tensorflow_graphdef"', "unsupported platform 'tensorflow_graphdef'"),
+        ('platform: "caffe2_netdef"', "unsupported platform 'caffe2_netdef'"),
         ('max_batch_size: 1', "sets neither 'backend' nor 'platform'"),
     ],
 )
@@ -84,3 +84,18 @@ def test_version_policy_selects(policy: VersionPolicy, available: list[int], exp
 def test_default_instance_group_is_one_cpu_instance() -> None:
     config = build('backend: "python"')
     assert [(g.count, g.kind) for g in config.instance_groups] == [(1, "KIND_CPU")]
+
+
+@pytest.mark.parametrize(
+    ("text", "backend", "platform", "filename"),
+    [
+        ('platform: "tensorrt_plan"', "tensorrt", "tensorrt_plan", "model.plan"),
+        ('backend: "tensorrt"', "tensorrt", "tensorrt_plan", "model.plan"),
+        ('backend: "dali"', "dali", "", "model.dali"),
+        ('platform: "tensorflow_graphdef"', "tensorflow", "tensorflow_graphdef", "model.graphdef"),
+        ('platform: "tensorflow_savedmodel"', "tensorflow", "tensorflow_savedmodel", "model.savedmodel"),
+    ],
+)
+def test_backend_platform_and_default_file(text: str, backend: str, platform: str, filename: str) -> None:
+    config = build(text)
+    assert (config.backend, config.platform, config.default_model_filename) == (backend, platform, filename)

@@ -1,0 +1,803 @@
+"""TensorFlow backend: ``platform: "tensorflow_graphdef"`` / ``"tensorflow_savedmodel"``
+(``backend: "tensorflow"``).
+
+``tensorflow`` is an optional dependency (``pip install 'quiver[tensorflow]'``, the CPU build):
+this module is imported only when a TensorFlow model loads. Importing TensorFlow takes seconds
+and about 0.6 GB of host memory, once per process: the import is logged with what it took
+(``get_backend``: RSS growth), and it is not charged to a model under ``--model-memory-limit`` (a model
+measured with it would keep that size after TensorFlow stays loaded, and could no longer be
+reloaded in a budget that fits it). Leave that much headroom; each TensorFlow model's own
+load is measured as any other.
+
+Each instance owns a ``tf.compat.v1.Session`` over its own graph and runs on its own thread
+(``Session.run`` releases the GIL, so ``count: 2`` runs two executions at once). As in
+Triton's TensorFlow backend:
+
+* GraphDef (``model.graphdef``, a frozen ``GraphDef``): inputs are ``Placeholder`` nodes and
+  outputs any node, named in the configuration by node name (``input``,
+  ``InceptionV3/Predictions/Softmax``; ``name:N`` picks another output of the node). There is
+  no auto-complete: the configuration names the tensors. The configured datatypes and shapes
+  are checked against the graph where it knows them. A graph whose placeholder has a fixed
+  batch of 1 (``[1, 299, 299, 3]``) may still have ``max_batch_size > 0``: batches run one
+  row at a time.
+* SavedModel (``model.savedmodel/``): loaded with the ``serve`` tag (``TF_GRAPH_TAG``) and the
+  ``serving_default`` signature (``TF_SIGNATURE_DEF``; without either, the first signature that
+  is not an init or train op, with a warning). Tensor names are the signature's keys.
+  Auto-complete fills inputs, outputs and ``max_batch_size`` from the signature (4, with
+  dynamic batching, when every tensor's first dimension is variable), as Triton does.
+
+Parameters, Triton's names: ``TF_NUM_INTRA_THREADS``, ``TF_NUM_INTER_THREADS``,
+``TF_USE_PER_SESSION_THREADS``, ``TF_GRAPH_TAG``, ``TF_SIGNATURE_DEF``, ``TF_INIT_OPS_FILE``
+(a JSON file ``{"init_ops": [...]}`` in the version folder or the model folder, run once per
+session). ``SAGEMAKER_TRITON_TENSORFLOW_VERSION`` (Triton's ``--backend-config
+tensorflow,version``) is accepted: 2 is what runs; 1 is logged as served by TensorFlow 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ start-up chatter, before import
+
+import numpy as np
+import tensorflow as tf
+from google.protobuf.message import DecodeError
+from tensorflow.core.framework import types_pb2
+from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
+from tritonclient.grpc import model_config_pb2 as pb
+
+from quiver.backends.base import (
+    ExecuteResult,
+    InstanceSpec,
+    ModelFiles,
+    ThreadedInstance,
+    format_exception,
+)
+from quiver.config import ModelConfig
+from quiver.config.model_config import PLATFORM_MODEL_FILENAME
+from quiver.errors import ConfigError, InternalError, InvalidArgumentError, QuiverError
+from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
+
+logger = logging.getLogger(__name__)
+tf.get_logger().setLevel(logging.ERROR)  # the v1 loader's deprecation notices, once per load
+
+GRAPHDEF = "tensorflow_graphdef"
+SAVEDMODEL = "tensorflow_savedmodel"
+#: Triton's ``default-max-batch-size`` when auto-complete finds a model that batches.
+DEFAULT_MAX_BATCH_SIZE = 4
+
+_TF_TYPES: dict[int, DataType] = {
+    types_pb2.DT_BOOL: DataType.BOOL,
+    types_pb2.DT_UINT8: DataType.UINT8,
+    types_pb2.DT_UINT16: DataType.UINT16,
+    types_pb2.DT_UINT32: DataType.UINT32,
+    types_pb2.DT_UINT64: DataType.UINT64,
+    types_pb2.DT_INT8: DataType.INT8,
+    types_pb2.DT_INT16: DataType.INT16,
+    types_pb2.DT_INT32: DataType.INT32,
+    types_pb2.DT_INT64: DataType.INT64,
+    types_pb2.DT_HALF: DataType.FP16,
+    types_pb2.DT_BFLOAT16: DataType.BF16,
+    types_pb2.DT_FLOAT: DataType.FP32,
+    types_pb2.DT_DOUBLE: DataType.FP64,
+    types_pb2.DT_STRING: DataType.BYTES,
+}
+
+_TRUE = ("true", "on", "1", "yes")
+_INIT_OP, _TRAIN_OP = "__saved_model_init_op", "__saved_model_train_op"
+
+
+def _datatype(dtype: int) -> DataType | None:
+    return _TF_TYPES.get(int(dtype))
+
+
+def _type_name(dtype: int) -> str:
+    found = _datatype(dtype)
+    return found.config_name if found else types_pb2.DataType.Name(int(dtype))
+
+
+def _platform(proto: pb.ModelConfig, version_dir: Path) -> str:
+    """The configured platform, else the one its model file shows (backend "tensorflow")."""
+    platform = str(proto.platform)
+    if platform in (GRAPHDEF, SAVEDMODEL):
+        return platform
+    filename = str(proto.default_model_filename)
+    if filename:
+        return SAVEDMODEL if (version_dir / filename).is_dir() else GRAPHDEF
+    if (version_dir / PLATFORM_MODEL_FILENAME[SAVEDMODEL]).exists():
+        return SAVEDMODEL
+    return GRAPHDEF
+
+
+def _model_path(config: ModelConfig, files: ModelFiles) -> Path:
+    platform = _platform(config.proto, files.version_dir)
+    filename = config.proto.default_model_filename or PLATFORM_MODEL_FILENAME[platform]
+    return files.version_dir / filename
+
+
+# --- parameters ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TFSettings:
+    intra_threads: int = 0
+    inter_threads: int = 0
+    per_session_threads: bool = False
+    graph_tag: str = ""
+    signature_def: str = ""
+    init_ops_file: str = ""
+
+
+def parse_settings(parameters: dict[str, str], model: str, source: str) -> TFSettings:
+    def count(key: str) -> int:
+        text = parameters.get(key, "").strip()
+        if not text:
+            return 0
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ConfigError(
+                f"{source}: parameter '{key}' of model '{model}' must be a non-negative "
+                f"integer, got '{parameters[key]}'"
+            )
+        return value
+
+    init_ops = parameters.get("TF_INIT_OPS_FILE", "").strip()
+    if init_ops and (Path(init_ops).is_absolute() or ".." in Path(init_ops).parts):
+        raise ConfigError(
+            f"{source}: parameter 'TF_INIT_OPS_FILE' of model '{model}' must name a file inside "
+            f"the model's folder, got '{init_ops}'"
+        )
+    return TFSettings(
+        intra_threads=count("TF_NUM_INTRA_THREADS"),
+        inter_threads=count("TF_NUM_INTER_THREADS"),
+        per_session_threads=parameters.get("TF_USE_PER_SESSION_THREADS", "").strip().lower() in _TRUE,
+        graph_tag=parameters.get("TF_GRAPH_TAG", "").strip(),
+        signature_def=parameters.get("TF_SIGNATURE_DEF", "").strip(),
+        init_ops_file=init_ops,
+    )
+
+
+def _session_config(settings: TFSettings) -> Any:
+    config = tf.compat.v1.ConfigProto()
+    config.intra_op_parallelism_threads = settings.intra_threads
+    config.inter_op_parallelism_threads = settings.inter_threads
+    config.use_per_session_threads = settings.per_session_threads
+    config.allow_soft_placement = True
+    return config
+
+
+_VERSION_CHECKED = threading.Event()
+
+
+def _check_version_variable() -> None:
+    """``SAGEMAKER_TRITON_TENSORFLOW_VERSION``: accepted; TensorFlow 2 is what runs."""
+    if _VERSION_CHECKED.is_set():
+        return
+    _VERSION_CHECKED.set()
+    wanted = os.environ.get("SAGEMAKER_TRITON_TENSORFLOW_VERSION", "").strip()
+    if wanted and wanted != "2" and not wanted.startswith("2."):
+        logger.warning(
+            "SAGEMAKER_TRITON_TENSORFLOW_VERSION=%s: TensorFlow %s serves every TensorFlow "
+            "model here (Triton has supported only TensorFlow 2 since 23.04)",
+            wanted,
+            tf.__version__,
+        )
+
+
+# --- reading models -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One model tensor: the name in the configuration, the name in the graph, and what the
+    model says of its type and shape (``None`` where it does not know)."""
+
+    name: str
+    tensor: str
+    dtype: int | None
+    shape: tuple[int, ...] | None  # -1 for unknown dimensions; None for unknown rank
+
+
+def _shape_of(proto: Any) -> tuple[int, ...] | None:
+    if proto.unknown_rank:
+        return None
+    return tuple(int(d.size) if d.size >= 0 else -1 for d in proto.dim)
+
+
+def read_graphdef(path: Path, model: str) -> Any:
+    try:
+        data = path.read_bytes()
+    except IsADirectoryError:
+        raise InvalidArgumentError(
+            f"model '{model}': {path} is a folder; a tensorflow_graphdef model is one GraphDef "
+            "file (a SavedModel folder needs platform 'tensorflow_savedmodel')"
+        ) from None
+    except OSError as exc:
+        raise InvalidArgumentError(f"model '{model}': cannot read {path}: {exc}") from None
+    graph_def = tf.compat.v1.GraphDef()
+    try:
+        graph_def.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"model '{model}': {path.name} is not a TensorFlow GraphDef: {format_exception(exc)}"
+        ) from None
+    if not graph_def.node:
+        raise InvalidArgumentError(
+            f"model '{model}': {path.name} has an empty network (not a TensorFlow GraphDef?)"
+        )
+    return graph_def
+
+
+def read_saved_model(path: Path, model: str, settings: TFSettings) -> tuple[str, Any]:
+    """The tag and the chosen ``SignatureDef`` of the SavedModel at ``path``, read from its
+    ``saved_model.pb`` without loading its variables."""
+    pb_path = path / "saved_model.pb"
+    if not path.is_dir():
+        raise InvalidArgumentError(
+            f"model '{model}': {path} is not a SavedModel folder (a frozen GraphDef file needs "
+            "platform 'tensorflow_graphdef')"
+        )
+    try:
+        saved = saved_model_pb2.SavedModel()
+        saved.ParseFromString(pb_path.read_bytes())
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"model '{model}': {path.name} is not a SavedModel: cannot read saved_model.pb: {exc}"
+        ) from None
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"model '{model}': {path.name}/saved_model.pb is not a SavedModel: "
+            f"{format_exception(exc)}"
+        ) from None
+    tag = settings.graph_tag or "serve"
+    metas = [m for m in saved.meta_graphs if tag in m.meta_info_def.tags]
+    if not metas:
+        tags = sorted({t for m in saved.meta_graphs for t in m.meta_info_def.tags})
+        raise InvalidArgumentError(
+            f"model '{model}': unable to load the SavedModel, expected '{tag}' tag (it has: "
+            f"{', '.join(tags) or 'none'})"
+        )
+    meta: meta_graph_pb2.MetaGraphDef = metas[0]
+    return tag, _signature(meta, model, settings.signature_def)
+
+
+def _signature(meta: Any, model: str, wanted: str) -> Any:
+    key = wanted or "serving_default"
+    signatures = meta.signature_def
+    if key in signatures:
+        return signatures[key]
+    usable = [k for k in signatures if k not in (_INIT_OP, _TRAIN_OP)]
+    if not wanted and usable:
+        logger.warning(
+            "model '%s': no 'serving_default' signature; using signature '%s'", model, usable[0]
+        )
+        return signatures[usable[0]]
+    raise InvalidArgumentError(
+        f"model '{model}': unable to load the SavedModel, expected '{key}' signature (it has: "
+        f"{', '.join(usable) or 'none'})"
+    )
+
+
+def signature_tensors(signature: Any) -> tuple[list[TensorInfo], list[TensorInfo]]:
+    def infos(entries: Any) -> list[TensorInfo]:
+        return [
+            TensorInfo(key, info.name, int(info.dtype), _shape_of(info.tensor_shape))
+            for key, info in sorted(entries.items())
+        ]
+
+    return infos(signature.inputs), infos(signature.outputs)
+
+
+# --- auto-complete ------------------------------------------------------------------------
+
+
+def _batches(tensors: Iterable[TensorInfo]) -> bool:
+    """Every tensor has a variable first dimension (the signature can batch)."""
+    items = list(tensors)
+    return bool(items) and all(t.shape is not None and len(t.shape) > 0 and t.shape[0] == -1 for t in items)
+
+
+def _batch_hint(config: pb.ModelConfig, inputs: list[TensorInfo], outputs: list[TensorInfo]) -> bool:
+    """Triton's rule: with no tensors configured, the signature decides; else configured
+    tensors whose dims are one shorter than the model's rank say "batching"."""
+    if not config.input and not config.output:
+        return True
+    hint: bool | None = None
+    weak = False
+    for entries, tensors in ((config.input, inputs), (config.output, outputs)):
+        by_name = {t.name: t for t in tensors}
+        for entry in entries:
+            tensor = by_name.get(entry.name)
+            if tensor is None or tensor.shape is None or not tensor.shape:
+                continue
+            dims = list(entry.reshape.shape) if entry.HasField("reshape") else list(entry.dims)
+            if not dims:
+                weak = True
+                continue
+            says = len(dims) == len(tensor.shape) - 1
+            if hint is not None and hint != says:
+                raise ConfigError(
+                    f"unable to autofill for '{config.name}', model tensor configurations are "
+                    "contradicting each other in terms of whether batching is supported"
+                )
+            hint = says
+    return hint if hint is not None else weak
+
+
+def auto_complete_saved_model(config: pb.ModelConfig, path: Path, settings: TFSettings) -> None:
+    _, signature = read_saved_model(path, config.name, settings)
+    inputs, outputs = signature_tensors(signature)
+    supports = _batches(inputs + outputs)
+    if not supports and config.max_batch_size > 0:
+        raise ConfigError(
+            f"unable to autofill for '{config.name}', configuration specified max-batch "
+            f"{config.max_batch_size} but model signature does not support batching"
+        )
+    if config.max_batch_size == 0 and supports and _batch_hint(config, inputs, outputs):
+        config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+        logger.info(
+            "model '%s': auto-completed max_batch_size to %d", config.name, DEFAULT_MAX_BATCH_SIZE
+        )
+    if (
+        config.max_batch_size > 1
+        and not config.HasField("dynamic_batching")
+        and not config.HasField("sequence_batching")
+    ):
+        config.dynamic_batching.SetInParent()
+    skip = 1 if config.max_batch_size > 0 else 0
+    injected = {c.name for c in config.sequence_batching.control_input}
+    _complete(config, config.input, [t for t in inputs if t.name not in injected], skip)
+    _complete(config, config.output, outputs, skip)
+
+
+def _complete(config: pb.ModelConfig, entries: Any, tensors: list[TensorInfo], skip: int) -> None:
+    def fill(entry: Any, tensor: TensorInfo) -> None:
+        if entry.data_type == pb.TYPE_INVALID and tensor.dtype is not None:
+            datatype = _datatype(tensor.dtype)
+            if datatype is None:
+                raise ConfigError(
+                    f"model '{config.name}': tensor '{tensor.name}' has type "
+                    f"{_type_name(tensor.dtype)}, which Triton datatypes cannot carry"
+                )
+            entry.data_type = pb.DataType.Value(datatype.config_name)
+        if len(entry.dims) == 0 and not entry.HasField("reshape"):
+            dims = list(tensor.shape[skip:]) if tensor.shape is not None else [-1]
+            entry.dims.extend(dims)
+            if not dims:
+                entry.reshape.SetInParent()
+
+    if len(entries) == 0:
+        for tensor in tensors:
+            fill(entries.add(name=tensor.name), tensor)
+        return
+    by_name = {t.name: t for t in tensors}
+    for entry in entries:
+        found = by_name.get(entry.name)
+        if found is not None:
+            fill(entry, found)
+
+
+# --- checks at load -----------------------------------------------------------------------
+
+
+def _listing(names: Sequence[str], limit: int = 12) -> str:
+    shown = ", ".join(sorted(names)[:limit])
+    more = len(names) - limit
+    return f"{shown} and {more} more" if more > 0 else shown or "none"
+
+
+def _check_tensor(
+    config: ModelConfig, kind: str, name: str, expected: DataType, dims: tuple[int, ...],
+    tensor: TensorInfo,
+) -> bool:
+    """Datatype and shape of one configured tensor against the model; returns whether the
+    model fixes its batch dimension to 1 (run batches row by row)."""
+    if tensor.dtype is not None:
+        actual = _datatype(tensor.dtype)
+        if actual is not expected:
+            raise ConfigError(
+                f"{config.source}: unable to load model '{config.name}', configuration expects "
+                f"datatype {expected.config_name} for {kind} '{name}', model provides "
+                f"{_type_name(tensor.dtype)}"
+            )
+    shape = tensor.shape
+    if shape is None:
+        return False
+    batching = config.max_batch_size > 0
+    want = len(dims) + (1 if batching else 0)
+    fixed_batch_of_one = False
+    if len(shape) != want:
+        raise ConfigError(
+            f"{config.source}: unable to load model '{config.name}', {kind} '{name}' has shape "
+            f"{list(shape)} in the model but the configuration gives dims {list(dims)}"
+            + (f" with max_batch_size {config.max_batch_size} (a batch dimension first)" if batching else "")
+        )
+    rest = shape
+    if batching:
+        if shape[0] == 1:
+            fixed_batch_of_one = True
+        elif shape[0] != -1:
+            raise ConfigError(
+                f"{config.source}: unable to load model '{config.name}', {kind} '{name}' has "
+                f"a fixed batch of {shape[0]} ({list(shape)}) but max_batch_size is "
+                f"{config.max_batch_size}: set max_batch_size: 0 and dims {list(shape)}"
+            )
+        rest = shape[1:]
+    for model_dim, config_dim in zip(rest, dims, strict=True):
+        if model_dim != -1 and config_dim != -1 and model_dim != config_dim:
+            raise ConfigError(
+                f"{config.source}: unable to load model '{config.name}', {kind} '{name}' has "
+                f"shape {list(shape)} in the model but the configuration gives dims {list(dims)}"
+            )
+    return fixed_batch_of_one
+
+
+def _graph_tensors(graph: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Placeholders (possible inputs) and every other node (possible outputs), by name."""
+    inputs: dict[str, Any] = {}
+    outputs: dict[str, Any] = {}
+    for op in graph.get_operations():
+        (inputs if op.type == "Placeholder" else outputs)[op.name] = op
+    return inputs, outputs
+
+
+def _graph_info(name: str, ops: dict[str, Any]) -> TensorInfo | None:
+    node, _, index = name.partition(":")
+    op = ops.get(node)
+    if op is None:
+        return None
+    position = int(index) if index.isdigit() else 0
+    if position >= len(op.outputs):
+        return None
+    tensor = op.outputs[position]
+    shape = tensor.shape
+    dims = None if shape.rank is None else tuple(-1 if d is None else int(d) for d in shape.as_list())
+    return TensorInfo(name, tensor.name, int(tensor.dtype.as_datatype_enum), dims)
+
+
+# --- instances ----------------------------------------------------------------------------
+
+
+class TensorFlowInstance(ThreadedInstance):
+    """One session; feeds the configured inputs and fetches the configured outputs by the
+    model's tensor names. Requests batched together are concatenated on dim 0."""
+
+    inline_safe = True  # Session.run may be called from any thread
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        session: Any,
+        feeds: dict[str, str],
+        fetches: dict[str, str],
+        name: str,
+        *,
+        row_by_row: bool = False,
+    ) -> None:
+        super().__init__(name)
+        self._config = config
+        self._session = session
+        self._feeds = feeds
+        self._fetches = fetches
+        self._outputs = [o.name for o in config.outputs]
+        self._out_cfg = {o.name: o for o in config.outputs}
+        self._in_reshape = {i.name: i.reshape for i in config.inputs if i.reshape is not None}
+        self._out_reshape = {o.name: o.dims for o in config.outputs if o.reshape is not None}
+        self._batching = config.max_batch_size > 0
+        self._row_by_row = row_by_row and self._batching
+
+    def _names(self, requests: list[InferenceRequest]) -> list[str]:
+        wanted: set[str] = set()
+        for request in requests:
+            if request.outputs is None:
+                return self._outputs
+            wanted.update(o.name for o in request.outputs)
+        return [name for name in self._outputs if name in wanted]
+
+    def _feed(self, request: InferenceRequest) -> dict[str, Any]:
+        feed: dict[str, Any] = {}
+        for tensor in request.inputs:
+            data = tensor.data
+            reshape = self._in_reshape.get(tensor.name)
+            if reshape is not None:
+                lead = data.shape[:1] if self._batching else ()
+                data = data.reshape(lead + tuple(reshape))
+            feed[self._feeds[tensor.name]] = data
+        return feed
+
+    def _run(self, names: list[str], feed: dict[str, Any]) -> list[Any]:
+        fetches = [self._fetches[n] for n in names]
+        try:
+            if not self._row_by_row:
+                return list(self._session.run(fetches, feed))
+            rows = next(iter(feed.values())).shape[0] if feed else 1
+            parts = [
+                self._session.run(fetches, {k: v[i : i + 1] for k, v in feed.items()})
+                for i in range(rows)
+            ]
+            return [np.concatenate([p[j] for p in parts]) for j in range(len(fetches))]
+        except tf.errors.InvalidArgumentError as exc:
+            raise InvalidArgumentError(
+                f"model '{self._config.name}': tensorflow refused the input: {_first_line(exc)}"
+            ) from None
+        except Exception as exc:
+            raise InternalError(
+                f"model '{self._config.name}': tensorflow failed: {_first_line(exc)}"
+            ) from None
+
+    def _tensors(self, names: list[str], arrays: list[Any]) -> list[Tensor]:
+        tensors = []
+        for name, array in zip(names, arrays, strict=True):
+            cfg = self._out_cfg[name]
+            array = np.asarray(array)
+            if cfg.datatype is DataType.BYTES:
+                array = array.astype(object)
+            elif array.dtype != cfg.datatype.numpy_dtype:
+                raise InternalError(
+                    f"model '{self._config.name}': output '{name}' is {array.dtype} in the "
+                    f"model but {cfg.datatype.config_name} in the configuration"
+                )
+            dims = self._out_reshape.get(name)
+            if dims is not None:
+                lead = array.shape[:1] if self._batching else ()
+                array = array.reshape(lead + tuple(dims))
+            tensors.append(Tensor(name, cfg.datatype, tuple(array.shape), array))
+        return tensors
+
+    def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        timing = self.timing
+        t0 = time.monotonic_ns()
+        names = self._names(requests)
+        try:
+            feeds = [self._feed(r) for r in requests]
+            if len(requests) == 1:
+                feed = feeds[0]
+                sizes = [0]
+            else:
+                sizes = [next(iter(f.values())).shape[0] if f else 1 for f in feeds]
+                feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+            t1 = time.monotonic_ns()
+            arrays = self._run(names, feed)
+            t2 = time.monotonic_ns()
+            if len(requests) == 1:
+                results: ExecuteResult = [
+                    InferenceResponse(self._config.name, "", self._tensors(names, arrays), requests[0].id)
+                ]
+            else:
+                results = []
+                offset = 0
+                for request, size in zip(requests, sizes, strict=True):
+                    parts = [a[offset : offset + size] for a in arrays]
+                    offset += size
+                    results.append(
+                        InferenceResponse(self._config.name, "", self._tensors(names, parts), request.id)
+                    )
+        except QuiverError as exc:
+            return [exc for _ in requests]
+        except ValueError as exc:
+            error = InvalidArgumentError(
+                f"model '{self._config.name}': requests cannot be batched together: {exc}"
+            )
+            return [error for _ in requests]
+        timing.input_ns = t1 - t0
+        timing.infer_ns = t2 - t1
+        timing.output_ns = time.monotonic_ns() - t2
+        return results
+
+    def release(self) -> None:
+        self._session.close()
+        del self._session
+
+
+def _first_line(exc: BaseException) -> str:
+    """TensorFlow's messages carry the whole graph trace; the first lines say what is wrong."""
+    text = getattr(exc, "message", None) or str(exc)
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    head = " ".join(lines[:2]) if lines else type(exc).__name__
+    return head if len(head) <= 600 else head[:600] + "..."
+
+
+# --- backend ------------------------------------------------------------------------------
+
+
+class TensorFlowBackend:
+    name = "tensorflow"
+
+    def auto_complete(self, config: pb.ModelConfig, files: ModelFiles, strict: bool) -> None:
+        """Settle the platform (backend "tensorflow" alone: from the model file); complete a
+        SavedModel's inputs, outputs and max_batch_size from its signature, as Triton does.
+        GraphDefs carry no signature: their configuration must name the tensors."""
+        _check_version_variable()
+        platform = _platform(config, files.version_dir)
+        if not config.platform:
+            config.platform = platform
+        if strict or platform != SAVEDMODEL:
+            return
+        filename = config.default_model_filename or PLATFORM_MODEL_FILENAME[SAVEDMODEL]
+        path = files.version_dir / filename
+        if not path.exists():
+            return  # the load reports the missing file
+        parameters = {k: v.string_value for k, v in config.parameters.items()}
+        settings = parse_settings(parameters, config.name, f"model '{config.name}'")
+        auto_complete_saved_model(config, path, settings)
+
+    def create_instance(
+        self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec
+    ) -> TensorFlowInstance:
+        path = _model_path(config, files)
+        if not path.exists():
+            raise InvalidArgumentError(
+                f"model '{config.name}' version {files.version}: model file {path} does not exist"
+            )
+        if spec.group.kind == "KIND_GPU" and not tf.config.list_physical_devices("GPU"):
+            logger.warning(
+                "model '%s' instance %s: KIND_GPU asked for, but TensorFlow sees no GPU here; "
+                "running on the CPU",
+                config.name,
+                spec.name,
+            )
+        settings = parse_settings(config.parameters, config.name, config.source)
+        name = f"{config.name}_{files.version}_{spec.name}"
+        if _platform(config.proto, files.version_dir) == SAVEDMODEL:
+            return self._saved_model(config, files, path, settings, name)
+        return self._graphdef(config, files, path, settings, name)
+
+    def _graphdef(
+        self, config: ModelConfig, files: ModelFiles, path: Path, settings: TFSettings, name: str
+    ) -> TensorFlowInstance:
+        graph_def = read_graphdef(path, config.name)
+        graph = tf.Graph()
+        try:
+            with graph.as_default():
+                tf.compat.v1.import_graph_def(graph_def, name="")
+        except Exception as exc:
+            raise InvalidArgumentError(
+                f"model '{config.name}': {path.name} is not a usable TensorFlow GraphDef: "
+                f"{_first_line(exc)}"
+            ) from None
+        placeholders, nodes = _graph_tensors(graph)
+        if not config.inputs or not config.outputs:
+            raise ConfigError(
+                f"{config.source}: model '{config.name}': a GraphDef carries no signature, so "
+                "the configuration must declare its inputs and outputs by node name "
+                f"(placeholders: {_listing(list(placeholders))})"
+            )
+        feeds: dict[str, str] = {}
+        fetches: dict[str, str] = {}
+        row_by_row = False
+        for tensor in config.inputs:
+            info = _graph_info(tensor.name, placeholders)
+            if info is None:
+                raise ConfigError(
+                    f"{config.source}: unexpected inference input '{tensor.name}' for model "
+                    f"'{config.name}', allowed inputs are: {_listing(list(placeholders))}"
+                )
+            dims = tensor.reshape if tensor.reshape is not None else tensor.dims
+            row_by_row |= _check_tensor(config, "input", tensor.name, tensor.datatype, dims, info)
+            feeds[tensor.name] = info.tensor
+        for tensor in config.outputs:
+            info = _graph_info(tensor.name, nodes) or _graph_info(tensor.name, placeholders)
+            if info is None:
+                raise ConfigError(
+                    f"{config.source}: unexpected inference output '{tensor.name}' for model "
+                    f"'{config.name}', allowed outputs are: {_listing(list(nodes))}"
+                )
+            dims = tensor.reshape if tensor.reshape is not None else tensor.dims
+            row_by_row |= _check_tensor(config, "output", tensor.name, tensor.datatype, dims, info)
+            fetches[tensor.name] = info.tensor
+        if row_by_row:
+            logger.info(
+                "model '%s': the graph fixes its batch dimension to 1; batches of up to %d run "
+                "one row at a time",
+                config.name,
+                config.max_batch_size,
+            )
+        session = tf.compat.v1.Session(graph=graph, config=_session_config(settings))
+        self._run_init_ops(config, files, session, settings)
+        return TensorFlowInstance(config, session, feeds, fetches, name, row_by_row=row_by_row)
+
+    def _saved_model(
+        self, config: ModelConfig, files: ModelFiles, path: Path, settings: TFSettings, name: str
+    ) -> TensorFlowInstance:
+        tag, signature = read_saved_model(path, config.name, settings)
+        inputs, outputs = signature_tensors(signature)
+        graph = tf.Graph()
+        session = tf.compat.v1.Session(graph=graph, config=_session_config(settings))
+        try:
+            with graph.as_default():
+                tf.compat.v1.saved_model.loader.load(session, [tag], str(path))
+        except Exception as exc:
+            session.close()
+            raise InvalidArgumentError(
+                f"model '{config.name}': TensorFlow could not load the SavedModel "
+                f"{path.name}: {_first_line(exc)}"
+            ) from None
+        try:
+            feeds, fetches = self._check_signature(config, inputs, outputs)
+            self._run_init_ops(config, files, session, settings)
+        except BaseException:
+            session.close()
+            raise
+        return TensorFlowInstance(config, session, feeds, fetches, name)
+
+    @staticmethod
+    def _check_signature(
+        config: ModelConfig, inputs: list[TensorInfo], outputs: list[TensorInfo]
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        by_input = {t.name: t for t in inputs}
+        by_output = {t.name: t for t in outputs}
+        feeds: dict[str, str] = {}
+        fetches: dict[str, str] = {}
+        for tensor in config.inputs:
+            info = by_input.get(tensor.name)
+            if info is None:
+                raise ConfigError(
+                    f"{config.source}: unexpected inference input '{tensor.name}' for model "
+                    f"'{config.name}', allowed inputs are: {_listing(list(by_input))}"
+                )
+            dims = tensor.reshape if tensor.reshape is not None else tensor.dims
+            if _check_tensor(config, "input", tensor.name, tensor.datatype, dims, info):
+                raise ConfigError(
+                    f"{config.source}: model '{config.name}': input '{tensor.name}' has a fixed "
+                    f"batch of 1 but max_batch_size is {config.max_batch_size}"
+                )
+            feeds[tensor.name] = info.tensor
+        missing = set(by_input) - set(feeds)
+        if missing:
+            raise ConfigError(
+                f"{config.source}: unable to load model '{config.name}', configuration expects "
+                f"{len(config.inputs)} inputs, model provides {len(by_input)} (missing: "
+                f"{', '.join(sorted(missing))})"
+            )
+        for tensor in config.outputs:
+            info = by_output.get(tensor.name)
+            if info is None:
+                raise ConfigError(
+                    f"{config.source}: unexpected inference output '{tensor.name}' for model "
+                    f"'{config.name}', allowed outputs are: {_listing(list(by_output))}"
+                )
+            dims = tensor.reshape if tensor.reshape is not None else tensor.dims
+            _check_tensor(config, "output", tensor.name, tensor.datatype, dims, info)
+            fetches[tensor.name] = info.tensor
+        return feeds, fetches
+
+    @staticmethod
+    def _run_init_ops(config: ModelConfig, files: ModelFiles, session: Any, settings: TFSettings) -> None:
+        if not settings.init_ops_file:
+            return
+        candidates = [files.version_dir / settings.init_ops_file, files.model_dir / settings.init_ops_file]
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            raise ConfigError(
+                f"{config.source}: TF_INIT_OPS_FILE '{settings.init_ops_file}' of model "
+                f"'{config.name}' is in neither the version folder nor the model folder"
+            )
+        try:
+            ops = json.loads(path.read_text(encoding="utf-8"))["init_ops"]
+            if not isinstance(ops, list) or not all(isinstance(o, str) for o in ops):
+                raise TypeError("'init_ops' must be a list of operation names")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"{config.source}: TF_INIT_OPS_FILE {path.name} of model '{config.name}': "
+                f"{format_exception(exc)}"
+            ) from None
+        try:
+            session.run(ops)
+        except Exception as exc:
+            raise InternalError(
+                f"model '{config.name}': init ops {ops} failed: {_first_line(exc)}"
+            ) from None
+
+
+BACKEND = TensorFlowBackend()
