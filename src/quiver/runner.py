@@ -97,7 +97,7 @@ def assemble(settings: Settings) -> Parts:
         ),
         cache_revalidate_timeout=settings.model_cache_revalidate_timeout,
     )
-    service = InferenceService(manager)
+    service = InferenceService(manager, repositories=list(settings.model_repositories))
     http = HttpFrontend(
         service,
         max_input_size=settings.http_max_input_size,
@@ -105,17 +105,8 @@ def assemble(settings: Settings) -> Parts:
     )
     sagemaker = None
     if settings.sagemaker is not None:
-
-        async def load_from(name: str, url: str, target: str) -> str:
-            return await manager.load_url(name, url)
-
         sagemaker = SageMakerFrontend(
-            service,
-            settings.sagemaker,
-            repositories=list(settings.model_repositories),
-            max_input_size=settings.http_max_input_size,
-            # S3 locations, archives and folders outside the repositories: the multi-model manager.
-            load_from=load_from if manager.on_demand else None,
+            service, settings.sagemaker, max_input_size=settings.http_max_input_size
         )
     return Parts(manager, service, http, sagemaker)
 

@@ -8,21 +8,41 @@ transport and backend. No HTTP or protobuf here.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tritonclient.grpc import model_config_pb2 as pb
 
 import quiver
 from quiver import logs
 from quiver.config import ModelConfig
 from quiver.errors import (
+    AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
     QuiverError,
     UnavailableError,
+    UnsupportedError,
 )
 from quiver.lifecycle import Model, ModelRepositoryManager, ModelState
+from quiver.lifecycle.budget import OutOfMemoryError
+from quiver.lifecycle.dependencies import ensemble_steps, is_model_folder, served_folder
+from quiver.repository.cache import CacheFullError
+from quiver.repository.names import check_local_path
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
+
+logger = logging.getLogger(__name__)
+
+#: Errors that mean "no room (memory or disk); unload something and try again".
+CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullError)
+#: Where Triton's SageMaker frontend refuses to look for models.
+_FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
 
 #: Extensions Quiver implements, by Triton's names (server metadata lists them).
 EXTENSIONS = [
@@ -37,11 +57,27 @@ EXTENSIONS = [
 ]
 
 
+@dataclass(slots=True)
+class Registration:
+    """A model loaded through SageMaker's ``POST /models``: its name -> the Quiver model."""
+
+    name: str
+    model: str
+    url: str
+    target: str = ""
+
+
 class InferenceService:
-    def __init__(self, manager: ModelRepositoryManager) -> None:
+    def __init__(self, manager: ModelRepositoryManager, repositories: Sequence[Path] = ()) -> None:
         self.manager = manager
         manager.bind(self.infer)
         self.ready = False  # set by the runner once start-up finished
+        #: The local ``--model-repository`` folders (SageMaker urls inside them load by name).
+        self.repositories = [p.resolve() for p in repositories]
+        #: SageMaker model_name -> registration; TargetModel header value -> model_name.
+        self.registered: dict[str, Registration] = {}
+        self._targets: dict[str, str] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
 
     # -- health and metadata ---------------------------------------------------------
 
@@ -72,6 +108,13 @@ class InferenceService:
     def model_config(self, name: str, version: str = "") -> dict[str, Any]:
         return self.manager.get(name, version).config.to_json()
 
+    def model_config_proto(self, name: str, version: str = "") -> pb.ModelConfig:
+        return self.manager.get(name, version).config.proto
+
+    def check_model(self, name: str, version: str = "") -> None:
+        """NotFoundError or UnavailableError, with the reason, unless the model is READY."""
+        self.manager.get(name, version)
+
     # -- repository extension ----------------------------------------------------------
 
     async def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
@@ -97,6 +140,167 @@ class InferenceService:
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         await self.manager.unload(name, unload_dependents=unload_dependents)
+
+    # -- SageMaker's multi-model API ------------------------------------------------------
+
+    def top_level_models(self) -> list[str]:
+        """READY models that are not composing models of a READY ensemble, sorted."""
+        models = self.manager.ready_models
+        steps: set[str] = set()
+        for model in models:
+            steps |= (ensemble_steps(model.config.proto) or set()) - {model.name}
+        return sorted({m.name for m in models} - steps)
+
+    def resolve_target(self, target: str) -> str:
+        """The Quiver model for a SageMaker name (``model_name`` of ``POST /models``, or the
+        TargetModel that came with it); any other name is a Quiver model name."""
+        registration = self.registered.get(target)
+        if registration is None:
+            alias = self._targets.get(target)
+            registration = self.registered.get(alias) if alias is not None else None
+        return registration.model if registration is not None else target
+
+    def aliases(self) -> dict[str, str]:
+        """SageMaker names and target-model values of registered, READY models -> the model
+        each stands for."""
+        out = {}
+        for name, registration in list(self.registered.items()):
+            if self.model_ready(registration.model):
+                out[name] = registration.model
+                if registration.target:
+                    out[registration.target] = registration.model
+        return out
+
+    def sagemaker_models(self) -> dict[str, str]:
+        """modelName -> modelUrl of every loaded model: registered ones under their SageMaker
+        name, other READY top-level models (loaded at start, by the v2 repository API, or on
+        demand) under their own name and the repository folder they came from."""
+        entries: dict[str, str] = {}
+        served: set[str] = set()
+        for name in list(self.registered):
+            registration = self._loaded(name)
+            if registration is not None:
+                entries[name] = registration.url
+                served.add(registration.model)
+        for model in self.top_level_models():
+            if model not in served and model not in entries:
+                entries[model] = next(
+                    (str(root / model) for root in self.repositories if (root / model).is_dir()), ""
+                )
+        return entries
+
+    async def register_sagemaker_model(self, name: str, url: str, target: str = "") -> str:
+        """Load what ``url`` holds as SageMaker's ``name`` (AlreadyExistsError when that name
+        is loaded); returns the Quiver model serving it."""
+        async with self._lock(name):
+            if name in self.sagemaker_models():
+                raise AlreadyExistsError(f"model '{name}' is already loaded")
+            model = await self._load_url(name, url)
+            self.registered[name] = Registration(name, model, url, target)
+            if target and target != name:
+                self._targets[target] = name
+        logger.info("SageMaker: loaded model '%s' (Quiver model '%s') from %s", name, model, url)
+        return model
+
+    async def unregister_sagemaker_model(self, name: str) -> None:
+        """Unload SageMaker's ``name`` with the ensemble's composing models nothing else uses
+        (the model stays while another SageMaker name or a READY ensemble uses it)."""
+        async with self._lock(name):
+            registration = self._loaded(name)
+            if registration is not None:
+                model = registration.model
+            elif name in self.sagemaker_models():
+                model = name
+            else:
+                raise NotFoundError(f"model '{name}' is not loaded")
+            self._forget(name)
+            try:
+                if not self._in_use(model):
+                    await self._unload_with_dependents(model)
+            except BaseException:
+                if registration is not None and self.model_ready(model):
+                    self.registered[name] = registration  # still loaded: still registered
+                    if registration.target and registration.target != name:
+                        self._targets[registration.target] = name
+                raise
+        logger.info("SageMaker: unloaded model '%s' (Quiver model '%s')", name, model)
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
+
+    def _loaded(self, name: str) -> Registration | None:
+        """The registration of a SageMaker name whose model is READY (stale ones dropped)."""
+        registration = self.registered.get(name)
+        if registration is None:
+            return None
+        if self.model_ready(registration.model):
+            return registration
+        self._forget(name)
+        return None
+
+    def _forget(self, name: str) -> None:
+        registration = self.registered.pop(name, None)
+        if registration is not None and registration.target:
+            self._targets.pop(registration.target, None)
+
+    async def _load_url(self, name: str, url: str) -> str:
+        """Load what ``url`` holds; returns the Quiver model serving it. A local model folder,
+        or a repository (:func:`~quiver.lifecycle.dependencies.served_folder`'s rule), inside
+        a ``--model-repository`` loads by name (or is registered as it is when READY); other
+        locations (S3, archives, other folders) go to the multi-model manager."""
+        local = url.removeprefix("file://")
+        if "://" in local or local.endswith((".tar.gz", ".tgz", ".tar")):
+            return await self._load_elsewhere(name, url, "it is not a local folder")
+        check_local_path(local, "url")
+        path = Path(os.path.abspath(os.path.normpath(local)))
+        if str(path).startswith(_FORBIDDEN_ROOTS) or str(path) in ("/dev", "/proc", "/sys"):
+            raise InvalidArgumentError(f"url '{url}' may not be under /dev, /proc or /sys")
+        if not path.is_dir():
+            raise NotFoundError(f"url '{url}' is not a folder")
+        folder = await asyncio.to_thread(_url_folder, path, url)
+        if folder.parent.resolve() not in self.repositories:
+            return await self._load_elsewhere(
+                name, url, "it is outside the --model-repository folders"
+            )
+        model = folder.name
+        for registration in self.registered.values():
+            if registration.model == model and self.model_ready(model):
+                raise AlreadyExistsError(
+                    f"model '{model}' at '{url}' is already loaded as '{registration.name}'"
+                )
+        if not self.model_ready(model):
+            await self.load_model(model)
+        return model
+
+    async def _load_elsewhere(self, name: str, url: str, why: str) -> str:
+        if not self.manager.on_demand:
+            raise UnsupportedError(
+                f"cannot load '{name}' from '{url}': {why}, and loading from other locations "
+                "(S3, archives, other folders) needs the multi-model manager "
+                "(--model-control-mode=on_demand)"
+            )
+        return await self.manager.load_url(name, url)
+
+    def _in_use(self, model: str) -> bool:
+        """Whether a SageMaker name still maps to ``model``, or a READY ensemble runs it."""
+        if any(r.model == model for r in self.registered.values()):
+            return True
+        return any(model in (ensemble_steps(m.config.proto) or ()) for m in self.manager.ready_models)
+
+    async def _unload_with_dependents(self, model: str) -> None:
+        """Unload ``model``, then its composing models (if an ensemble) that nothing else
+        uses: no other READY ensemble, and no other SageMaker name."""
+        composing: set[str] = set()
+        for loaded in self.manager.ready_models:
+            if loaded.name == model:
+                composing |= ensemble_steps(loaded.config.proto) or set()
+        await self.unload_model(model, unload_dependents=False)
+        for dep in sorted(composing - {model}):
+            if self.model_ready(dep) and not self._in_use(dep):
+                await self._unload_with_dependents(dep)
 
     # -- statistics extension ------------------------------------------------------------
 
@@ -156,6 +360,15 @@ class InferenceService:
         if request.outputs is not None:
             response.outputs = _select_outputs(model, request, response)
         return response
+
+
+def _url_folder(path: Path, url: str) -> Path:
+    """The model folder a SageMaker ``url`` folder serves: itself when it is a model folder
+    (a config.pbtxt is not required: Triton completes configs), else the repository's model
+    by :func:`~quiver.lifecycle.dependencies.served_folder`, as for archives."""
+    if is_model_folder(path):
+        return path
+    return served_folder(path, f"url '{url}'")
 
 
 def _validate(config: ModelConfig, request: InferenceRequest) -> None:
@@ -279,4 +492,11 @@ def classify(
     return Tensor(tensor.name, DataType.BYTES, result.shape, result)
 
 
-__all__ = ["InferenceService", "QuiverError"]
+__all__ = [
+    "CAPACITY_ERRORS",
+    "CacheFullError",
+    "InferenceService",
+    "OutOfMemoryError",
+    "QuiverError",
+    "Registration",
+]

@@ -156,8 +156,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     @_rpc
     async def ModelConfig(self, request: Any, context: Any) -> Any:
-        model = self.service.manager.get(request.name, request.version)
-        return pb.ModelConfigResponse(config=model.config.proto)
+        return pb.ModelConfigResponse(config=self.service.model_config_proto(request.name, request.version))
 
     # -- statistics, repository and logging extensions -------------------------------------
 

@@ -144,7 +144,7 @@ class HttpFrontend:
         version = request.path_params.get("version", "")
         if self.service.model_ready(name, version):
             return Response(status_code=200)
-        self.service.manager.get(name, version)
+        self.service.check_model(name, version)
         return Response(status_code=503)  # pragma: no cover - raced with a load
 
     async def model_metadata(self, request: Request) -> Response:

@@ -19,31 +19,22 @@ Inference bodies are KServe v2 JSON, or JSON followed by binary tensors with con
 ``application/vnd.sagemaker-triton.binary+json;json-header-size=N`` (SageMaker allows no
 custom headers, so the JSON length travels in the content type); answers mirror that.
 Errors are ``{"error": message}`` with the status of ``quiver.frontends.status``, except
-that running out of memory or disk (:class:`~quiver.lifecycle.memory.OutOfMemoryError`,
-:class:`~quiver.repository.cache.CacheFullError`) is 507, the status that makes SageMaker
-unload models and try again.
+that running out of memory or disk (:data:`quiver.service.CAPACITY_ERRORS`) is 507, the
+status that makes SageMaker unload models and try again.
 
 ``model_name`` in the multi-model API is SageMaker's opaque name (a hash of the
-TargetModel); the frontend keeps the map from it to the Quiver model serving it and the
-``url`` it came from. A local ``url`` that is a model folder, or a Triton repository (the
-model is its only folder, else its one ensemble, as Triton picks), inside a
-``--model-repository`` loads through the repository API (explicit mode), or is
-registered as it is when that model is already READY. Other locations (S3, archives,
-folders outside the repositories) go to the ``load_from`` callable the runner passes in
-``on_demand`` mode (the manager's ``load_url``: fetched through the disk cache, each archive
-its own namespace); without it they answer 501.
+TargetModel). What it maps to, where a ``url`` loads from, and what unloads with it are the
+service's decisions (:meth:`InferenceService.register_sagemaker_model` and its neighbours);
+this module only speaks HTTP.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
-import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
@@ -51,19 +42,15 @@ import orjson
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from quiver.config import ModelConfig
 from quiver.errors import (
-    AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
     QuiverError,
     UnavailableError,
-    UnsupportedError,
 )
 from quiver.frontends.http import _unless_disconnected, read_body
 from quiver.frontends.offload import OFFLOAD_NS, in_worker
 from quiver.frontends.status import http_error, http_status
-from quiver.lifecycle.memory import OutOfMemoryError
 from quiver.protocol.limits import check_body_depth
 from quiver.protocol.v2_json import (
     decode_cost,
@@ -72,12 +59,8 @@ from quiver.protocol.v2_json import (
     encode_json,
     encode_response,
 )
-from quiver.repository.cache import CacheFullError
-from quiver.repository.names import check_local_path
-from quiver.service import InferenceService
+from quiver.service import CAPACITY_ERRORS, InferenceService, Registration
 from quiver.types import InferenceResponse
-
-logger = logging.getLogger(__name__)
 
 BINARY_JSON = "application/vnd.sagemaker-triton.binary+json"
 BINARY_JSON_PREFIX = BINARY_JSON + ";json-header-size="
@@ -85,16 +68,6 @@ TARGET_MODEL_HEADER = "x-amzn-sagemaker-target-model"
 DEFAULT_PORT = 8080
 #: ``GET /models`` pages hold at most this many models unless ``max_results`` says fewer.
 MAX_PAGE = 1000
-#: Errors SageMaker must see as 507: "no room; unload something and try again".
-CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullError)
-#: Where Triton's frontend refuses to look for models.
-_FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
-
-#: ``load_from(model_name, url, target_model)`` loads the model at ``url`` (any location the
-#: multi-model manager understands: S3, an archive, a folder) and returns the name of the
-#: Quiver model that serves it. Raises QuiverError subclasses (capacity errors -> 507).
-LoadFrom = Callable[[str, str, str], Awaitable[str]]
-
 _TRUE = {"true", "1", "yes", "on"}
 
 
@@ -157,16 +130,6 @@ class SageMakerSettings:
             default_model=env.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME", "").strip(),
             ping_mode=ping,
         )
-
-
-@dataclass(slots=True)
-class Registration:
-    """A model loaded through ``POST /models``: SageMaker's name -> the Quiver model."""
-
-    name: str
-    model: str
-    url: str
-    target: str = ""
 
 
 @dataclass(slots=True)
@@ -234,19 +197,21 @@ class SageMakerFrontend:
         service: InferenceService,
         settings: SageMakerSettings | None = None,
         *,
-        repositories: list[Path] | None = None,
         max_input_size: int = 64 * 1024 * 1024,
-        load_from: LoadFrom | None = None,
     ) -> None:
         self.service = service
         self.settings = settings or SageMakerSettings()
-        self.repositories = [p.resolve() for p in repositories or []]
         self.max_input_size = max_input_size
-        self.load_from = load_from
-        #: SageMaker model_name -> registration; TargetModel header value -> model_name.
-        self.registered: dict[str, Registration] = {}
-        self._targets: dict[str, str] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def registered(self) -> dict[str, Registration]:
+        """SageMaker model_name -> registration (the service keeps them)."""
+        return self.service.registered
+
+    def aliases(self) -> dict[str, str]:
+        """SageMaker names and target-model values of registered, READY models -> the model
+        each stands for (a cluster router learns these names as served here)."""
+        return self.service.aliases()
 
     # -- ASGI ------------------------------------------------------------------------
 
@@ -329,7 +294,7 @@ class SageMakerFrontend:
         """Single-model mode's model: the configured one, else the only one loaded."""
         if self.settings.default_model:
             return self.settings.default_model
-        tops = self._top_level_models()
+        tops = self.service.top_level_models()
         if len(tops) == 1:
             return tops[0]
         if not tops:
@@ -340,24 +305,6 @@ class SageMakerFrontend:
             "X-Amzn-SageMaker-Target-Model header"
         )
 
-    def _top_level_models(self) -> list[str]:
-        """READY models that are not composing models of a READY ensemble, sorted."""
-        models = self.service.manager.ready_models
-        names = {m.name for m in models}
-        steps: set[str] = set()
-        for model in models:
-            steps |= _steps(model.config) - {model.name}
-        return sorted(names - steps)
-
-    def resolve_target(self, target: str) -> str:
-        """The Quiver model for a SageMaker name (``model_name`` of ``POST /models``, or the
-        TargetModel that came with it); any other name is a Quiver model name."""
-        registration = self.registered.get(target)
-        if registration is None:
-            alias = self._targets.get(target)
-            registration = self.registered.get(alias) if alias is not None else None
-        return registration.model if registration is not None else target
-
     async def _invocations(self, scope: Scope, receive: Receive) -> _Reply | None:
         if self.settings.multi_model:
             target = _headers(scope).get(TARGET_MODEL_HEADER, "").strip()
@@ -366,13 +313,13 @@ class SageMakerFrontend:
                     "multi-model endpoint: the X-Amzn-SageMaker-Target-Model header (TargetModel) "
                     "is required"
                 )
-            model = self.resolve_target(target)
+            model = self.service.resolve_target(target)
         else:
             model = self.default_model()
         return await self._infer(model, scope, receive)
 
     async def _invoke_named(self, name: str, scope: Scope, receive: Receive) -> _Reply | None:
-        return await self._infer(self.resolve_target(name), scope, receive)
+        return await self._infer(self.service.resolve_target(name), scope, receive)
 
     async def _infer(self, model: str, scope: Scope, receive: Receive) -> _Reply | None:
         content_length = content_type = encoding = raw_length = None
@@ -416,54 +363,6 @@ class SageMakerFrontend:
 
     # -- multi-model API ---------------------------------------------------------------
 
-    def _loaded(self, name: str) -> Registration | None:
-        """The registration of a SageMaker name whose model is READY (stale ones dropped)."""
-        registration = self.registered.get(name)
-        if registration is None:
-            return None
-        if self.service.model_ready(registration.model):
-            return registration
-        self._forget(name)
-        return None
-
-    def aliases(self) -> dict[str, str]:
-        """SageMaker names and target-model values of registered, READY models -> the model
-        each stands for (a cluster router learns these names as served here)."""
-        out = {}
-        for name, registration in list(self.registered.items()):
-            if self.service.model_ready(registration.model):
-                out[name] = registration.model
-                if registration.target:
-                    out[registration.target] = registration.model
-        return out
-
-    def _forget(self, name: str) -> None:
-        registration = self.registered.pop(name, None)
-        if registration is not None and registration.target:
-            self._targets.pop(registration.target, None)
-
-    def _entries(self) -> dict[str, str]:
-        """modelName -> modelUrl of every loaded model: registered ones under their SageMaker
-        name, other READY top-level models (loaded at start, by the v2 repository API, or on
-        demand) under their own name."""
-        entries: dict[str, str] = {}
-        served: set[str] = set()
-        for name in list(self.registered):
-            registration = self._loaded(name)
-            if registration is not None:
-                entries[name] = registration.url
-                served.add(registration.model)
-        for model in self._top_level_models():
-            if model not in served and model not in entries:
-                entries[model] = self._model_url(model)
-        return entries
-
-    def _model_url(self, model: str) -> str:
-        for root in self.repositories:
-            if (root / model).is_dir():
-                return str(root / model)
-        return ""
-
     async def _list(self, scope: Scope) -> _Reply:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         limit = MAX_PAGE
@@ -476,7 +375,7 @@ class SageMakerFrontend:
         token = query.get("next_page_token", [""])[-1]
         if token:
             after = _decode_token(token)
-        entries = self._entries()
+        entries = self.service.sagemaker_models()
         names = sorted(n for n in entries if n > after)
         page = names[:limit]
         reply: dict[str, Any] = {"models": [{"modelName": n, "modelUrl": entries[n]} for n in page]}
@@ -485,16 +384,10 @@ class SageMakerFrontend:
         return _json(reply)
 
     async def _get(self, name: str) -> _Reply:
-        url = self._entries().get(name)
+        url = self.service.sagemaker_models().get(name)
         if url is None:
             raise NotFoundError(f"model '{name}' is not loaded")
         return _json({"modelName": name, "modelUrl": url})
-
-    def _lock(self, name: str) -> asyncio.Lock:
-        lock = self._locks.get(name)
-        if lock is None:
-            lock = self._locks[name] = asyncio.Lock()
-        return lock
 
     async def _load(self, scope: Scope, receive: Receive) -> _Reply:
         headers = _headers(scope)
@@ -517,96 +410,12 @@ class SageMakerFrontend:
         if not isinstance(url, str) or not url:
             raise InvalidArgumentError("load request needs 'url', a non-empty string")
         target = headers.get(TARGET_MODEL_HEADER, "").strip()
-        async with self._lock(name):
-            if name in self._entries():
-                raise AlreadyExistsError(f"model '{name}' is already loaded")
-            model = await self._load_url(name, url, target)
-            self.registered[name] = Registration(name, model, url, target)
-            if target and target != name:
-                self._targets[target] = name
-        logger.info("SageMaker: loaded model '%s' (Quiver model '%s') from %s", name, model, url)
+        await self.service.register_sagemaker_model(name, url, target)
         return _Reply(200)
-
-    async def _load_url(self, name: str, url: str, target: str) -> str:
-        """Load what ``url`` holds; returns the Quiver model serving it."""
-        local = url.removeprefix("file://")
-        if "://" in local or local.endswith((".tar.gz", ".tgz", ".tar")):
-            return await self._delegate(name, url, target, "it is not a local folder")
-        check_local_path(local, "url")
-        path = Path(os.path.abspath(os.path.normpath(local)))
-        if str(path).startswith(_FORBIDDEN_ROOTS) or str(path) in ("/dev", "/proc", "/sys"):
-            raise InvalidArgumentError(f"url '{url}' may not be under /dev, /proc or /sys")
-        if not path.is_dir():
-            raise NotFoundError(f"url '{url}' is not a folder")
-        root, folder = await asyncio.to_thread(_locate_model, path)
-        if root.resolve() not in self.repositories:
-            return await self._delegate(
-                name, url, target, "it is outside the --model-repository folders"
-            )
-        for registration in self.registered.values():
-            if registration.model == folder and self.service.model_ready(folder):
-                raise AlreadyExistsError(
-                    f"model '{folder}' at '{url}' is already loaded as '{registration.name}'"
-                )
-        if not self.service.model_ready(folder):
-            await self.service.load_model(folder)
-        return folder
-
-    async def _delegate(self, name: str, url: str, target: str, why: str) -> str:
-        if self.load_from is None:
-            raise UnsupportedError(
-                f"cannot load '{name}' from '{url}': {why}, and loading from other locations "
-                "(S3, archives, other folders) needs the multi-model manager "
-                "(--model-control-mode=on_demand)"
-            )
-        return await self.load_from(name, url, target)
 
     async def _unload(self, name: str) -> _Reply:
-        async with self._lock(name):
-            registration = self._loaded(name)
-            if registration is not None:
-                model = registration.model
-            elif name in self._entries():
-                model = name
-            else:
-                raise NotFoundError(f"model '{name}' is not loaded")
-            self._forget(name)
-            try:
-                if not self._in_use(model):
-                    await self._unload_with_dependents(model)
-            except BaseException:
-                if registration is not None and self.service.model_ready(model):
-                    self.registered[name] = registration  # still loaded: still registered
-                    if registration.target and registration.target != name:
-                        self._targets[registration.target] = name
-                raise
-        logger.info("SageMaker: unloaded model '%s' (Quiver model '%s')", name, model)
+        await self.service.unregister_sagemaker_model(name)
         return _Reply(200)
-
-    def _in_use(self, model: str) -> bool:
-        """Whether a SageMaker name still maps to ``model``, or a READY ensemble runs it."""
-        if any(r.model == model for r in self.registered.values()):
-            return True
-        return any(model in _steps(m.config) for m in self.service.manager.ready_models)
-
-    async def _unload_with_dependents(self, model: str) -> None:
-        """Unload ``model``, then its composing models (if an ensemble) that nothing else
-        uses: no other READY ensemble, and no other SageMaker name."""
-        composing: set[str] = set()
-        for loaded in self.service.manager.ready_models:
-            if loaded.name == model:
-                composing |= _steps(loaded.config)
-        await self.service.unload_model(model, unload_dependents=False)
-        for dep in sorted(composing - {model}):
-            if self.service.model_ready(dep) and not self._in_use(dep):
-                await self._unload_with_dependents(dep)
-
-
-def _steps(config: ModelConfig) -> set[str]:
-    """The models an ensemble's steps run (empty for any other model)."""
-    if config.platform != "ensemble":
-        return set()
-    return {step.model_name for step in config.proto.ensemble_scheduling.step}
 
 
 def _encode_token(last: str) -> str:
@@ -626,42 +435,6 @@ def _decode_token(token: str) -> str:
 
 def _not_allowed(method: str, path: str) -> _Reply:
     return _error(405, f"method {method} is not allowed on {path}")
-
-
-def _is_model_folder(path: Path) -> bool:
-    return (path / "config.pbtxt").is_file() or any(
-        e.name.isdigit() and e.is_dir() for e in path.iterdir()
-    )
-
-
-def _is_ensemble_folder(path: Path) -> bool:
-    try:
-        text = (path / "config.pbtxt").read_text(errors="replace")
-    except OSError:
-        return False
-    compact = "".join(text.split())
-    return 'platform:"ensemble"' in compact
-
-
-def _locate_model(path: Path) -> tuple[Path, str]:
-    """(repository root, model folder name) for a ``url`` folder: a model folder itself, or a
-    Triton repository whose model is its only folder, else its one ensemble (Triton's rule)."""
-    if _is_model_folder(path):
-        return path.parent, path.name
-    folders = sorted(e for e in path.iterdir() if e.is_dir() and not e.name.startswith("."))
-    if not folders:
-        raise InvalidArgumentError(f"'{path}' holds no model: no config.pbtxt and no model folders")
-    if len(folders) == 1:
-        return path, folders[0].name
-    ensembles = [f for f in folders if _is_ensemble_folder(f)]
-    if len(ensembles) == 1:
-        return path, ensembles[0].name
-    names = ", ".join(f.name for f in (ensembles or folders))
-    raise InvalidArgumentError(
-        f"'{path}' is a repository of several models ({names}) and "
-        + ("several ensembles" if ensembles else "no ensemble")
-        + ": cannot tell which one to load; point 'url' at the model's folder"
-    )
 
 
 __all__ = [

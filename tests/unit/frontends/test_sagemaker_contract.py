@@ -20,9 +20,8 @@ from quiver.frontends.sagemaker import (
     header_length_from_content_type,
     parse_port_range,
 )
-from quiver.lifecycle.memory import OutOfMemoryError
-from quiver.repository.cache import CacheFullError
-from quiver.service import InferenceService
+from quiver.lifecycle import ModelRepositoryManager
+from quiver.service import CacheFullError, InferenceService, OutOfMemoryError
 
 
 def test_settings_from_env() -> None:
@@ -74,22 +73,20 @@ def test_capacity_errors_are_507_others_follow_the_table() -> None:
 
 
 class _Manager:
-    def __init__(self) -> None:
-        self.ready_models: list[Any] = []
-
-
-class _Service:
-    """Just what the load route touches; load_model raises what the test gives it."""
+    """Just what the service's SageMaker load touches; load raises what the test gives it."""
 
     def __init__(self, error: QuiverError) -> None:
         self.error = error
-        self.ready = True
-        self.manager = _Manager()
+        self.ready_models: list[Any] = []
+        self.on_demand = False
 
-    def model_ready(self, name: str, version: str = "") -> bool:
+    def bind(self, infer: Any) -> None:
+        pass
+
+    def is_ready(self, name: str, version: str = "") -> bool:
         return False
 
-    async def load_model(self, name: str, config_json: str | None = None, files: Any = None) -> None:
+    async def load(self, name: str, config_json: str | None = None, files: Any = None) -> None:
         raise self.error
 
 
@@ -113,7 +110,8 @@ def test_load_that_does_not_fit_is_507(tmp_path: Path, error: QuiverError) -> No
     model = tmp_path / "m"
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text("")
-    app = SageMakerFrontend(cast(InferenceService, _Service(error)), repositories=[tmp_path])
+    service = InferenceService(cast(ModelRepositoryManager, _Manager(error)), repositories=[tmp_path])
+    app = SageMakerFrontend(service)
     status, body = asyncio.run(_post(app, "/models", {"model_name": "h", "url": str(model)}))
     assert status == 507
     assert body == {"error": error.message}
