@@ -7,29 +7,24 @@ model (import, ``initialize``, ``execute``, ``finalize``) runs on the instance's
 thread, which owns an asyncio event loop for models whose methods are ``async def``.
 
 Not supported: decoupled models, BLS, GPU tensors (see ``triton_python_backend_utils``).
+
+Pieces: importing ``model.py`` is :mod:`quiver.backends.python_loading`; conversions of
+errors, tensors, requests and responses are :mod:`quiver.backends.python_convert`; this
+module keeps the instance (threads, event-loop inlining), the backend and BLS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import importlib.machinery
-import importlib.util
 import inspect
-import itertools
 import json
 import logging
-import re
-import sys
 import threading
 import time
-import types
 from collections.abc import Awaitable
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as pb
 
@@ -42,6 +37,16 @@ from quiver.backends.base import (
     ThreadedInstance,
     format_exception,
 )
+from quiver.backends.python_convert import (
+    _error_code,
+    _json_ready,
+    _model_error,
+    _output_tensor,
+    _pb_error,
+    _pb_response,
+    _quiver_request,
+)
+from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
 from quiver.config import ModelConfig, config_to_json
 from quiver.errors import (
     ConfigError,
@@ -50,7 +55,7 @@ from quiver.errors import (
     QuiverError,
     error_for_code,
 )
-from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from quiver.types import InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +80,6 @@ _current = threading.local()
 _on_threads: set[PythonInstance] = set()
 _on_loop: list[PythonInstance] = []
 
-#: Serialises imports: they change sys.path and sys.modules.
-_IMPORT_LOCK = threading.Lock()
-_module_counter = itertools.count(1)
 
 #: Request parameters Triton turns into request properties instead of passing them on.
 _RESERVED_PARAMETERS = frozenset(
@@ -92,172 +94,6 @@ _RESERVED_PARAMETERS = frozenset(
         "classification",
     }
 )
-
-
-# ------------------------------------------------------------------------ helpers
-
-
-def _error_code(exc: BaseException) -> ErrorCode:
-    """The Triton error code an exception raised by model code stands for."""
-    if isinstance(exc, pb_utils.TritonError):
-        return ErrorCode[exc.code().name]
-    if isinstance(exc, QuiverError):
-        return exc.code
-    return ErrorCode.INTERNAL
-
-
-def _model_error(exc: BaseException, message: str) -> QuiverError:
-    return error_for_code(_error_code(exc), message)
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"\W", "_", name)
-
-
-def _is_within(path: str | None, folder: Path) -> bool:
-    if not path:
-        return False
-    try:
-        return Path(path).resolve().is_relative_to(folder)
-    except (OSError, ValueError):
-        return False
-
-
-class _LoadedModule:
-    """A model file imported as ``<private package>.<stem>``."""
-
-    def __init__(self, module: types.ModuleType, package: str) -> None:
-        self.module = module
-        self.package = package
-
-    def forget(self) -> None:
-        """Drop the private package and everything under it from ``sys.modules``."""
-        prefix = self.package + "."
-        # list() copies the keys in one step: another thread (a model loading in parallel) may
-        # import while this runs, and iterating sys.modules itself would then fail.
-        for name in [n for n in list(sys.modules) if n == self.package or n.startswith(prefix)]:
-            sys.modules.pop(name, None)
-
-
-def _import_model_file(path: Path, files: ModelFiles, where: str, model_name: str) -> _LoadedModule:
-    """Import ``path`` under a unique module name.
-
-    As in Triton, the version folder and the model folder are on ``sys.path`` while the
-    file is imported (only then, here), and the file's folder is a package, so both
-    ``import helpers`` and ``from . import helpers`` find sibling modules. Modules
-    imported from the model's own folder are taken out of ``sys.modules`` afterwards
-    so another model's ``helpers.py`` is not mistaken for this one's.
-    """
-    if not path.is_file():
-        raise InternalError(f"{where}: Python model file not found: '{path}'")
-    package = f"_quiver_python_model_{_slug(model_name)}_v{files.version}_{next(_module_counter)}"
-    module_name = f"{package}.{_slug(path.stem)}"
-    model_root = files.model_dir.resolve()
-    with _IMPORT_LOCK:
-        package_module = types.ModuleType(package)
-        package_module.__path__ = [str(path.parent)]
-        package_module.__package__ = package
-        sys.modules[package] = package_module
-        loader = importlib.machinery.SourceFileLoader(module_name, str(path))
-        spec = importlib.util.spec_from_loader(module_name, loader)
-        assert spec is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        loaded = _LoadedModule(module, package)
-
-        added = [
-            folder
-            for folder in (str(files.version_dir), str(files.model_dir))
-            if folder not in sys.path
-        ]
-        sys.path.extend(added)
-        before = set(sys.modules)
-        try:
-            loader.exec_module(module)
-        except (Exception, SystemExit) as exc:
-            loaded.forget()
-            raise _model_error(
-                exc, f"{where}: importing {path.name} failed: {format_exception(exc)}"
-            ) from exc
-        finally:
-            for folder in added:
-                with contextlib.suppress(ValueError):
-                    sys.path.remove(folder)
-            for name in set(sys.modules) - before:
-                if name == package or name.startswith(package + "."):
-                    continue
-                found = sys.modules.get(name)
-                if _is_within(getattr(found, "__file__", None), model_root):
-                    sys.modules.pop(name, None)
-    return loaded
-
-
-def _model_class(loaded: _LoadedModule, path: Path, where: str) -> Any:
-    cls = getattr(loaded.module, "TritonPythonModel", None)
-    if cls is None or not isinstance(cls, type):
-        raise InternalError(f"{where}: {path.name} does not define a class 'TritonPythonModel'")
-    return cls
-
-
-def _json_ready(value: Any) -> Any:
-    """Numpy scalars and tuples in a config dict, made JSON-plain."""
-    return json.loads(json.dumps(value, default=_json_default))
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, (tuple, set)):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-# -------------------------------------------------------------- tensor conversion
-
-
-def _as_bytes(item: Any) -> bytes:
-    if type(item) is bytes:
-        return item
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return bytes(item)
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    return str(item).encode("utf-8")  # what Triton's serialize_byte_tensor does
-
-
-def _bytes_array(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """An object array of ``bytes`` with the same shape."""
-    if array.dtype.kind == "O":
-        flat = array.reshape(-1)
-        if all(type(item) is bytes for item in flat):
-            return array
-        items = [_as_bytes(item) for item in flat]
-    else:  # "U" or "S"
-        items = [_as_bytes(item) for item in array.reshape(-1).tolist()]
-    result = np.empty(len(items), dtype=np.object_)
-    result[:] = items
-    return result.reshape(array.shape)
-
-
-def _output_tensor(tensor: Any) -> Tensor:
-    """A model's pb_utils.Tensor as a Quiver Tensor; ValueError says what is wrong."""
-    if not isinstance(tensor, pb_utils.Tensor):
-        raise ValueError(
-            f"output_tensors contains a {type(tensor).__name__}, not a pb_utils.Tensor"
-        )
-    name = tensor.name()
-    array = tensor.as_numpy()
-    if not isinstance(array, np.ndarray):
-        raise ValueError(f"output '{name}' holds a {type(array).__name__}, not a numpy array")
-    if array.dtype.kind in ("O", "U", "S"):
-        return Tensor(name, DataType.BYTES, tuple(array.shape), _bytes_array(array))
-    try:
-        datatype = DataType.from_numpy(array.dtype)
-    except KeyError:
-        raise ValueError(
-            f"output '{name}' has numpy dtype {array.dtype}, which has no Triton datatype"
-        ) from None
-    return Tensor(name, datatype, tuple(array.shape), array)
 
 
 # ------------------------------------------------------------------------ instance
@@ -673,42 +509,6 @@ class _Bls:
 
     def async_exec(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
         return self._await(request)
-
-
-def _quiver_request(request: pb_utils.InferenceRequest) -> InferenceRequest:
-    inputs = []
-    for tensor in request.inputs():
-        array = tensor.as_numpy()
-        if array.dtype.kind in ("O", "U", "S"):
-            inputs.append(Tensor(tensor.name(), DataType.BYTES, tuple(array.shape), _bytes_array(array)))
-        else:
-            inputs.append(Tensor(tensor.name(), DataType.from_numpy(array.dtype), tuple(array.shape), array))
-    names = request.requested_output_names()
-    parameters: dict[str, Any] = json.loads(request.parameters() or "{}")
-    if request.correlation_id():
-        flags = request.flags()
-        parameters["sequence_id"] = request.correlation_id()
-        parameters["sequence_start"] = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
-        parameters["sequence_end"] = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
-    if request.timeout():
-        parameters["timeout"] = request.timeout()
-    version = request.model_version()
-    return InferenceRequest(
-        model_name=request.model_name(),
-        model_version="" if version < 0 else str(version),
-        inputs=inputs,
-        outputs=[RequestedOutput(name) for name in sorted(names)] if names else None,
-        id=request.request_id(),
-        parameters=parameters,
-    )
-
-
-def _pb_response(response: InferenceResponse) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse([pb_utils.Tensor(t.name, t.data) for t in response.outputs])
-
-
-def _pb_error(code: ErrorCode, message: str) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.value)))
 
 
 pb_utils._set_bls_executor(_Bls())

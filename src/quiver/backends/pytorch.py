@@ -27,18 +27,19 @@ defaults: ``INFERENCE_MODE`` (true: ``torch.inference_mode``; false: ``torch.no_
 ``ENABLE_NVFUSER``, ``INTRA_OP_THREAD_COUNT``, ``INTER_OP_THREAD_COUNT``. Inference mode and
 optimized execution are per thread, so per model; the JIT executor, profiling and fuser
 switches, cuDNN and the thread counts are process-wide in torch (see :func:`_apply_switches`).
+
+Pieces: parameters and process-wide switches are :mod:`quiver.backends.pytorch_settings`,
+tensor names :mod:`quiver.backends.pytorch_naming`, loading and weight sharing
+:mod:`quiver.backends.pytorch_loading`; this module keeps the instance and the backend.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,11 +54,48 @@ from quiver.backends.base import (
     format_exception,
     model_path,
 )
+from quiver.backends.pytorch_loading import (
+    _SHARED,
+    _check_bytes_dims,
+    _device_for,
+    _load_module,
+    _sequence,
+    _warn_no_effect,
+)
+from quiver.backends.pytorch_naming import (
+    InputBinding,
+    _result_types,
+    _schema_arguments,
+    bind_inputs,
+    bind_outputs,
+    tensor_index,
+)
+from quiver.backends.pytorch_settings import _GLOBAL as _GLOBAL
+from quiver.backends.pytorch_settings import (
+    TorchSettings,
+    _apply_switches,
+    _claim_switches,
+    _release_switches,
+    _set_thread_counts,
+    parse_settings,
+)
 from quiver.config import ModelConfig
 from quiver.config.model_config import TensorConfig
-from quiver.config.sequence import SequenceSettings, sequence_settings
 from quiver.errors import ConfigError, InternalError, InvalidArgumentError, QuiverError
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
+
+__all__ = [
+    "BACKEND",
+    "TORCH_DTYPES",
+    "InputBinding",
+    "PyTorchBackend",
+    "TorchInstance",
+    "TorchSettings",
+    "bind_inputs",
+    "bind_outputs",
+    "parse_settings",
+    "tensor_index",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +117,6 @@ TORCH_DTYPES: dict[DataType, torch.dtype] = {
 }
 _FROM_TORCH = {dtype: datatype for datatype, dtype in TORCH_DTYPES.items()}
 
-_INDEXED = re.compile(r"__(\d+)$")
 
 #: Messages of torch errors that are the request's fault (wrong shapes for this model).
 _SHAPE_ERROR = re.compile(
@@ -88,447 +125,6 @@ _SHAPE_ERROR = re.compile(
     r"(dimension|dim) out of range|input.* of size",
     re.IGNORECASE,
 )
-
-#: torch.jit.load has no type annotations.
-_jit_load: Any = torch.jit.load
-#: warnings.catch_warnings is not thread-safe: loads on several load threads take turns.
-_LOAD_LOCK = threading.Lock()
-
-_TRUE = ("true", "on", "1")
-_FALSE = ("false", "off", "0")
-
-
-# --- parameters -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TorchSettings:
-    """The model's parameters, parsed. ``None`` means "not set: leave torch's default"."""
-
-    inference_mode: bool = True
-    optimized_execution: bool = True
-    weight_sharing: bool = False
-    cache_cleaning: bool = False
-    cudnn: bool = True
-    nvfuser: bool | None = None
-    jit_executor: bool | None = None
-    jit_profiling: bool | None = None
-    tensor_fuser: bool | None = None
-    intra_op_threads: int | None = None
-    inter_op_threads: int | None = None
-
-    @property
-    def global_switches(self) -> dict[str, bool]:
-        """Process-wide JIT switches this model sets explicitly, by parameter name."""
-        switches = {
-            "ENABLE_JIT_EXECUTOR": self.jit_executor,
-            "ENABLE_JIT_PROFILING": self.jit_profiling,
-            "ENABLE_TENSOR_FUSER": self.tensor_fuser,
-        }
-        return {k: v for k, v in switches.items() if v is not None}
-
-
-def _bool_param(config: ModelConfig, key: str) -> bool | None:
-    if key not in config.parameters:
-        return None
-    value = config.parameters[key].strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(
-        f"{config.source}: parameter '{key}' of model '{config.name}' must be true or false, "
-        f"got '{config.parameters[key]}'"
-    )
-
-
-def _int_param(config: ModelConfig, key: str) -> int | None:
-    if key not in config.parameters:
-        return None
-    try:
-        value = int(config.parameters[key].strip())
-    except ValueError:
-        raise ConfigError(
-            f"{config.source}: parameter '{key}' of model '{config.name}' must be an integer, "
-            f"got '{config.parameters[key]}'"
-        ) from None
-    return value if value > 0 else None  # Triton: 0 or less leaves torch's default
-
-
-def parse_settings(config: ModelConfig) -> TorchSettings:
-    """Read the PyTorch backend's parameters; a value that is not a boolean is a config error."""
-
-    def flag(key: str, default: bool) -> bool:
-        value = _bool_param(config, key)
-        return default if value is None else value
-
-    disable_optimized = flag("DISABLE_OPTIMIZED_EXECUTION", False)
-    disable_cudnn = flag("DISABLE_CUDNN", False)
-    return TorchSettings(
-        inference_mode=flag("INFERENCE_MODE", True),
-        optimized_execution=not disable_optimized,
-        weight_sharing=flag("ENABLE_WEIGHT_SHARING", False),
-        cache_cleaning=flag("ENABLE_CACHE_CLEANING", False),
-        cudnn=not disable_cudnn,
-        nvfuser=_bool_param(config, "ENABLE_NVFUSER"),
-        jit_executor=_bool_param(config, "ENABLE_JIT_EXECUTOR"),
-        jit_profiling=_bool_param(config, "ENABLE_JIT_PROFILING"),
-        tensor_fuser=_bool_param(config, "ENABLE_TENSOR_FUSER"),
-        intra_op_threads=_int_param(config, "INTRA_OP_THREAD_COUNT"),
-        inter_op_threads=_int_param(config, "INTER_OP_THREAD_COUNT"),
-    )
-
-
-# --- process-wide torch state -------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _GlobalState:
-    """torch switches that are process-wide, and which loaded models set them."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    #: (parameter, model) -> value, for every model with a live instance that sets it.
-    switches: dict[tuple[str, str], bool] = field(default_factory=dict)
-    switch_users: dict[tuple[str, str], int] = field(default_factory=dict)
-    #: INTRA_OP_THREAD_COUNT / INTER_OP_THREAD_COUNT: the first model to set one decides.
-    threads: dict[str, tuple[str, int]] = field(default_factory=dict)
-
-
-_GLOBAL = _GlobalState()
-
-
-def _claim_switches(model: str, settings: TorchSettings) -> None:
-    """Record the model's process-wide switches; warn when a loaded model disagrees."""
-    with _GLOBAL.lock:
-        for key, value in settings.global_switches.items():
-            for (other_key, other_model), other in _GLOBAL.switches.items():
-                if other_key == key and other_model != model and other != value:
-                    logger.warning(
-                        "model '%s' sets %s=%s but loaded model '%s' sets it to %s; torch has "
-                        "one such switch per process, so each execution sets it again and "
-                        "concurrent executions of the two models may run with either value",
-                        model,
-                        key,
-                        str(value).lower(),
-                        other_model,
-                        str(other).lower(),
-                    )
-            _GLOBAL.switches[(key, model)] = value
-            _GLOBAL.switch_users[(key, model)] = _GLOBAL.switch_users.get((key, model), 0) + 1
-
-
-def _release_switches(model: str, settings: TorchSettings) -> None:
-    with _GLOBAL.lock:
-        for key in settings.global_switches:
-            users = _GLOBAL.switch_users.get((key, model), 0) - 1
-            if users <= 0:
-                _GLOBAL.switch_users.pop((key, model), None)
-                _GLOBAL.switches.pop((key, model), None)
-            else:
-                _GLOBAL.switch_users[(key, model)] = users
-
-
-def _set_thread_counts(model: str, settings: TorchSettings) -> None:
-    """INTRA/INTER_OP_THREAD_COUNT are process-wide in torch: the first model decides, as in
-    Triton; a later different value is ignored with a warning."""
-    wanted = (
-        ("INTRA_OP_THREAD_COUNT", settings.intra_op_threads, torch.set_num_threads),
-        ("INTER_OP_THREAD_COUNT", settings.inter_op_threads, torch.set_num_interop_threads),
-    )
-    with _GLOBAL.lock:
-        for key, value, setter in wanted:
-            if value is None:
-                continue
-            owner = _GLOBAL.threads.get(key)
-            if owner is not None:
-                if owner[1] != value:
-                    logger.warning(
-                        "model '%s': %s=%d ignored; it is process-wide in torch and model '%s' "
-                        "already set it to %d",
-                        model,
-                        key,
-                        value,
-                        owner[0],
-                        owner[1],
-                    )
-                continue
-            try:
-                setter(value)
-            except RuntimeError as exc:  # inter-op threads: only before any parallel work
-                logger.warning("model '%s': %s=%d not applied: %s", model, key, value, exc)
-                continue
-            _GLOBAL.threads[key] = (model, value)
-            logger.info("model '%s': torch %s set to %d (process-wide)", model, key, value)
-
-
-def _apply_switches(settings: TorchSettings) -> None:
-    """Set the process-wide switches the model asks for, before each execution, as Triton
-    does; switches the model leaves unset keep whatever value torch has."""
-    if settings.jit_profiling is not None:
-        torch._C._jit_set_profiling_mode(settings.jit_profiling)
-    if settings.jit_executor is not None:
-        torch._C._jit_set_profiling_executor(settings.jit_executor)
-    if settings.tensor_fuser is not None:
-        torch._C._jit_set_texpr_fuser_enabled(settings.tensor_fuser)
-
-
-# --- tensor naming ------------------------------------------------------------------------
-
-
-def tensor_index(name: str) -> int | None:
-    """The index in a ``<name>__<index>`` tensor name (``INPUT__0`` -> 0), else None."""
-    match = _INDEXED.search(name)
-    if match is None or name.find("__") != match.start():
-        return None
-    return int(match.group(1))
-
-
-@dataclass(frozen=True, slots=True)
-class InputBinding:
-    """How configured inputs reach ``forward``: by position, or all in one dict."""
-
-    convention: str  # "forward_argument", "named_index", "config_order", "dict"
-    positions: dict[str, int]  # input name -> argument position (ignored for "dict")
-    arity: int  # number of forward arguments (1 for "dict")
-
-
-def bind_inputs(
-    names: list[str], arguments: list[tuple[str, str]], model: str, source: str
-) -> InputBinding:
-    """Map input names to forward() arguments by Triton's rules.
-
-    ``arguments`` are forward's ``(name, kind)`` without ``self``; kind is the TorchScript type
-    kind (``TensorType``, ``ListType``, ``DictType``, ...).
-    """
-    if not names:
-        raise ConfigError(
-            f"{source}: model '{model}' declares no input; the PyTorch backend cannot "
-            "auto-complete inputs (TorchScript models carry no tensor types), so config.pbtxt "
-            "must list them"
-        )
-    if len(arguments) == 1 and arguments[0][1] == "DictType":
-        return InputBinding("dict", dict.fromkeys(names, 0), 1)
-    for arg, kind in arguments:
-        if kind == "DictType":
-            raise ConfigError(
-                f"{source}: model '{model}': forward() argument '{arg}' is a Dict; only a single "
-                "Dict[str, Tensor] argument, or arguments of type Tensor and List[str], are "
-                "supported"
-            )
-        if kind not in ("TensorType", "ListType"):
-            raise ConfigError(
-                f"{source}: model '{model}': forward() argument '{arg}' has type {kind}; only "
-                "Tensor and List[str] arguments (or a single Dict[str, Tensor]) are supported"
-            )
-    if len(arguments) != len(names):
-        raise ConfigError(
-            f"{source}: model '{model}': the configuration declares {len(names)} input(s) "
-            f"({', '.join(names)}) but forward() takes {len(arguments)} "
-            f"({', '.join(a for a, _ in arguments)})"
-        )
-    arg_names = [a for a, _ in arguments]
-    if all(n in arg_names for n in names):
-        return InputBinding(
-            "forward_argument", {n: arg_names.index(n) for n in names}, len(arguments)
-        )
-    indices = [tensor_index(n) for n in names]
-    if all(i is not None for i in indices):
-        positions = {n: i for n, i in zip(names, indices, strict=True) if i is not None}
-        _check_indices(positions, len(arguments), "input", model, source)
-        return InputBinding("named_index", positions, len(arguments))
-    if any("__" in n for n in names):
-        logger.warning(
-            "model '%s': inputs are neither all forward() arguments (%s) nor all of the form "
-            "<name>__<index>; feeding them in configuration order",
-            model,
-            ", ".join(arg_names),
-        )
-    return InputBinding("config_order", {n: i for i, n in enumerate(names)}, len(arguments))
-
-
-def bind_outputs(names: list[str], model: str, source: str) -> tuple[str, dict[str, int]]:
-    """Output name -> position in the model's result: ``<name>__<index>``, else config order."""
-    if not names:
-        raise ConfigError(
-            f"{source}: model '{model}' declares no output; the PyTorch backend cannot "
-            "auto-complete outputs, so config.pbtxt must list them"
-        )
-    indices = [tensor_index(n) for n in names]
-    if all(i is not None for i in indices):
-        positions = {n: i for n, i in zip(names, indices, strict=True) if i is not None}
-        _check_indices(positions, None, "output", model, source)
-        return "named_index", positions
-    if any("__" in n for n in names):
-        logger.warning(
-            "model '%s': outputs are not all of the form <name>__<index>; taking them in "
-            "configuration order",
-            model,
-        )
-    return "config_order", {n: i for i, n in enumerate(names)}
-
-
-def _check_indices(
-    positions: dict[str, int], arity: int | None, kind: str, model: str, source: str
-) -> None:
-    seen: dict[int, str] = {}
-    for name, index in positions.items():
-        if index in seen:
-            raise ConfigError(
-                f"{source}: model '{model}': {kind}s '{seen[index]}' and '{name}' both name "
-                f"position {index}"
-            )
-        if arity is not None and index >= arity:
-            raise ConfigError(
-                f"{source}: model '{model}': {kind} '{name}' names position {index} but "
-                f"forward() takes {arity} argument(s)"
-            )
-        seen[index] = name
-
-
-def _schema_arguments(module: Any) -> list[tuple[str, str, str]]:
-    """forward()'s arguments without ``self``: (name, type kind, type as written)."""
-    schema = module.forward.schema
-    args = list(schema.arguments)
-    if args and args[0].type.kind() == "ClassType":
-        args = args[1:]
-    return [(a.name, a.type.kind(), str(a.type)) for a in args]
-
-
-def _result_types(module: Any) -> tuple[str, list[str]]:
-    """forward()'s return type kind and, for tuples, the element types as written."""
-    returns = module.forward.schema.returns
-    if len(returns) != 1:
-        return "TupleType", [str(r.type) for r in returns]
-    rtype = returns[0].type
-    kind = rtype.kind()
-    if kind == "TupleType":
-        return kind, [str(e) for e in rtype.elements()]
-    return kind, [str(rtype)]
-
-
-# --- loading -----------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Shared:
-    module: Any
-    config: ModelConfig  # kept so that the key's id() is not reused while this lives
-    users: int = 0
-
-
-class _ModuleCache:
-    """ENABLE_WEIGHT_SHARING: one loaded module per (load of a model, version, device)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[tuple[int, int, str], _Shared] = {}
-
-    def acquire(self, key: tuple[int, int, str], config: ModelConfig, load: Any) -> Any:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = _Shared(load(), config)
-                self._entries[key] = entry
-            else:
-                logger.info(
-                    "model '%s' version %d: reusing the loaded TorchScript module on %s "
-                    "(ENABLE_WEIGHT_SHARING)",
-                    config.name,
-                    key[1],
-                    key[2],
-                )
-            entry.users += 1
-            return entry.module
-
-    def release(self, key: tuple[int, int, str]) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return
-            entry.users -= 1
-            if entry.users <= 0:
-                del self._entries[key]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-_SHARED = _ModuleCache()
-
-
-def _device_for(config: ModelConfig, spec: InstanceSpec) -> torch.device | None:
-    """Where the instance runs; None for KIND_MODEL (the model's own devices)."""
-    if spec.group.kind == "KIND_GPU":
-        if torch.cuda.is_available():
-            return torch.device(f"cuda:{spec.device_id}")
-        logger.warning(
-            "model '%s' instance %s: KIND_GPU asked for, but torch sees no CUDA device here; "
-            "running on the CPU",
-            config.name,
-            spec.name,
-        )
-    if spec.group.kind == "KIND_MODEL":
-        return None
-    return torch.device("cpu")
-
-
-def _warn_no_effect(config: ModelConfig, settings: TorchSettings, device: torch.device | None) -> None:
-    on_gpu = device is not None and device.type == "cuda"
-    if settings.nvfuser is not None:
-        logger.warning(
-            "model '%s': parameter ENABLE_NVFUSER has no effect: NVFuser is no longer part of "
-            "TorchScript in torch %s",
-            config.name,
-            torch.__version__,
-        )
-    if not on_gpu:
-        if settings.cache_cleaning:
-            logger.warning(
-                "model '%s': parameter ENABLE_CACHE_CLEANING has no effect: the model runs on "
-                "the CPU (it empties the CUDA cache after each execution on a GPU)",
-                config.name,
-            )
-        if not settings.cudnn:
-            logger.warning(
-                "model '%s': parameter DISABLE_CUDNN has no effect: the model runs on the CPU",
-                config.name,
-            )
-
-
-def _load_module(path: str, device: torch.device | None, settings: TorchSettings, model: str) -> Any:
-    try:
-        # As Triton: the module is loaded under the mode it will run in.
-        with _LOAD_LOCK, warnings.catch_warnings(), torch.inference_mode(settings.inference_mode):
-            # torch 2.x deprecates TorchScript (torch.jit.load warns); Triton still serves it.
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
-            module = _jit_load(path, map_location=device)
-    except Exception as exc:
-        raise InternalError(
-            f"model '{model}': torch could not load TorchScript model {path}: "
-            f"{format_exception(exc)}"
-        ) from None
-    module.eval()
-    return module
-
-
-def _sequence(config: ModelConfig) -> SequenceSettings:
-    if not config.proto.HasField("sequence_batching"):
-        return SequenceSettings()
-    return sequence_settings(config)
-
-
-def _check_bytes_dims(config: ModelConfig, tensors: list[TensorConfig], kind: str) -> None:
-    batching = config.max_batch_size > 0
-    for tensor in tensors:
-        if tensor.datatype is not DataType.BYTES:
-            continue
-        dims = tensor.reshape if tensor.reshape is not None else tensor.dims
-        if len(dims) + (1 if batching else 0) > 1:
-            raise ConfigError(
-                f"{config.source}: {kind} '{tensor.name}' of model '{config.name}': the PyTorch "
-                "backend supports only one-dimensional BYTES tensors (List[str]); it has "
-                f"dims {list(tensor.dims)}{' plus the batch dimension' if batching else ''}"
-            )
 
 
 # --- the instance -----------------------------------------------------------------------

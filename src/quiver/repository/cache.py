@@ -47,13 +47,17 @@ extraction) plus reservations for downloads in flight; entries that are not pinn
 evicted least recently used first. A model loaded from an entry must hold a
 :class:`CacheLease` (from :meth:`DiskCache.acquire` or :meth:`DiskCache.pin`) so its files
 are never evicted under it.
+
+Pieces: the manifest (record and check of an entry's files) is
+:mod:`quiver.repository.manifest`; the lease, stats, errors and index record are
+:mod:`quiver.repository.cache_types`; resolving a key's version and filling an entry from the
+store is :mod:`quiver.repository.cache_download`. Their public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -61,14 +65,11 @@ import logging
 import os
 import re
 import shutil
-import stat as stat_mod
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any
+from typing import IO
 
 from quiver.errors import (
     InternalError,
@@ -77,158 +78,47 @@ from quiver.errors import (
     QuiverError,
     UnavailableError,
 )
-from quiver.repository.archive import ExtractLimits, copy_folder, extract_archive
+from quiver.repository.archive import ExtractLimits
+from quiver.repository.cache_download import _build_content, _Built, _resolve
+from quiver.repository.cache_types import (
+    CacheFullError,
+    CacheLease,
+    CacheStats,
+    _Entry,
+    _Flight,
+    _os_error,
+)
+from quiver.repository.manifest import (
+    MANIFEST,
+    _rewrite_manifest,
+    check_tree,
+    record_tree,
+)
 from quiver.repository.names import check_key
 from quiver.repository.storage import (
-    LocalStorage,
     S3Storage,
     Storage,
     StoredObject,
-    is_archive_key,
 )
+
+__all__ = [
+    "DEFAULT_REVALIDATE_TIMEOUT",
+    "CacheFullError",
+    "CacheLease",
+    "CacheStats",
+    "DiskCache",
+    "check_tree",
+    "is_model_folder",
+    "record_tree",
+]
 
 logger = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
-MANIFEST = "entry.json"
-CONTENT = "content"
 LOCK = ".lock"
-#: The manifest layout this module writes; older ones (without the file list) are dropped.
-MANIFEST_FORMAT = 2
 #: Seconds a fetch of a key already on disk waits for the store's answer before serving the
 #: cached entry (``--model-cache-revalidate-timeout``).
 DEFAULT_REVALIDATE_TIMEOUT = 3.0
-_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-_NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
-_HASH_CHUNK = 1 << 20
-
-
-class CacheFullError(UnavailableError):
-    """The cache cannot take the entry: it does not fit even after evicting every entry that
-    is not pinned, or the cache folder cannot be written (disk or quota full, read-only, no
-    permission). The message names the folder.
-
-    The SageMaker routes answer this with 507 (the status that tells SageMaker to make room).
-    """
-
-
-@dataclass(slots=True)
-class CacheStats:
-    """Counters for metrics; plain attributes, read them any time.
-
-    ``hits``/``misses`` count resolutions (N concurrent fetches of one key that share one
-    download count one miss and N-1 ``joined``). ``download_ns`` is the total time spent
-    downloading (extraction excluded); ``on_download`` of :class:`DiskCache` gives each one.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    joined: int = 0
-    stale_hits: int = 0  # served from cache because the store was unavailable or slow
-    damaged: int = 0  # entries found changed or incomplete on disk, dropped and fetched again
-    downloads: int = 0
-    download_failures: int = 0
-    bytes_downloaded: int = 0
-    download_ns: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-
-
-@dataclass(slots=True)
-class _Record:
-    """One path under an entry's ``content/`` as the manifest knows it."""
-
-    kind: str  # "file", "dir" or "link"
-    size: int = 0
-    sha256: str = ""
-    target: str = ""  # a link's target
-    stat: tuple[int, int, int] = (0, 0, 0)  # a file's (inode, mtime_ns, ctime_ns)
-
-    def to_json(self, path: str) -> dict[str, Any]:
-        out: dict[str, Any] = {"path": path, "type": self.kind}
-        if self.kind == "file":
-            out.update(size=self.size, sha256=self.sha256, stat=list(self.stat))
-        elif self.kind == "link":
-            out["target"] = self.target
-        return out
-
-    @classmethod
-    def from_json(cls, item: dict[str, Any]) -> tuple[str, _Record]:
-        kind = str(item["type"])
-        if kind == "file":
-            ino, mtime, ctime = (int(v) for v in item["stat"])
-            record = cls(kind, int(item["size"]), str(item["sha256"]), stat=(ino, mtime, ctime))
-        elif kind == "link":
-            record = cls(kind, target=str(item["target"]))
-        elif kind == "dir":
-            record = cls(kind)
-        else:
-            raise ValueError(kind)
-        return str(item["path"]), record
-
-
-@dataclass(slots=True, eq=False)
-class _Entry:
-    ident: tuple[str, str]  # (storage location, key)
-    version: str
-    name: str
-    root: Path
-    bytes: int
-    last_used: int
-    files: dict[str, _Record] = field(default_factory=dict)
-    pins: int = 0
-    stale: bool = False  # replaced, gone or damaged: never handed out again
-    verified: bool = False  # hashed in full by this process
-
-    @property
-    def path(self) -> Path:
-        return self.root / self.name / CONTENT
-
-
-@dataclass(slots=True, eq=False)
-class _Flight:
-    task: asyncio.Task[_Entry]
-    waiters: int = 1
-
-
-class CacheLease:
-    """A pin on one cache entry: its files stay on disk until :meth:`release`.
-
-    Usable as a (sync or async) context manager; releasing twice is harmless.
-    """
-
-    def __init__(self, cache: DiskCache, entry: _Entry) -> None:
-        self._cache = cache
-        self._entry: _Entry | None = entry
-        self.path = entry.path
-        self.key = entry.ident[1]
-        self.version = entry.version
-
-    @property
-    def released(self) -> bool:
-        return self._entry is None
-
-    def release(self) -> None:
-        entry, self._entry = self._entry, None
-        if entry is not None:
-            self._cache._unpin(entry)
-
-    def __enter__(self) -> Path:
-        return self.path
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.release()
-
-    async def __aenter__(self) -> Path:
-        return self.path
-
-    async def __aexit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"CacheLease({self.key!r}, {str(self.path)!r}, released={self.released})"
 
 
 def is_model_folder(path: Path) -> bool:
@@ -255,91 +145,6 @@ def _remove(path: Path) -> None:
     except OSError as exc:
         logger.warning("model cache: cannot delete %s: %s", path, exc)
 
-
-# -- the manifest: what an entry's content is --------------------------------------------------
-
-
-def _walk(content: Path) -> Iterator[tuple[str, os.stat_result]]:
-    """(relative path, lstat) of everything under ``content``; links are not followed."""
-    stack = [""]
-    while stack:
-        rel_dir = stack.pop()
-        with os.scandir(content / rel_dir if rel_dir else content) as entries:
-            for entry in entries:
-                rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-                st = entry.stat(follow_symlinks=False)
-                yield rel, st
-                if stat_mod.S_ISDIR(st.st_mode):
-                    stack.append(rel)
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _file_stat(st: os.stat_result) -> tuple[int, int, int]:
-    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def record_tree(content: Path) -> dict[str, _Record]:
-    """The manifest of ``content``: every file hashed (blocking)."""
-    records: dict[str, _Record] = {}
-    for rel, st in _walk(content):
-        if stat_mod.S_ISDIR(st.st_mode):
-            records[rel] = _Record("dir")
-        elif stat_mod.S_ISLNK(st.st_mode):
-            records[rel] = _Record("link", target=os.readlink(content / rel))
-        elif stat_mod.S_ISREG(st.st_mode):
-            records[rel] = _Record("file", st.st_size, _sha256(content / rel), stat=_file_stat(st))
-        else:
-            raise InvalidArgumentError(f"'{rel}' is not a file, folder or link")
-    return records
-
-
-def check_tree(
-    content: Path, records: dict[str, _Record], *, deep: bool
-) -> tuple[str, dict[str, _Record]]:
-    """Compare ``content`` with its manifest (blocking). Returns the first problem found
-    ('' when none) and the file records whose stat changed while their content did not.
-
-    Every path is ``lstat``-ed; a file is hashed when ``deep`` or when its size, inode,
-    mtime or ctime differ from the manifest's."""
-    refreshed: dict[str, _Record] = {}
-    seen = 0
-    try:
-        for rel, st in _walk(content):
-            record = records.get(rel)
-            if record is None:
-                return f"'{rel}' was added", {}
-            seen += 1
-            mode = st.st_mode
-            if record.kind == "dir":
-                if not stat_mod.S_ISDIR(mode):
-                    return f"'{rel}' is no longer a folder", {}
-            elif record.kind == "link":
-                if not stat_mod.S_ISLNK(mode) or os.readlink(content / rel) != record.target:
-                    return f"link '{rel}' was changed", {}
-            elif not stat_mod.S_ISREG(mode):
-                return f"'{rel}' is no longer a regular file", {}
-            elif st.st_size != record.size:
-                return f"'{rel}' is {st.st_size} bytes, the manifest says {record.size}", {}
-            elif deep or _file_stat(st) != record.stat:
-                if _sha256(content / rel) != record.sha256:
-                    return f"the content of '{rel}' changed (SHA-256 differs)", {}
-                if _file_stat(st) != record.stat:
-                    refreshed[rel] = _Record("file", record.size, record.sha256, stat=_file_stat(st))
-    except FileNotFoundError as exc:
-        if not content.is_dir():
-            return f"its folder {content} is gone", {}
-        return f"'{exc.filename}' disappeared while being checked", {}
-    except OSError as exc:
-        return f"cannot read it: {exc}", {}
-    if seen != len(records):
-        missing = sorted(set(records) - {rel for rel, _ in _walk(content)})
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        return f"'{missing[0]}'{more} missing", {}
-    return "", refreshed
 
 
 class DiskCache:
@@ -464,7 +269,7 @@ class DiskCache:
                 logger.info("model cache: deleting leftover %s", child)
                 _remove(child)
                 continue
-            entry = self._read_manifest(child)
+            entry = _Entry.read(child, self.root)
             if entry is None:
                 logger.warning(
                     "model cache: deleting %s, which is not a complete entry (or has no file "
@@ -475,24 +280,6 @@ class DiskCache:
             found.append(((child / MANIFEST).stat().st_mtime, entry))
         found.sort(key=lambda pair: pair[0])
         return [entry for _, entry in found]
-
-    def _read_manifest(self, folder: Path) -> _Entry | None:
-        try:
-            data = json.loads((folder / MANIFEST).read_text())
-            if data.get("format") != MANIFEST_FORMAT or not (folder / CONTENT).is_dir():
-                return None
-            files = dict(_Record.from_json(item) for item in data["files"])
-            return _Entry(
-                ident=(str(data["location"]), str(data["key"])),
-                version=str(data["version"]),
-                name=folder.name,
-                root=self.root,
-                bytes=int(data["bytes"]),
-                last_used=0,
-                files=files,
-            )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return None
 
     async def close(self) -> None:
         """Wait for background work (deletions, manifest updates) and release the folder lock."""
@@ -653,7 +440,7 @@ class DiskCache:
         entry.verified = True
         if refreshed:
             entry.files.update(refreshed)
-            manifest = self._manifest(entry)
+            manifest = entry.manifest()
             self._spawn(lambda: _rewrite_manifest(self.root / entry.name, manifest))
         return True
 
@@ -698,71 +485,20 @@ class DiskCache:
         return entry
 
     def _os_error(self, exc: OSError, doing: str) -> QuiverError:
-        """A Quiver error for ``exc`` raised while working in the cache folder: a full or
-        unwritable folder is a CacheFullError naming it."""
-        # A file under the cache folder, or named relative to a folder descriptor in it (the
-        # extraction writes with openat), or none (a write to an open file).
-        filename = os.fsdecode(exc.filename) if exc.filename is not None else ""
-        inside = not os.path.isabs(filename) or os.path.commonpath([filename, self.root]) == str(self.root)
-        what = f"{exc.strerror or exc}" + (f" ({filename})" if filename else "")
-        if exc.errno in _NO_SPACE:
-            return CacheFullError(f"model cache folder {self.root} is full: {doing}: {what}")
-        if exc.errno in _NOT_WRITABLE and inside:
-            return CacheFullError(
-                f"model cache folder {self.root} cannot be written (read-only or no permission): "
-                f"{doing}: {what}"
-            )
-        return UnavailableError(f"model cache folder {self.root}: {doing}: {what}")
+        return _os_error(self.root, exc, doing)
 
     # -- blocking work (threads) -----------------------------------------------------------------
 
     def _build(self, tmp: Path, key: str, objects: list[StoredObject], storage: Storage) -> _Built:
-        content = tmp / CONTENT
         try:
-            content.mkdir(parents=True)
-            start = time.monotonic_ns()
-            if is_archive_key(key):
-                (obj,) = objects
-                part = tmp / "archive.tar.gz"
-                _download_verified(storage, obj, part)
-                download_ns = time.monotonic_ns() - start
-                extract_archive(part, content, limits=self.limits, name=key)
-                part.unlink()
-            elif isinstance(storage, LocalStorage):
-                copy_folder(storage.root / key, content, limits=self.limits)
-                download_ns = time.monotonic_ns() - start
-            else:
-                for files, obj in enumerate(objects, 1):
-                    rel = obj.key[len(key) + 1 :]
-                    check_key(rel, what=f"object key in model '{key}'")
-                    if files > self.limits.max_files:
-                        raise InvalidArgumentError(f"model '{key}' has more than {self.limits.max_files} files")
-                    dest = content / rel
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    _download_verified(storage, obj, dest)
-                download_ns = time.monotonic_ns() - start
-            hashed = time.monotonic_ns()
-            records = record_tree(content)
-            hash_ns = time.monotonic_ns() - hashed
+            return _build_content(tmp, key, objects, storage, self.limits)
         except OSError as exc:
             raise self._os_error(exc, f"cannot fetch '{key}'") from None
-        size = sum(r.size for r in records.values())
-        return _Built(sum(o.size for o in objects), download_ns, size, records, hash_ns)
-
-    def _manifest(self, entry: _Entry) -> dict[str, Any]:
-        return {
-            "format": MANIFEST_FORMAT,
-            "location": entry.ident[0],
-            "key": entry.ident[1],
-            "version": entry.version,
-            "bytes": entry.bytes,
-            "files": [record.to_json(path) for path, record in sorted(entry.files.items())],
-        }
 
     def _commit(self, tmp: Path, entry: _Entry) -> None:
         try:
             with open(tmp / MANIFEST, "w") as f:
-                json.dump(self._manifest(entry), f)
+                json.dump(entry.manifest(), f)
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, self.root / entry.name)
@@ -852,54 +588,3 @@ class DiskCache:
         task = loop.create_task(asyncio.to_thread(work))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def _rewrite_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    """Replace an entry's manifest (new stat fields of unchanged files); best effort."""
-    new = folder / f".{MANIFEST}.{uuid.uuid4().hex}.new"
-    try:
-        with open(new, "w") as f:
-            json.dump(manifest, f)
-        os.replace(new, folder / MANIFEST)
-    except OSError as exc:
-        logger.debug("model cache: cannot update %s: %s", folder / MANIFEST, exc)
-        with contextlib.suppress(OSError):
-            new.unlink()
-
-
-@dataclass(frozen=True, slots=True)
-class _Built:
-    downloaded: int
-    download_ns: int
-    bytes: int
-    files: dict[str, _Record]
-    hash_ns: int
-
-
-def _resolve(storage: Storage, key: str) -> tuple[str, list[StoredObject]]:
-    """The current version of ``key`` and the objects to fetch (blocking)."""
-    if is_archive_key(key):
-        obj = storage.stat(key)
-        return f"{obj.etag}:{obj.size}", [obj]
-    objects = storage.list(key + "/")
-    if not objects:
-        raise NotFoundError(f"model '{key}' not found in {storage.location}")
-    digest = hashlib.sha256()
-    for obj in objects:
-        digest.update(f"{obj.key}\0{obj.size}\0{obj.etag}\n".encode())
-    return f"tree:{digest.hexdigest()[:32]}:{sum(o.size for o in objects)}", objects
-
-
-def _download_verified(storage: Storage, obj: StoredObject, dest: Path) -> None:
-    """Download ``obj`` to ``dest`` and check its size (and MD5 when the ETag is one)."""
-    got = storage.download(obj.key, dest, etag=obj.etag or None)
-    on_disk = dest.stat().st_size
-    if got.object.size != obj.size or on_disk != obj.size:
-        raise UnavailableError(
-            f"'{obj.key}' from {storage.location}: got {on_disk} bytes, expected {obj.size}"
-        )
-    if obj.md5 is not None and got.md5 != obj.md5:
-        raise UnavailableError(
-            f"'{obj.key}' from {storage.location}: content MD5 {got.md5} does not match "
-            f"ETag {obj.md5}"
-        )

@@ -1,0 +1,137 @@
+"""Conversions at the Python backend's boundary: model exceptions to Quiver errors, config
+dicts to JSON-ready values, ``pb_utils`` tensors, requests and responses to Quiver's and back
+(for execute results and BLS calls).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+import triton_python_backend_utils as pb_utils
+from quiver.errors import (
+    ErrorCode,
+    QuiverError,
+    error_for_code,
+)
+from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+
+def _error_code(exc: BaseException) -> ErrorCode:
+    """The Triton error code an exception raised by model code stands for."""
+    if isinstance(exc, pb_utils.TritonError):
+        return ErrorCode[exc.code().name]
+    if isinstance(exc, QuiverError):
+        return exc.code
+    return ErrorCode.INTERNAL
+
+
+def _model_error(exc: BaseException, message: str) -> QuiverError:
+    return error_for_code(_error_code(exc), message)
+
+
+def _json_ready(value: Any) -> Any:
+    """Numpy scalars and tuples in a config dict, made JSON-plain."""
+    return json.loads(json.dumps(value, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (tuple, set)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+# -------------------------------------------------------------- tensor conversion
+
+
+def _as_bytes(item: Any) -> bytes:
+    if type(item) is bytes:
+        return item
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    return str(item).encode("utf-8")  # what Triton's serialize_byte_tensor does
+
+
+def _bytes_array(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """An object array of ``bytes`` with the same shape."""
+    if array.dtype.kind == "O":
+        flat = array.reshape(-1)
+        if all(type(item) is bytes for item in flat):
+            return array
+        items = [_as_bytes(item) for item in flat]
+    else:  # "U" or "S"
+        items = [_as_bytes(item) for item in array.reshape(-1).tolist()]
+    result = np.empty(len(items), dtype=np.object_)
+    result[:] = items
+    return result.reshape(array.shape)
+
+
+def _output_tensor(tensor: Any) -> Tensor:
+    """A model's pb_utils.Tensor as a Quiver Tensor; ValueError says what is wrong."""
+    if not isinstance(tensor, pb_utils.Tensor):
+        raise ValueError(
+            f"output_tensors contains a {type(tensor).__name__}, not a pb_utils.Tensor"
+        )
+    name = tensor.name()
+    array = tensor.as_numpy()
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"output '{name}' holds a {type(array).__name__}, not a numpy array")
+    if array.dtype.kind in ("O", "U", "S"):
+        return Tensor(name, DataType.BYTES, tuple(array.shape), _bytes_array(array))
+    try:
+        datatype = DataType.from_numpy(array.dtype)
+    except KeyError:
+        raise ValueError(
+            f"output '{name}' has numpy dtype {array.dtype}, which has no Triton datatype"
+        ) from None
+    return Tensor(name, datatype, tuple(array.shape), array)
+
+
+def _quiver_request(request: pb_utils.InferenceRequest) -> InferenceRequest:
+    inputs = []
+    for tensor in request.inputs():
+        array = tensor.as_numpy()
+        if array.dtype.kind in ("O", "U", "S"):
+            inputs.append(
+                Tensor(tensor.name(), DataType.BYTES, tuple(array.shape), _bytes_array(array))
+            )
+        else:
+            inputs.append(
+                Tensor(tensor.name(), DataType.from_numpy(array.dtype), tuple(array.shape), array)
+            )
+    names = request.requested_output_names()
+    parameters: dict[str, Any] = json.loads(request.parameters() or "{}")
+    if request.correlation_id():
+        flags = request.flags()
+        parameters["sequence_id"] = request.correlation_id()
+        parameters["sequence_start"] = bool(
+            flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+        )
+        parameters["sequence_end"] = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
+    if request.timeout():
+        parameters["timeout"] = request.timeout()
+    version = request.model_version()
+    return InferenceRequest(
+        model_name=request.model_name(),
+        model_version="" if version < 0 else str(version),
+        inputs=inputs,
+        outputs=[RequestedOutput(name) for name in sorted(names)] if names else None,
+        id=request.request_id(),
+        parameters=parameters,
+    )
+
+
+def _pb_response(response: InferenceResponse) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse([pb_utils.Tensor(t.name, t.data) for t in response.outputs])
+
+
+def _pb_error(code: ErrorCode, message: str) -> pb_utils.InferenceResponse:
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.value))
+    )
