@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import gc
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -539,13 +540,20 @@ class GrpcFrontend:
         ``grace``, then close what is left: open streams with nothing pending (a stream or
         health watch a client keeps open must not hold the shutdown for the whole grace)."""
         await self.begin_shutdown()
-        if self.server is None:
+        server, self.server = self.server, None
+        if server is None:
             return
-        stopping = asyncio.create_task(self.server.stop(grace))  # refuses new RPCs now
+        stopping = asyncio.create_task(server.stop(grace))  # refuses new RPCs now
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.servicer.wait_idle(), grace)
-        await self.server.stop(0)
+        await server.stop(0)
         await stopping
+        # Let the stopped server be freed now, while its event loop still runs: freed later,
+        # at interpreter exit after the loop has closed, grpc.aio can crash the process
+        # (SIGSEGV; seen when start-up failed right after the gRPC listener opened).
+        del server, stopping
+        gc.collect()
+        await asyncio.sleep(0)
 
 
 __all__ = ["GrpcFrontend", "InferenceServicer"]
