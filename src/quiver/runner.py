@@ -24,6 +24,7 @@ scheduler and unloads the models (``finalize`` runs), the collector closes; exit
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -140,17 +141,17 @@ async def load_models(parts: Parts, settings: Settings) -> None:
 # -- listeners ---------------------------------------------------------------------------------
 
 
-class _Listener:
+class _Listener(abc.ABC):
     """One open listener: ``begin_stop`` stops taking requests without waiting, ``close``
     waits for the in-flight ones and releases the port."""
 
     name = ""
 
-    async def begin_stop(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def begin_stop(self) -> None: ...
 
-    async def close(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def close(self) -> None: ...
 
 
 class _AsgiListener(_Listener):
