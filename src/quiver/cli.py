@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -470,7 +471,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    import os
 
     from quiver import settings as server_settings
 
@@ -491,10 +491,19 @@ def _run_serve(args: argparse.Namespace) -> int:
         loop_factory = None
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            return runner.run(Runner(settings).run())
+            code = runner.run(Runner(settings).run())
     except OSError as exc:
         logging.getLogger("quiver").error("%s", exc)
         return 1
+    if code != 0:
+        # A start that failed has closed everything it opened, but grpc.aio can still crash
+        # the interpreter's finalization (SIGSEGV) when its server was started and stopped
+        # within moments: leave without finalizing, so the exit code is the one we chose.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _run_ray(settings: Settings) -> int:
