@@ -184,7 +184,12 @@ class _GrpcListener(_Listener):
         self._stopping = asyncio.create_task(self.frontend.stop(grace=30))
 
     async def close(self) -> None:
-        await (self._stopping if self._stopping is not None else self.frontend.stop(0))
+        if self._stopping is None:
+            # Start-up failed after this listener opened: the process exits without
+            # finalizing (cli), which closes the port. Stopping a grpc.aio server moments after
+            # it started can crash the process (SIGSEGV), so it is not stopped here.
+            return
+        await self._stopping
 
 
 class _MetricsListener(_Listener):
