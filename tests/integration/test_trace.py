@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 from google.protobuf import json_format
 from tritonclient.utils import InferenceServerException
 
-from support.models import write_config
+from support.models import write_config, write_python
 from support.server import QuiverServer
 
 IDENTITY = """
@@ -50,6 +50,38 @@ ensemble_scheduling { step [
 ] }
 """
 
+BLS_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            traced = pb_utils.InferenceRequest(
+                model_name="simple", requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.Tensor("INPUT0", data)], trace=request.trace(),
+            )
+            untraced = pb_utils.InferenceRequest(
+                model_name="batched", requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.Tensor("INPUT0", data)],
+            )
+            answer = await traced.async_exec()
+            await untraced.async_exec()
+            output = pb_utils.get_output_tensor_by_name(answer, "OUTPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", output)]))
+        return responses
+"""
+
+BLS_CONFIG = """
+name: "bls"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
 INITIAL = {
     "trace_file": "",  # filled in per server
     "trace_level": ["TIMESTAMPS"],
@@ -66,6 +98,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_config(repo, "simple", IDENTITY)
     write_config(repo, "batched", BATCHED)
     write_config(repo, "pipeline", ENSEMBLE)
+    write_python(repo, "bls", BLS_MODEL, BLS_CONFIG)
     return repo
 
 
@@ -285,3 +318,16 @@ def test_trace_flags_are_checked(repository: Path) -> None:
         with pytest.raises(RuntimeError, match="exited with 2") as failed:
             server.start()
         assert message in str(failed.value)
+
+
+def test_bls_requests_given_the_trace_are_traced(traced: tuple[QuiverServer, Path]) -> None:
+    server, trace_file = traced
+    _infer_http(server, "bls")
+    server.stop()
+    traces = _traces(trace_file)
+    # The BLS model, and the BLS request it passed trace=request.trace() to; not the other.
+    assert sorted(t["model_name"] for t in traces.values()) == ["bls", "simple"]  # type: ignore[type-var]
+    bls_id = next(i for i, t in traces.items() if t["model_name"] == "bls")
+    step = next(t for t in traces.values() if t["model_name"] == "simple")
+    assert step["parent_id"] == bls_id
+    assert "COMPUTE_START" in step["timestamps"]  # type: ignore[operator]
