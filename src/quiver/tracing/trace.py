@@ -109,13 +109,13 @@ class Trace:
         for child in self.children:
             yield from child.walk()
 
-    def to_json(self) -> list[bytes]:
+    def objects(self) -> list[dict[str, Any]]:
         """Triton's trace file objects for this trace alone, in the order recorded."""
-        out: list[bytes] = []
+        out: list[dict[str, Any]] = []
         for kind, payload in self.events:
             if kind == "ts":
                 name, ns = payload
-                out.append(orjson.dumps({"id": self.id, "timestamps": [{"name": name, "ns": ns}]}))
+                out.append({"id": self.id, "timestamps": [{"name": name, "ns": ns}]})
             elif kind == "model":
                 info: dict[str, Any] = {
                     "id": self.id,
@@ -126,12 +126,10 @@ class Trace:
                     info["request_id"] = self.request_id
                 if self.parent_id:
                     info["parent_id"] = self.parent_id
-                out.append(orjson.dumps(info))
+                out.append(info)
             else:
                 activity, tensor = payload
-                out.append(
-                    orjson.dumps({"id": self.id, "activity": activity, "tensor": tensor_json(tensor)})
-                )
+                out.append({"id": self.id, "activity": activity, "tensor": tensor_json(tensor)})
         return out
 
 
@@ -156,7 +154,8 @@ class TraceGroup:
 
     def to_json(self) -> bytes:
         """Every trace of the group as Triton's comma-separated objects, grouped by id."""
-        return b",".join(b",".join(t.to_json()) for t in sorted(self.root.walk(), key=lambda t: t.id) if t.events)
+        objects = [o for t in sorted(self.root.walk(), key=lambda t: t.id) for o in t.objects()]
+        return orjson.dumps(objects)[1:-1]  # the objects without the array's brackets
 
 
 def tensor_json(tensor: Tensor) -> dict[str, str]:
