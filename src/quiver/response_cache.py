@@ -4,7 +4,8 @@ the models whose config says ``response_cache { enable: true }``.
 
 A request whose key is in the cache is answered from it without running the model; on a miss
 the model runs and a successful answer is kept. The key is a 128-bit BLAKE2b digest of the
-model name and version, every input (name, datatype, shape and bytes, in name order), the
+model name and version (and when that version was loaded: answers do not outlive a reload),
+every input (name, datatype, shape and bytes, in name order), the
 outputs asked for, and the request parameters that can change an answer (not ``priority``,
 ``timeout`` or the transport's ``binary_data*``). Triton's key is a subset of this one (name,
 version, input names and bytes): Quiver's never gives one request another's answer where
@@ -140,10 +141,11 @@ def _tensor_bytes(tensor: Tensor) -> int:
     return int(np.asarray(data).nbytes)
 
 
-def request_key(model: str, version: str, request: InferenceRequest) -> bytes:
-    """The cache key of ``request`` to ``model`` ``version`` (see the module docstring)."""
+def request_key(model: str, version: str, request: InferenceRequest, generation: float = 0.0) -> bytes:
+    """The cache key of ``request`` to ``model`` ``version`` (see the module docstring);
+    ``generation`` tells one load of the version from the next."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(orjson.dumps([model, version]))
+    digest.update(orjson.dumps([model, version, generation]))
     for tensor in sorted(request.inputs, key=lambda t: t.name):
         digest.update(orjson.dumps([tensor.name, tensor.datatype.value, list(tensor.shape)]))
         if tensor.datatype is DataType.BYTES:
@@ -226,14 +228,17 @@ class ResponseCache:
         stats: ModelStatistics,
         rows: int,
         run: Callable[[InferenceRequest], Awaitable[InferenceResponse]],
+        generation: float = 0.0,
     ) -> InferenceResponse:
-        """Answer ``request`` from the cache, or with ``run(request)`` and keep the answer."""
+        """Answer ``request`` from the cache, or with ``run(request)`` and keep the answer;
+        ``generation``: when this load of the model was installed (a model loaded again, with
+        other files perhaps, does not get the answers of the one before)."""
         clock = self._clock
         started = clock()
         if sum(int(np.asarray(t.data).nbytes) for t in request.inputs) < HASH_INLINE_BYTES:
-            key = request_key(model, version, request)
+            key = request_key(model, version, request, generation)
         else:
-            key = await asyncio.to_thread(request_key, model, version, request)
+            key = await asyncio.to_thread(request_key, model, version, request, generation)
         entry = self.lookup(key)
         looked_up = clock()
         if entry is not None:

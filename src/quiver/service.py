@@ -395,7 +395,7 @@ class InferenceService:
             if cache is not None and model.config.proto.response_cache.enable:
                 rows = batch_rows(request, model.config.max_batch_size > 0)
                 response = await cache.infer(
-                    model.name, model.version_str, request, model.stats, rows, model.scheduler.enqueue
+                    model.name, model.version_str, request, model.stats, rows, model.scheduler.enqueue, model.loaded_at
                 )
             else:
                 response = await model.scheduler.enqueue(request)

@@ -255,3 +255,16 @@ def test_cache_flags_are_checked(repository: Path) -> None:
         with pytest.raises(RuntimeError, match="exited with 2") as failed:
             server.start()
         assert message in str(failed.value)
+
+
+def test_a_model_loaded_again_does_not_get_the_old_answers(repository: Path) -> None:
+    args = ("--cache-config", "local,size=1048576", "--model-control-mode=explicit", "--load-model=counter")
+    with QuiverServer(repository, args=args) as server:
+        assert [_calls(_http(server, "counter", [4, 3, 2, 1])) for _ in range(2)] == [1, 1]
+        with httpclient.InferenceServerClient(server.url) as client:
+            client.unload_model("counter")
+            client.load_model("counter")
+        _http(server, "counter", [4, 3, 2, 1])
+        stats = _stats(server, "counter")
+        assert stats["execution_count"] == 1  # it ran: the answer cached before the reload is not used
+        assert stats["inference_stats"]["cache_hit"]["count"] == 0  # type: ignore[index]
