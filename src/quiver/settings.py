@@ -287,6 +287,9 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         cache_size = parse_cache_config(args.cache_config, args.response_cache_byte_size)
     except (TraceConfigError, CacheConfigError) as exc:
         raise SettingsError(str(exc)) from None
+    if ray is not None and trace.level:
+        # Each replica would sample, count and write the same files on its own.
+        raise SettingsError("tracing (--trace-config level=...) is not available with --ray")
     endpoint = args.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
     return Settings(
         model_repositories=local,
