@@ -32,6 +32,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
@@ -375,6 +376,9 @@ def _start_tracing(tracing: TraceManager, stack: contextlib.AsyncExitStack) -> N
     config = tracing.config
     for warning in config.warnings:
         logger.warning("%s", warning)
+    folder = Path(config.file).parent if config.file else None
+    if config.mode == "triton" and folder is not None and not folder.is_dir():
+        raise StartError(f"--trace-config triton,file={config.file}: the folder {folder} does not exist", 2)
     if config.mode == "opentelemetry":
         try:
             tracing.exporter = OpenTelemetryExporter(config)

@@ -313,6 +313,7 @@ def test_trace_flags_are_checked(repository: Path) -> None:
         (("--trace-config", "mode=zipkin"), "invalid value for trace mode option: zipkin"),
         (("--trace-config", "rate"), "--trace-config option format is"),
         (("--trace-config", "rate=x"), 'Bad option: "--trace-config rate"'),
+        (("--trace-config", "triton,file=/no/such/folder/t.json"), "the folder /no/such/folder does not exist"),
     ):
         server = QuiverServer(repository, args=flags)
         with pytest.raises(RuntimeError, match="exited with 2") as failed:
