@@ -332,3 +332,21 @@ def test_bls_requests_given_the_trace_are_traced(traced: tuple[QuiverServer, Pat
     step = next(t for t in traces.values() if t["model_name"] == "simple")
     assert step["parent_id"] == bls_id
     assert "COMPUTE_START" in step["timestamps"]  # type: ignore[operator]
+
+
+def test_sagemaker_invocations_are_traced(repository: Path, tmp_path: Path) -> None:
+    trace_file = tmp_path / "trace.json"
+    with QuiverServer(
+        repository,
+        args=("--trace-config", f"triton,file={trace_file}", "--trace-config", "level=TIMESTAMPS",
+              "--trace-config", "rate=1"),
+        env={"SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "simple"},
+    ) as server:  # fmt: skip
+        body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+        response = requests.post(f"{server.sagemaker_url}/invocations", json=body, timeout=10)
+        assert response.status_code == 200, response.text
+    (trace,) = _traces(trace_file).values()
+    assert trace["model_name"] == "simple"
+    assert {"HTTP_RECV_START", "HTTP_RECV_END", "COMPUTE_START", "INFER_RESPONSE_COMPLETE", "HTTP_SEND_END"} <= set(
+        trace["timestamps"]  # type: ignore[arg-type]
+    )
