@@ -268,3 +268,32 @@ def test_a_model_loaded_again_does_not_get_the_old_answers(repository: Path) -> 
         stats = _stats(server, "counter")
         assert stats["execution_count"] == 1  # it ran: the answer cached before the reload is not used
         assert stats["inference_stats"]["cache_hit"]["count"] == 0  # type: ignore[index]
+
+
+def test_hits_through_the_asyncio_clients(server: QuiverServer) -> None:
+    import asyncio
+
+    import tritonclient.grpc.aio as grpcaio
+    import tritonclient.http.aio as httpaio
+
+    data = np.array([7, 7, 7, 0], dtype=np.float32)
+
+    async def scenario() -> list[int]:
+        http = httpaio.InferenceServerClient(server.url)
+        grpc = grpcaio.InferenceServerClient(server.grpc_url)
+        try:
+            http_input = httpaio.InferInput("INPUT0", [4], "FP32")
+            http_input.set_data_from_numpy(data)
+            grpc_input = grpcaio.InferInput("INPUT0", [4], "FP32")
+            grpc_input.set_data_from_numpy(data)
+            first = await http.infer("counter", [http_input])
+            second = await grpc.infer("counter", [grpc_input])
+            return [_calls(first), _calls(second)]
+        finally:
+            await http.close()
+            await grpc.close()
+
+    before = _stats(server, "counter")["inference_stats"]["cache_hit"]["count"]  # type: ignore[index]
+    first, second = asyncio.run(scenario())
+    assert first == second  # the second was answered from the cache
+    assert _stats(server, "counter")["inference_stats"]["cache_hit"]["count"] == before + 1  # type: ignore[index]

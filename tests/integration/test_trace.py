@@ -350,3 +350,29 @@ def test_sagemaker_invocations_are_traced(repository: Path, tmp_path: Path) -> N
     assert {"HTTP_RECV_START", "HTTP_RECV_END", "COMPUTE_START", "INFER_RESPONSE_COMPLETE", "HTTP_SEND_END"} <= set(
         trace["timestamps"]  # type: ignore[arg-type]
     )
+
+
+def test_settings_through_the_asyncio_clients(traced: tuple[QuiverServer, Path]) -> None:
+    import asyncio
+
+    import tritonclient.grpc.aio as grpcaio
+    import tritonclient.http.aio as httpaio
+
+    server, trace_file = traced
+
+    async def scenario() -> None:
+        http = httpaio.InferenceServerClient(server.url)
+        grpc = grpcaio.InferenceServerClient(server.grpc_url)
+        try:
+            updated = await http.update_trace_settings(model_name="simple", settings={"trace_rate": "3"})
+            assert updated == dict(INITIAL, trace_file=str(trace_file), trace_rate="3")
+            settings = await grpc.get_trace_settings(model_name="simple", as_json=True)
+            assert settings["settings"]["trace_rate"] == {"value": ["3"]}
+            cleared = await grpc.update_trace_settings(model_name="simple", settings={"trace_rate": None}, as_json=True)
+            assert cleared["settings"]["trace_rate"] == {"value": ["1"]}
+            assert (await http.get_trace_settings())["trace_rate"] == "1"
+        finally:
+            await http.close()
+            await grpc.close()
+
+    asyncio.run(scenario())
