@@ -24,6 +24,7 @@ from test_trace import BATCHED, ENSEMBLE, IDENTITY
 
 TRACE_ID = "0af7651916cd43dd8448eb211c12666c"
 PARENT_SPAN = "b7ad6b7169242424"
+GRPC_TRACE_ID = "1bf7651916cd43dd8448eb211c12666d"
 
 
 class Receiver:
@@ -118,21 +119,22 @@ def test_spans_exported_over_otlp_http(tmp_path: Path, receiver: Receiver) -> No
             grpc_tensor = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
             grpc_tensor.set_data_from_numpy(data)
             grpc_client.infer("simple", [grpc_tensor])
+            grpc_client.infer("simple", [grpc_tensor], headers={"traceparent": f"00-{GRPC_TRACE_ID}-{PARENT_SPAN}-01"})
     # The server flushed its spans at stop.
     assert set(receiver.paths) == {"/v1/traces"}
     resource = receiver.spans[0][0]
     assert resource["service.name"] == "test_quiver"
     assert resource["test.key"] == "test.value"
     traces = list(receiver.traces().values())
-    assert len(traces) == 4
+    assert len(traces) == 5
     by_model: dict[str, list[list[Any]]] = defaultdict(list)
     for spans in traces:
         root = next(s for s in spans if s.name == "InferRequest")
         model = next(s.name for s in spans if s.parent_span_id == root.span_id)
         by_model[model].append(spans)
 
-    http_plain, http_propagated, grpc_trace = by_model["simple"]
-    for spans in (http_plain, http_propagated, grpc_trace):
+    http_plain, http_propagated, grpc_trace, grpc_propagated = by_model["simple"]
+    for spans in (http_plain, http_propagated, grpc_trace, grpc_propagated):
         assert sorted(s.name for s in spans) == ["InferRequest", "compute", "simple"]
         assert _tree(spans) == {"InferRequest": ["simple"], "simple": ["compute"]}
         model_span = next(s for s in spans if s.name == "simple")
@@ -152,6 +154,9 @@ def test_spans_exported_over_otlp_http(tmp_path: Path, receiver: Receiver) -> No
     propagated_root = next(s for s in http_propagated if s.name == "InferRequest")
     assert propagated_root.trace_id.hex() == TRACE_ID
     assert propagated_root.parent_span_id.hex() == PARENT_SPAN
+    grpc_propagated_root = next(s for s in grpc_propagated if s.name == "InferRequest")
+    assert grpc_propagated_root.trace_id.hex() == GRPC_TRACE_ID  # from the call's metadata
+    assert grpc_propagated_root.parent_span_id.hex() == PARENT_SPAN
     grpc_root = next(s for s in grpc_trace if s.name == "InferRequest")
     assert set(_events(grpc_root)) == {
         "GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "INFER_RESPONSE_COMPLETE", "GRPC_SEND_START", "GRPC_SEND_END",
