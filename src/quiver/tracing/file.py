@@ -30,6 +30,7 @@ class TraceFiles:
         self._scheduled = False
         self._handles: dict[str, BinaryIO] = {}  # the writer thread's alone
         self._indexes: dict[str, int] = {}
+        self._failed: set[str] = set()  # paths whose failure was logged (once each)
 
     def append(self, path: str, traces: bytes) -> None:
         """Add ``traces`` (comma-separated trace objects) to the array in ``path``."""
@@ -74,11 +75,16 @@ class TraceFiles:
                 handle.write(b"," + traces + b"]")
             handle.flush()
         except OSError as exc:
-            logger.error("failed writing trace file %s: %s", path, exc)
+            self._fail(path, exc)
 
     def _write(self, path: str, content: bytes) -> None:
         try:
             with open(path, "wb") as out:
                 out.write(content)
         except OSError as exc:
-            logger.error("failed creating trace file %s: %s", path, exc)
+            self._fail(path, exc)
+
+    def _fail(self, path: str, exc: OSError) -> None:
+        if path not in self._failed:
+            self._failed.add(path)
+            logger.error("failed writing trace file %s: %s (traces for it are lost)", path, exc)
