@@ -195,12 +195,13 @@ class ResponseCache:
             self.hits += 1
         return entry
 
-    def insert(self, key: bytes, response: InferenceResponse, model: str) -> bool:
+    def insert(self, key: bytes, response: InferenceResponse, model: str) -> bool | None:
         """Keep ``response`` under ``key`` (evicting the least recently used as needed);
-        False when it is larger than the whole cache."""
+        False when it is larger than the whole cache, None when the key is there already (an
+        identical request answered meanwhile)."""
         if key in self._entries:
             self._entries.move_to_end(key)
-            return True
+            return None
         size = ENTRY_OVERHEAD + sum(TENSOR_OVERHEAD + _tensor_bytes(t) for t in response.outputs)
         if size > self.size:
             if model not in self._too_large:
@@ -246,6 +247,6 @@ class ResponseCache:
             return InferenceResponse(model, version, list(entry.outputs), request.id, dict(entry.parameters))
         response = await run(request)
         inserting = clock()
-        self.insert(key, response, model)
-        stats.record_cache_miss(looked_up - started + clock() - inserting)
+        if self.insert(key, response, model) is not None:  # Triton counts no miss for a key already there
+            stats.record_cache_miss(looked_up - started + clock() - inserting)
         return response

@@ -47,6 +47,8 @@ def test_least_recently_used_out_first() -> None:
     cache = ResponseCache(size=2 * (256 + 64 + 16))
     for key in (b"a", b"b"):
         assert cache.insert(key, _response(1.0), "m")
+    assert cache.insert(b"a", _response(1.0), "m") is None  # there already: no second entry
+    assert len(cache) == 2
     assert cache.lookup(b"a") is not None  # a is now the most recently used
     cache.insert(b"c", _response(2.0), "m")
     assert cache.lookup(b"b") is None
