@@ -11,10 +11,11 @@ Triton's rules (``docs/protocol/extension_trace.md``, ``src/tracer.cc``):
 - a setting samples every ``rate``-th request (per setting) while ``count`` is not 0
   (-1: no limit; each trace taken counts it down); an invalid setting (no file in ``triton``
   mode, rate 0) is refused unless it turns tracing off;
-- ``triton`` mode collects finished traces and writes them to ``trace_file`` (at shutdown or
-  when the setting is replaced; Quiver writes them as they finish, with the same result),
-  to ``trace_file.<index>`` every ``log_frequency`` traces, and to ``trace_file.<index>``
-  when ``count`` reaches 0.
+- ``triton`` mode collects finished traces and writes them to ``trace_file`` (Triton at
+  shutdown or when the setting is replaced; Quiver, when neither a log frequency nor a count
+  will send them elsewhere, as they finish: the same file in the end, bounded memory on the
+  way), to ``trace_file.<index>`` every ``log_frequency`` traces, and to
+  ``trace_file.<index>`` when ``count`` reaches 0.
 """
 
 from __future__ import annotations
