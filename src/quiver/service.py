@@ -33,6 +33,7 @@ from quiver.errors import (
 from quiver.lifecycle import Model, ModelRepositoryManager, ModelState
 from quiver.lifecycle.budget import OutOfMemoryError
 from quiver.lifecycle.dependencies import ensemble_steps, is_model_folder, served_folder
+from quiver.raw_input import deduce as deduce_raw_input
 from quiver.repository.cache import CacheFullError
 from quiver.repository.names import check_local_path
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
@@ -346,6 +347,8 @@ class InferenceService:
             if manager.on_demand:
                 manager.multi_model.cache_hits += 1
         try:
+            if request.raw:
+                deduce_raw_input(model.config, request)
             _validate(model.config, request)
         except QuiverError:
             model.stats.record_failure(0, "REJECTED")

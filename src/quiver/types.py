@@ -160,6 +160,9 @@ class InferenceRequest:
     outputs: list[RequestedOutput] | None = None
     id: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: A raw binary request (HTTP ``Inference-Header-Content-Length: 0``): its one input's
+    #: name, datatype and shape come from the model configuration, outputs default to binary.
+    raw: bool = False
 
     def input(self, name: str) -> Tensor | None:
         for tensor in self.inputs:

@@ -36,6 +36,7 @@ from quiver.protocol.v2_json import (
     encode_json,
     encode_response,
 )
+from quiver.raw_input import raw_request
 from quiver.service import InferenceService
 from quiver.types import InferenceResponse
 
@@ -277,7 +278,9 @@ class HttpFrontend:
                         "Inference-Header-Content-Length must be an integer, got "
                         f"'{raw_length.decode('latin-1')}'"
                     ) from None
-            if decode_cost(body, header_length) < OFFLOAD_NS:
+            if header_length == 0:  # the whole body is the one input (raw binary request)
+                infer_request = raw_request(body, model, version)
+            elif decode_cost(body, header_length) < OFFLOAD_NS:
                 infer_request = decode_request(body, header_length, model, version)
             else:
                 infer_request = await in_worker(decode_request, body, header_length, model, version)

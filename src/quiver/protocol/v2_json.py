@@ -344,7 +344,7 @@ def _binary_data(tensor: Tensor) -> bytes:
 
 def _binary_outputs(request: InferenceRequest) -> tuple[bool, dict[str, bool]]:
     """Whether outputs go binary by default, and for the outputs the request names."""
-    binary_default = bool(request.parameters.get("binary_data_output", False))
+    binary_default = request.raw or bool(request.parameters.get("binary_data_output", False))
     wanted: dict[str, bool] = {}
     if request.outputs is not None:
         for requested in request.outputs:
