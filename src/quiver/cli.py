@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.add_argument(
+        "--id",
+        default="quiver",
+        metavar="NAME",
+        help="the server's name in its metadata (GET /v2, gRPC ServerMetadata) (default: quiver)",
+    )
+    serve.add_argument(
         "--model-repository",
         "--model-store",
         dest="model_repository",
@@ -445,6 +451,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="on scale-in and shutdown a replica takes no new requests and gets this long to "
         "finish the ones in flight (default: 30)",
     )  # fmt: skip
+    shm = serve.add_argument_group("shared memory")
+    _flag(
+        shm,
+        "--allow-client-shm",
+        False,
+        "let clients register and unregister system shared-memory regions "
+        "(/v2/systemsharedmemory, gRPC SystemSharedMemory*) and use them for inputs and "
+        "outputs; status is always served, as in Triton",
+    )
     logs = serve.add_argument_group("logging")
     logs.add_argument(
         "--log-verbose", type=int, default=0, metavar="LEVEL", help="verbose logging level; >0 logs debug (default: 0)"

@@ -44,3 +44,129 @@ def input_byte_size_mismatch(name: str, model: str, expected: int, got: int) -> 
         f"input byte size mismatch for input '{name}' for model '{model}'. Expected "
         f"{expected}, got {got}"
     )
+
+
+# -- shared memory (server src/shared_memory_manager.cc, common.h/.cc) ---------------------
+
+CLIENT_SHM_DISABLED = (
+    "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to "
+    "enable."
+)
+
+
+def shm_already_registered(name: str) -> str:
+    return f"shared memory region '{name}' already in manager"
+
+
+def shm_register_invalid(name: str) -> str:
+    return f"failed to register shared memory region '{name}': invalid args"
+
+
+def shm_register_failed(name: str, why: str) -> str:
+    return f"failed to register shared memory region '{name}': {why}"
+
+
+def shm_open_failed(key: str) -> str:
+    return f"Unable to open shared memory region: '{key}'"
+
+
+def shm_invalid_object(key: str) -> str:
+    return f"Invalid shared memory region: '{key}'"
+
+
+def shm_invalid_key(name: str, key: str) -> str:
+    return f"cannot register shared memory region '{name}' - invalid shm key '{key}'"
+
+
+def shm_reserved_key(name: str, key: str, prefix: str) -> str:
+    return (
+        f"cannot register shared memory region '{name}' with key '{key}' as the key contains "
+        f"the reserved prefix '{prefix}'"
+    )
+
+
+def shm_not_found(name: str) -> str:
+    return f"Unable to find shared memory region: '{name}'"
+
+
+def shm_status_not_found(kind: str, name: str) -> str:
+    return f"Unable to find {kind} shared memory region: '{name}'"
+
+
+def shm_wrong_kind(name: str, registered: str, asked: str) -> str:
+    return (
+        f"The region named '{name}' is registered as {registered} shared memory, not {asked} "
+        "shared memory"
+    )
+
+
+def shm_invalid_offset(name: str) -> str:
+    return f"Invalid offset for shared memory region: '{name}'"
+
+
+def shm_invalid_extent(name: str) -> str:
+    return f"Invalid offset + byte size for shared memory region: '{name}'"
+
+
+def cuda_shm_unsupported(name: str) -> str:
+    return f"failed to register CUDA shared memory region: '{name}', GPUs not supported"
+
+
+def shm_output_too_small(name: str, given: int, needed: int) -> str:
+    return (
+        f"shared memory size specified with the request for output '{name}' ({given} bytes) "
+        f"should be at least {needed} bytes to hold the results"
+    )
+
+
+def shm_with_classification(grpc: bool = False) -> str:
+    return ("output" if grpc else "Output") + " can't set both 'shared_memory_region' and 'classification'"
+
+
+SHM_WITH_BINARY_DATA = "Output can't set both 'shared_memory_region' and 'binary_data'"
+
+
+def shm_param_type(param: str, tensor: str, expected: str) -> str:
+    return (
+        f"invalid value type for '{param}' parameter for tensor '{tensor}', expected {expected}."
+    )
+
+
+def shm_param_without_region(param: str, tensor: str) -> str:
+    return (
+        f"'{param}' can not be specified without 'shared_memory_region' parameter for tensor "
+        f"'{tensor}'"
+    )
+
+
+def shm_byte_size_missing(tensor: str) -> str:
+    return (
+        "'shared_memory_byte_size' must be specified along with 'shared_memory_region' "
+        f"parameter for tensor '{tensor}'"
+    )
+
+
+def shm_input_with_contents(tensor: str, model: str) -> str:
+    return (
+        "unexpected 'content' provided when using shared memory for input tensor "
+        f"'{tensor}' for model '{model}'"
+    )
+
+
+def input_data_fields(data: bool, binary: bool, shm: bool) -> str:
+    """HTTP: an input must give exactly one of 'data', binary data, a region."""
+    text = (
+        "Input must set only one of the following fields: 'data', 'binary_data_size' in "
+        "'parameters', 'shared_memory_region' in 'parameters'. But"
+    )
+    if not (data or binary or shm):
+        return text + " no field is set"
+    text += " set"
+    for given, field in ((data, "data"), (binary, "binary_data_size"), (shm, "shared_memory_region")):
+        if given:
+            text += f" '{field}'"
+    return text
+
+
+def grpc_input_data_missing(tensor: str, model: str) -> str:
+    return f"unable to find data for input tensor '{tensor}' for model '{model}' in request."

@@ -49,6 +49,7 @@ from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
 from quiver.service import InferenceService
 from quiver.settings import Settings
+from quiver.shared_memory import SharedMemoryManager
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,12 @@ def assemble(settings: Settings) -> Parts:
         ),
         cache_revalidate_timeout=settings.model_cache_revalidate_timeout,
     )
-    service = InferenceService(manager, repositories=list(settings.model_repositories))
+    service = InferenceService(
+        manager,
+        repositories=list(settings.model_repositories),
+        shared_memory=SharedMemoryManager(allow_client=settings.allow_client_shm),
+        server_id=settings.server_id,
+    )
     http = HttpFrontend(
         service,
         max_input_size=settings.http_max_input_size,

@@ -36,6 +36,7 @@ from quiver.lifecycle.dependencies import ensemble_steps, is_model_folder, serve
 from quiver.raw_input import deduce as deduce_raw_input
 from quiver.repository.cache import CacheFullError
 from quiver.repository.names import check_local_path
+from quiver.shared_memory import SharedMemoryManager, read_inputs, write_outputs
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ EXTENSIONS = [
     "model_repository(unload_dependents)",
     "model_configuration",
     "binary_tensor_data",
+    "system_shared_memory",
+    "cuda_shared_memory",
     "parameters",
     "statistics",
     "logging",
@@ -69,8 +72,18 @@ class Registration:
 
 
 class InferenceService:
-    def __init__(self, manager: ModelRepositoryManager, repositories: Sequence[Path] = ()) -> None:
+    def __init__(
+        self,
+        manager: ModelRepositoryManager,
+        repositories: Sequence[Path] = (),
+        *,
+        shared_memory: SharedMemoryManager | None = None,
+        server_id: str = "quiver",
+    ) -> None:
         self.manager = manager
+        #: The client shared-memory regions (both frontends register them here).
+        self.shared_memory = shared_memory or SharedMemoryManager()
+        self.server_id = server_id
         manager.bind(self.infer)
         self.ready = False  # set by the runner once start-up finished
         #: The local ``--model-repository`` folders (SageMaker urls inside them load by name).
@@ -83,7 +96,7 @@ class InferenceService:
     # -- health and metadata ---------------------------------------------------------
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "quiver", "version": quiver.__version__, "extensions": EXTENSIONS}
+        return {"name": self.server_id, "version": quiver.__version__, "extensions": EXTENSIONS}
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.manager.is_ready(name, version)
@@ -336,6 +349,17 @@ class InferenceService:
             return False
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        if request.input_placements is None and request.output_placements is None:
+            return await self._infer(request)
+        lease = read_inputs(self.shared_memory, request)
+        try:
+            response = await self._infer(request)
+            write_outputs(self.shared_memory, lease, request, response)
+            return response
+        finally:
+            self.shared_memory.release(lease)
+
+    async def _infer(self, request: InferenceRequest) -> InferenceResponse:
         manager = self.manager
         try:
             model = manager.get(request.model_name, request.model_version)

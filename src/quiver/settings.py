@@ -132,6 +132,9 @@ class Settings:
     log_file: str = ""
     log_format: str = "default"
     log_file_dir: str | None = None  # the logging API's folder; None: the API may not set log_file
+    # Triton's other flags
+    server_id: str = "quiver"  # --id: the server's name in its metadata
+    allow_client_shm: bool = False  # --allow-client-shm: clients may register regions
     # Ray: None serves from this process
     ray: RaySettings | None = None
 
@@ -322,5 +325,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         log_file=args.log_file,
         log_format=args.log_format,
         log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
+        server_id=args.id or "quiver",
+        allow_client_shm=args.allow_client_shm,
         ray=ray,
     )

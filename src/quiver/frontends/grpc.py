@@ -218,6 +218,45 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 entry.string_param = str(setting)
         return response
 
+    # -- shared-memory extensions -------------------------------------------------------
+
+    @_rpc
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.service.shared_memory.system_status(request.name):
+            response.regions[str(region["name"])].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
+
+    @_rpc
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        shm = self.service.shared_memory
+        await asyncio.to_thread(
+            shm.register_system, request.name, request.key, request.offset, request.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.service.shared_memory.unregister_system(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_rpc
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        self.service.shared_memory.cuda_status(request.name)  # none: no GPU support
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @_rpc
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.service.shared_memory.register_cuda(request.name)
+        return pb.CudaSharedMemoryRegisterResponse()  # pragma: no cover - always refused
+
+    @_rpc
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.service.shared_memory.unregister_cuda(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # -- inference -------------------------------------------------------------------
     #
     # ModelInfer and ModelStreamInfer are served by _RawInferHandler with no (de)serializers:

@@ -96,6 +96,7 @@ class HttpFrontend:
             Route("/v2/repository/models/{model}/load", self.repository_load, methods=["POST"]),
             Route("/v2/repository/models/{model}/unload", self.repository_unload, methods=["POST"]),
             Route("/v2/logging", self.logging, methods=["GET", "POST"]),
+            *self._shared_memory_routes(),
             Route(model + "/ready", self.model_ready, methods=["GET"]),
             Route(versioned + "/ready", self.model_ready, methods=["GET"]),
             Route(model + "/config", self.model_config, methods=["GET"]),
@@ -230,6 +231,68 @@ class HttpFrontend:
         if request.method == "GET":
             return _json(self.service.log_settings())
         return _json(self.service.update_log_settings(await self._json_body(request)))
+
+    # -- shared-memory extensions -----------------------------------------------------------
+
+    def _shared_memory_routes(self) -> list[Route]:
+        routes = []
+        for kind in ("system", "cuda"):
+            base = f"/v2/{kind}sharedmemory"
+            status = functools.partial(self._shm_status, kind)
+            register = functools.partial(self._shm_register, kind)
+            unregister = functools.partial(self._shm_unregister, kind)
+            routes += [
+                Route(base + "/status", status, methods=["GET"]),
+                Route(base + "/region/{region}/status", status, methods=["GET"]),
+                Route(base + "/register", register, methods=["POST"]),
+                Route(base + "/region/{region}/register", register, methods=["POST"]),
+                Route(base + "/unregister", unregister, methods=["POST"]),
+                Route(base + "/region/{region}/unregister", unregister, methods=["POST"]),
+            ]
+        return routes
+
+    async def _shm_status(self, kind: str, request: Request) -> Response:
+        shm = self.service.shared_memory
+        region = request.path_params.get("region", "")
+        return _json(shm.system_status(region) if kind == "system" else shm.cuda_status(region))
+
+    async def _shm_register(self, kind: str, request: Request) -> Response:
+        shm = self.service.shared_memory
+        region = request.path_params.get("region", "")
+        if kind == "cuda":
+            shm.register_cuda(region)
+        shm.check_allowed()
+        if not region:
+            shm.register_system(region, "", 0, 0)  # refused: names the missing region name
+        body = await self._json_body(request)
+        key = body.get("key")
+        if key is None:
+            raise InvalidArgumentError("Shared memory register request has no 'key' field")
+        if not isinstance(key, str):
+            raise InvalidArgumentError("Shared memory register request: 'key' must be a string")
+        offset = body.get("offset", 0)
+        if type(offset) is not int or offset < 0:
+            raise InvalidArgumentError(
+                "Shared memory register request: 'offset' must be a non-negative integer"
+            )
+        if "byte_size" not in body:
+            raise InvalidArgumentError("Shared memory register request has no 'byte_size' field")
+        byte_size = body["byte_size"]
+        if type(byte_size) is not int or byte_size < 0:
+            raise InvalidArgumentError(
+                "Shared memory register request: 'byte_size' must be a non-negative integer"
+            )
+        await asyncio.to_thread(shm.register_system, region, key, offset, byte_size)
+        return Response(status_code=200)
+
+    async def _shm_unregister(self, kind: str, request: Request) -> Response:
+        shm = self.service.shared_memory
+        region = request.path_params.get("region", "")
+        if kind == "system":
+            shm.unregister_system(region)
+        else:
+            shm.unregister_cuda(region)
+        return Response(status_code=200)
 
     # -- inference: a lean ASGI path, no router or request objects -----------------------
 
