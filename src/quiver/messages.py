@@ -170,3 +170,10 @@ def input_data_fields(data: bool, binary: bool, shm: bool) -> str:
 
 def grpc_input_data_missing(tensor: str, model: str) -> str:
     return f"unable to find data for input tensor '{tensor}' for model '{model}' in request."
+
+
+# -- header forwarding -----------------------------------------------------------------------
+
+
+def header_reserved(key: str) -> str:
+    return f"Header '{key}' is reserved for Triton usage and cannot be forwarded."

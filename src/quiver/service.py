@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: Errors that mean "no room (memory or disk); unload something and try again".
 CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullError)
+#: Reasons of models that are UNAVAILABLE because they were unloaded, not because they failed.
+_UNLOADED = ("unloaded", "evicted")
 #: Where Triton's SageMaker frontend refuses to look for models.
 _FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
 
@@ -79,11 +81,14 @@ class InferenceService:
         *,
         shared_memory: SharedMemoryManager | None = None,
         server_id: str = "quiver",
+        strict_readiness: bool = False,
     ) -> None:
         self.manager = manager
         #: The client shared-memory regions (both frontends register them here).
         self.shared_memory = shared_memory or SharedMemoryManager()
         self.server_id = server_id
+        #: --strict-readiness: ready only while every model that is not unloaded is READY.
+        self.strict_readiness = strict_readiness
         manager.bind(self.infer)
         self.ready = False  # set by the runner once start-up finished
         #: The local ``--model-repository`` folders (SageMaker urls inside them load by name).
@@ -97,6 +102,24 @@ class InferenceService:
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self.server_id, "version": quiver.__version__, "extensions": EXTENSIONS}
+
+    def server_ready(self) -> bool:
+        """Triton's server readiness: started (and not stopping); with strict readiness also
+        every model version the repository manager knows READY, unless it was unloaded (or
+        evicted). With on-demand loading, a model loading or unloading on demand does not make
+        the server unready; one that failed does."""
+        if not self.ready:
+            return False
+        if not self.strict_readiness:
+            return True
+        passing = (ModelState.LOADING, ModelState.UNLOADING) if self.manager.on_demand else ()
+        for status in self.manager.index():
+            if status.state is ModelState.READY or status.state in passing:
+                continue
+            if status.state is ModelState.UNAVAILABLE and status.reason.startswith(_UNLOADED):
+                continue
+            return False
+        return True
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.manager.is_ready(name, version)

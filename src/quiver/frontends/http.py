@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.headers import HeaderForwarding
 from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
 from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import BodyTooLarge, http_error
@@ -61,9 +62,11 @@ class HttpFrontend:
         *,
         max_input_size: int = 64 * 1024 * 1024,
         restrictions: Restrictions | None = None,
+        header_forward_pattern: str | None = None,
     ) -> None:
         self.service = service
         self.restrictions = restrictions or Restrictions()
+        self.forwarding = HeaderForwarding(header_forward_pattern)
         self.max_input_size = max_input_size
         self._app = Starlette(
             routes=self.routes(),
@@ -136,7 +139,7 @@ class HttpFrontend:
         return Response(status_code=200)
 
     async def ready(self, request: Request) -> Response:
-        return Response(status_code=200 if self.service.ready else 503)
+        return Response(status_code=200 if self.service.server_ready() else 503)
 
     async def server_metadata(self, request: Request) -> Response:
         return _json(self.service.server_metadata())
@@ -347,6 +350,11 @@ class HttpFrontend:
                 infer_request = decode_request(body, header_length, model, version)
             else:
                 infer_request = await in_worker(decode_request, body, header_length, model, version)
+            if self.forwarding:
+                self.forwarding.apply(
+                    ((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+                    infer_request,
+                )
             if self.service.queues(model, version):
                 response = await _unless_disconnected(self.service.infer(infer_request), receive)
             else:

@@ -85,6 +85,7 @@ class ModelRepositoryManager:
         startup_models: Iterable[str] = (),
         strict_config: bool = False,
         load_threads: int = 4,
+        load_retries: int = 0,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
         memory_limit_bytes: int = 0,
         eviction_policy: str = "lru",
@@ -159,6 +160,7 @@ class ModelRepositoryManager:
             strict=strict_config,
             inline_threshold_ns=inline_threshold_ns,
             reload_failed_composing=control_mode in _API_MODES,
+            load_retries=load_retries,
         )
         self._flights = SingleFlight(self._lifecycle.spawn, clock)
         self._poll_task: asyncio.Task[None] | None = None
