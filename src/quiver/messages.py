@@ -177,3 +177,75 @@ def grpc_input_data_missing(tensor: str, model: str) -> str:
 
 def header_reserved(key: str) -> str:
     return f"Header '{key}' is reserved for Triton usage and cannot be forwarded."
+
+
+# -- HTTP bodies -----------------------------------------------------------------------------
+
+
+def too_many_chunks(limit: int) -> str:
+    return (
+        f"Chunked request body exceeds maximum of {limit} non-empty chunks. Send fewer or larger "
+        "HTTP chunks."
+    )
+
+
+# -- requests against the model configuration (core src/infer_request.cc, model.cc) ----------
+
+
+def unexpected_input(name: str, model: str, expected: Sequence[str]) -> str:
+    return (
+        f"unexpected inference input '{name}' for model '{model}'"
+        + (f"; it expects: {', '.join(expected)}" if expected else "; it expects no inputs")
+    )
+
+
+def unexpected_output(name: str, model: str, produced: Sequence[str]) -> str:
+    return f"unexpected inference output '{name}' for model '{model}'; it has: {', '.join(produced)}"
+
+
+def input_datatype(name: str, given: str, model: str, expected: str) -> str:
+    return (
+        f"inference input '{name}' data-type is '{given}', but model '{model}' expects "
+        f"'{expected}'"
+    )
+
+
+def batch_size(limit: int, model: str, given: int, tensor: str) -> str:
+    return f"inference request batch-size must be <= {limit} for '{model}' (got {given}, input '{tensor}')"
+
+
+_BATCH_NOTE = (
+    " NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension "
+    "to be prepended to each input shape. If you want to specify the full shape including the "
+    "batch dim in your input dims config, try setting max_batch_size to zero. See the model "
+    "configuration docs for more info on max_batch_size."
+)
+
+
+def input_shape(name: str, model: str, expected: Sequence[int], got: Sequence[int], batching: bool) -> str:
+    return (
+        f"unexpected shape for input '{name}' for model '{model}'. Expected {_dims(expected)}, "
+        f"got {_dims(got)}." + (_BATCH_NOTE if batching else "")
+    )
+
+
+def input_twice(name: str) -> str:
+    return f"input '{name}' already exists in request"
+
+
+def output_twice(name: str) -> str:
+    return f"output '{name}' already exists in request"
+
+
+def missing_inputs(required: int, total: int, given: Sequence[str], missing: Sequence[str], model: str) -> str:
+    got = "[" + ",".join(f"'{n}'" for n in given) + "]"
+    lacking = "[" + ",".join(f"'{n}'" for n in missing) + "]"
+    count = f"expected {total} inputs" if required == total else f"expected number of inputs between {required} and {total}"
+    return (
+        f"{count} but got {len(given)} inputs for model '{model}'. Got input(s) {got}, but "
+        f"missing required input(s) {lacking}. Please provide all required input(s)."
+    )
+
+
+def unknown_model(name: str) -> str:
+    return f"Request for unknown model: '{name}' is not found"

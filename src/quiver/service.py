@@ -20,7 +20,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as pb
 
 import quiver
-from quiver import logs
+from quiver import logs, messages
 from quiver.config import ModelConfig
 from quiver.errors import (
     AlreadyExistsError,
@@ -422,6 +422,7 @@ def _url_folder(path: Path, url: str) -> Path:
 
 
 def _validate(config: ModelConfig, request: InferenceRequest) -> None:
+    """The request against the model's configuration, with Triton's checks and messages."""
     inputs = config.input_map
     batching = config.max_batch_size > 0
     batch_size = -1
@@ -429,27 +430,20 @@ def _validate(config: ModelConfig, request: InferenceRequest) -> None:
     for tensor in request.inputs:
         spec = inputs.get(tensor.name)
         if spec is None:
-            raise InvalidArgumentError(
-                f"unexpected inference input '{tensor.name}' for model '{name}'; it expects: "
-                f"{', '.join(inputs) or 'no inputs'}"
-            )
+            raise InvalidArgumentError(messages.unexpected_input(tensor.name, name, list(inputs)))
         if tensor.datatype is not spec.datatype:
             raise InvalidArgumentError(
-                f"inference input '{tensor.name}' data-type is '{tensor.datatype.value}', but "
-                f"model '{name}' expects '{spec.datatype.value}'"
+                messages.input_datatype(tensor.name, tensor.datatype.value, name, spec.datatype.value)
             )
         shape = tensor.shape
         dims = spec.dims
         if batching:
             if len(shape) != len(dims) + 1:
-                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name)
+                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name, batching)
             if batch_size < 0:
                 batch_size = shape[0]
                 if batch_size < 1 or batch_size > config.max_batch_size:
-                    raise InvalidArgumentError(
-                        f"inference request batch-size must be <= {config.max_batch_size} for "
-                        f"model '{name}', got {batch_size} (input '{tensor.name}')"
-                    )
+                    raise InvalidArgumentError(messages.batch_size(config.max_batch_size, name, batch_size, tensor.name))
             elif shape[0] != batch_size:
                 raise InvalidArgumentError(
                     f"inputs of one request must share the batch size: input '{tensor.name}' "
@@ -457,28 +451,35 @@ def _validate(config: ModelConfig, request: InferenceRequest) -> None:
                 )
             shape = shape[1:]
         elif len(shape) != len(dims):
-            raise _shape_error(tensor, list(dims), name)
+            raise _shape_error(tensor, list(dims), name, batching)
         for got, want in zip(shape, dims, strict=True):
             if want != -1 and got != want:
-                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name)
+                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name, batching)
     given = {t.name for t in request.inputs}
     if len(given) != len(request.inputs):
-        raise InvalidArgumentError(f"an input is given twice in the request for model '{name}'")
+        seen: set[str] = set()
+        for tensor in request.inputs:
+            if tensor.name in seen:
+                raise InvalidArgumentError(messages.input_twice(tensor.name))
+            seen.add(tensor.name)
     if len(given) != len(inputs):
         missing = [t.name for t in config.inputs if t.name not in given and not t.optional]
         if missing:
+            required = sum(1 for t in config.inputs if not t.optional)
             raise InvalidArgumentError(
-                f"expected {len(inputs)} inputs but got {len(request.inputs)} inputs for model "
-                f"'{name}'; missing required input(s): {', '.join(missing)}"
+                messages.missing_inputs(
+                    required, len(inputs), [t.name for t in request.inputs], missing, name
+                )
             )
     if request.outputs is not None:
         outputs = config.output_map
+        asked: set[str] = set()
         for requested in request.outputs:
             if requested.name not in outputs:
-                raise InvalidArgumentError(
-                    f"unexpected inference output '{requested.name}' for model '{name}'; it has: "
-                    f"{', '.join(outputs)}"
-                )
+                raise InvalidArgumentError(messages.unexpected_output(requested.name, name, list(outputs)))
+            if requested.name in asked:
+                raise InvalidArgumentError(messages.output_twice(requested.name))
+            asked.add(requested.name)
             k = requested.parameters.get("classification")
             if k is not None and (type(k) is not int or k < 0):
                 raise InvalidArgumentError(
@@ -486,11 +487,8 @@ def _validate(config: ModelConfig, request: InferenceRequest) -> None:
                 )
 
 
-def _shape_error(tensor: Tensor, expected: list[int], model: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"unexpected shape for input '{tensor.name}' for model '{model}'. Expected "
-        f"{expected}, got {list(tensor.shape)}"
-    )
+def _shape_error(tensor: Tensor, expected: list[int], model: str, batching: bool) -> InvalidArgumentError:
+    return InvalidArgumentError(messages.input_shape(tensor.name, model, expected, list(tensor.shape), batching))
 
 
 def _select_outputs(model: Model, request: InferenceRequest, response: InferenceResponse) -> list[Tensor]:
@@ -535,8 +533,8 @@ def classify(
         for c in range(k):
             index = int(order[r, c])
             text = f"{values[r, index]:f}:{index}"
-            if labels is not None and index < len(labels):
-                text += f":{labels[index]}"
+            if labels is not None and index < len(labels) and labels[index]:
+                text += f":{labels[index]}"  # no label, as in Triton, for an empty line
             out[r, c] = text.encode("utf-8")
     result = out if batched else out.reshape(k)
     return Tensor(tensor.name, DataType.BYTES, result.shape, result)
