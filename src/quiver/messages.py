@@ -249,3 +249,13 @@ def missing_inputs(required: int, total: int, given: Sequence[str], missing: Seq
 
 def unknown_model(name: str) -> str:
     return f"Request for unknown model: '{name}' is not found"
+
+
+# -- the repository API and restricted APIs -------------------------------------------------
+
+LOAD_UNLOAD_NOT_ALLOWED = "explicit model load / unload is not allowed if polling is enabled"
+
+
+def restricted(header: str, *, grpc: bool = False) -> str:
+    """HTTP says "API", gRPC "protocol", as in Triton."""
+    return f"This {'protocol' if grpc else 'API'} is restricted, expecting header '{header}'"

@@ -51,7 +51,7 @@ class RestrictionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         group = _RPC_GROUPS.get(method) if details.method.startswith(f"/{SERVICE_NAME}/") else None
         if group is not None:
             metadata = {key.lower(): value for key, value in (details.invocation_metadata or ())}
-            denied = self.restrictions.denied(group, metadata)
+            denied = self.restrictions.denied(group, metadata, grpc=True)
             if denied is not None:
                 return _denied_handler(method, denied)
         return await continuation(details)
