@@ -168,6 +168,13 @@ def input_data_fields(data: bool, binary: bool, shm: bool) -> str:
     return text
 
 
+def grpc_contents_with_raw(tensor: str, model: str) -> str:
+    return (
+        "contents field must not be specified when using raw_input_contents for "
+        f"'{tensor}' for model '{model}'"
+    )
+
+
 def grpc_input_data_missing(tensor: str, model: str) -> str:
     return f"unable to find data for input tensor '{tensor}' for model '{model}' in request."
 

@@ -151,7 +151,7 @@ def _bad_requests() -> list[tuple[str, Any, str]]:
     r = _request(INPUT0=("INT32", [1, 16]), INPUT1=("INT32", [1, 16]))
     r.raw_input_contents.extend([bytes(64), bytes(64)])
     r.inputs[1].contents.int_contents.extend(range(16))
-    cases.append(("raw and contents mixed", r, "input 'INPUT1': contents must not be given when raw_input_contents is used"))
+    cases.append(("raw and contents mixed", r, "contents field must not be specified when using raw_input_contents for 'INPUT1' for model 'simple'"))
     r = _request(INPUT0=("FP8", [1]))
     cases.append(("unknown datatype", r, "input 'INPUT0': unknown datatype 'FP8'"))
     r = _request("identity_fp16", INPUT0=("FP16", [2]))

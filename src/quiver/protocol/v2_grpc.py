@@ -225,10 +225,7 @@ def decode_infer_request(message: Any) -> InferenceRequest:
                 continue
         if raw_count:
             if tensor.HasField("contents"):
-                raise _bad(
-                    f"input '{name}': contents must not be given when raw_input_contents is "
-                    f"used (model '{model}')"
-                )
+                raise _bad(messages.grpc_contents_with_raw(name, model))
             if raw_index >= raw_count:
                 raise _bad(messages.grpc_input_data_missing(name, model))
             buffer = raw[raw_index]
