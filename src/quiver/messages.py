@@ -100,6 +100,13 @@ def shm_wrong_kind(name: str, registered: str, asked: str) -> str:
     )
 
 
+def shm_shrunk(name: str) -> str:
+    return (
+        f"shared memory region '{name}' is no longer its registered size: its object was made "
+        "smaller after it was registered"
+    )
+
+
 def shm_invalid_offset(name: str) -> str:
     return f"Invalid offset for shared memory region: '{name}'"
 

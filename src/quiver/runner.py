@@ -307,6 +307,7 @@ class Runner:
             registry = CollectorRegistry(auto_describe=False)
             registry.register(collector)
         stack.push_async_callback(parts.manager.stop)
+        stack.callback(parts.service.shared_memory.close)  # after the listeners have closed
         # 4. the models loaded at start
         await load_models(parts, settings)
         # 5. the listeners

@@ -59,13 +59,25 @@ class Region:
     offset: int
     byte_size: int
     mapping: mmap.mmap
+    fd: int  # kept open: each use checks the object still holds the region
     users: int = 0
     awaiting_unregister: bool = False
 
     def status(self) -> dict[str, int | str]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
+    def intact(self) -> bool:
+        """Whether the object still holds the region: a client that shrank it after
+        registering would make a read or write past its end kill the server (SIGBUS)."""
+        try:
+            return os.fstat(self.fd).st_size >= self.offset + self.byte_size
+        except OSError:
+            return False
+
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
         with contextlib.suppress(BufferError):  # a tensor still views it: unmapped with the last view
             self.mapping.close()
 
@@ -99,12 +111,13 @@ class SharedMemoryManager:
         with self._lock:
             if name in self._regions:
                 raise AlreadyExistsError(messages.shm_already_registered(name))
-        mapping = _map(name, key, path, offset, byte_size)
+        mapping, fd = _map(name, key, path, offset, byte_size)
+        region = Region(name, key, offset, byte_size, mapping, fd)
         with self._lock:
             if name in self._regions:  # registered meanwhile by another client
-                mapping.close()
+                region.close()
                 raise AlreadyExistsError(messages.shm_already_registered(name))
-            self._regions[name] = Region(name, key, offset, byte_size, mapping)
+            self._regions[name] = region
 
     def unregister_system(self, name: str = "") -> None:
         """One region, or every region when ``name`` is empty; an unknown name is no error."""
@@ -162,6 +175,8 @@ class SharedMemoryManager:
                 region = self._regions.get(name)
                 if region is None:
                     raise NotFoundError(messages.shm_not_found(name))
+                if not region.intact():
+                    raise InvalidArgumentError(messages.shm_shrunk(name))
                 regions.append(region)
             for region in regions:
                 region.users += 1
@@ -307,11 +322,12 @@ def _object_path(name: str, key: str) -> str:
     return os.path.join(SHM_FOLDER, bare)
 
 
-def _map(name: str, key: str, path: str, offset: int, byte_size: int) -> mmap.mmap:
+def _map(name: str, key: str, path: str, offset: int, byte_size: int) -> tuple[mmap.mmap, int]:
+    """The object's mapping and its descriptor (the caller owns both)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        raise InternalError(messages.shm_open_failed(key)) from None
+    except OSError:  # Triton: INTERNAL; a key that names nothing is the client's mistake
+        raise InvalidArgumentError(messages.shm_open_failed(key)) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -321,11 +337,13 @@ def _map(name: str, key: str, path: str, offset: int, byte_size: int) -> mmap.mm
         if info.st_size == 0:
             raise InvalidArgumentError(messages.shm_register_failed(name, "the object is empty"))
         try:
-            return mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as exc:
             raise InvalidArgumentError(messages.shm_register_failed(name, str(exc))) from None
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return mapping, fd
 
 
 __all__ = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
 import threading
 import uuid
@@ -374,6 +375,21 @@ def test_inference_errors(server: QuiverServer, regions: Regions, protocol: str)
     shm.set_shared_memory_region(regions.handles["again"], [np.arange(16, dtype=np.int32)])
     inputs, outputs = _simple_request(module)
     _check_outputs(handles, client.infer("simple", inputs, outputs=outputs))
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_region_shrunk_after_registering_is_refused(server: QuiverServer, regions: Regions, protocol: str) -> None:
+    client = _client(server, protocol)
+    module = _module(protocol)
+    handles = _register_simple(client, regions)
+    os.truncate(f"/dev/shm/{regions.prefix}_input0", 8)  # a hostile client's ftruncate
+    inputs, outputs = _simple_request(module)
+    with pytest.raises(InferenceServerException, match="shared memory region 'input0' is no longer its registered size"):
+        client.infer("simple", inputs, outputs=outputs)
+    assert client.is_server_live()
+    os.truncate(f"/dev/shm/{regions.prefix}_input0", BYTES)  # put back: usable again
+    shm.set_shared_memory_region(handles["input0"], [np.arange(16, dtype=np.int32)])
+    _check_outputs(handles, client.infer("simple", *_simple_request(module)[:1], outputs=_simple_request(module)[1]))
 
 
 def test_http_classification_or_binary_with_a_region_is_refused(server: QuiverServer) -> None:
