@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,43 @@ def test_repositories_split_into_local_and_s3(tmp_path: Path) -> None:
 def test_cache_dir_flag_is_resolved_and_the_variable_is_left_to_the_manager(tmp_path: Path) -> None:
     assert settings(tmp_path, "--model-cache-dir", str(tmp_path / "c")).model_cache_dir == (tmp_path / "c").resolve()
     assert settings(tmp_path, env={"QUIVER_CACHE_DIR": str(tmp_path)}).model_cache_dir is None
+
+
+def test_tritonserver_flags(tmp_path: Path) -> None:
+    built = settings(tmp_path)
+    assert (built.server_id, built.strict_readiness, built.allow_client_shm) == ("quiver", True, False)
+    assert built.flag_notes == () and built.grpc_options == () and built.grpc_tls is None
+    built = settings(
+        tmp_path,
+        "--id=a",
+        "--strict-readiness=false",
+        "--allow-client-shm",
+        "--disable-auto-complete-config",
+        "--model-load-retry-count=2",
+        "--exit-timeout-secs=7",
+        "--log-warning=false",
+        "--http-header-forward-pattern=^x-",
+        "--grpc-keepalive-time=1000",
+        "--grpc-http2-max-ping-strikes=0",
+        "--grpc-infer-response-compression-level=high",
+        "--model-load-gpu-limit=1:0.5",
+        "--host-policy=a,b=c",
+        "--host-policy=d,e=f",
+        "--rate-limit=off",
+    )
+    assert (built.server_id, built.strict_readiness, built.allow_client_shm) == ("a", False, True)
+    assert built.strict_model_config and built.model_load_retry_count == 2 and built.exit_timeout_secs == 7
+    assert built.log_warning is False and built.http_header_forward_pattern == "^x-"
+    assert built.grpc_options == (("grpc.keepalive_time_ms", 1000), ("grpc.http2.max_ping_strikes", 0))
+    assert built.grpc_compression_level == 3 and built.model_load_gpu_limit == 0.5
+    assert [note.split(" has no effect")[0] for note in built.flag_notes] == ["--rate-limit", "--host-policy"]
+
+
+def test_bad_tritonserver_flag_values(tmp_path: Path) -> None:
+    for flags, message in (
+        (["--grpc-header-forward-pattern=[a"], "--grpc-header-forward-pattern: '[a' is not a regular expression"),
+        (["--grpc-use-ssl-mutual", "--grpc-server-cert=/x", "--grpc-server-key=/y"], "--grpc-server-cert: cannot read '/x'"),
+        (["--grpc-keepalive-timeout=-5"], "--grpc-keepalive-timeout must be at least 0"),
+    ):
+        with pytest.raises(SettingsError, match=re.escape(message)):
+            settings(tmp_path, *flags)
