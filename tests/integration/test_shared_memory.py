@@ -241,6 +241,30 @@ def test_asyncio_clients_round_trip(server: QuiverServer, regions: Regions) -> N
     asyncio.run(run("grpc"))
 
 
+def test_grpc_stream_requests_use_regions(server: QuiverServer, regions: Regions) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    handles = _register_simple(client, regions)
+    answers: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        answers.append(error or result)
+        if len(answers) == 3:
+            done.set()
+
+    client.start_stream(callback=callback)
+    try:
+        for _ in range(3):
+            inputs, outputs = _simple_request(grpcclient)
+            client.async_stream_infer("simple", inputs, outputs=outputs)
+        assert done.wait(60)
+    finally:
+        client.stop_stream()
+    for answer in answers:
+        assert not isinstance(answer, InferenceServerException), answer
+        _check_outputs(handles, answer)
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_shared_memory_inputs_mix_with_sent_inputs_and_outputs(
     server: QuiverServer, regions: Regions, protocol: str
