@@ -137,7 +137,7 @@ def launch_script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Q
         "--exit-timeout-secs=5",
         "--log-warning=false",
         "--log-error=true",
-        "--http-header-forward-pattern=^x-app-",
+        "--http-header-forward-pattern=^X-App-",
         "--grpc-header-forward-pattern=^x-app-",
         "--reuse-http-port=false",
         "--grpc-keepalive-time=7200000",
@@ -211,7 +211,7 @@ def test_http_headers_matching_the_pattern_reach_the_model(launch_script_server:
     # plain HTTP too
     body = {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [1]}]}
     response = requests.post(
-        f"{launch_script_server.http}/v2/models/echo/infer", json=body, headers={"X-App-Tenant": "t1"}, timeout=30
+        f"{launch_script_server.http}/v2/models/echo/infer", json=body, headers={"X-APP-Tenant": "t1"}, timeout=30
     )
     assert json.loads(response.json()["outputs"][0]["data"][0])["x-app-tenant"] == "t1"
 

@@ -21,8 +21,11 @@ RESERVED = frozenset(
 class HeaderForwarding:
     """The compiled pattern (falsy when no pattern was given)."""
 
-    def __init__(self, pattern: str | None) -> None:
-        self.regex = re.compile(pattern) if pattern else None
+    def __init__(self, pattern: str | None, *, ignore_case: bool = False) -> None:
+        """``ignore_case`` for HTTP, whose header names arrive lower-cased (HTTP names are
+        case-insensitive): ``^X-Trace`` still matches a client's ``X-Trace-Id``."""
+        flags = re.IGNORECASE if ignore_case else 0
+        self.regex = re.compile(pattern, flags) if pattern else None
 
     def __bool__(self) -> bool:
         return self.regex is not None

@@ -66,7 +66,7 @@ class HttpFrontend:
     ) -> None:
         self.service = service
         self.restrictions = restrictions or Restrictions()
-        self.forwarding = HeaderForwarding(header_forward_pattern)
+        self.forwarding = HeaderForwarding(header_forward_pattern, ignore_case=True)
         self.max_input_size = max_input_size
         self._app = Starlette(
             routes=self.routes(),
