@@ -106,15 +106,14 @@ class InferenceService:
     def server_ready(self) -> bool:
         """Triton's server readiness: started (and not stopping); with strict readiness also
         every model version the repository manager knows READY, unless it was unloaded (or
-        evicted). With on-demand loading, a model loading or unloading on demand does not make
-        the server unready; one that failed does."""
+        evicted). With on-demand loading, what clients' requests load (or fail to) does not
+        decide readiness: one bad model asked for must not take the server out of rotation."""
         if not self.ready:
             return False
-        if not self.strict_readiness:
+        if not self.strict_readiness or self.manager.on_demand:
             return True
-        passing = (ModelState.LOADING, ModelState.UNLOADING) if self.manager.on_demand else ()
         for status in self.manager.index():
-            if status.state is ModelState.READY or status.state in passing:
+            if status.state is ModelState.READY:
                 continue
             if status.state is ModelState.UNAVAILABLE and status.reason.startswith(_UNLOADED):
                 continue

@@ -303,3 +303,16 @@ def test_grpc_over_tls(tmp_path: Path) -> None:
         plain = grpcclient.InferenceServerClient(url)
         with pytest.raises(InferenceServerException):
             plain.is_server_live(client_timeout=5)
+
+
+def test_on_demand_readiness_does_not_follow_what_clients_ask_for(tmp_path: Path) -> None:
+    repo = _repository(tmp_path, broken=True)
+    with QuiverServer(repo, args=("--model-control-mode=on_demand",)) as running:
+        client = httpclient.InferenceServerClient(running.url)
+        tensor = httpclient.InferInput("X", [1], "FP32")
+        tensor.set_data_from_numpy(np.ones(1, dtype=np.float32))
+        with pytest.raises(InferenceServerException):
+            client.infer("broken", [tensor])  # loads on demand, and fails
+        index = {e["name"]: e for e in client.get_model_repository_index()}
+        assert index["broken"]["state"] == "UNAVAILABLE"
+        assert client.is_server_ready()  # strict readiness, but on demand: still in rotation
