@@ -39,6 +39,13 @@ def raw_input_bytes_shape(name: str) -> str:
     return f"For BYTE datatype raw input '{name}', the model must have input shape [1]"
 
 
+def raw_input_too_large(size: int | str, limit: int) -> str:
+    return (
+        f"Raw input has a byte_size ({size} bytes) that exceeds the maximum allowed value of "
+        f"{limit} bytes. Use --http-max-input-size to increase the limit."
+    )
+
+
 def input_byte_size_mismatch(name: str, model: str, expected: int, got: int) -> str:
     return (
         f"input byte size mismatch for input '{name}' for model '{model}'. Expected "

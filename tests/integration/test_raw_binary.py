@@ -147,3 +147,16 @@ def test_the_server_keeps_serving_json_requests(server: QuiverServer) -> None:
     response = requests.post(f"{server.http}/v2/models/zero_1_float32/infer", json=body, timeout=30)
     assert response.status_code == 200
     assert response.json()["outputs"][0]["data"] == [1.0, 2.0]
+
+
+def test_a_raw_body_over_the_input_size_limit(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    repo.mkdir()
+    write_config(repo, "zero_1_float32", _identity("zero_1_float32", "TYPE_FP32", "[ -1 ]"))
+    with QuiverServer(repo, args=("--http-max-input-size=1024",)) as running:
+        response = _post(running, "zero_1_float32", bytes(2048))
+        assert response.status_code == 413  # Triton: 400 (see the README's table)
+        assert response.json()["error"] == (
+            "Raw input has a byte_size (2048 bytes) that exceeds the maximum allowed value of 1024 "
+            "bytes. Use --http-max-input-size to increase the limit."
+        )

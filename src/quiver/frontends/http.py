@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from quiver import messages
 from quiver.errors import InvalidArgumentError, QuiverError
 from quiver.frontends.headers import HeaderForwarding
 from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
@@ -334,7 +335,17 @@ class HttpFrontend:
             elif key == b"accept-encoding":
                 accept = value
         try:
-            body = await self._read_body(receive, content_length, encoding)
+            try:
+                body = await self._read_body(receive, content_length, encoding)
+            except BodyTooLarge:
+                if raw_length is None or raw_length.strip() != b"0":
+                    raise
+                size = f"more than {self.max_input_size}"
+                if content_length is not None and content_length.isdigit():
+                    size = content_length.decode()
+                raise BodyTooLarge(
+                    self.max_input_size, messages.raw_input_too_large(size, self.max_input_size)
+                ) from None
             header_length = None
             if raw_length is not None:
                 try:
