@@ -47,6 +47,7 @@ from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
+from quiver.repository.local import use_custom_config
 from quiver.service import InferenceService
 from quiver.settings import Settings
 from quiver.shared_memory import SharedMemoryManager
@@ -77,6 +78,7 @@ class Parts:
 
 def assemble(settings: Settings) -> Parts:
     """The model manager, the inference service over it and its HTTP applications."""
+    use_custom_config(settings.model_config_name)  # --model-config-name (checked by settings)
     manager = ModelRepositoryManager(
         list(settings.model_repositories),
         control_mode=settings.model_control_mode,

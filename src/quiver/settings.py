@@ -137,6 +137,7 @@ class Settings:
     # Triton's other flags (quiver.triton_flags)
     server_id: str = "quiver"  # --id: the server's name in its metadata
     allow_client_shm: bool = False  # --allow-client-shm: clients may register regions
+    model_config_name: str = ""  # configs/NAME.pbtxt instead of config.pbtxt where present
     strict_readiness: bool = True  # ready only while every live model is READY
     model_load_retry_count: int = 0
     exit_timeout_secs: float = 30.0  # in-flight requests' time to finish at stop

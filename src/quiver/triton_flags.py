@@ -5,6 +5,7 @@ models, cache, logging, shared memory). This module adds every other flag of Tri
 (``src/command_line_parser.cc``):
 
 - flags Quiver applies: ``--strict-readiness``, ``--disable-auto-complete-config``,
+  ``--model-config-name``,
   ``--model-load-retry-count``, ``--exit-timeout-secs``, ``--log-warning``, ``--log-error``,
   ``--http-header-forward-pattern``, ``--grpc-header-forward-pattern``, ``--reuse-http-port``,
   ``--reuse-grpc-port``, the gRPC TLS flags (``--grpc-use-ssl`` ...), keepalive and HTTP/2 ping
@@ -30,10 +31,6 @@ NO_EFFECT: dict[str, str] = {
     "--model-namespacing": (
         "Quiver serves one model per name across all --model-repository folders; models of "
         "the same name in different repositories are not served side by side"
-    ),
-    "--model-config-name": (
-        "Quiver reads each model's config.pbtxt; custom configurations (configs/NAME.pbtxt) "
-        "are not supported"
     ),
     "--enable-peer-access": "CUDA peer access between GPUs: Quiver runs no CUDA kernels of its own",
     "--http-thread-count": (
@@ -142,6 +139,11 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         help="require complete model configurations (as --strict-model-config=true)",
     )
     applied.add_argument(
+        "--model-config-name", default="", metavar="NAME",
+        help="a model folder's configs/NAME.pbtxt, when it has one, is its configuration "
+        "instead of config.pbtxt",
+    )  # fmt: skip
+    applied.add_argument(
         "--model-load-retry-count", type=_int, default=0, metavar="N",
         help="try a model whose load failed this many more times (default: 0)",
     )  # fmt: skip
@@ -248,7 +250,13 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             if int(value) < 0:
                 raise FlagError(f"{flag} must be at least 0")
             grpc_options.append((argument, int(value)))
+    if args.model_config_name and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", args.model_config_name):
+        raise FlagError(
+            f"--model-config-name '{args.model_config_name}' must be a plain name (letters, "
+            "digits, '_', '.', '-')"
+        )
     return {
+        "model_config_name": args.model_config_name,
         "strict_readiness": args.strict_readiness,
         "model_load_retry_count": args.model_load_retry_count,
         "exit_timeout_secs": float(args.exit_timeout_secs),

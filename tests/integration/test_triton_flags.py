@@ -80,7 +80,6 @@ output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
 #: A value for each flag that has no effect (Triton's syntax).
 NO_EFFECT_VALUES = {
     "--model-namespacing": "true",
-    "--model-config-name": "h100",
     "--enable-peer-access": "false",
     "--http-thread-count": "8",
     "--grpc-infer-thread-count": "4",
@@ -108,7 +107,9 @@ NO_EFFECT_VALUES = {
 def _repository(root: Path, *, flaky: bool = False, broken: bool = False) -> Path:
     repo = root / "models"
     repo.mkdir()
-    write_onnx(repo, "simple", simple_onnx(), SIMPLE_CONFIG)
+    folder = write_onnx(repo, "simple", simple_onnx(), SIMPLE_CONFIG)
+    (folder / "configs").mkdir()  # --model-config-name=h100 picks this one
+    (folder / "configs" / "h100.pbtxt").write_text(SIMPLE_CONFIG.replace("max_batch_size: 8", "max_batch_size: 4"))
     write_onnx(repo, "no_config", simple_onnx(), None)  # completed from the model, unless disabled
     write_python(repo, "echo", ECHO_PARAMETERS, ECHO_CONFIG)
     if flaky:
@@ -130,6 +131,7 @@ def launch_script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Q
     repo = _repository(tmp_path_factory.mktemp("flags"), flaky=True)
     args = [
         "--id=triton-a",
+        "--model-config-name=h100",
         "--exit-on-error=false",
         "--strict-readiness=true",
         "--disable-auto-complete-config",
@@ -166,6 +168,12 @@ def test_id_names_the_server(launch_script_server: QuiverServer) -> None:
     assert httpclient.InferenceServerClient(launch_script_server.url).get_server_metadata()["name"] == "triton-a"
     metadata = grpcclient.InferenceServerClient(launch_script_server.grpc_url).get_server_metadata()
     assert metadata.name == "triton-a"
+
+
+def test_model_config_name_picks_the_custom_configuration(launch_script_server: QuiverServer) -> None:
+    client = httpclient.InferenceServerClient(launch_script_server.url)
+    assert client.get_model_config("simple")["max_batch_size"] == 4  # configs/h100.pbtxt
+    assert client.get_model_config("echo")["max_batch_size"] == 0  # no configs/: config.pbtxt
 
 
 def test_disable_auto_complete_config_needs_a_config(launch_script_server: QuiverServer) -> None:
