@@ -47,6 +47,8 @@ from quiver.repository.storage import RetryPolicy
 from quiver.response_cache import CacheConfigError, parse_cache_config
 from quiver.tracing import TraceConfig, TraceConfigError
 from quiver.tracing import config as trace_config
+from quiver.triton_flags import FlagError, GrpcTls
+from quiver.triton_flags import settings as triton_settings
 
 #: ``--s3-retries`` when none is given (S3Storage's own default then applies).
 DEFAULT_S3_RETRIES = 5
@@ -135,6 +137,23 @@ class Settings:
     log_file: str = ""
     log_format: str = "default"
     log_file_dir: str | None = None  # the logging API's folder; None: the API may not set log_file
+    # Triton's other flags (quiver.triton_flags)
+    server_id: str = "quiver"  # --id: the server's name in its metadata
+    allow_client_shm: bool = False  # --allow-client-shm: clients may register regions
+    model_config_name: str = ""  # configs/NAME.pbtxt instead of config.pbtxt where present
+    strict_readiness: bool = True  # ready only while every live model is READY
+    model_load_retry_count: int = 0
+    exit_timeout_secs: float = 30.0  # in-flight requests' time to finish at stop
+    log_warning: bool = True
+    log_error: bool = True
+    http_header_forward_pattern: str | None = None  # headers -> request parameters
+    grpc_header_forward_pattern: str | None = None
+    reuse_http_port: bool = False
+    reuse_grpc_port: bool = False
+    grpc_tls: GrpcTls | None = None
+    grpc_options: tuple[tuple[str, int], ...] = ()  # keepalive and HTTP/2 channel arguments
+    grpc_compression_level: int = 0  # 0 none ... 3 high (gzip)
+    flag_notes: tuple[str, ...] = ()  # one line per given flag that has no effect here
     # Ray: None serves from this process
     ray: RaySettings | None = None
     # Triton's trace extension (--trace-config) and response cache (--cache-config)
@@ -279,6 +298,10 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         except InvalidArgumentError as exc:
             raise SettingsError(f"{flag}: {exc}") from None
     s3_retry = _s3_retry(args)
+    try:
+        triton = triton_settings(args)
+    except FlagError as exc:
+        raise SettingsError(str(exc)) from None
     gpu_limit = _gpu_limit(args, environ)
     sagemaker = _sagemaker(args, environ)
     ray = _ray(args)
@@ -318,7 +341,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         model_eviction_policy=args.model_eviction_policy,
         model_load_wait_timeout=args.model_load_wait_timeout,
         repository_poll_secs=args.repository_poll_secs,
-        strict_model_config=args.strict_model_config,
+        strict_model_config=args.strict_model_config or args.disable_auto_complete_config,
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
@@ -336,6 +359,9 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         log_file=args.log_file,
         log_format=args.log_format,
         log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
+        server_id=args.id or "quiver",
+        allow_client_shm=args.allow_client_shm,
+        **triton,
         ray=ray,
         trace=trace,
         response_cache_size=cache_size,
