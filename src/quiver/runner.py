@@ -44,6 +44,7 @@ from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
+from quiver.frontends.workers import HttpWorkers
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
@@ -192,6 +193,22 @@ class _GrpcListener(_Listener):
         await self._stopping
 
 
+class _WorkersListener(_Listener):
+    """HTTP served by worker processes (``--http-workers``) on the socket this process bound."""
+
+    name = "HTTP"
+
+    def __init__(self, workers: HttpWorkers) -> None:
+        self.workers = workers
+        self.socket = workers.socket
+
+    async def begin_stop(self) -> None:
+        await self.workers.begin_stop()
+
+    async def close(self) -> None:
+        await self.workers.close()
+
+
 class _MetricsListener(_Listener):
     name = "Metrics"
 
@@ -238,6 +255,25 @@ async def _serve_asgi(name: str, app: object, sock: socket.socket) -> _AsgiListe
             raise OSError(f"the {name} listener stopped at start: {exc}") from None
         raise
     return _AsgiListener(name, server, serving, sock)
+
+
+async def _serve_workers(parts: Parts, settings: Settings, sock: socket.socket) -> _WorkersListener:
+    workers = HttpWorkers(
+        parts.service,
+        parts.http.app(),
+        sock,
+        settings.http_workers,
+        max_input_size=settings.http_max_input_size,
+        restricted_api=list(settings.http_restricted_api),
+        log_verbose=settings.log_verbose,
+    )
+    try:
+        await workers.start()
+    except BaseException:
+        await workers.close()
+        raise
+    logger.info("HTTP served by %d worker processes (pids %s)", workers.count, " ".join(map(str, workers.pids)))
+    return _WorkersListener(workers)
 
 
 # -- the single-process server -----------------------------------------------------------------
@@ -325,12 +361,15 @@ class Runner:
                 opened(_GrpcListener(grpc))
             if settings.allow_http:
                 sock = _listen(settings.http_address, settings.http_port)
-                opened(await _serve_asgi("HTTP", parts.http.app(), sock))
+                if settings.http_workers > 1:
+                    opened(await _serve_workers(parts, settings, sock))
+                else:
+                    opened(await _serve_asgi("HTTP", parts.http.app(), sock))
         except OSError as exc:
             raise StartError(str(exc)) from None
         parts.service.ready = True
         for listener in listeners:
-            if isinstance(listener, _AsgiListener):
+            if isinstance(listener, _AsgiListener | _WorkersListener):
                 host, port = listener.socket.getsockname()[:2]
                 logger.info("started %s service at %s:%d", listener.name, host, port)
             elif isinstance(listener, _GrpcListener) and grpc is not None:
