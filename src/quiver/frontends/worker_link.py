@@ -30,13 +30,18 @@ MAX_FRAME = 1 << 31
 
 class Link(asyncio.Protocol):
     """One end: ``send(message)``; ``on_message(message)`` for each frame received;
-    ``on_lost()`` once when the other end is gone."""
+    ``on_lost()`` once when the other end is gone.
+
+    Frames sent in one turn of the event loop go out together at its end (one ``writev``):
+    with many requests in flight, one system call and one wake-up of the other end carry
+    several of them."""
 
     def __init__(self, on_message: Callable[[tuple[Any, ...]], None], on_lost: Callable[[], None]) -> None:
         self.on_message = on_message
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
+        self._outgoing: list[bytes] = []
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -46,7 +51,14 @@ class Link(asyncio.Protocol):
         if self.closed or self.transport is None or self.transport.is_closing():
             return
         body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        self.transport.writelines((_LENGTH.pack(len(body)), body))
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing += (_LENGTH.pack(len(body)), body)
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, []
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(outgoing)
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -74,6 +86,8 @@ class Link(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None:
+            if self._outgoing:
+                self._flush()
             self.transport.close()
 
 
