@@ -25,10 +25,31 @@ import pytest
 import tritonclient.http as httpclient
 from build_repository import SIMPLE_CONFIG, simple_onnx
 
-from support.models import write_onnx
+from support.models import write_onnx, write_python
 from support.server import QuiverServer
 
 WORKERS = ("--http-workers", "2")
+SLOW_MODEL = """
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(1.0)
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+            for r in requests
+        ]
+"""
+SLOW_CONFIG = """
+name: "slow"
+backend: "python"
+max_batch_size: 8
+dynamic_batching { max_queue_delay_microseconds: 0 }
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
 MAX_INPUT_SIZE = 1 << 16
 
 
@@ -38,6 +59,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo.mkdir()
     write_onnx(repo, "simple", simple_onnx(), SIMPLE_CONFIG)
     write_onnx(repo, "other", simple_onnx(), SIMPLE_CONFIG.replace('name: "simple"', 'name: "other"'))
+    write_python(repo, "slow", SLOW_MODEL, SLOW_CONFIG)
     return repo
 
 
@@ -158,6 +180,29 @@ def test_on_demand_loads_a_model_once_however_many_workers_ask(repository: Path)
         assert len(re.findall(r"loaded model 'other' version", server.log)) == 1, server.log
         stats = json.loads(_request(server, "GET", "/v2/models/other/stats")[1])["model_stats"][0]
         assert stats["inference_count"] == 16
+
+
+def test_a_client_that_goes_away_takes_its_queued_request_out_through_a_worker(repository: Path) -> None:
+    body = json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}).encode()
+    with QuiverServer(repository, args=("--model-control-mode=explicit", "--load-model=slow", "--http-workers", "2")) as server:
+        # One answer per worker first: a worker learns from it that this model queues.
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda _: _request(server, "POST", "/v2/models/slow/infer", body)[0], range(4))) == [200] * 4
+        before = json.loads(_request(server, "GET", "/v2/models/slow/stats")[1])["model_stats"][0]
+        busy = threading.Thread(target=_request, args=(server, "POST", "/v2/models/slow/infer", body))
+        busy.start()  # the instance is busy for a second
+        time.sleep(0.3)
+        # Several clients send a request that must wait, and go away before it runs.
+        for _ in range(4):
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            connection.request("POST", "/v2/models/slow/infer", body=body)
+            time.sleep(0.05)
+            connection.close()
+        busy.join(30)
+        time.sleep(1.5)  # whatever was still queued would have run by now
+        stats = json.loads(_request(server, "GET", "/v2/models/slow/stats")[1])["model_stats"][0]
+        ran = stats["inference_count"] - before["inference_count"]
+        assert ran == 1, stats  # the busy request alone; the abandoned ones never ran
 
 
 def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(repository: Path) -> None:

@@ -98,10 +98,10 @@ class RemoteService:
     # -- what HttpFrontend calls -----------------------------------------------------
 
     def queues(self, name: str, version: str = "") -> bool:
-        """Whether the model's requests may wait in a queue, as the model side said with its
-        last answer for it (False until one came: that request is not withdrawn when its
-        client goes away, it just runs)."""
-        return self._queues.get((name, ""), False)
+        """Whether the model's requests may wait in a queue (so a client that goes away takes
+        its request out), as the model side said with its last answer for it; until one came,
+        yes: watching for the client costs a little, a queued request nobody waits for more."""
+        return self._queues.get((name, ""), True)
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         response: InferenceResponse = await self._call("infer", request)
