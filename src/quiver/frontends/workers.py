@@ -126,16 +126,23 @@ class HttpWorkers:
         worker.link.close()
         if not worker.ready.done():
             worker.ready.set_exception(OSError(f"HTTP worker {worker.index} exited with {code} at start"))
+            worker.ready.exception()  # seen: start() raises it; for a restart this log line says it
         if self._stopping:
             return
         logger.warning("HTTP worker %d (pid %d) exited with %s; starting it again", worker.index, worker.process.pid, code)
-        wait = worker.started + RESTART_BACKOFF - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        if not self._stopping:
-            replacement = await self._spawn(worker.index)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(replacement.ready), READY_TIMEOUT)
+        started = worker.started
+        while not self._stopping:
+            wait = started + RESTART_BACKOFF - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if self._stopping:
+                return
+            started = time.monotonic()
+            try:
+                await self._spawn(worker.index)  # its own watcher takes over from here
+                return
+            except OSError as exc:
+                logger.error("HTTP worker %d could not be started again: %s; retrying", worker.index, exc)
 
     # -- the links -------------------------------------------------------------------
 
