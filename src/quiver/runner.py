@@ -12,7 +12,8 @@ use it, and :func:`load_models` for the models loaded at start.
 3. the model manager and its disk cache;
 4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
 5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
-   every listener is up); then the server is ready.
+   every listener is up; with ``--http-workers N``, N worker processes serve the HTTP socket,
+   :mod:`quiver.frontends.workers`); then the server is ready.
 
 A failure at any step closes exactly what the earlier steps opened, in reverse order, logs
 why, and exits non-zero (2 for a logging set-up the flags make impossible, as for other flags;
