@@ -15,6 +15,7 @@ import re
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -171,6 +172,12 @@ def test_statistics_add_up_across_workers(workers: QuiverServer) -> None:
     stats = json.loads(_request(workers, "GET", "/v2/models/simple/stats")[1])["model_stats"][0]
     assert stats["inference_count"] - before["inference_count"] == 40
     assert stats["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 40
+    # The one metrics listener (the model side's) counts what every worker handed over.
+    with urllib.request.urlopen(workers.metrics_url, timeout=10) as response:
+        page = response.read().decode()
+    line = re.search(r'^nv_inference_request_success\{model="simple",version="1"\} (\S+)$', page, re.M)
+    assert line is not None, page
+    assert float(line.group(1)) == stats["inference_stats"]["success"]["count"]
 
 
 def test_on_demand_loads_a_model_once_however_many_workers_ask(repository: Path) -> None:
