@@ -257,6 +257,7 @@ class WorkerInstance:
         self._init_args = init_args
         self._where = f"model '{config.name}' version {files.version}"
         self._all_outputs = [tensor.name for tensor in config.outputs]
+        self._outputs = {tensor.name: tensor for tensor in config.outputs}
         self._worker: _Worker | None = None
         self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
         self._batches: dict[int, asyncio.Future[None]] = {}
@@ -327,6 +328,14 @@ class WorkerInstance:
     # ---- execute
 
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        home = SERVER.loop
+        if home is not None and home.is_running() and asyncio.get_running_loop() is not home:
+            # Another loop (a warmup's, on a load thread): the worker's channel lives on the
+            # server's loop, so the batch runs there.
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._run(requests), home))
+        return await self._run(requests)
+
+    async def _run(self, requests: list[InferenceRequest]) -> ExecuteResult:
         worker = await self._ready_worker()
         if isinstance(worker, QuiverError):
             return [worker for _ in requests]
@@ -449,6 +458,9 @@ class WorkerInstance:
                     parameters = json.loads(response.get("parameters") or "{}")
                 except ValueError:
                     parameters = {}
+                wrong = self._check_outputs(outputs)
+                if wrong:
+                    raise ValueError(wrong)
                 result = InferenceResponse(
                     model_name=self._config.name,
                     model_version=str(self._files.version),
@@ -456,13 +468,39 @@ class WorkerInstance:
                     parameters=parameters if isinstance(parameters, dict) else {},
                 )
         except (ValueError, KeyError) as exc:
-            result = InternalError(f"{self._where}: its worker sent a response that does not add up: {exc}")
+            result = InternalError(f"{self._where}: {exc}")
         finally:
             blocks = tensors.blocks_of(descriptors)
             if blocks and worker.achannel is not None:
                 worker.achannel.send({"op": msg.RELEASE, "blocks": blocks})
         if future is not None and not future.done():
             future.set_result(result)
+
+    def _check_outputs(self, outputs: list[Tensor]) -> str:
+        """What is wrong with the outputs' datatypes or shapes against the configuration ("" if
+        nothing), as Triton checks a backend's outputs."""
+        batching = self._config.max_batch_size > 0
+        for tensor in outputs:
+            spec = self._outputs.get(tensor.name)
+            if spec is None:
+                continue
+            if tensor.datatype is not spec.datatype:
+                return (
+                    f"unexpected datatype {tensor.datatype.value} for output '{tensor.name}', "
+                    f"the model configuration says {spec.datatype.value}"
+                )
+            if spec.reshape is not None:
+                continue
+            shape = list(tensor.shape[1:] if batching else tensor.shape)
+            dims = list(spec.dims)
+            if (batching and not tensor.shape) or len(shape) != len(dims) or any(
+                d != -1 and d != s for d, s in zip(dims, shape, strict=True)
+            ):
+                return (
+                    f"unexpected shape {list(tensor.shape)} for output '{tensor.name}', the model "
+                    f"configuration says {spec.full_shape(self._config.max_batch_size)}"
+                )
+        return ""
 
     async def _bls(self, worker: _Worker, message: dict[str, Any]) -> None:
         """Run a BLS request from the model through the server; answer with the response."""
