@@ -57,6 +57,9 @@ _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quiver-python-s
 _worker_ids = itertools.count(1)
 _live: set[subprocess.Popen[bytes]] = set()
 _live_lock = threading.Lock()
+#: Blocks of a worker's pool the server has read are given back with the next batch, or in a
+#: message of their own once this many wait.
+_RELEASE_BATCH = 64
 
 _BOOTSTRAP = """\
 import os, sys
@@ -126,6 +129,14 @@ class _Worker:
         self.tag = tag
         self.achannel: AsyncChannel | None = None
         self.reader: asyncio.Task[None] | None = None
+        #: blocks of the worker's pool read and not yet given back (sent with the next batch)
+        self.releases: list[list[Any]] = []
+
+    def release(self, blocks: list[list[Any]]) -> None:
+        self.releases.extend(blocks)
+        if len(self.releases) >= _RELEASE_BATCH and self.achannel is not None:
+            self.achannel.send({"op": msg.RELEASE, "blocks": self.releases})
+            self.releases = []
 
     def kill(self) -> None:
         with contextlib.suppress(OSError):
@@ -369,7 +380,10 @@ class WorkerInstance:
         batch = next(self._batch_ids)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._batches[batch] = done
-        worker.achannel.send({"op": msg.EXECUTE, "batch": batch, "requests": items})
+        message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
+        if worker.releases:
+            message["release"], worker.releases = worker.releases, []
+        worker.achannel.send(message)
         timeouts = [int(r.parameters.get("timeout", 0) or 0) for r in requests if str(r.parameters.get("timeout", "0")).isdigit()]
         limit = min((t for t in timeouts if t > 0), default=0) / 1e6
         try:
@@ -471,8 +485,8 @@ class WorkerInstance:
             result = InternalError(f"{self._where}: {exc}")
         finally:
             blocks = tensors.blocks_of(descriptors)
-            if blocks and worker.achannel is not None:
-                worker.achannel.send({"op": msg.RELEASE, "blocks": blocks})
+            if blocks:
+                worker.release(blocks)
         if future is not None and not future.done():
             future.set_result(result)
 
