@@ -56,13 +56,14 @@ from quiver.backends.python_convert import (
 )
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
+from quiver.backends.python_process import start_worker
 from quiver.backends.python_settings import (
     IN_PROCESS_PARAMETER,
     PythonSettings,
     parse_bool,
     parse_python_settings,
 )
-from quiver.backends.python_worker import WorkerInstance, start_worker
+from quiver.backends.python_worker import WorkerInstance
 from quiver.config import ModelConfig, config_to_json
 from quiver.errors import (
     ConfigError,
