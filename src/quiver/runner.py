@@ -39,6 +39,7 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from quiver import logs
+from quiver.backends.base import SERVER
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
@@ -48,6 +49,7 @@ from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.frontends.workers import HttpWorkers
 from quiver.lifecycle import ModelRepositoryManager
+from quiver.lifecycle.sources import default_cache_dir
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
 from quiver.repository.local import use_custom_config
@@ -85,6 +87,8 @@ class Parts:
 def assemble(settings: Settings) -> Parts:
     """The model manager, the inference service over it and its HTTP applications."""
     use_custom_config(settings.model_config_name)  # --model-config-name (checked by settings)
+    SERVER.backend_config = settings.backend_config
+    SERVER.cache_dir = settings.model_cache_dir or default_cache_dir()
     manager = ModelRepositoryManager(
         list(settings.model_repositories),
         control_mode=settings.model_control_mode,

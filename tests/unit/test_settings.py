@@ -191,3 +191,56 @@ def test_bad_tritonserver_flag_values(tmp_path: Path) -> None:
     ):
         with pytest.raises(SettingsError, match=re.escape(message)):
             settings(tmp_path, *flags)
+def test_backend_config_in_tritons_syntax(tmp_path: Path) -> None:
+    built = settings(
+        tmp_path,
+        "--backend-config=python,shm-default-byte-size=2097152",
+        "--backend-config", "python,shm-region-prefix-name=mine_",
+        "--backend-config=onnxruntime,enable-global-threadpool=1",
+        "--backend-config=backend-directory=/opt/x",
+        "--backend-config=python,shm-default-byte-size=4194304",  # a later one wins
+    )  # fmt: skip
+    assert built.backend_config == {
+        "python": {"shm-default-byte-size": "4194304", "shm-region-prefix-name": "mine_"},
+        "onnxruntime": {"enable-global-threadpool": "1"},
+        "": {"backend-directory": "/opt/x"},
+    }
+    assert settings(tmp_path).backend_config == {}
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("--backend-config=python", "--backend-config: 'python' is not"),
+        ("--backend-config=,x=1", "--backend-config: ',x=1' is not"),
+        ("--backend-config=python,shm-default-byte-size=lots", "shm-default-byte-size"),
+        ("--backend-config=python,shm-growth-byte-size=0", "shm-growth-byte-size"),
+        ("--backend-config=python,stub-timeout-seconds=-1", "stub-timeout-seconds"),
+        ("--backend-config=python,shm-region-prefix-name=a/b", "shm-region-prefix-name"),
+        ("--backend-config=python,in-process=maybe", "in-process"),
+    ],
+)
+def test_backend_config_nonsense_names_the_setting(tmp_path: Path, flag: str, named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        settings(tmp_path, flag)
+
+
+def test_sagemaker_shm_variables_reach_the_python_backend_and_flags_win(tmp_path: Path) -> None:
+    env = {"SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE": "16777216", "SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE": "1048576"}
+    built = settings(tmp_path, env=env)
+    assert built.backend_config["python"] == {
+        "shm-default-byte-size": "16777216",
+        "shm-growth-byte-size": "1048576",
+    }
+    flagged = settings(tmp_path, "--backend-config=python,shm-default-byte-size=8388608", env=env)
+    assert flagged.backend_config["python"]["shm-default-byte-size"] == "8388608"
+    with pytest.raises(SettingsError, match="SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE"):
+        settings(tmp_path, env={"SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE": "1M"})
+
+
+def test_backend_config_for_other_backends_is_noted_as_without_effect(tmp_path: Path) -> None:
+    built = settings(tmp_path, "--backend-config=tensorflow,version=2", "--backend-config=python,shm-growth-byte-size=1048576")
+    assert built.backend_config["tensorflow"] == {"version": "2"}
+    assert [n for n in built.flag_notes if "backend-config" in n] == [
+        "--backend-config=tensorflow,version=... has no effect: Quiver reads no tensorflow backend settings"
+    ]

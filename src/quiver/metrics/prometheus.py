@@ -343,6 +343,18 @@ def _model_metrics(models: list[ModelLike]) -> Iterator[Metric]:
     yield pending
     yield load
     yield latency
+    processes = GaugeMetricFamily(
+        "quiver_model_process_memory_bytes",
+        "Host memory of the worker processes a model version runs in (their unique set size)",
+        labels=_MODEL_LABELS,
+    )
+    for key, model in zip(keys, models, strict=True):
+        measure = getattr(model, "process_memory_bytes", None)
+        size = measure() if measure is not None else None
+        if size is not None:
+            processes.add_metric(key, size)
+    if processes.samples:
+        yield processes
 
 
 class _CpuReader:
