@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from quiver.lifecycle.budget import OutOfMemoryError
 from quiver.lifecycle.dependencies import ensemble_steps, is_model_folder, served_folder
 from quiver.repository.cache import CacheFullError
 from quiver.repository.names import check_local_path
+from quiver.streaming import Cancellation, ResponseStream, StreamResponse
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ logger = logging.getLogger(__name__)
 CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullError)
 #: Where Triton's SageMaker frontend refuses to look for models.
 _FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
+
+#: What :meth:`InferenceService.infer` says of a decoupled model by default.
+DECOUPLED_ERROR = "this endpoint doesn't support models with decoupled transaction policy"
 
 #: Extensions Quiver implements, by Triton's names (server metadata lists them).
 EXTENSIONS = [
@@ -334,7 +338,16 @@ class InferenceService:
         except QuiverError:
             return False
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    def decoupled(self, name: str, version: str = "") -> bool:
+        """Whether the READY model ``name`` uses the decoupled transaction policy (answers
+        through a stream); False for a model that is not READY."""
+        try:
+            return bool(self.manager.get(name, version).config.proto.model_transaction_policy.decoupled)
+        except QuiverError:
+            return False
+
+    async def _admit(self, request: InferenceRequest) -> Model:
+        """The READY model for ``request`` (loaded first, on demand), the request checked."""
         manager = self.manager
         try:
             model = manager.get(request.model_name, request.model_version)
@@ -350,16 +363,76 @@ class InferenceService:
         except QuiverError:
             model.stats.record_failure(0, "REJECTED")
             raise
+        return model
+
+    async def infer(
+        self, request: InferenceRequest, *, decoupled_error: str = DECOUPLED_ERROR
+    ) -> InferenceResponse:
+        """One request, one response. A decoupled model is refused with UNSUPPORTED and
+        ``decoupled_error`` (each endpoint has Triton's own words): use :meth:`infer_stream`."""
+        model = await self._admit(request)
+        if model.config.proto.model_transaction_policy.decoupled:
+            model.stats.record_failure(0, "REJECTED")
+            self.manager.request_done(model)
+            raise UnsupportedError(decoupled_error)
         try:
             response = await model.scheduler.enqueue(request)
+        except asyncio.CancelledError:
+            if request.cancellation is None:
+                request.cancellation = Cancellation()  # the model reads it through the request
+            request.cancellation.cancel()
+            raise
         finally:
-            manager.request_done(model)  # loads waiting for room look again
+            self.manager.request_done(model)  # loads waiting for room look again
+        return self._finish(model, request, response)
+
+    def _finish(self, model: Model, request: InferenceRequest, response: InferenceResponse) -> InferenceResponse:
         response.model_name = model.name
         response.model_version = model.version_str
         response.id = request.id
         if request.outputs is not None:
             response.outputs = _select_outputs(model, request, response)
         return response
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[StreamResponse]:
+        """The responses to ``request``, the last one final: one for a model that is not
+        decoupled, zero or more (then a flag-only final) for a decoupled one. An error of
+        the request as a whole (bad input, unknown model) raises before the first item;
+        errors the model sends are items. Leaving the iteration early (the client cancelled
+        or went away) cancels the request: the model sees ``is_cancelled()``."""
+        cancellation = request.cancellation
+        if cancellation is None:
+            cancellation = request.cancellation = Cancellation()
+        model = await self._admit(request)
+        if not model.config.proto.model_transaction_policy.decoupled:
+            try:
+                response = await model.scheduler.enqueue(request)
+            except asyncio.CancelledError:
+                cancellation.cancel()
+                raise
+            except QuiverError as error:
+                yield StreamResponse(error=error, final=True)
+                return
+            finally:
+                self.manager.request_done(model)
+            yield StreamResponse(response=self._finish(model, request, response), final=True)
+            return
+        stream = request.stream = ResponseStream(cancellation)
+        running = asyncio.ensure_future(model.scheduler.enqueue(request))
+        running.add_done_callback(stream.executed)
+        finished = False
+        try:
+            async for item in stream.responses():
+                if item.response is not None:
+                    item.response = self._finish(model, request, item.response)
+                finished = item.final
+                yield item
+        finally:
+            if not finished:
+                cancellation.cancel()
+                if not running.done():
+                    running.cancel()  # still queued: it leaves the queue
+            self.manager.request_done(model)
 
 
 def _url_folder(path: Path, url: str) -> Path:

@@ -41,10 +41,10 @@ from quiver.backends.python_convert import (
     _error_code,
     _json_ready,
     _model_error,
-    _output_tensor,
     _pb_error,
     _pb_response,
     _quiver_request,
+    model_response,
 )
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
 from quiver.config import ModelConfig, config_to_json
@@ -55,7 +55,7 @@ from quiver.errors import (
     QuiverError,
     error_for_code,
 )
-from quiver.types import InferenceRequest, InferenceResponse, Tensor
+from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
 
@@ -364,32 +364,7 @@ class PythonInstance(ThreadedInstance):
     def _response(
         self, item: Any, request: InferenceRequest, index: int
     ) -> InferenceResponse | QuiverError:
-        if not isinstance(item, pb_utils.InferenceResponse):
-            return InternalError(
-                f"{self._where}: execute() returned a {type(item).__name__} for request "
-                f"{index}, expected a pb_utils.InferenceResponse"
-            )
-        if item.has_error():
-            error = item.error()
-            assert error is not None
-            return error_for_code(ErrorCode[error.code().name], error.message())
-        outputs: list[Tensor] = []
-        for tensor in item.output_tensors():
-            try:
-                outputs.append(_output_tensor(tensor))
-            except ValueError as exc:
-                return InternalError(f"{self._where}: response to request {index}: {exc}")
-        try:
-            parameters = json.loads(item.parameters())
-        except (TypeError, ValueError):
-            parameters = {}
-        return InferenceResponse(
-            model_name=self._config.name,
-            model_version=self._version,
-            outputs=outputs,
-            id=request.id,
-            parameters=parameters if isinstance(parameters, dict) else {},
-        )
+        return model_response(item, self._where, self._config.name, self._version, request.id, index)
 
 
 # ------------------------------------------------------------------------- backend

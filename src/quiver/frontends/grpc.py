@@ -27,6 +27,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from quiver.errors import InvalidArgumentError
+from quiver.frontends.grpc_stream import serve_stream
 from quiver.frontends.offload import OFFLOAD_NS, PARSE_INLINE_BYTES, in_worker
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import grpc_error
@@ -37,19 +38,20 @@ from quiver.protocol.v2_grpc import (
     encode_infer_response,
 )
 from quiver.service import InferenceService
-from quiver.types import InferenceResponse
+from quiver.types import InferenceRequest, InferenceResponse
 
 #: The service name clients may ask the health service about, besides "" (the server).
 SERVICE_NAME = "inference.GRPCInferenceService"
 DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
-#: Requests of one stream decoded and running at once; the reader waits past this.
-STREAM_WINDOW = 64
 
 
 #: (model, request id) of the current RPC or stream request, once known: an unexpected
 #: error's message names the model, a stream's error answer carries the id. Each RPC and each
 #: stream request runs in its own task, with its own copy.
 _call: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("quiver_grpc_call", default=("", ""))
+
+#: Triton's answer to ModelInfer on a decoupled model (ModelStreamInfer serves those).
+DECOUPLED_ERROR = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 
 _Reply = TypeVar("_Reply")
 _Servicer = TypeVar("_Servicer", bound="InferenceServicer")
@@ -79,18 +81,6 @@ def _rpc(
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return call
-
-
-def _stream_error(exc: Exception) -> bytes:
-    """The one translation of a stream request's errors: as Triton, a ModelStreamInferResponse
-    with ``error_message`` and the request id, so the client knows which one failed; the
-    stream goes on."""
-    _, message = _translated(exc, "ModelStreamInfer")
-    failed = pb.ModelStreamInferResponse(
-        error_message=message, infer_response=pb.ModelInferResponse(id=_call.get()[1])
-    )
-    serialized: bytes = failed.SerializeToString()
-    return serialized
 
 
 def _tensor_metadata(entries: list[dict[str, Any]]) -> list[Any]:
@@ -237,7 +227,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             request = decode_infer_request(message)
         else:
             request = await in_worker(decode_infer_request, message)
-        response = await self.service.infer(request)
+        response = await self.service.infer(request, decoupled_error=DECOUPLED_ERROR)
         if encode_cost(response) < OFFLOAD_NS:
             return serialize(response)
         return await in_worker(serialize, response)
@@ -251,50 +241,22 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         finally:
             self._leave()
 
-    async def _stream_one(self, data: bytes) -> bytes:
-        """One request of a stream, in its own task (so with its own ``_call``)."""
-        _call.set(("", ""))
-        try:
-            return await self._infer(data, _serialized_stream_response)
-        except Exception as exc:
-            return _stream_error(exc)
+    async def decode(self, data: bytes) -> InferenceRequest:
+        """A serialized ModelInferRequest -> the request (large ones on a codec thread)."""
+        if len(data) < PARSE_INLINE_BYTES:
+            message = _parse_request(data)
+        else:
+            message = await in_worker(_parse_request, data)
+        if decode_cost(message) < OFFLOAD_NS:
+            return decode_infer_request(message)
+        return await in_worker(decode_infer_request, message)
 
     async def model_stream_infer_bytes(
         self, request_iterator: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        """ModelStreamInfer: requests run concurrently; answers go out in request order
-        (Triton's order for models that are not decoupled). A failed request is answered
-        with ``error_message`` and the stream goes on."""
-        pending: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
-        window = asyncio.Semaphore(STREAM_WINDOW)
-
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    await window.acquire()
-                    self._enter()
-                    pending.put_nowait(asyncio.create_task(self._stream_one(request)))
-            finally:
-                pending.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (task := await pending.get()) is not None:
-                try:
-                    yield await task
-                finally:  # answered (or abandoned): no longer in flight
-                    if not task.done():
-                        task.cancel()  # the client went away while it ran
-                    window.release()
-                    self._leave()
-            await reader  # raises what ended the reading, if it failed
-        finally:
-            reader.cancel()
-            while not pending.empty():
-                leftover = pending.get_nowait()
-                if leftover is not None:
-                    leftover.cancel()
-                    self._leave()
+        """ModelStreamInfer: see :mod:`quiver.frontends.grpc_stream`."""
+        async for message in serve_stream(self, request_iterator):
+            yield message
 
 
 def _parse_request(data: bytes) -> Any:
@@ -306,13 +268,6 @@ def _parse_request(data: bytes) -> Any:
 
 def _serialized_response(response: InferenceResponse) -> bytes:
     serialized: bytes = encode_infer_response(response).SerializeToString()
-    return serialized
-
-
-def _serialized_stream_response(response: InferenceResponse) -> bytes:
-    message = pb.ModelStreamInferResponse()
-    message.infer_response.CopyFrom(encode_infer_response(response))
-    serialized: bytes = message.SerializeToString()
     return serialized
 
 
