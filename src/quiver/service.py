@@ -21,6 +21,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 import quiver
 from quiver import logs
+from quiver.backends.base import SERVER
 from quiver.config import ModelConfig
 from quiver.errors import (
     AlreadyExistsError,
@@ -75,6 +76,8 @@ class InferenceService:
     def __init__(self, manager: ModelRepositoryManager, repositories: Sequence[Path] = ()) -> None:
         self.manager = manager
         manager.bind(self.infer)
+        SERVER.infer_stream = self.infer_stream  # Python models' decoupled BLS calls
+        SERVER.decoupled = self.decoupled
         self.ready = False  # set by the runner once start-up finished
         #: The local ``--model-repository`` folders (SageMaker urls inside them load by name).
         self.repositories = [p.resolve() for p in repositories]

@@ -14,7 +14,7 @@ import contextlib
 import importlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.config import InstanceGroup, ModelConfig
 from quiver.errors import QuiverError, UnsupportedError
+from quiver.streaming import StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,10 @@ class ServerContext:
 
     infer: Callable[[InferenceRequest], Awaitable[InferenceResponse]] | None = None
     loop: asyncio.AbstractEventLoop | None = None
+    #: The streaming entry (``InferenceService.infer_stream``) and whether a model is
+    #: decoupled, for BLS calls with ``decoupled=True``.
+    infer_stream: Callable[[InferenceRequest], AsyncIterator[StreamResponse]] | None = None
+    decoupled: Callable[[str, str], bool] | None = None
 
 
 SERVER = ServerContext()

@@ -6,7 +6,8 @@ state), builds ``TritonPythonModel`` and calls ``initialize(args)``. Every call 
 model (import, ``initialize``, ``execute``, ``finalize``) runs on the instance's own
 thread, which owns an asyncio event loop for models whose methods are ``async def``.
 
-Not supported: decoupled models, BLS, GPU tensors (see ``triton_python_backend_utils``).
+Decoupled models, response senders and async execute in the background are
+:mod:`quiver.backends.python_decoupled`'s. Not supported: GPU tensors.
 
 Pieces: importing ``model.py`` is :mod:`quiver.backends.python_loading`; conversions of
 errors, tensors, requests and responses are :mod:`quiver.backends.python_convert`; this
@@ -22,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from google.protobuf import json_format
@@ -37,6 +38,12 @@ from quiver.backends.base import (
     ThreadedInstance,
     format_exception,
 )
+from quiver.backends.python_bls_stream import (
+    ResponseIterator,
+    async_exec_decoupled,
+    exec_decoupled,
+    not_decoupled_call,
+)
 from quiver.backends.python_convert import (
     _error_code,
     _json_ready,
@@ -46,6 +53,14 @@ from quiver.backends.python_convert import (
     _quiver_request,
     model_response,
 )
+from quiver.backends.python_decoupled import (
+    BackgroundLoop,
+    Convert,
+    Senders,
+    batch_results,
+    cancelled,
+    resolve,
+)
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
 from quiver.config import ModelConfig, config_to_json
 from quiver.errors import (
@@ -53,6 +68,7 @@ from quiver.errors import (
     ErrorCode,
     InternalError,
     QuiverError,
+    UnsupportedError,
     error_for_code,
 )
 from quiver.types import InferenceRequest, InferenceResponse
@@ -128,6 +144,8 @@ class PythonInstance(ThreadedInstance):
         self._clean_executions = 0  # on the thread, with no BLS call and no exception
         self._may_inline = False  # set after load: a plain (not async) execute
         self._inlining = False  # an execution is running on the event loop now
+        self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
+        self._background: BackgroundLoop | None = None  # a decoupled model's async execute
 
     # ---- load / unload (instance thread)
 
@@ -159,6 +177,7 @@ class PythonInstance(ThreadedInstance):
             self._may_inline = (
                 self._config.parameters.get(INLINE_PARAMETER, "").strip().lower() == "true"
                 and not self._config.proto.HasField("sequence_batching")
+                and not self._decoupled
                 and not inspect.iscoroutinefunction(getattr(self._model, "execute", None))
             )
         except BaseException:
@@ -178,6 +197,9 @@ class PythonInstance(ThreadedInstance):
         }
 
     def release(self) -> None:
+        if self._background is not None:
+            self._background.stop()
+            self._background = None
         try:
             finalize = getattr(self._model, "finalize", None) if self._model is not None else None
             if finalize is not None:
@@ -216,8 +238,11 @@ class PythonInstance(ThreadedInstance):
         count = len(requests)
         timing = self.timing
         t0 = time.monotonic_ns()
+        senders = Senders(requests, self._decoupled, self._converter(requests))
         try:
-            pb_requests = [self._pb_request(request) for request in requests]
+            pb_requests = [
+                self._pb_request(request, senders.factory(index)) for index, request in enumerate(requests)
+            ]
         except Exception as exc:
             return self._fail_all(
                 count,
@@ -243,12 +268,17 @@ class PythonInstance(ThreadedInstance):
                     if inspect.iscoroutine(result):
                         result.close()
                     raise _RunOnThread("execute() returned an awaitable")
-                assert self._loop is not None
-                result = self._loop.run_until_complete(result)
+                if self._decoupled and inspect.iscoroutine(result):
+                    self._in_background(result, senders)
+                    result = None
+                else:
+                    assert self._loop is not None
+                    result = self._loop.run_until_complete(result)
         except (Exception, SystemExit) as exc:
             if inlining:
                 raise _RunOnThread(f"execute() raised {type(exc).__name__}") from exc
             self._clean_executions = 0
+            senders.close()
             return self._fail_all(
                 count,
                 _error_code(exc),
@@ -260,7 +290,12 @@ class PythonInstance(ThreadedInstance):
         if not inlining and self._may_inline:
             self._clean_executions += 1
         t2 = time.monotonic_ns()
-        responses = self._responses(result, requests)
+        if self._decoupled or senders.used:
+            responses = batch_results(
+                result, requests, senders.senders, self._decoupled, self._config.name, self._responses
+            )
+        else:
+            responses = self._responses(result, requests)
         timing.input_ns = t1 - t0
         timing.infer_ns = t2 - t1
         timing.output_ns = time.monotonic_ns() - t2
@@ -290,13 +325,40 @@ class PythonInstance(ThreadedInstance):
             finally:
                 self._inlining = False
                 _on_loop.remove(self)
-        return await super().run(requests)
+        return await resolve(await super().run(requests))
+
+    def _converter(self, requests: list[InferenceRequest]) -> Callable[[int], Convert]:
+        def convert(index: int) -> Convert:
+            return lambda item: self._response(item, requests[index], index)
+
+        return convert
+
+    def _in_background(self, coroutine: Coroutine[Any, Any, Any], senders: Senders) -> None:
+        """Start a decoupled model's async execute on the instance's background loop."""
+        if self._background is None:
+            self._background = BackgroundLoop(self.name)
+        where = self._where
+
+        def failed(exc: BaseException) -> None:
+            if isinstance(exc, ValueError) and str(exc) == "the execute function must return None":
+                message = (
+                    f"Python model '{self._config.name}' is using the decoupled mode and the "
+                    "execute function must return None."
+                )
+            else:
+                message = f"{where}: execute() raised {format_exception(exc)}"
+                logger.error("%s", message)
+            senders.fail(error_for_code(_error_code(exc), message))
+
+        self._background.submit(coroutine, failed)
 
     @staticmethod
     def _fail_all(count: int, code: ErrorCode, message: str) -> ExecuteResult:
         return [error_for_code(code, message) for _ in range(count)]
 
-    def _pb_request(self, request: InferenceRequest) -> pb_utils.InferenceRequest:
+    def _pb_request(
+        self, request: InferenceRequest, sender_factory: Callable[[], Any]
+    ) -> pb_utils.InferenceRequest:
         inputs = []
         for tensor in request.inputs:
             array = tensor.data
@@ -331,6 +393,8 @@ class PythonInstance(ThreadedInstance):
             flags=flags,
             timeout=timeout,
             parameters_json=json.dumps(passed, default=str),
+            sender_factory=sender_factory,
+            cancelled=cancelled(request),
         )
 
     def _responses(self, result: Any, requests: list[InferenceRequest]) -> ExecuteResult:
@@ -433,7 +497,12 @@ class _Bls:
     request through the server's inference path on its event loop, from the model's
     thread (exec) or the model's own event loop (async_exec)."""
 
-    def _submit(self, request: pb_utils.InferenceRequest) -> concurrent.futures.Future[InferenceResponse]:
+    def _submit(
+        self,
+        request: pb_utils.InferenceRequest,
+        on_server: Callable[[InferenceRequest], Coroutine[Any, Any, Any]] | None = None,
+    ) -> concurrent.futures.Future[Any]:
+        """Run ``request`` on the server's loop (with ``on_server``, or as one inference)."""
         infer, loop = SERVER.infer, SERVER.loop
         if infer is None or loop is None or loop.is_closed():
             raise pb_utils.TritonModelException("BLS requests can only run inside a running Quiver server")
@@ -461,9 +530,12 @@ class _Bls:
         quiver_request = _quiver_request(request)
 
         async def run() -> InferenceResponse:
+            decoupled = SERVER.decoupled
+            if decoupled is not None and decoupled(quiver_request.model_name, quiver_request.model_version):
+                raise UnsupportedError(not_decoupled_call(quiver_request.model_name))
             return await infer(quiver_request)
 
-        return asyncio.run_coroutine_threadsafe(run(), loop)
+        return asyncio.run_coroutine_threadsafe(run() if on_server is None else on_server(quiver_request), loop)
 
     def exec(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         future = self._submit(request)
@@ -484,6 +556,12 @@ class _Bls:
 
     def async_exec(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
         return self._await(request)
+
+    def exec_decoupled(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
+        return exec_decoupled(request, self._submit)
+
+    def async_exec_decoupled(self, request: pb_utils.InferenceRequest) -> Awaitable[ResponseIterator]:
+        return async_exec_decoupled(request, self._submit)
 
 
 pb_utils._set_bls_executor(_Bls())

@@ -129,7 +129,12 @@ def _quiver_request(request: pb_utils.InferenceRequest) -> InferenceRequest:
 
 
 def _pb_response(response: InferenceResponse) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse([pb_utils.Tensor(t.name, t.data) for t in response.outputs])
+    parameters = {
+        k: v for k, v in response.parameters.items() if isinstance(k, str) and isinstance(v, (bool, int, str))
+    }
+    return pb_utils.InferenceResponse(
+        [pb_utils.Tensor(t.name, t.data) for t in response.outputs], parameters=parameters or None
+    )
 
 
 def _pb_error(code: ErrorCode, message: str) -> pb_utils.InferenceResponse:
