@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,18 @@ class InferenceService:
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.manager.is_ready(name, version)
+
+    async def model_ready_checked(self, name: str, version: str = "") -> bool:
+        """:meth:`model_ready`, and every instance's own readiness check agrees (a Python
+        model's ``is_ready()``): what the v2 ready endpoints answer."""
+        if not self.manager.is_ready(name, version):
+            return False
+        checks = [
+            check()
+            for instance in self.manager.get(name, version).instances
+            if (check := getattr(instance, "user_ready", None)) is not None
+        ]
+        return all(await asyncio.gather(*checks)) if checks else True
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
         model = self.manager.get(name, version)
@@ -349,6 +361,16 @@ class InferenceService:
         except QuiverError:
             return False
 
+    async def serving_config(self, name: str, version: str = "") -> ModelConfig:
+        """The configuration of the model a request for ``name`` runs on (loaded first, on
+        demand): the generate extension maps its JSON to that model's inputs."""
+        try:
+            return self.manager.get(name, version).config
+        except (NotFoundError, UnavailableError):
+            if not self.manager.on_demand:
+                raise
+            return (await self.manager.acquire(name, version)).config
+
     async def _admit(self, request: InferenceRequest) -> Model:
         """The READY model for ``request`` (loaded first, on demand), the request checked."""
         manager = self.manager
@@ -397,7 +419,7 @@ class InferenceService:
             response.outputs = _select_outputs(model, request, response)
         return response
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[StreamResponse]:
+    async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[StreamResponse, None]:
         """The responses to ``request``, the last one final: one for a model that is not
         decoupled, zero or more (then a flag-only final) for a decoupled one. An error of
         the request as a whole (bad input, unknown model) raises before the first item;
@@ -493,8 +515,14 @@ def _validate(config: ModelConfig, request: InferenceRequest) -> None:
     if len(given) != len(inputs):
         missing = [t.name for t in config.inputs if t.name not in given and not t.optional]
         if missing:
+            required = sum(not t.optional for t in config.inputs)
+            expected = (
+                f"{len(inputs)} inputs"
+                if required == len(inputs)
+                else f"number of inputs between {required} and {len(inputs)}"
+            )
             raise InvalidArgumentError(
-                f"expected {len(inputs)} inputs but got {len(request.inputs)} inputs for model "
+                f"expected {expected} but got {len(request.inputs)} inputs for model "
                 f"'{name}'; missing required input(s): {', '.join(missing)}"
             )
     if request.outputs is not None:

@@ -62,6 +62,7 @@ from quiver.backends.python_decoupled import (
     resolve,
 )
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
+from quiver.backends.python_readiness import UserReadiness
 from quiver.config import ModelConfig, config_to_json
 from quiver.errors import (
     ConfigError,
@@ -146,6 +147,7 @@ class PythonInstance(ThreadedInstance):
         self._inlining = False  # an execution is running on the event loop now
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
         self._background: BackgroundLoop | None = None  # a decoupled model's async execute
+        self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
 
     # ---- load / unload (instance thread)
 
@@ -174,6 +176,9 @@ class PythonInstance(ThreadedInstance):
                     raise _model_error(
                         exc, f"{self._where}: initialize() failed: {format_exception(exc)}"
                     ) from exc
+            is_ready = getattr(self._model, "is_ready", None)
+            if callable(is_ready):
+                self._readiness = UserReadiness(is_ready, self._run_in_background, self._where)
             self._may_inline = (
                 self._config.parameters.get(INLINE_PARAMETER, "").strip().lower() == "true"
                 and not self._config.proto.HasField("sequence_batching")
@@ -326,6 +331,16 @@ class PythonInstance(ThreadedInstance):
                 self._inlining = False
                 _on_loop.remove(self)
         return await resolve(await super().run(requests))
+
+    async def user_ready(self) -> bool:
+        """The model's own ``is_ready()`` (True when it has none)."""
+        return True if self._readiness is None else await self._readiness.check()
+
+    def _run_in_background(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coroutine`` on the instance's background loop and wait for its result."""
+        if self._background is None:
+            self._background = BackgroundLoop(self.name)
+        return self._background.run(coroutine)
 
     def _converter(self, requests: list[InferenceRequest]) -> Callable[[int], Convert]:
         def convert(index: int) -> Convert:

@@ -256,6 +256,10 @@ class BackgroundLoop:
 
         future.add_done_callback(done)
 
+    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coroutine`` here and wait for its result (from another thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
     def stop(self) -> None:
         """Cancel what still runs and end the thread."""
         loop = self._loop

@@ -132,7 +132,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     async def ModelReady(self, request: Any, context: Any) -> Any:
         # Triton answers an unknown model with ready=false, not an error; a version that is
         # not a positive integer is INVALID_ARGUMENT.
-        return pb.ModelReadyResponse(ready=self.service.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=await self.service.model_ready_checked(request.name, request.version))
 
     @_rpc
     async def ModelMetadata(self, request: Any, context: Any) -> Any:

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.http_generate import GenerateEndpoint
 from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
 from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import BodyTooLarge, http_error
@@ -41,6 +42,10 @@ from quiver.types import InferenceResponse
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
+
+
+#: Triton's answer to /infer on a decoupled model (generate_stream serves those).
+DECOUPLED_ERROR = "HTTP end point doesn't support models with decoupled transaction policy"
 
 
 def _error(status: int, message: str) -> Response:
@@ -64,6 +69,7 @@ class HttpFrontend:
         self.service = service
         self.restrictions = restrictions or Restrictions()
         self.max_input_size = max_input_size
+        self.generate = GenerateEndpoint(service, max_input_size, read_body)
         self._app = Starlette(
             routes=self.routes(),
             exception_handlers={
@@ -88,6 +94,10 @@ class HttpFrontend:
             # POST .../infer is served by __call__ directly; these give other methods a 405.
             Route(model + "/infer", self._unroutable, methods=["POST"]),
             Route(versioned + "/infer", self._unroutable, methods=["POST"]),
+            Route(model + "/generate", self._unroutable, methods=["POST"]),
+            Route(versioned + "/generate", self._unroutable, methods=["POST"]),
+            Route(model + "/generate_stream", self._unroutable, methods=["POST"]),
+            Route(versioned + "/generate_stream", self._unroutable, methods=["POST"]),
             Route("/v2/models/stats", self.model_statistics, methods=["GET"]),
             Route(model + "/stats", self.model_statistics, methods=["GET"]),
             Route(versioned + "/stats", self.model_statistics, methods=["GET"]),
@@ -142,10 +152,10 @@ class HttpFrontend:
     async def model_ready(self, request: Request) -> Response:
         name = request.path_params["model"]
         version = request.path_params.get("version", "")
-        if self.service.model_ready(name, version):
+        if await self.service.model_ready_checked(name, version):
             return Response(status_code=200)
         self.service.check_model(name, version)
-        return Response(status_code=503)  # pragma: no cover - raced with a load
+        return Response(status_code=503)  # the model's own is_ready() said no (or raced a load)
 
     async def model_metadata(self, request: Request) -> Response:
         return _json(
@@ -249,6 +259,15 @@ class HttpFrontend:
                 if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
                     await self._infer(scope, receive, send, parts[0], parts[2])
                     return
+            elif path.startswith("/v2/models/") and path.endswith(("/generate", "/generate_stream")):
+                streaming = path.endswith("_stream")
+                parts = path[11 : -16 if streaming else -9].split("/")
+                if len(parts) == 1 and parts[0]:
+                    await self.generate(scope, receive, send, parts[0], "", streaming)
+                    return
+                if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+                    await self.generate(scope, receive, send, parts[0], parts[2], streaming)
+                    return
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
@@ -281,10 +300,11 @@ class HttpFrontend:
                 infer_request = decode_request(body, header_length, model, version)
             else:
                 infer_request = await in_worker(decode_request, body, header_length, model, version)
+            infer = self.service.infer(infer_request, decoupled_error=DECOUPLED_ERROR)
             if self.service.queues(model, version):
-                response = await _unless_disconnected(self.service.infer(infer_request), receive)
+                response = await _unless_disconnected(infer, receive)
             else:
-                response = await self.service.infer(infer_request)
+                response = await infer
             if encode_cost(response, infer_request) < OFFLOAD_NS:
                 payload, json_length = encode_response(response, infer_request)
             else:
