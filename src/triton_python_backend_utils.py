@@ -1,12 +1,14 @@
 """Quiver's ``triton_python_backend_utils``: the module Triton Python models import.
 
 Models written for Triton's Python backend do ``import triton_python_backend_utils as
-pb_utils``; this module gives them the same names and behaviour, for models that run
-in-process on CPU and are not decoupled. It is written from Triton's documented API
+pb_utils``; this module gives them the same names and behaviour, for models that run on CPU,
+in a worker process of their own (the default) or in the server's.
+It imports only numpy and Quiver's worker-safe modules, so it runs under a model's own
+Python environment too (``EXECUTION_ENV_PATH``). It is written from Triton's documented API
 (python_backend ``README.md`` and the stub's ``c_python_backend_utils`` bindings).
 
 Decoupled mode (``get_response_sender``), request cancellation and BLS (including
-``exec(decoupled=True)``) are served by the Python backend (``quiver.backends``). Not
+``exec(decoupled=True)``) are served by the Python backend, in a worker or in-process. Not
 available here: the model-control functions
 (``load_model``, ``unload_model``, ``is_model_ready``), custom metrics
 (``MetricFamily``) and GPU tensors.
@@ -18,7 +20,7 @@ import copy
 import enum
 import json
 import logging
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -501,8 +503,8 @@ class InferenceRequest:
         self._preferred_memory = preferred_memory or PreferredMemory(TRITONSERVER_MEMORY_CPU)
         self._trace = trace or InferenceTrace()
         self._parameters = _parameters_to_json(parameters)
-        self._sender_factory: Any = None
-        self._cancelled: Any = None
+        self._sender_factory: Callable[[], Any] | None = None
+        self._cancelled: Callable[[], bool] | None = None
 
     @classmethod
     def _from_server(
@@ -570,7 +572,7 @@ class InferenceRequest:
         return self._trace
 
     def is_cancelled(self) -> bool:
-        """Whether the client cancelled this request (or went away)."""
+        """Whether the client cancelled this request (or went away): a model may stop early."""
         return self._cancelled is not None and bool(self._cancelled())
 
     def model_name(self) -> str:

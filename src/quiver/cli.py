@@ -320,6 +320,22 @@ def build_parser() -> argparse.ArgumentParser:
             "thread hand-off costs more than the model; 0 always uses the thread (default: 200)"
         ),
     )
+    models.add_argument(
+        "--backend-config",
+        action="append",
+        default=[],
+        metavar="<backend>,<setting>=<value>",
+        help=(
+            "a backend's setting, as tritonserver takes it; repeat for more, or give "
+            "<setting>=<value> for a global one. The python backend reads "
+            "shm-default-byte-size, shm-growth-byte-size, shm-max-byte-size, "
+            "shm-region-prefix-name, stub-timeout-seconds, restart-backoff-seconds and "
+            "in-process=true (run Python models in the server's process unless their "
+            "config's parameter QUIVER_PYTHON_IN_PROCESS says otherwise); "
+            "SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE and SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE "
+            "set the first two when no flag does"
+        ),
+    )
     store = serve.add_argument_group(
         "model cache and S3 (credentials, region and endpoint also come from the usual AWS "
         "variables: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL_S3, "

@@ -37,6 +37,7 @@ from typing import Any
 from prometheus_client.registry import CollectorRegistry
 
 from quiver import logs
+from quiver.backends.base import SERVER
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
@@ -45,6 +46,7 @@ from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.lifecycle import ModelRepositoryManager
+from quiver.lifecycle.sources import default_cache_dir
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
 from quiver.service import InferenceService
@@ -76,6 +78,8 @@ class Parts:
 
 def assemble(settings: Settings) -> Parts:
     """The model manager, the inference service over it and its HTTP applications."""
+    SERVER.backend_config = settings.backend_config
+    SERVER.cache_dir = settings.model_cache_dir or default_cache_dir()
     manager = ModelRepositoryManager(
         list(settings.model_repositories),
         control_mode=settings.model_control_mode,

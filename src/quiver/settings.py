@@ -10,6 +10,8 @@ precedence, for every setting that has both a flag and a variable:
   ``SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT`` (``--model-load-gpu-limit``),
   ``SAGEMAKER_MULTI_MODEL`` or any ``SAGEMAKER_TRITON_*`` (``--allow-sagemaker``);
   ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL`` (``--s3-endpoint-url``);
+  ``SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE`` / ``SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE``
+  (``--backend-config=python,shm-default-byte-size=N`` / ``shm-growth-byte-size=N``);
 - else the built-in default.
 
 The SageMaker routes' own settings (``SAGEMAKER_MULTI_MODEL``, ``SAGEMAKER_TRITON_PING_MODE``,
@@ -28,9 +30,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from quiver.backends.python_settings import parse_python_settings
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import (
@@ -116,6 +119,8 @@ class Settings:
     exit_on_error: bool = True
     model_load_thread_count: int = 4
     inline_execution_threshold_us: int = 200
+    # --backend-config: backend name ("" for the global settings) -> key -> value, as given
+    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # model cache and S3
     model_cache_dir: Path | None = None  # None: the manager's default ($QUIVER_CACHE_DIR, ...)
     model_cache_size: int = DEFAULT_CACHE_BYTES
@@ -258,6 +263,52 @@ def _ray(args: argparse.Namespace) -> RaySettings | None:
     )
 
 
+#: SageMaker's variables for the Python backend's shared-memory pool (Triton's container turns
+#: them into these ``--backend-config=python,...`` keys).
+_SAGEMAKER_PYTHON_VARIABLES = {
+    "SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE": "shm-default-byte-size",
+    "SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE": "shm-growth-byte-size",
+}
+
+
+def parse_backend_config(option: str) -> tuple[str, str, str]:
+    """One ``--backend-config`` value, in Triton's syntax: ``<backend>,<key>=<value>`` or
+    ``<key>=<value>`` (a global setting, backend ``""``). ValueError says what is wrong."""
+    head, equals, value = option.partition("=")
+    if not equals:
+        raise ValueError(f"'{option}' is not <backend>,<setting>=<value> or <setting>=<value>")
+    backend, comma, key = head.partition(",")
+    if not comma:
+        backend, key = "", head
+    backend, key = backend.strip(), key.strip()
+    if not key or (comma and not backend):
+        raise ValueError(f"'{option}' is not <backend>,<setting>=<value> or <setting>=<value>")
+    return backend, key, value
+
+
+def _backend_config(options: list[str], environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """``--backend-config`` flags (a later one wins for the same key) over the SageMaker
+    variables; the python backend's keys are checked here, so nonsense stops the start."""
+    config: dict[str, dict[str, str]] = {}
+    for variable, key in _SAGEMAKER_PYTHON_VARIABLES.items():
+        value = _variable(environ, variable)
+        if value:
+            if not value.isdigit():
+                raise SettingsError(f"{variable} must be a number of bytes, got '{value}'")
+            config.setdefault("python", {})[key] = value
+    for option in options:
+        try:
+            backend, key, value = parse_backend_config(option)
+        except ValueError as exc:
+            raise SettingsError(f"--backend-config: {exc}") from None
+        config.setdefault(backend, {})[key] = value
+    try:
+        parse_python_settings(config.get("python", {}))
+    except InvalidArgumentError as exc:
+        raise SettingsError(exc.message) from None
+    return config
+
+
 def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     """The settings ``quiver serve``'s parsed flags and ``environ`` describe (see the module
     docstring for the precedence); raises SettingsError naming what makes no sense."""
@@ -276,6 +327,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     gpu_limit = _gpu_limit(args, environ)
     sagemaker = _sagemaker(args, environ)
     ray = _ray(args)
+    backend_config = _backend_config(args.backend_config, environ)
     endpoint = args.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
     return Settings(
         model_repositories=local,
@@ -308,6 +360,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
+        backend_config=backend_config,
         model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
         model_cache_size=args.model_cache_size,
         model_archive_max_bytes=args.model_archive_max_bytes or 0,

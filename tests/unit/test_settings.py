@@ -127,3 +127,50 @@ def test_repositories_split_into_local_and_s3(tmp_path: Path) -> None:
 def test_cache_dir_flag_is_resolved_and_the_variable_is_left_to_the_manager(tmp_path: Path) -> None:
     assert settings(tmp_path, "--model-cache-dir", str(tmp_path / "c")).model_cache_dir == (tmp_path / "c").resolve()
     assert settings(tmp_path, env={"QUIVER_CACHE_DIR": str(tmp_path)}).model_cache_dir is None
+
+
+def test_backend_config_in_tritons_syntax(tmp_path: Path) -> None:
+    built = settings(
+        tmp_path,
+        "--backend-config=python,shm-default-byte-size=2097152",
+        "--backend-config", "python,shm-region-prefix-name=mine_",
+        "--backend-config=onnxruntime,enable-global-threadpool=1",
+        "--backend-config=backend-directory=/opt/x",
+        "--backend-config=python,shm-default-byte-size=4194304",  # a later one wins
+    )  # fmt: skip
+    assert built.backend_config == {
+        "python": {"shm-default-byte-size": "4194304", "shm-region-prefix-name": "mine_"},
+        "onnxruntime": {"enable-global-threadpool": "1"},
+        "": {"backend-directory": "/opt/x"},
+    }
+    assert settings(tmp_path).backend_config == {}
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("--backend-config=python", "--backend-config: 'python' is not"),
+        ("--backend-config=,x=1", "--backend-config: ',x=1' is not"),
+        ("--backend-config=python,shm-default-byte-size=lots", "shm-default-byte-size"),
+        ("--backend-config=python,shm-growth-byte-size=0", "shm-growth-byte-size"),
+        ("--backend-config=python,stub-timeout-seconds=-1", "stub-timeout-seconds"),
+        ("--backend-config=python,shm-region-prefix-name=a/b", "shm-region-prefix-name"),
+        ("--backend-config=python,in-process=maybe", "in-process"),
+    ],
+)
+def test_backend_config_nonsense_names_the_setting(tmp_path: Path, flag: str, named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        settings(tmp_path, flag)
+
+
+def test_sagemaker_shm_variables_reach_the_python_backend_and_flags_win(tmp_path: Path) -> None:
+    env = {"SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE": "16777216", "SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE": "1048576"}
+    built = settings(tmp_path, env=env)
+    assert built.backend_config["python"] == {
+        "shm-default-byte-size": "16777216",
+        "shm-growth-byte-size": "1048576",
+    }
+    flagged = settings(tmp_path, "--backend-config=python,shm-default-byte-size=8388608", env=env)
+    assert flagged.backend_config["python"]["shm-default-byte-size"] == "8388608"
+    with pytest.raises(SettingsError, match="SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE"):
+        settings(tmp_path, env={"SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE": "1M"})

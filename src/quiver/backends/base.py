@@ -14,7 +14,7 @@ import contextlib
 import importlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,9 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.config import InstanceGroup, ModelConfig
 from quiver.errors import QuiverError, UnsupportedError
+from quiver.errors import (
+    format_exception as format_exception,  # re-exported: backends import it from here
+)
 from quiver.streaming import StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
 
@@ -175,8 +178,9 @@ class ServerContext:
     """The running server, for backends whose models call other models (Python BLS).
 
     Set by the model repository manager when the server starts: the inference entry
-    (requests go through the normal path: checks, schedulers, statistics) and the event
-    loop it runs on. One per process, as Triton's Python backend has one server.
+    (requests go through the normal path: checks, schedulers, statistics), the event
+    loop it runs on and where instances report their health; by the runner: the backends'
+    settings and cache folder. One per process, as Triton's Python backend has one server.
     """
 
     infer: Callable[[InferenceRequest], Awaitable[InferenceResponse]] | None = None
@@ -185,6 +189,13 @@ class ServerContext:
     #: decoupled, for BLS calls with ``decoupled=True``.
     infer_stream: Callable[[InferenceRequest], AsyncIterator[StreamResponse]] | None = None
     decoupled: Callable[[str, str], bool] | None = None
+    #: ``--backend-config``: backend name ("" for global settings) -> key -> value.
+    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: Where backends keep what they make once (Python environments unpacked): the model cache.
+    cache_dir: Path | None = None
+    #: ``health(model, version, instance, reason)``: an instance cannot serve now (``reason``) or
+    #: serves again (None); the manager shows a model whose instances all cannot as UNAVAILABLE.
+    health: Callable[[str, int, str, str | None], None] | None = None
 
 
 SERVER = ServerContext()
@@ -261,7 +272,4 @@ def model_path(config: ModelConfig, files: ModelFiles) -> Path:
     return files.version_dir / config.default_model_filename
 
 
-def format_exception(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

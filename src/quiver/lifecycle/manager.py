@@ -185,6 +185,7 @@ class ModelRepositoryManager:
     async def start(self, poll_seconds: float = 0.0) -> dict[str, str]:
         """Load what the control mode loads at start; returns name -> reason for failures."""
         SERVER.loop = asyncio.get_running_loop()
+        SERVER.health = self._table.set_health
         sources, clashes = await self._sources.scan()
         failures = dict(clashes)
         for name, reason in clashes.items():

@@ -1,0 +1,115 @@
+"""The control channel: length-prefixed JSON messages over a connected Unix socket.
+
+A frame is a 4-byte little-endian length and that many bytes of UTF-8 JSON (an object with an
+``op`` key, :mod:`quiver.ipc.messages`). Frames larger than ``MAX_FRAME`` are refused: tensors
+never travel here, so a huge frame is a broken or hostile peer. :class:`Channel` is the blocking
+end (a worker; the server's start-up handshake); :class:`AsyncChannel` reads and writes on an
+asyncio loop (the server once a worker serves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import threading
+from typing import Any
+
+MAX_FRAME = 64 << 20
+_LENGTH = struct.Struct("<I")
+
+
+class ChannelError(Exception):
+    """The peer sent something that is not a message."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return _LENGTH.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ChannelError(f"a message that is not JSON: {exc}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise ChannelError("a message that is not an object with an 'op'")
+    return message
+
+
+class Channel:
+    """Blocking messages over ``sock``; ``send`` may be called from any thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        frame = encode(message)
+        with self._send_lock:
+            self.sock.sendall(frame)
+
+    def recv(self) -> dict[str, Any] | None:
+        """The next message; None when the peer closed the channel."""
+        head = self._read(4)
+        if head is None:
+            return None
+        (length,) = _LENGTH.unpack(head)
+        if length > MAX_FRAME:
+            raise ChannelError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+        body = self._read(length)
+        return None if body is None else decode(body)
+
+    def _read(self, size: int) -> bytes | None:
+        """Exactly ``size`` bytes (unbuffered, so the socket can change hands after a
+        handshake); None at the end of the stream."""
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        got = 0
+        while got < size:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except ConnectionError:
+                return None
+            if n == 0:
+                return None
+            got += n
+        return bytes(buffer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AsyncChannel:
+    """Messages over ``sock`` on the running asyncio loop."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> AsyncChannel:
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_FRAME + 4)
+        return cls(reader, writer)
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Queue ``message`` (the loop writes it; never blocks)."""
+        if not self._writer.is_closing():
+            self._writer.write(encode(message))
+
+    async def recv(self) -> dict[str, Any] | None:
+        try:
+            head = await self._reader.readexactly(4)
+            (length,) = _LENGTH.unpack(head)
+            if length > MAX_FRAME:
+                raise ChannelError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+            body = await self._reader.readexactly(length)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        return decode(body)
+
+    def close(self) -> None:
+        self._writer.close()
