@@ -62,7 +62,6 @@ from quiver.backends.python_convert import (
     model_response,
 )
 from quiver.backends.python_decoupled import (
-    BackgroundLoop,
     Convert,
     Senders,
     batch_results,
@@ -72,6 +71,7 @@ from quiver.backends.python_decoupled import (
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
 from quiver.backends.python_readiness import UserReadiness
+from quiver.backends.python_sender import BackgroundLoop, failure_message
 from quiver.backends.python_settings import (
     IN_PROCESS_PARAMETER,
     PythonSettings,
@@ -302,7 +302,8 @@ class PythonInstance(ThreadedInstance):
         t2 = time.monotonic_ns()
         if self._decoupled or senders.used:
             responses = batch_results(
-                result, requests, senders.senders, self._decoupled, self._config.name, self._responses
+                result, requests, senders.senders, senders.answers, self._decoupled, self._config.name,
+                self._responses,
             )
         else:
             responses = self._responses(result, requests)
@@ -360,14 +361,8 @@ class PythonInstance(ThreadedInstance):
         where = self._where
 
         def failed(exc: BaseException) -> None:
-            if isinstance(exc, ValueError) and str(exc) == "the execute function must return None":
-                message = (
-                    f"Python model '{self._config.name}' is using the decoupled mode and the "
-                    "execute function must return None."
-                )
-            else:
-                message = f"{where}: execute() raised {format_exception(exc)}"
-                logger.error("%s", message)
+            message = failure_message(exc, self._config.name, where)
+            logger.error("%s", message)
             senders.fail(error_for_code(_error_code(exc), message))
 
         self._background.submit(coroutine, failed)
