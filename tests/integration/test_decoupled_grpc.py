@@ -24,7 +24,7 @@ from support.server import QuiverServer
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
     repo = build_decoupled_repository(tmp_path_factory.mktemp("decoupled"))
-    with QuiverServer(repo, args=("--backend-config=python,in-process=true",)) as running:
+    with QuiverServer(repo) as running:
         yield running
 
 

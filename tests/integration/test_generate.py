@@ -24,7 +24,7 @@ from support.server import QuiverServer
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
     root = tmp_path_factory.mktemp("generate")
     repo = build_decoupled_repository(root)
-    with QuiverServer(repo, args=("--backend-config=python,in-process=true",)) as running:
+    with QuiverServer(repo) as running:
         running.ready_file = root / "ready_state"  # type: ignore[attr-defined]
         yield running
 

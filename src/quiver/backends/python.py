@@ -70,7 +70,7 @@ from quiver.backends.python_decoupled import (
 )
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
-from quiver.backends.python_readiness import UserReadiness
+from quiver.backends.python_readiness import UserReadiness, call_is_ready
 from quiver.backends.python_sender import BackgroundLoop, failure_message
 from quiver.backends.python_settings import (
     IN_PROCESS_PARAMETER,
@@ -192,7 +192,9 @@ class PythonInstance(ThreadedInstance):
                     ) from exc
             is_ready = getattr(self._model, "is_ready", None)
             if callable(is_ready):
-                self._readiness = UserReadiness(is_ready, self._run_in_background, self._where)
+                self._readiness = UserReadiness(
+                    lambda: asyncio.to_thread(call_is_ready, is_ready, self._run_in_background), self._where
+                )
             self._may_inline = (
                 self._config.parameters.get(INLINE_PARAMETER, "").strip().lower() == "true"
                 and not self._config.proto.HasField("sequence_batching")
@@ -538,8 +540,7 @@ class PythonBackend:
         self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec
     ) -> PythonInstance | WorkerInstance:
         parameters = dict(config.parameters)
-        decoupled = config.proto.model_transaction_policy.decoupled  # workers: not yet
-        if decoupled or self.in_process(parameters, config.name):
+        if self.in_process(parameters, config.name):
             if parameters.get(python_env.ENV_PARAMETER, "").strip():
                 raise ConfigError(
                     f"model '{config.name}': {python_env.ENV_PARAMETER} needs a worker process; "

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import queue
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 from quiver.backends.base import SERVER
 from quiver.backends.python_convert import _pb_error, _pb_response
+from quiver.backends.python_sender import ResponseIterator
 from quiver.errors import ErrorCode, QuiverError
 from quiver.streaming import Cancellation, StreamResponse
 from quiver.types import InferenceRequest
@@ -38,46 +38,6 @@ def not_decoupled_call(model: str) -> str:
     )
 
 
-class ResponseIterator:
-    """The responses of one decoupled BLS call."""
-
-    def __init__(self, cancellation: Cancellation) -> None:
-        self._cancellation = cancellation
-        self._incoming: queue.SimpleQueue[tuple[pb_utils.InferenceResponse, bool]] = queue.SimpleQueue()
-        self._seen: list[pb_utils.InferenceResponse] = []
-        self._finished = False
-        self._index = 0
-        self.first: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-    def _put(self, response: pb_utils.InferenceResponse, last: bool) -> None:
-        self._incoming.put((response, last))
-        if not self.first.done():
-            self.first.set_result(None)
-
-    def __iter__(self) -> ResponseIterator:
-        if self._finished and self._index >= len(self._seen):
-            self._index = 0
-        return self
-
-    def __next__(self) -> pb_utils.InferenceResponse:
-        if self._finished:
-            if self._index < len(self._seen):
-                self._index += 1
-                return self._seen[self._index - 1]
-            raise StopIteration
-        response, last = self._incoming.get()
-        self._seen.append(response)
-        if last:
-            self._finished = True
-            self._index = len(self._seen)
-        return response
-
-    def cancel(self) -> None:
-        """Cancel the call (the called model sees ``is_cancelled()``)."""
-        if not self._finished:
-            self._cancellation.cancel()
-
-
 def _pb(item: StreamResponse) -> pb_utils.InferenceResponse:
     if item.error is not None:
         return _pb_error(item.error.code, item.error.message)
@@ -91,7 +51,7 @@ def _start(request: pb_utils.InferenceRequest, submit: Submit) -> ResponseIterat
     if infer_stream is None:
         raise pb_utils.TritonModelException("BLS requests can only run inside a running Quiver server")
     cancellation = Cancellation()
-    iterator = ResponseIterator(cancellation)
+    iterator = ResponseIterator(cancellation.cancel)
 
     async def run(quiver_request: InferenceRequest) -> None:
         quiver_request.cancellation = cancellation

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import queue
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -185,6 +186,46 @@ class BackgroundLoop:
             loop.close()
 
 
+class ResponseIterator:
+    """The responses of one decoupled BLS call."""
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self._cancel = cancel
+        self._incoming: queue.SimpleQueue[tuple[pb_utils.InferenceResponse, bool]] = queue.SimpleQueue()
+        self._seen: list[pb_utils.InferenceResponse] = []
+        self._finished = False
+        self._index = 0
+        self.first: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def _put(self, response: pb_utils.InferenceResponse, last: bool) -> None:
+        self._incoming.put((response, last))
+        if not self.first.done():
+            self.first.set_result(None)
+
+    def __iter__(self) -> ResponseIterator:
+        if self._finished and self._index >= len(self._seen):
+            self._index = 0
+        return self
+
+    def __next__(self) -> pb_utils.InferenceResponse:
+        if self._finished:
+            if self._index < len(self._seen):
+                self._index += 1
+                return self._seen[self._index - 1]
+            raise StopIteration
+        response, last = self._incoming.get()
+        self._seen.append(response)
+        if last:
+            self._finished = True
+            self._index = len(self._seen)
+        return response
+
+    def cancel(self) -> None:
+        """Cancel the call (the called model sees ``is_cancelled()``)."""
+        if not self._finished:
+            self._cancel()
+
+
 def failure_message(exc: BaseException, model: str, where: str) -> str:
     """What a decoupled model's failed (background) execute answers its open requests with."""
     if isinstance(exc, ValueError) and str(exc) == RETURN_NONE:
@@ -192,4 +233,12 @@ def failure_message(exc: BaseException, model: str, where: str) -> str:
     return f"{where}: execute() raised {format_exception(exc)}"
 
 
-__all__ = ["FINAL", "RETURN_NONE", "BackgroundLoop", "Deliver", "InferenceResponseSender", "failure_message"]
+__all__ = [
+    "FINAL",
+    "RETURN_NONE",
+    "BackgroundLoop",
+    "Deliver",
+    "InferenceResponseSender",
+    "ResponseIterator",
+    "failure_message",
+]

@@ -37,15 +37,26 @@ from typing import Any
 import numpy as np
 
 from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
+from quiver.backends.python_bls_stream import not_decoupled_call
 from quiver.backends.python_convert import _request_fields
 from quiver.backends.python_env import PythonEnv
+from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
 from quiver.backends.python_settings import PythonSettings
+from quiver.backends.python_worker_streams import BlsStreams, WorkerStreams
 from quiver.config import ModelConfig
-from quiver.errors import ErrorCode, InternalError, QuiverError, UnavailableError, error_for_code
+from quiver.errors import (
+    ErrorCode,
+    InternalError,
+    QuiverError,
+    UnavailableError,
+    UnsupportedError,
+    error_for_code,
+)
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import AsyncChannel, Channel, ChannelError
 from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError, unlink_prefixed
+from quiver.streaming import StreamedResponse
 from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 logger = logging.getLogger(__name__)
@@ -260,6 +271,11 @@ class WorkerInstance:
         self._outputs = {tensor.name: tensor for tensor in config.outputs}
         self._worker: _Worker | None = None
         self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
+        self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
+        self._streams = WorkerStreams()  # a decoupled model's open requests
+        self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
+        self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
+        self._ready_answers = WorkerReadiness()
         self._batches: dict[int, asyncio.Future[None]] = {}
         self._batch_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
@@ -274,7 +290,9 @@ class WorkerInstance:
 
     def start(self) -> None:
         """Start the worker and wait for its ``ready`` (blocking; on a load thread)."""
-        self._worker, _ = start_worker(self._config, self._files, self._env, self._tree, self._settings, self._init_args)
+        self._worker, ready = start_worker(self._config, self._files, self._env, self._tree, self._settings, self._init_args)
+        if ready.get("has_is_ready"):
+            self._readiness = UserReadiness(self._ask_ready, self._where)
 
     @property
     def pid(self) -> int | None:
@@ -353,7 +371,11 @@ class WorkerInstance:
                 futures.append(failed)
                 continue
             future: asyncio.Future[InferenceResponse | QuiverError] = loop.create_future()
-            self._pending[request_id] = future
+            if self._decoupled:
+                future.set_result(StreamedResponse("", "", []))  # answered on its stream
+                self._streams.open(request_id, request, self._cancel)
+            else:
+                self._pending[request_id] = future
             futures.append(future)
             items.append({"id": request_id, "tensors": descriptors, "fields": _request_fields(request, self._all_outputs)})
         if items:
@@ -361,8 +383,25 @@ class WorkerInstance:
         for block in blocks:
             worker.arena.free(block.segment, block.offset)
         for future in futures:
-            results.append(future.result() if future.done() else InternalError(f"{self._where}: no response"))
+            # A model may answer through its response sender after execute() returned.
+            results.append(await future)
         return results
+
+    async def user_ready(self) -> bool:
+        """The model's own ``is_ready()`` (True when it has none)."""
+        return True if self._readiness is None else await self._readiness.check()
+
+    async def _ask_ready(self) -> bool:
+        worker = await self._ready_worker()
+        if isinstance(worker, QuiverError):
+            return False
+        assert worker.achannel is not None
+        return await self._ready_answers.ask(worker.achannel.send)
+
+    def _cancel(self, request_id: str) -> None:
+        worker = self._worker
+        if worker is not None and worker.achannel is not None and request_id in self._streams:
+            worker.achannel.send({"op": msg.CANCEL, "ids": [request_id]})
 
     async def _execute(self, worker: _Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> None:
         assert worker.achannel is not None
@@ -425,6 +464,10 @@ class WorkerInstance:
                 elif op == msg.RELEASE:
                     for segment, offset in message["blocks"]:
                         worker.arena.free(segment, offset)
+                elif op == msg.IS_READY_RESULT:
+                    self._ready_answers.answered(message)
+                elif op == msg.BLS_CANCEL:
+                    self._bls_streams.cancel(int(message["id"]))
                 elif op == msg.LOG:
                     _log(message, self._where)
                 elif op == msg.FINALIZED:
@@ -440,8 +483,13 @@ class WorkerInstance:
         await self._on_exit(worker)
 
     def _on_response(self, worker: _Worker, message: dict[str, Any]) -> None:
-        future = self._pending.pop(str(message["id"]), None)
+        request_id = str(message["id"])
+        final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
         response = message["response"]
+        if response is None:  # a decoupled model's flag-only final
+            self._streams.deliver(request_id, None, final)
+            return
+        future = None if request_id in self._streams else self._pending.pop(request_id, None)
         descriptors = response.get("tensors") or []
         result: InferenceResponse | QuiverError
         try:
@@ -473,6 +521,8 @@ class WorkerInstance:
             blocks = tensors.blocks_of(descriptors)
             if blocks and worker.achannel is not None:
                 worker.achannel.send({"op": msg.RELEASE, "blocks": blocks})
+        if self._streams.deliver(request_id, result, final):
+            return
         if future is not None and not future.done():
             future.set_result(result)
 
@@ -506,11 +556,16 @@ class WorkerInstance:
         """Run a BLS request from the model through the server; answer with the response."""
         number = message["id"]
         answer: dict[str, Any]
+        if message["request"].get("decoupled"):
+            await self._bls_stream(worker, number, message["request"])
+            return
         try:
             request = self._bls_request(worker, message["request"])
-            infer = SERVER.infer
+            infer, decoupled = SERVER.infer, SERVER.decoupled
             if infer is None:
                 raise UnavailableError("BLS requests can only run inside a running Quiver server")
+            if decoupled is not None and decoupled(request.model_name, request.model_version):
+                raise UnsupportedError(not_decoupled_call(request.model_name))
             response = await infer(request)
             blocks: list[Block] = []
             try:
@@ -526,6 +581,31 @@ class WorkerInstance:
             answer = {"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}
         if worker.achannel is not None:
             worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": answer})
+
+    async def _bls_stream(self, worker: _Worker, number: int, fields: dict[str, Any]) -> None:
+        def reply(response: dict[str, Any] | None, final: bool) -> None:
+            if worker.achannel is not None:
+                flags = msg.FINAL if final else 0
+                worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": response, "flags": flags})
+
+        def encode(response: InferenceResponse) -> dict[str, Any]:
+            blocks: list[Block] = []
+            try:
+                return {
+                    "tensors": [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs],
+                    "parameters": json.dumps(response.parameters, default=str),
+                }
+            except PoolFullError as exc:
+                for block in blocks:
+                    worker.arena.free(block.segment, block.offset)
+                raise UnavailableError(f"a BLS response does not fit the shared-memory pool: {exc}") from None
+
+        try:
+            request = self._bls_request(worker, fields)
+        except (ValueError, KeyError, TypeError) as exc:
+            reply({"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}, True)
+            return
+        await self._bls_streams.run(number, request, reply, encode)
 
     @staticmethod
     def _bls_request(worker: _Worker, fields: dict[str, Any]) -> InferenceRequest:
@@ -572,6 +652,7 @@ class WorkerInstance:
         )
         logger.error("%s: Python worker (pid %d) %s; restarting it", self._where, worker.process.pid, cause)
         self._fail_pending(list(self._pending), error)
+        self._streams.fail_all(error)
         for done in self._batches.values():
             if not done.done():
                 done.set_result(None)

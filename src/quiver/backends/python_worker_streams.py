@@ -1,0 +1,125 @@
+"""The server's side of decoupled Python models in worker processes: the open streams.
+
+A request to a decoupled model that runs in a worker is answered by ``response`` messages
+carrying its id, any number of them, the last with ``flags`` FINAL (a flag-only final has no
+``response``). They go to the request's :class:`~quiver.streaming.ResponseStream` until then;
+a client that cancels sends the worker ``cancel`` (the model's ``is_cancelled()``); a worker
+that dies ends every open stream with the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from quiver.backends.base import SERVER
+from quiver.errors import QuiverError, UnavailableError
+from quiver.streaming import Cancellation, StreamClosed, StreamResponse
+from quiver.types import InferenceRequest, InferenceResponse
+
+
+class WorkerStreams:
+    """Request id -> the request whose stream receives that id's responses."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, InferenceRequest] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._open
+
+    def open(self, request_id: str, request: InferenceRequest, cancel: Callable[[str], None]) -> None:
+        """Route ``request_id``'s responses to ``request``'s stream; ``cancel(request_id)``
+        (on the event loop) when its client cancels."""
+        self._open[request_id] = request
+        cancellation = request.cancellation
+        if cancellation is not None:
+            loop = asyncio.get_running_loop()
+
+            def cancelled() -> None:
+                if request_id in self._open:
+                    with contextlib.suppress(RuntimeError):  # the loop is gone
+                        loop.call_soon_threadsafe(cancel, request_id)
+
+            cancellation.add_callback(cancelled)
+
+    def deliver(self, request_id: str, answer: InferenceResponse | QuiverError | None, final: bool) -> bool:
+        """Send ``answer`` (None: a flag-only final) on ``request_id``'s stream; False when the
+        id has none (a request answered once, the usual way)."""
+        request = self._open.get(request_id)
+        if request is None:
+            return False
+        if final:
+            del self._open[request_id]
+        item = StreamResponse(final=final)
+        if isinstance(answer, QuiverError):
+            item.error = answer
+        else:
+            item.response = answer
+        if request.stream is not None:
+            with contextlib.suppress(StreamClosed):  # closed by the server already
+                request.stream.put(item)
+        return True
+
+    def fail_all(self, error: QuiverError) -> None:
+        """The worker is gone: every open stream ends with ``error``."""
+        requests, self._open = list(self._open.values()), {}
+        for request in requests:
+            if request.stream is not None:
+                request.stream.finish(error)
+
+
+
+
+class BlsStreams:
+    """Decoupled BLS calls a worker's model makes: each response of the called model goes
+    back as a ``bls_response`` with flags (the last FINAL); ``bls_cancel`` cancels one."""
+
+    def __init__(self) -> None:
+        self._running: dict[int, Cancellation] = {}
+
+    def cancel(self, number: int) -> None:
+        cancellation = self._running.get(number)
+        if cancellation is not None:
+            cancellation.cancel()
+
+    async def run(
+        self,
+        number: int,
+        request: InferenceRequest,
+        reply: Callable[[dict[str, Any] | None, bool], None],
+        encode: Callable[[InferenceResponse], dict[str, Any]],
+    ) -> None:
+        """Run ``request`` through the server's streaming entry; ``reply(response, final)``
+        for each answer (``encode`` writes a response's tensors for the worker)."""
+        infer_stream = SERVER.infer_stream
+        cancellation = request.cancellation = Cancellation()
+        self._running[number] = cancellation
+        try:
+            if infer_stream is None:
+                raise UnavailableError("BLS requests can only run inside a running Quiver server")
+            final = False
+            async for item in infer_stream(request):
+                final = item.final
+                if item.error is not None:
+                    reply({"error": [item.error.code.name, item.error.message]}, final)
+                elif item.response is not None:
+                    try:
+                        reply(encode(item.response), final)
+                    except QuiverError as exc:
+                        reply({"error": [exc.code.name, exc.message]}, final)
+                else:
+                    reply(None, final)
+            if not final:  # pragma: no cover - streams always end with a final item
+                reply(None, True)
+        except QuiverError as exc:
+            reply({"error": [exc.code.name, exc.message]}, True)
+        except asyncio.CancelledError:
+            reply({"error": ["CANCELLED", "the BLS request was cancelled"]}, True)
+            raise
+        finally:
+            self._running.pop(number, None)
+
+
+__all__ = ["BlsStreams", "WorkerStreams"]
