@@ -95,8 +95,7 @@ class InferenceService:
         return self.manager.is_ready(name, version)
 
     async def model_ready_checked(self, name: str, version: str = "") -> bool:
-        """:meth:`model_ready`, and every instance's own readiness check agrees (a Python
-        model's ``is_ready()``): what the v2 ready endpoints answer."""
+        """:meth:`model_ready`, and every instance's own check (``is_ready()``) agrees."""
         if not self.manager.is_ready(name, version):
             return False
         checks = [
@@ -362,8 +361,7 @@ class InferenceService:
             return False
 
     async def serving_config(self, name: str, version: str = "") -> ModelConfig:
-        """The configuration of the model a request for ``name`` runs on (loaded first, on
-        demand): the generate extension maps its JSON to that model's inputs."""
+        """The configuration of the model a request for ``name`` runs on (loaded on demand)."""
         try:
             return self.manager.get(name, version).config
         except (NotFoundError, UnavailableError):
@@ -393,8 +391,7 @@ class InferenceService:
     async def infer(
         self, request: InferenceRequest, *, decoupled_error: str = DECOUPLED_ERROR
     ) -> InferenceResponse:
-        """One request, one response. A decoupled model is refused with UNSUPPORTED and
-        ``decoupled_error`` (each endpoint has Triton's own words): use :meth:`infer_stream`."""
+        """One request, one response; a decoupled model is UNSUPPORTED (``decoupled_error``)."""
         model = await self._admit(request)
         if model.config.proto.model_transaction_policy.decoupled:
             model.stats.record_failure(0, "REJECTED")
@@ -403,8 +400,7 @@ class InferenceService:
         try:
             response = await model.scheduler.enqueue(request)
         except asyncio.CancelledError:
-            if request.cancellation is None:
-                request.cancellation = Cancellation()  # the model reads it through the request
+            request.cancellation = request.cancellation or Cancellation()  # the model reads it
             request.cancellation.cancel()
             raise
         finally:
@@ -420,14 +416,10 @@ class InferenceService:
         return response
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[StreamResponse, None]:
-        """The responses to ``request``, the last one final: one for a model that is not
-        decoupled, zero or more (then a flag-only final) for a decoupled one. An error of
-        the request as a whole (bad input, unknown model) raises before the first item;
-        errors the model sends are items. Leaving the iteration early (the client cancelled
-        or went away) cancels the request: the model sees ``is_cancelled()``."""
-        cancellation = request.cancellation
-        if cancellation is None:
-            cancellation = request.cancellation = Cancellation()
+        """The responses to ``request``, the last one final (a decoupled model's may be a
+        flag-only final). An error of the request as a whole raises before the first item;
+        errors the model sends are items. Leaving early cancels the request."""
+        cancellation = request.cancellation = request.cancellation or Cancellation()
         model = await self._admit(request)
         if not model.config.proto.model_transaction_policy.decoupled:
             try:

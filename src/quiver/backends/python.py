@@ -8,8 +8,8 @@ state), builds ``TritonPythonModel`` and calls ``initialize(args)``. Every call 
 model (import, ``initialize``, ``execute``, ``finalize``) runs on the instance's own
 thread, which owns an asyncio event loop for models whose methods are ``async def``.
 
-Decoupled models, response senders and async execute in the background are
-:mod:`quiver.backends.python_decoupled`'s. Not supported: GPU tensors.
+Response senders (decoupled models), async execute in the background and ``is_ready()``:
+:mod:`quiver.backends.python_decoupled`. Not supported: GPU tensors.
 
 Pieces: importing ``model.py`` is :mod:`quiver.backends.python_loading`; conversions of
 errors, tensors, requests and responses are :mod:`quiver.backends.python_convert`; this
@@ -36,7 +36,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 import triton_python_backend_utils as pb_utils
-from quiver.backends import python_env
+from quiver.backends import python_bls_stream, python_env
 from quiver.backends.base import (
     SERVER,
     ExecuteResult,
@@ -44,12 +44,6 @@ from quiver.backends.base import (
     ModelFiles,
     ThreadedInstance,
     format_exception,
-)
-from quiver.backends.python_bls_stream import (
-    ResponseIterator,
-    async_exec_decoupled,
-    exec_decoupled,
-    not_decoupled_call,
 )
 from quiver.backends.python_convert import (
     _error_code,
@@ -62,16 +56,15 @@ from quiver.backends.python_convert import (
     model_response,
 )
 from quiver.backends.python_decoupled import (
-    Convert,
+    DecoupledInstance,
     Senders,
-    batch_results,
     cancelled,
     resolve,
 )
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
-from quiver.backends.python_readiness import UserReadiness, call_is_ready
-from quiver.backends.python_sender import BackgroundLoop, failure_message
+from quiver.backends.python_readiness import UserReadiness
+from quiver.backends.python_sender import BackgroundLoop, ResponseIterator
 from quiver.backends.python_settings import (
     IN_PROCESS_PARAMETER,
     PythonSettings,
@@ -130,7 +123,7 @@ def _initialize_args(config: ModelConfig, files: ModelFiles, spec: InstanceSpec)
     }
 
 
-class PythonInstance(ThreadedInstance):
+class PythonInstance(DecoupledInstance, ThreadedInstance):
     """One ``TritonPythonModel`` object, driven on its own thread.
 
     A model that opts in (config parameter ``EXECUTE_ON_EVENT_LOOP: "true"``) and whose
@@ -190,11 +183,7 @@ class PythonInstance(ThreadedInstance):
                     raise _model_error(
                         exc, f"{self._where}: initialize() failed: {format_exception(exc)}"
                     ) from exc
-            is_ready = getattr(self._model, "is_ready", None)
-            if callable(is_ready):
-                self._readiness = UserReadiness(
-                    lambda: asyncio.to_thread(call_is_ready, is_ready, self._run_in_background), self._where
-                )
+            self._watch_readiness(self._model)
             self._may_inline = (
                 self._config.parameters.get(INLINE_PARAMETER, "").strip().lower() == "true"
                 and not self._config.proto.HasField("sequence_batching")
@@ -303,10 +292,7 @@ class PythonInstance(ThreadedInstance):
             self._clean_executions += 1
         t2 = time.monotonic_ns()
         if self._decoupled or senders.used:
-            responses = batch_results(
-                result, requests, senders.senders, senders.answers, self._decoupled, self._config.name,
-                self._responses,
-            )
+            responses = senders.results(result, self._config.name, self._responses)
         else:
             responses = self._responses(result, requests)
         timing.input_ns = t1 - t0
@@ -339,35 +325,6 @@ class PythonInstance(ThreadedInstance):
                 self._inlining = False
                 _on_loop.remove(self)
         return await resolve(await super().run(requests))
-
-    async def user_ready(self) -> bool:
-        """The model's own ``is_ready()`` (True when it has none)."""
-        return True if self._readiness is None else await self._readiness.check()
-
-    def _run_in_background(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        """Run ``coroutine`` on the instance's background loop and wait for its result."""
-        if self._background is None:
-            self._background = BackgroundLoop(self.name)
-        return self._background.run(coroutine)
-
-    def _converter(self, requests: list[InferenceRequest]) -> Callable[[int], Convert]:
-        def convert(index: int) -> Convert:
-            return lambda item: self._response(item, requests[index], index)
-
-        return convert
-
-    def _in_background(self, coroutine: Coroutine[Any, Any, Any], senders: Senders) -> None:
-        """Start a decoupled model's async execute on the instance's background loop."""
-        if self._background is None:
-            self._background = BackgroundLoop(self.name)
-        where = self._where
-
-        def failed(exc: BaseException) -> None:
-            message = failure_message(exc, self._config.name, where)
-            logger.error("%s", message)
-            senders.fail(error_for_code(_error_code(exc), message))
-
-        self._background.submit(coroutine, failed)
 
     @staticmethod
     def _fail_all(count: int, code: ErrorCode, message: str) -> ExecuteResult:
@@ -600,7 +557,7 @@ class _Bls:
         async def run() -> InferenceResponse:
             decoupled = SERVER.decoupled
             if decoupled is not None and decoupled(quiver_request.model_name, quiver_request.model_version):
-                raise UnsupportedError(not_decoupled_call(quiver_request.model_name))
+                raise UnsupportedError(python_bls_stream.not_decoupled_call(quiver_request.model_name))
             return await infer(quiver_request)
 
         return asyncio.run_coroutine_threadsafe(run() if on_server is None else on_server(quiver_request), loop)
@@ -626,10 +583,10 @@ class _Bls:
         return self._await(request)
 
     def exec_decoupled(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
-        return exec_decoupled(request, self._submit)
+        return python_bls_stream.exec_decoupled(request, self._submit)
 
     def async_exec_decoupled(self, request: pb_utils.InferenceRequest) -> Awaitable[ResponseIterator]:
-        return async_exec_decoupled(request, self._submit)
+        return python_bls_stream.async_exec_decoupled(request, self._submit)
 
 
 pb_utils._set_bls_executor(_Bls())

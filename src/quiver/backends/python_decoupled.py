@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 from quiver.backends.base import ExecuteResult
-from quiver.backends.python_sender import InferenceResponseSender
-from quiver.errors import InternalError, QuiverError
+from quiver.backends.python_convert import _error_code
+from quiver.backends.python_readiness import UserReadiness, call_is_ready
+from quiver.backends.python_sender import BackgroundLoop, InferenceResponseSender, failure_message
+from quiver.config import ModelConfig
+from quiver.errors import InternalError, QuiverError, error_for_code
 from quiver.streaming import StreamedResponse, StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
+
+logger = logging.getLogger(__name__)
 
 #: pb_utils response -> Quiver's response or error, for one request.
 Convert = Callable[[Any], "InferenceResponse | QuiverError"]
@@ -166,6 +172,12 @@ class Senders:
     def used(self) -> bool:
         return any(sender is not None for sender in self.senders)
 
+    def results(
+        self, result: Any, model: str, returned: Callable[[Any, list[InferenceRequest]], ExecuteResult]
+    ) -> ExecuteResult:
+        """:func:`batch_results` for this batch."""
+        return batch_results(result, self._requests, self.senders, self.answers, self._decoupled, model, returned)
+
     def close(self) -> None:
         for sender in self.senders:
             if sender is not None:
@@ -180,6 +192,56 @@ class Senders:
                 sender.close()
             if request.stream is not None:
                 request.stream.finish(error)
+
+
+class DecoupledInstance:
+    """What an in-process Python instance adds for response senders, async execute in the
+    background, and the model's own ``is_ready()``."""
+
+    name: str
+    _background: BackgroundLoop | None
+    _readiness: UserReadiness | None
+    _config: ModelConfig
+    _where: str
+
+    _response: Callable[[Any, InferenceRequest, int], InferenceResponse | QuiverError]
+
+    def _watch_readiness(self, model: Any) -> None:
+        """Use the model's own ``is_ready()``, if it has one."""
+        is_ready = getattr(model, "is_ready", None)
+        if callable(is_ready):
+            self._readiness = UserReadiness(
+                lambda: asyncio.to_thread(call_is_ready, is_ready, self._run_in_background), self._where
+            )
+
+    async def user_ready(self) -> bool:
+        """The model's own ``is_ready()`` (True when it has none)."""
+        return True if self._readiness is None else await self._readiness.check()
+
+    def _run_in_background(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coroutine`` on the instance's background loop and wait for its result."""
+        if self._background is None:
+            self._background = BackgroundLoop(self.name)
+        return self._background.run(coroutine)
+
+    def _converter(self, requests: list[InferenceRequest]) -> Callable[[int], Convert]:
+        def convert(index: int) -> Convert:
+            return lambda item: self._response(item, requests[index], index)
+
+        return convert
+
+    def _in_background(self, coroutine: Coroutine[Any, Any, Any], senders: Senders) -> None:
+        """Start a decoupled model's async execute on the instance's background loop."""
+        if self._background is None:
+            self._background = BackgroundLoop(self.name)
+        where = self._where
+
+        def failed(exc: BaseException) -> None:
+            message = failure_message(exc, self._config.name, where)
+            logger.error("%s", message)
+            senders.fail(error_for_code(_error_code(exc), message))
+
+        self._background.submit(coroutine, failed)
 
 
 def cancelled(request: InferenceRequest) -> Callable[[], bool]:

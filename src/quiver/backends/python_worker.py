@@ -42,7 +42,7 @@ from quiver.backends.python_convert import _request_fields
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
 from quiver.backends.python_settings import PythonSettings
-from quiver.backends.python_worker_streams import BlsStreams, WorkerStreams
+from quiver.backends.python_worker_streams import BlsStreams, WorkerStreams, WorkerStreamsMixin
 from quiver.config import ModelConfig
 from quiver.errors import (
     ErrorCode,
@@ -251,7 +251,7 @@ def _log(message: dict[str, Any], where: str) -> None:
     _model_logger.log(level if isinstance(level, int) else logging.INFO, "%s", message.get("message", ""))
 
 
-class WorkerInstance:
+class WorkerInstance(WorkerStreamsMixin):
     """A :class:`~quiver.backends.base.ModelInstance` whose model runs in a worker process."""
 
     def __init__(
@@ -386,22 +386,6 @@ class WorkerInstance:
             # A model may answer through its response sender after execute() returned.
             results.append(await future)
         return results
-
-    async def user_ready(self) -> bool:
-        """The model's own ``is_ready()`` (True when it has none)."""
-        return True if self._readiness is None else await self._readiness.check()
-
-    async def _ask_ready(self) -> bool:
-        worker = await self._ready_worker()
-        if isinstance(worker, QuiverError):
-            return False
-        assert worker.achannel is not None
-        return await self._ready_answers.ask(worker.achannel.send)
-
-    def _cancel(self, request_id: str) -> None:
-        worker = self._worker
-        if worker is not None and worker.achannel is not None and request_id in self._streams:
-            worker.achannel.send({"op": msg.CANCEL, "ids": [request_id]})
 
     async def _execute(self, worker: _Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> None:
         assert worker.achannel is not None
@@ -581,31 +565,6 @@ class WorkerInstance:
             answer = {"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}
         if worker.achannel is not None:
             worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": answer})
-
-    async def _bls_stream(self, worker: _Worker, number: int, fields: dict[str, Any]) -> None:
-        def reply(response: dict[str, Any] | None, final: bool) -> None:
-            if worker.achannel is not None:
-                flags = msg.FINAL if final else 0
-                worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": response, "flags": flags})
-
-        def encode(response: InferenceResponse) -> dict[str, Any]:
-            blocks: list[Block] = []
-            try:
-                return {
-                    "tensors": [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs],
-                    "parameters": json.dumps(response.parameters, default=str),
-                }
-            except PoolFullError as exc:
-                for block in blocks:
-                    worker.arena.free(block.segment, block.offset)
-                raise UnavailableError(f"a BLS response does not fit the shared-memory pool: {exc}") from None
-
-        try:
-            request = self._bls_request(worker, fields)
-        except (ValueError, KeyError, TypeError) as exc:
-            reply({"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}, True)
-            return
-        await self._bls_streams.run(number, request, reply, encode)
 
     @staticmethod
     def _bls_request(worker: _Worker, fields: dict[str, Any]) -> InferenceRequest:

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from quiver.backends.base import SERVER
+from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
 from quiver.errors import QuiverError, UnavailableError
+from quiver.ipc import messages as msg
+from quiver.ipc import tensors
+from quiver.ipc.shm import Block, PoolFullError
 from quiver.streaming import Cancellation, StreamClosed, StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
 
@@ -122,4 +127,60 @@ class BlsStreams:
             self._running.pop(number, None)
 
 
-__all__ = ["BlsStreams", "WorkerStreams"]
+
+class WorkerStreamsMixin:
+    """What a :class:`~quiver.backends.python_worker.WorkerInstance` adds for decoupled
+    models: cancelling an open request, decoupled BLS calls, and the model's ``is_ready()``."""
+
+    _where: str
+    _worker: Any
+    _streams: WorkerStreams
+    _bls_streams: BlsStreams
+    _readiness: UserReadiness | None
+    _ready_answers: WorkerReadiness
+    _ready_worker: Callable[[], Awaitable[Any]]
+    _bls_request: Callable[[Any, dict[str, Any]], InferenceRequest]
+
+    async def user_ready(self) -> bool:
+        """The model's own ``is_ready()`` (True when it has none)."""
+        return True if self._readiness is None else await self._readiness.check()
+
+    async def _ask_ready(self) -> bool:
+        worker = await self._ready_worker()
+        if isinstance(worker, QuiverError):
+            return False
+        assert worker.achannel is not None
+        return await self._ready_answers.ask(worker.achannel.send)
+
+    def _cancel(self, request_id: str) -> None:
+        worker = self._worker
+        if worker is not None and worker.achannel is not None and request_id in self._streams:
+            worker.achannel.send({"op": msg.CANCEL, "ids": [request_id]})
+
+    async def _bls_stream(self, worker: Any, number: int, fields: dict[str, Any]) -> None:
+        def reply(response: dict[str, Any] | None, final: bool) -> None:
+            if worker.achannel is not None:
+                flags = msg.FINAL if final else 0
+                worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": response, "flags": flags})
+
+        def encode(response: InferenceResponse) -> dict[str, Any]:
+            blocks: list[Block] = []
+            try:
+                return {
+                    "tensors": [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs],
+                    "parameters": json.dumps(response.parameters, default=str),
+                }
+            except PoolFullError as exc:
+                for block in blocks:
+                    worker.arena.free(block.segment, block.offset)
+                raise UnavailableError(f"a BLS response does not fit the shared-memory pool: {exc}") from None
+
+        try:
+            request = self._bls_request(worker, fields)
+        except (ValueError, KeyError, TypeError) as exc:
+            reply({"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}, True)
+            return
+        await self._bls_streams.run(number, request, reply, encode)
+
+
+__all__ = ["BlsStreams", "WorkerStreams", "WorkerStreamsMixin"]
