@@ -1,7 +1,7 @@
 """Decoupled models over gRPC streams, with the real tritonclient (sync and asyncio): zero,
 one and many responses, sends before and after execute returns, errors mid-stream, the
 sender's rules, cancellation, async execute concurrency, decoupled BLS and response
-parameters."""
+parameters; with Python models in worker processes and in the server's process."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from support.decoupled_models import build_decoupled_repository
 from support.server import QuiverServer
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
+@pytest.fixture(scope="module", params=["worker", "in-process"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
+    """Python models in worker processes (the default), then in the server's process."""
     repo = build_decoupled_repository(tmp_path_factory.mktemp("decoupled"))
-    with QuiverServer(repo) as running:
+    args = ("--backend-config=python,in-process=true",) if request.param == "in-process" else ()
+    with QuiverServer(repo, args=args) as running:
         yield running
 
 
