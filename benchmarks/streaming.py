@@ -11,6 +11,10 @@ responses of one INT32 each, sent from ``execute`` as fast as it can, then the f
 - **responses/s**: requests for ``--tokens`` tokens, one at a time: responses over the time
   from sending to the final flag (median of ``--repeat`` requests).
 
+gRPC is read two ways: with ``tritonclient.grpc``'s stream (what users run; its callback
+builds an ``InferResult`` per response) and with grpcio's generated stub (the server's side
+with the least client cost). SSE is read with ``http.client``.
+
 Run: ``python -m benchmarks.streaming [--requests 200] [--tokens 2000] [--repeat 5]``.
 Writes ``benchmarks/results/streaming.{md,json}``.
 """
@@ -18,6 +22,7 @@ Writes ``benchmarks/results/streaming.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
 import queue
@@ -28,8 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
 
 from benchmarks.common import command_line, environment, write_results
 from benchmarks.peers.quiver import QuiverServer
@@ -105,6 +113,41 @@ class GrpcStream:
         self.client.close()
 
 
+class RawGrpcStream:
+    """ModelStreamInfer with grpcio's own stub (no tritonclient result objects): the
+    server's side without the client library's per-response cost."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self.outgoing: queue.Queue[Any] = queue.Queue()
+        self.responses = stub.ModelStreamInfer(iter(self.outgoing.get, None))
+
+    def request(self, count: int) -> tuple[float, float, int]:
+        message = pb.ModelInferRequest(model_name="bench_streamer")
+        message.inputs.add(name="COUNT", datatype="INT32", shape=[1])
+        message.raw_input_contents.append(np.array([count], dtype=np.int32).tobytes())
+        message.parameters["triton_enable_empty_final_response"].bool_param = True
+        start = time.perf_counter()
+        self.outgoing.put(message)
+        first = 0.0
+        responses = 0
+        for answer in self.responses:
+            if answer.error_message:
+                raise RuntimeError(answer.error_message)
+            if answer.infer_response.outputs:
+                responses += 1
+                if responses == 1:
+                    first = time.perf_counter() - start
+            if answer.infer_response.parameters["triton_final_response"].bool_param:
+                break
+        return first, time.perf_counter() - start, responses
+
+    def close(self) -> None:
+        self.outgoing.put(None)
+        self.channel.close()
+
+
 class Sse:
     """generate_stream on one keep-alive HTTP connection."""
 
@@ -134,7 +177,7 @@ class Sse:
         self.conn.close()
 
 
-def measure(client: GrpcStream | Sse, args: argparse.Namespace) -> dict[str, Any]:
+def measure(client: GrpcStream | RawGrpcStream | Sse, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(10):  # warm-up
         client.request(FIRST_TOKENS)
     firsts = [client.request(FIRST_TOKENS)[0] for _ in range(args.requests)]
@@ -167,7 +210,13 @@ def main() -> int:
             with QuiverServer(repo, flags, log=Path(tmp) / f"server-{mode}.log") as server:
                 endpoints = server.endpoints
                 assert endpoints.grpc is not None and endpoints.http is not None
-                for transport, client in (("gRPC stream", GrpcStream(endpoints.grpc)), ("SSE", Sse(endpoints.http))):
+                clients: list[tuple[str, Any]] = [
+                    ("gRPC stream (tritonclient)", functools.partial(GrpcStream, endpoints.grpc)),
+                    ("gRPC stream (grpcio stub)", functools.partial(RawGrpcStream, endpoints.grpc)),
+                    ("SSE (http.client)", functools.partial(Sse, endpoints.http)),
+                ]
+                for transport, make in clients:
+                    client = make()
                     try:
                         print(f"measuring {transport}, Python model {mode}...", file=sys.stderr)
                         rows.append({"transport": transport, "python_model": mode, **measure(client, args)})
