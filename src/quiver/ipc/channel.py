@@ -85,15 +85,17 @@ class Channel:
 class AsyncChannel:
     """Messages over ``sock`` on the running asyncio loop."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sock: socket.socket) -> None:
         self._reader = reader
         self._writer = writer
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
 
     @classmethod
     async def open(cls, sock: socket.socket) -> AsyncChannel:
         sock.setblocking(False)
         reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_FRAME + 4)
-        return cls(reader, writer)
+        return cls(reader, writer, sock)
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue ``message`` (the loop writes it; never blocks)."""
@@ -112,4 +114,20 @@ class AsyncChannel:
         return decode(body)
 
     def close(self) -> None:
-        self._writer.close()
+        """Close from any thread (on the channel's loop when it still runs)."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._writer.close()
+        elif not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._writer.close)
+            except RuntimeError:  # closed meanwhile
+                self._close_socket()
+        else:
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        self._sock.close()

@@ -313,17 +313,6 @@ def _model_metrics(models: list[ModelLike]) -> Iterator[Metric]:
         for key, model in zip(keys, models, strict=True):
             family.add_metric(key, read(model.stats))
         yield family
-    processes = GaugeMetricFamily(
-        "quiver_model_process_memory_bytes",
-        "Host memory of the worker processes a model version runs in (their unique set size)",
-        labels=_MODEL_LABELS,
-    )
-    for key, model in zip(keys, models, strict=True):
-        measure = getattr(model, "process_memory_bytes", None)
-        size = measure() if measure is not None else None
-        if size is not None:
-            processes.add_metric(key, size)
-    yield processes
     pending = GaugeMetricFamily(
         "nv_inference_pending_request_count",
         "Instantaneous number of pending requests awaiting execution per-model.",
@@ -350,6 +339,18 @@ def _model_metrics(models: list[ModelLike]) -> Iterator[Metric]:
     yield pending
     yield load
     yield latency
+    processes = GaugeMetricFamily(
+        "quiver_model_process_memory_bytes",
+        "Host memory of the worker processes a model version runs in (their unique set size)",
+        labels=_MODEL_LABELS,
+    )
+    for key, model in zip(keys, models, strict=True):
+        measure = getattr(model, "process_memory_bytes", None)
+        size = measure() if measure is not None else None
+        if size is not None:
+            processes.add_metric(key, size)
+    if processes.samples:
+        yield processes
 
 
 class _CpuReader:
