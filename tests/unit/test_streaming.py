@@ -11,6 +11,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.config import ModelConfig
 from quiver.errors import InvalidArgumentError, UnsupportedError
+from quiver.frontends.restrictions import http_group
 from quiver.protocol.generate import decode_generate, encode_generate
 from quiver.streaming import Cancellation, ResponseStream, StreamClosed, StreamResponse
 from quiver.types import DataType, InferenceResponse, Tensor
@@ -119,3 +120,10 @@ def test_generate_answers_one_element_as_a_value_and_more_as_an_array() -> None:
     response.parameters = {"raw": b"\x00"}
     with pytest.raises(UnsupportedError, match="TRITONSERVER_PARAMETER_BYTES"):
         encode_generate(response)
+
+
+@pytest.mark.parametrize(
+    "path", ["/v2/models/m/generate", "/v2/models/m/generate_stream", "/v2/models/m/versions/2/generate_stream"]
+)
+def test_generate_routes_are_in_the_inference_group(path: str) -> None:
+    assert http_group("POST", path) == "inference"  # --http-restricted-api inference:... covers them
