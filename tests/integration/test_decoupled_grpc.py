@@ -198,6 +198,24 @@ def test_sender_rules_for_a_model_that_is_not_decoupled(server: QuiverServer) ->
     )
 
 
+def test_cancelling_a_unary_call_reaches_the_model(server: QuiverServer) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    done: queue.Queue[Any] = queue.Queue()
+    call = client.async_infer(
+        "sender_plain", _count(0), callback=lambda result, error: done.put(error), parameters={"mode": "wait_cancel"}
+    )
+    time.sleep(0.5)  # the model is waiting in execute
+    call.cancel()
+    assert "CANCELLED" in str(done.get(timeout=30))
+    deadline = time.monotonic() + 30
+    remembered = b""
+    while time.monotonic() < deadline and remembered != b"cancelled":
+        report = client.infer("sender_plain", _count(0), parameters={"mode": "report"})
+        remembered = report.as_numpy("TEXT")[0]
+        time.sleep(0.05)
+    assert remembered == b"cancelled"
+
+
 def test_model_infer_refuses_a_decoupled_model(server: QuiverServer) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException, match="ModelInfer RPC doesn't support models with decoupled"):

@@ -121,9 +121,11 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 #: parameter ``mode``: ``sender`` (send + final, return None), ``early_final`` (final before a
 #: response fails; the message is the answer), ``twice`` (a second response fails; the
 #: message is remembered, the first response is the answer), ``report`` (the remembered
-#: message), ``returned`` (return the response the usual way).
+#: message), ``returned`` (return the response the usual way), ``wait_cancel`` (wait in
+#: execute until ``is_cancelled()``; "cancelled" is remembered).
 SENDER_MODEL = """
 import json
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -167,6 +169,13 @@ class TritonPythonModel:
                 sender.send(flags=FINAL)
             elif mode == "report":
                 sender.send(text(TritonPythonModel.remembered), flags=FINAL)
+            elif mode == "wait_cancel":
+                TritonPythonModel.remembered = "waiting"
+                deadline = time.monotonic() + 30
+                while not request.is_cancelled() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                TritonPythonModel.remembered = "cancelled" if request.is_cancelled() else "not cancelled"
+                sender.send(text("done"), flags=FINAL)
         return results
 """
 

@@ -28,7 +28,7 @@ from quiver.errors import QuiverError, UnsupportedError
 from quiver.errors import (
     format_exception as format_exception,  # re-exported: backends import it from here
 )
-from quiver.streaming import StreamResponse
+from quiver.streaming import Cancellation, StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,10 @@ class ThreadedInstance(abc.ABC):
         except asyncio.CancelledError:
             # The thread cannot be stopped: the instance stays busy until the execution
             # ends, so the caller (and the scheduler that hands out instances) waits for it.
+            # The model may stop early: its requests say they are cancelled now.
+            for request in requests:
+                request.cancellation = request.cancellation or Cancellation()
+                request.cancellation.cancel()
             with contextlib.suppress(Exception):
                 await running
             raise
