@@ -98,6 +98,12 @@ def test_many_responses_in_order_then_an_empty_final(stream: Stream, mode: str) 
     assert results[0].get_response().id == "r1"
 
 
+def test_a_decoupled_model_with_warmup_loads_and_streams(stream: Stream) -> None:
+    assert stream.client.is_model_ready("warm_streamer")  # its warmup's responses went nowhere
+    stream.send("warm_streamer", 2)
+    assert [_out(r) for r, _ in stream.until_final()] == [0, 1, None]
+
+
 def test_zero_responses_is_just_the_final_flag(stream: Stream) -> None:
     stream.send("streamer", 0)
     (result, error), = stream.until_final()

@@ -393,6 +393,11 @@ def build_decoupled_repository(root: Path) -> Path:
     ready_file = root / "ready_state"
     ready_file.write_text("true")
     write_python(repo, "streamer", STREAMER_MODEL, STREAMER_CONFIG)
+    warm = STREAMER_CONFIG.replace('name: "streamer"', 'name: "warm_streamer"') + """
+model_warmup [ { name: "zero" batch_size: 1
+  inputs { key: "COUNT" value { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } } ]
+"""
+    write_python(repo, "warm_streamer", STREAMER_MODEL, warm)
     write_python(repo, "sender_plain", SENDER_MODEL, SENDER_CONFIG)
     write_python(repo, "async_streamer", ASYNC_MODEL, ASYNC_CONFIG)
     write_python(repo, "bls_stream", BLS_MODEL, BLS_CONFIG)

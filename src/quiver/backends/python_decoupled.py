@@ -155,8 +155,8 @@ class Senders:
                         item.error = answer
                     else:
                         item.response = answer
-                assert request.stream is not None
-                request.stream.put(item)
+                if request.stream is not None:  # None: a warmup request; nobody reads
+                    request.stream.put(item)
 
             return to_stream
         if not self.answers:
