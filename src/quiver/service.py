@@ -46,8 +46,11 @@ CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullErr
 #: Where Triton's SageMaker frontend refuses to look for models.
 _FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
 
-#: What :meth:`InferenceService.infer` says of a decoupled model by default.
-DECOUPLED_ERROR = "this endpoint doesn't support models with decoupled transaction policy"
+#: What :meth:`InferenceService.infer` says of a decoupled model unless told otherwise.
+DECOUPLED_ERROR = (
+    "model '{model}' uses the decoupled transaction policy: its answers stream through gRPC "
+    "ModelStreamInfer or HTTP generate_stream (an ensemble step takes one answer)"
+)
 
 #: Extensions Quiver implements, by Triton's names (server metadata lists them).
 EXTENSIONS = [
@@ -353,8 +356,7 @@ class InferenceService:
             return False
 
     def decoupled(self, name: str, version: str = "") -> bool:
-        """Whether the READY model ``name`` uses the decoupled transaction policy (answers
-        through a stream); False for a model that is not READY."""
+        """Whether the READY model ``name`` is decoupled (False when not READY)."""
         try:
             return bool(self.manager.get(name, version).config.proto.model_transaction_policy.decoupled)
         except QuiverError:
@@ -396,7 +398,7 @@ class InferenceService:
         if model.config.proto.model_transaction_policy.decoupled:
             model.stats.record_failure(0, "REJECTED")
             self.manager.request_done(model)
-            raise UnsupportedError(decoupled_error)
+            raise UnsupportedError(decoupled_error.replace("{model}", model.name))
         try:
             response = await model.scheduler.enqueue(request)
         except asyncio.CancelledError:

@@ -198,6 +198,14 @@ def test_infer_refuses_a_decoupled_model_with_tritons_message(server: QuiverServ
         client.infer("streamer", [inp])
 
 
+def test_an_ensemble_step_on_a_decoupled_model_is_refused_naming_it(server: QuiverServer) -> None:
+    client = httpclient.InferenceServerClient(server.url)
+    inp = httpclient.InferInput("COUNT", [1], "INT32")
+    inp.set_data_from_numpy(__import__("numpy").array([1], dtype="int32"))
+    with pytest.raises(InferenceServerException, match="model 'streamer' uses the decoupled transaction policy"):
+        client.infer("stream_ensemble", [inp])
+
+
 def test_response_parameters_reach_http_clients(server: QuiverServer) -> None:
     client = httpclient.InferenceServerClient(server.url)
     inp = httpclient.InferInput("COUNT", [1], "INT32")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from build_repository import TOKEN_STREAMER_CONFIG, TOKEN_STREAMER_MODEL
 
-from support.models import write_python
+from support.models import write_config, write_python
 
 #: Decoupled: COUNT responses (OUT = 0..COUNT-1, parameters index/count), then the final flag.
 #: The request parameter ``mode`` picks a behaviour:
@@ -385,6 +385,20 @@ output [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1, -1 ] } ]
 """
 
 
+#: An ensemble whose one step is the decoupled ``streamer`` (a step takes one answer: refused).
+ENSEMBLE_CONFIG = """
+name: "stream_ensemble"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "COUNT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "streamer" model_version: -1
+  input_map { key: "COUNT" value: "COUNT" } output_map { key: "OUT" value: "OUT" }
+} ] }
+"""
+
+
 def build_decoupled_repository(root: Path) -> Path:
     """Every model above, the example token streamer, and a file ``ready_state`` that
     ``ready_check`` reads ("true" to begin with)."""
@@ -404,4 +418,5 @@ model_warmup [ { name: "zero" batch_size: 1
     write_python(repo, "ready_check", READY_MODEL, READY_CONFIG % ready_file)
     write_python(repo, "mock_llm", MOCK_LLM_MODEL, MOCK_LLM_CONFIG)
     write_python(repo, "token_streamer", TOKEN_STREAMER_MODEL, TOKEN_STREAMER_CONFIG)
+    write_config(repo, "stream_ensemble", ENSEMBLE_CONFIG)
     return repo
