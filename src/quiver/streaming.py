@@ -104,6 +104,8 @@ class ResponseStream:
                 self.closed = True
             if item.response is not None or item.error is not None:
                 self.sent += 1
+            if self.cancellation.cancelled and not item.final:
+                return  # nobody reads: a model that sends after a cancellation costs nothing
             if threading.get_ident() == self._thread:
                 self._queue.put_nowait(item)
             else:

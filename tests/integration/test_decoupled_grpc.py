@@ -236,6 +236,12 @@ def test_async_execute_runs_requests_of_one_instance_at_once(stream: Stream) -> 
     assert max(v or 0 for v in most) >= 2, most
 
 
+def test_bls_from_a_decoupled_async_execute(stream: Stream) -> None:
+    stream.client.async_stream_infer("async_streamer", _count(-1))
+    result, error = stream.next()
+    assert error is None and _out(result) == len(b"returned")
+
+
 def test_decoupled_bls_collects_every_response(server: QuiverServer) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     result = client.infer("bls_stream", _count(3), parameters={"mode": "collect"})

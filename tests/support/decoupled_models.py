@@ -188,7 +188,8 @@ output [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
 """
 
 #: Decoupled with ``async def execute``: each request sleeps DELAY ms, then answers with the
-#: most executions it saw running at once on its one instance.
+#: most executions it saw running at once on its one instance; a negative DELAY makes a BLS
+#: call (``await async_exec()``) instead.
 ASYNC_MODEL = """
 import asyncio
 
@@ -205,6 +206,17 @@ class TritonPythonModel:
         for request in requests:
             delay = int(pb_utils.get_input_tensor_by_name(request, "COUNT").as_numpy()[0])
             sender = request.get_response_sender()
+            if delay < 0:  # BLS from the background: OUT = len(sender_plain's TEXT), 8
+                call = pb_utils.InferenceRequest(
+                    model_name="sender_plain", requested_output_names=["TEXT"],
+                    inputs=[pb_utils.Tensor("COUNT", np.array([0], dtype=np.int32))],
+                    parameters={"mode": "returned"},
+                )
+                answer = await call.async_exec()
+                text = pb_utils.get_output_tensor_by_name(answer, "TEXT").as_numpy()[0]
+                out = pb_utils.Tensor("OUT", np.array([len(text)], dtype=np.int32))
+                sender.send(pb_utils.InferenceResponse([out]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
             self.running += 1
             self.most = max(self.most, self.running)
             try:
