@@ -61,6 +61,19 @@ def test_finish_closes_once_and_cancellation_calls_back_once() -> None:
     asyncio.run(run())
 
 
+def test_a_cancelled_stream_drops_responses_but_keeps_the_final() -> None:
+    async def run() -> list[StreamResponse]:
+        stream = ResponseStream()
+        stream.put(StreamResponse(response=_response(0)))
+        stream.cancellation.cancel()
+        stream.put(StreamResponse(response=_response(1)))  # the client left: not queued
+        stream.put(StreamResponse(final=True))
+        return [item async for item in stream.responses()]
+
+    items = asyncio.run(run())
+    assert [i.response is not None for i in items] == [True, False] and items[-1].final
+
+
 def _config() -> ModelConfig:
     proto = pb.ModelConfig(name="llm", backend="python", max_batch_size=0)
     proto.input.add(name="PROMPT", data_type=pb.TYPE_STRING, dims=[1, 1])
