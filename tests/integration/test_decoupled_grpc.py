@@ -222,6 +222,21 @@ def test_cancelling_a_unary_call_reaches_the_model(server: QuiverServer) -> None
     assert remembered == b"cancelled"
 
 
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("bad_key", "Expect parameters keys to have type str, found type int"),
+        ("bad_value", "Expect parameters values to have type bool/int/str, found type float"),
+    ],
+)
+def test_response_parameters_are_checked_as_triton_does(server: QuiverServer, mode: str, message: str) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException, match=message):
+        client.infer("sender_plain", _count(0), parameters={"mode": mode})
+    ok = client.infer("sender_plain", _count(0), parameters={"mode": "returned"})
+    assert ok.get_response().parameters["via"].string_param == "sender"
+
+
 def test_model_infer_refuses_a_decoupled_model(server: QuiverServer) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException, match="ModelInfer RPC doesn't support models with decoupled"):

@@ -122,7 +122,8 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 #: response fails; the message is the answer), ``twice`` (a second response fails; the
 #: message is remembered, the first response is the answer), ``report`` (the remembered
 #: message), ``returned`` (return the response the usual way), ``wait_cancel`` (wait in
-#: execute until ``is_cancelled()``; "cancelled" is remembered).
+#: execute until ``is_cancelled()``; "cancelled" is remembered), ``bad_key`` / ``bad_value``
+#: (response parameters Triton refuses: execute raises).
 SENDER_MODEL = """
 import json
 import time
@@ -151,6 +152,10 @@ class TritonPythonModel:
             if mode == "returned":
                 results.append(text("returned"))
                 continue
+            if mode == "bad_key":
+                pb_utils.InferenceResponse([], parameters={1: "x"})
+            if mode == "bad_value":
+                pb_utils.InferenceResponse([], parameters={"ratio": 0.5})
             results.append(None)
             if mode == "sender":
                 sender.send(text("sent"))
