@@ -63,6 +63,7 @@ from quiver.backends.python_decoupled import (
 )
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
+from quiver.backends.python_process import start_worker
 from quiver.backends.python_readiness import UserReadiness
 from quiver.backends.python_sender import BackgroundLoop, ResponseIterator
 from quiver.backends.python_settings import (
@@ -71,7 +72,7 @@ from quiver.backends.python_settings import (
     parse_bool,
     parse_python_settings,
 )
-from quiver.backends.python_worker import WorkerInstance, start_worker
+from quiver.backends.python_worker import WorkerInstance
 from quiver.config import ModelConfig, config_to_json
 from quiver.errors import (
     ConfigError,

@@ -103,13 +103,14 @@ class Worker:
         self.filename: str = init["filename"]
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
-        self.jobs: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self.cancelled: set[str] = set()
         self.waiting: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self.bls_ids = itertools.count(1)
         #: Decoupled BLS calls: id -> what receives each (response, final).
         self.bls_sinks: dict[int, Callable[[dict[str, Any] | None, bool], None]] = {}
         self.model: Any = None
+        self.outbox: list[dict[str, Any]] | None = None  # a batch's responses, sent with its done
         config = json.loads((init.get("args") or {}).get("model_config") or "{}")
         self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled", False))
         self.background: BackgroundLoop | None = None  # a decoupled model's async execute
@@ -119,36 +120,40 @@ class Worker:
 
     # ---- messages from the server
 
+    def handle(self, message: dict[str, Any]) -> None:
+        """A message that is not a batch: BLS answers, releases, cancellations."""
+        op = message["op"]
+        if op == msg.BLS_RESPONSE:
+            number = int(message["id"])
+            sink = self.bls_sinks.get(number)
+            final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
+            if sink is not None:  # a decoupled BLS call: one of many responses
+                sink(message["response"], final)
+                if not final:
+                    return
+                del self.bls_sinks[number]
+            future = self.waiting.pop(number, None)
+            if future is not None:
+                future.set_result(message["response"])
+        elif op == msg.IS_READY:
+            threading.Thread(target=self.is_ready, args=(message["id"],), daemon=True).start()
+        elif op == msg.RELEASE:
+            for segment, offset in message["blocks"]:
+                self.arena.free(segment, offset)
+        elif op == msg.CANCEL:
+            self.cancelled.update(str(i) for i in message["ids"])
+        elif op == msg.EXECUTE or op == msg.FINALIZE:
+            self.jobs.put(message)
+
     def read_forever(self) -> None:
-        """The reader thread: hands batches to the main thread, answers the rest itself;
-        at the channel's end (the server is gone or dropped this worker) the process exits."""
+        """The reader thread: hands batches to the main thread, handles the rest itself; at
+        the channel's end (the server is gone or dropped this worker) the process exits."""
         try:
             while True:
                 message = self.channel.recv()
                 if message is None:
                     break
-                op = message["op"]
-                if op == msg.EXECUTE or op == msg.FINALIZE:
-                    self.jobs.put(message)
-                elif op == msg.BLS_RESPONSE:
-                    number = int(message["id"])
-                    sink = self.bls_sinks.get(number)
-                    final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
-                    if sink is not None:  # a decoupled BLS call: one of many responses
-                        sink(message["response"], final)
-                        if not final:
-                            continue
-                        del self.bls_sinks[number]
-                    future = self.waiting.pop(number, None)
-                    if future is not None:
-                        future.set_result(message["response"])
-                elif op == msg.RELEASE:
-                    for segment, offset in message["blocks"]:
-                        self.arena.free(segment, offset)
-                elif op == msg.CANCEL:
-                    self.cancelled.update(str(i) for i in message["ids"])
-                elif op == msg.IS_READY:
-                    threading.Thread(target=self.is_ready, args=(message["id"],), daemon=True).start()
+                self.handle(message)
         except Exception as exc:  # a broken channel: nothing more can be done
             sys.stderr.write(f"quiver worker for {self.where}: control channel failed: {exc}\n")
         finally:
@@ -213,7 +218,9 @@ class Worker:
     def serve(self) -> None:
         while True:
             job = self.jobs.get()
-            if job is None or job["op"] == msg.FINALIZE:
+            for segment, offset in job.get("release", ()):
+                self.arena.free(segment, offset)
+            if job["op"] == msg.FINALIZE:
                 self.finalize()
                 return
             self.execute(job)
@@ -238,11 +245,12 @@ class Worker:
         items = job["requests"]
         ids = [str(item["id"]) for item in items]
         senders = WorkerSenders(self, ids, self.decoupled)
+        self.outbox = []
         try:
             requests = [self._request(item, senders.factory(index)) for index, item in enumerate(items)]
         except Exception as exc:
             self._fail(ids, "INTERNAL", f"{self.where}: reading the requests failed: {format_exception(exc)}")
-            self.channel.send({"op": msg.DONE, "batch": batch})
+            self._flush(batch)
             return
         try:
             model_execute = getattr(self.model, "execute", None)
@@ -269,10 +277,16 @@ class Worker:
             else:
                 self._respond(ids, result)
         finally:
-            self.channel.send({"op": msg.DONE, "batch": batch})
+            self._flush(batch)
             if not self.decoupled and not senders.used:
                 for request_id in ids:
                     self.cancelled.discard(request_id)
+
+    def _flush(self, batch: int) -> None:
+        """The batch's responses and its ``done``, in one write."""
+        outbox, self.outbox = self.outbox or [], None
+        outbox.append({"op": msg.DONE, "batch": batch})
+        self.channel.send_many(outbox)
 
     def _request(self, item: dict[str, Any], sender_factory: Any) -> pb_utils.InferenceRequest:
         inputs = []
@@ -301,7 +315,11 @@ class Worker:
             self._send_response(request_id, {"error": [code, message]})
 
     def _send_response(self, request_id: str, response: dict[str, Any]) -> None:
-        self.channel.send({"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL})
+        message = {"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL}
+        if self.outbox is not None:
+            self.outbox.append(message)
+        else:
+            self.channel.send(message)
 
     def _respond(self, ids: list[str], result: Any) -> None:
         count = len(ids)
@@ -486,9 +504,12 @@ class _WorkerBls:
 def main() -> None:
     parent = int(os.environ["QUIVER_WORKER_PARENT"])
     _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
+    # Ctrl-C and a SIGTERM to the process group are the server's to handle: it finalizes its
+    # workers as it stops (and PR_SET_PDEATHSIG ends them if it cannot)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=int(os.environ["QUIVER_WORKER_FD"]))
-    channel = Channel(sock)
+    channel = Channel(sock, buffered=True)
     init = channel.recv()
     if init is None:
         return

@@ -1,12 +1,11 @@
 """Python model instances in worker processes of their own (the default; Triton's stub).
 
 :class:`WorkerInstance` is the server's side of one worker (:mod:`quiver.backends.python_stub`
-is the other): it starts the process with the model's Python (:mod:`quiver.backends.python_env`),
-hands it ``init`` and waits for ``ready`` within ``stub-timeout-seconds``, then sends each batch
-as one ``execute`` message whose input tensors are in this instance's shared-memory pool, and
-turns the ``response`` messages (tensors in the worker's pool, copied out and released) into
-Quiver responses. BLS requests from the model arrive as ``bls`` messages and go through the
-server's normal inference path.
+is the other; :mod:`quiver.backends.python_process` starts and stops the process): it sends each
+batch as one ``execute`` message whose input tensors are in the worker's shared-memory pool, and
+turns the ``response`` messages (tensors in the worker's own pool, copied out and released) into
+Quiver responses, checked against the configuration. BLS requests from the model arrive as
+``bls`` messages and go through the server's normal inference path.
 
 Faults: a worker that exits or is killed fails the requests it was running with an error naming
 the model and the exit cause (exit code or signal), and is started again (at once the first
@@ -14,24 +13,16 @@ time, then with a backoff that doubles while it keeps failing); while it cannot 
 model reports UNAVAILABLE with the reason (``ServerContext.health``) and its requests get that
 reason; other models never notice. A batch whose requests carry a ``timeout`` and that the model
 does not answer in time fails with a timeout error, and the stuck worker is killed and
-restarted. Workers never outlive the server (``PR_SET_PDEATHSIG`` from a spawning thread that
-lives as long as the process, an end-of-channel watchdog in the worker, and an exit hook).
+restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import itertools
 import json
 import logging
-import os
-import signal
-import socket
-import subprocess
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,6 +31,14 @@ from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, Instanc
 from quiver.backends.python_bls_stream import not_decoupled_call
 from quiver.backends.python_convert import _request_fields
 from quiver.backends.python_env import PythonEnv
+from quiver.backends.python_process import (
+    Worker,
+    exit_cause,
+    log_message,
+    start_worker,
+    uss_bytes,
+    wait,
+)
 from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
 from quiver.backends.python_settings import PythonSettings
 from quiver.backends.python_worker_streams import BlsStreams, WorkerStreams, WorkerStreamsMixin
@@ -54,201 +53,12 @@ from quiver.errors import (
 )
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
-from quiver.ipc.channel import AsyncChannel, Channel, ChannelError
-from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError, unlink_prefixed
+from quiver.ipc.channel import AsyncChannel, ChannelError
+from quiver.ipc.shm import Block, PoolFullError
 from quiver.streaming import StreamedResponse
 from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 logger = logging.getLogger(__name__)
-_model_logger = logging.getLogger("quiver.python_model")
-
-#: Workers are started from this one thread, which lives as long as the process: the kernel
-#: sends PR_SET_PDEATHSIG when the *thread* that forked a worker ends, not only the process.
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quiver-python-spawner")
-_worker_ids = itertools.count(1)
-_live: set[subprocess.Popen[bytes]] = set()
-_live_lock = threading.Lock()
-
-_BOOTSTRAP = """\
-import os, sys
-sys.path.insert(0, {tree!r})
-try:
-    import numpy
-except ImportError as exc:
-    import socket
-    from quiver.ipc.channel import Channel
-    sock = socket.socket(fileno=int(os.environ["QUIVER_WORKER_FD"]))
-    Channel(sock).send({{"op": "init_error", "code": "NUMPY", "message": str(exc)}})
-    raise SystemExit(3)
-from quiver.backends.python_stub import main
-main()
-"""
-
-
-@atexit.register
-def _stop_all() -> None:
-    """No worker outlives a server that exits normally (SIGKILL is PR_SET_PDEATHSIG's)."""
-    with _live_lock:
-        processes = list(_live)
-    for process in processes:
-        with contextlib.suppress(OSError):
-            process.kill()
-
-
-def exit_cause(returncode: int | None) -> str:
-    if returncode is None:
-        return "stopped answering"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with code {returncode}"
-
-
-def uss_bytes(pid: int) -> int:
-    """The unique set size of ``pid`` (its private pages; ``/proc/<pid>/smaps_rollup``),
-    else its RSS; 0 when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as file:
-            total = 0
-            for line in file:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    total += int(line.split()[1]) * 1024
-            return total
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open(f"/proc/{pid}/statm") as file:
-            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-class _Worker:
-    """One started worker process: its channel, the pool the server writes into, the worker's."""
-
-    def __init__(self, process: subprocess.Popen[bytes], channel: Channel, arena: Arena, mapper: Mapper, tag: str) -> None:
-        self.process = process
-        self.channel = channel
-        self.arena = arena
-        self.mapper = mapper
-        self.tag = tag
-        self.achannel: AsyncChannel | None = None
-        self.reader: asyncio.Task[None] | None = None
-
-    def kill(self) -> None:
-        with contextlib.suppress(OSError):
-            self.process.kill()
-
-    def close(self) -> None:
-        """After the process ended: unmap and unlink both pools."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(5)
-        with _live_lock:
-            _live.discard(self.process)
-        if self.achannel is not None:
-            self.achannel.close()
-        else:
-            self.channel.close()
-        self.mapper.close()
-        self.arena.close()
-        unlink_prefixed(self.tag)
-
-
-def start_worker(
-    config: ModelConfig, files: ModelFiles, env: PythonEnv, tree: str, settings: PythonSettings,
-    init_args: dict[str, str] | None, auto_complete: dict[str, Any] | None = None,
-) -> tuple[_Worker, dict[str, Any]]:
-    """Start a worker and wait (blocking) for its ``ready``; the worker and that message.
-    QuiverError names the model and what went wrong."""
-    where = f"model '{config.name}' version {files.version}"
-    tag = f"{settings.shm_region_prefix_name}{os.getpid()}_{next(_worker_ids)}_"
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    environ = env.environ(dict(os.environ))
-    environ["QUIVER_WORKER_FD"] = str(theirs.fileno())
-    environ["QUIVER_WORKER_PARENT"] = str(os.getpid())
-    command = [env.python, *(["-I"] if env.isolated else []), "-c", _BOOTSTRAP.format(tree=tree)]
-
-    def spawn() -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=environ, cwd=str(files.version_dir))
-        with _live_lock:
-            _live.add(process)
-        return process
-
-    try:
-        process = _SPAWNER.submit(spawn).result()
-    except OSError as exc:
-        ours.close()
-        raise UnavailableError(f"{where}: starting its Python worker ({env.python}) failed: {exc}") from None
-    finally:
-        theirs.close()
-    channel = Channel(ours)
-    arena = Arena(tag + "s", settings.shm_default_byte_size, settings.shm_growth_byte_size, settings.shm_max_byte_size)
-    worker = _Worker(process, channel, arena, Mapper(tag + "w"), tag)
-    try:
-        channel.send(
-            {
-                "op": msg.INIT,
-                "args": init_args or {},
-                "auto_complete": auto_complete,
-                "model_name": config.name,
-                "model_version": files.version,
-                "model_dir": str(files.model_dir),
-                "filename": config.default_model_filename,
-                "shm": {
-                    "prefix": tag + "w",
-                    "server_prefix": tag + "s",
-                    "default": settings.shm_default_byte_size,
-                    "growth": settings.shm_growth_byte_size,
-                    "max": settings.shm_max_byte_size,
-                },
-            }
-        )
-        ours.settimeout(settings.stub_timeout_seconds)
-        while True:
-            try:
-                answer = channel.recv()
-            except TimeoutError:
-                raise UnavailableError(
-                    f"{where}: its Python worker did not finish loading and initialize() within "
-                    f"{settings.stub_timeout_seconds:g} s (--backend-config=python,stub-timeout-seconds)"
-                ) from None
-            if answer is None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(5)
-                raise UnavailableError(f"{where}: its Python worker {exit_cause(process.poll())} while loading")
-            if answer["op"] == msg.LOG:
-                _log(answer, where)
-                continue
-            break
-        if answer["op"] == msg.INIT_ERROR:
-            code, message = str(answer.get("code")), str(answer.get("message"))
-            if code == "NUMPY":
-                raise UnavailableError(
-                    f"{where}: the Python environment '{env.root}' ({env.python}) has no numpy "
-                    f"({message}); Triton's Python backend needs numpy in EXECUTION_ENV_PATH's "
-                    "environment: install it there before packing it"
-                )
-            raise error_for_code(ErrorCode[code] if code in ErrorCode.__members__ else ErrorCode.INTERNAL, message)
-        if answer["op"] != msg.READY:
-            raise InternalError(f"{where}: its Python worker answered '{answer['op']}' instead of 'ready'")
-        ours.settimeout(None)
-        return worker, answer
-    except (OSError, ChannelError) as exc:
-        worker.kill()
-        worker.close()
-        raise UnavailableError(f"{where}: talking to its Python worker failed: {exc}") from None
-    except BaseException:
-        worker.kill()
-        worker.close()
-        raise
-
-
-def _log(message: dict[str, Any], where: str) -> None:
-    level = message.get("level", logging.INFO)
-    _model_logger.log(level if isinstance(level, int) else logging.INFO, "%s", message.get("message", ""))
 
 
 class WorkerInstance(WorkerStreamsMixin):
@@ -269,7 +79,7 @@ class WorkerInstance(WorkerStreamsMixin):
         self._where = f"model '{config.name}' version {files.version}"
         self._all_outputs = [tensor.name for tensor in config.outputs]
         self._outputs = {tensor.name: tensor for tensor in config.outputs}
-        self._worker: _Worker | None = None
+        self._worker: Worker | None = None
         self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
         self._streams = WorkerStreams()  # a decoupled model's open requests
@@ -322,7 +132,7 @@ class WorkerInstance(WorkerStreamsMixin):
                 worker.channel.send({"op": msg.FINALIZE})
                 while (answer := worker.channel.recv()) is not None and answer["op"] != msg.FINALIZED:
                     if answer["op"] == msg.LOG:
-                        _log(answer, self._where)
+                        log_message(answer)
             elif worker.achannel is not None and SERVER.loop is not None and not SERVER.loop.is_closed():
                 asyncio.run_coroutine_threadsafe(self._finalize(worker), SERVER.loop).result(
                     self._settings.stub_timeout_seconds + 1
@@ -333,7 +143,7 @@ class WorkerInstance(WorkerStreamsMixin):
             worker.kill()
             worker.close()
 
-    async def _finalize(self, worker: _Worker) -> None:
+    async def _finalize(self, worker: Worker) -> None:
         assert worker.achannel is not None
         done = asyncio.get_running_loop().create_future()
         self._batches[0] = done
@@ -387,12 +197,15 @@ class WorkerInstance(WorkerStreamsMixin):
             results.append(await future)
         return results
 
-    async def _execute(self, worker: _Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> None:
+    async def _execute(self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> None:
         assert worker.achannel is not None
         batch = next(self._batch_ids)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._batches[batch] = done
-        worker.achannel.send({"op": msg.EXECUTE, "batch": batch, "requests": items})
+        message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
+        if worker.releases:
+            message["release"], worker.releases = worker.releases, []
+        worker.achannel.send(message)
         timeouts = [int(r.parameters.get("timeout", 0) or 0) for r in requests if str(r.parameters.get("timeout", "0")).isdigit()]
         limit = min((t for t in timeouts if t > 0), default=0) / 1e6
         try:
@@ -414,7 +227,7 @@ class WorkerInstance(WorkerStreamsMixin):
         finally:
             self._batches.pop(batch, None)
 
-    async def _ready_worker(self) -> _Worker | QuiverError:
+    async def _ready_worker(self) -> Worker | QuiverError:
         if self._restarting is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._restarting), self._settings.stub_timeout_seconds)
@@ -428,7 +241,7 @@ class WorkerInstance(WorkerStreamsMixin):
 
     # ---- messages from the worker
 
-    async def _read(self, worker: _Worker) -> None:
+    async def _read(self, worker: Worker) -> None:
         assert worker.achannel is not None
         try:
             while (message := await worker.achannel.recv()) is not None:
@@ -453,7 +266,7 @@ class WorkerInstance(WorkerStreamsMixin):
                 elif op == msg.BLS_CANCEL:
                     self._bls_streams.cancel(int(message["id"]))
                 elif op == msg.LOG:
-                    _log(message, self._where)
+                    log_message(message)
                 elif op == msg.FINALIZED:
                     done = self._batches.get(0)
                     if done is not None and not done.done():
@@ -466,7 +279,7 @@ class WorkerInstance(WorkerStreamsMixin):
             return
         await self._on_exit(worker)
 
-    def _on_response(self, worker: _Worker, message: dict[str, Any]) -> None:
+    def _on_response(self, worker: Worker, message: dict[str, Any]) -> None:
         request_id = str(message["id"])
         final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
         response = message["response"]
@@ -503,8 +316,8 @@ class WorkerInstance(WorkerStreamsMixin):
             result = InternalError(f"{self._where}: {exc}")
         finally:
             blocks = tensors.blocks_of(descriptors)
-            if blocks and worker.achannel is not None:
-                worker.achannel.send({"op": msg.RELEASE, "blocks": blocks})
+            if blocks:
+                worker.release(blocks)
         if self._streams.deliver(request_id, result, final):
             return
         if future is not None and not future.done():
@@ -536,7 +349,7 @@ class WorkerInstance(WorkerStreamsMixin):
                 )
         return ""
 
-    async def _bls(self, worker: _Worker, message: dict[str, Any]) -> None:
+    async def _bls(self, worker: Worker, message: dict[str, Any]) -> None:
         """Run a BLS request from the model through the server; answer with the response."""
         number = message["id"]
         answer: dict[str, Any]
@@ -567,7 +380,7 @@ class WorkerInstance(WorkerStreamsMixin):
             worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": answer})
 
     @staticmethod
-    def _bls_request(worker: _Worker, fields: dict[str, Any]) -> InferenceRequest:
+    def _bls_request(worker: Worker, fields: dict[str, Any]) -> InferenceRequest:
         inputs = []
         for descriptor in fields["tensors"]:
             name, datatype, shape, array = tensors.read(worker.mapper, descriptor)
@@ -601,9 +414,9 @@ class WorkerInstance(WorkerStreamsMixin):
             if future is not None and not future.done():
                 future.set_result(error)
 
-    async def _on_exit(self, worker: _Worker) -> None:
+    async def _on_exit(self, worker: Worker) -> None:
         loop = asyncio.get_running_loop()
-        returncode = await loop.run_in_executor(None, _wait, worker.process)
+        returncode = await loop.run_in_executor(None, wait, worker.process)
         cause = exit_cause(returncode)
         error = InternalError(
             f"{self._where}: its Python worker (pid {worker.process.pid}) {cause} while running the request; "
@@ -655,14 +468,6 @@ class WorkerInstance(WorkerStreamsMixin):
             logger.info("%s: Python worker restarted (pid %d)", self._where, worker.process.pid)
             self._restarting = None
             return
-
-
-def _wait(process: subprocess.Popen[bytes]) -> int | None:
-    try:
-        return process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.wait()
 
 
 def _report_health(model: str, version: int, instance: str, reason: str | None) -> None:

@@ -40,16 +40,26 @@ def decode(body: bytes) -> dict[str, Any]:
 
 
 class Channel:
-    """Blocking messages over ``sock``; ``send`` may be called from any thread."""
+    """Blocking messages over ``sock``; ``send`` may be called from any thread, ``recv`` from
+    one. ``buffered`` reads ahead (one system call per message or fewer), for an end that never
+    hands its socket over; unbuffered reads take exactly one message's bytes."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, buffered: bool = False) -> None:
         self.sock = sock
         self._send_lock = threading.Lock()
+        self._buffered = buffered
+        self._buffer = bytearray()
 
     def send(self, message: dict[str, Any]) -> None:
         frame = encode(message)
         with self._send_lock:
             self.sock.sendall(frame)
+
+    def send_many(self, messages: list[dict[str, Any]]) -> None:
+        """Several messages in one write (the peer reads them one by one)."""
+        frames = b"".join(encode(message) for message in messages)
+        with self._send_lock:
+            self.sock.sendall(frames)
 
     def recv(self) -> dict[str, Any] | None:
         """The next message; None when the peer closed the channel."""
@@ -63,8 +73,20 @@ class Channel:
         return None if body is None else decode(body)
 
     def _read(self, size: int) -> bytes | None:
-        """Exactly ``size`` bytes (unbuffered, so the socket can change hands after a
-        handshake); None at the end of the stream."""
+        """Exactly ``size`` bytes; None at the end of the stream."""
+        if self._buffered:
+            buffer = self._buffer
+            while len(buffer) < size:
+                try:
+                    chunk = self.sock.recv(max(1 << 16, size - len(buffer)))
+                except ConnectionError:
+                    return None
+                if not chunk:
+                    return None
+                buffer += chunk
+            data = bytes(buffer[:size])
+            del buffer[:size]
+            return data
         buffer = bytearray(size)
         view = memoryview(buffer)
         got = 0
