@@ -136,6 +136,21 @@ def test_an_error_response_mid_stream_does_not_end_the_stream(stream: Stream) ->
     assert [_out(r) for r, _ in stream.until_final()] == [0, None]
 
 
+def test_triton_grpc_error_ends_the_stream_with_the_first_errors_status(server: QuiverServer) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers={"triton_grpc_error": "true"})
+    try:
+        client.async_stream_infer("streamer", _count(3), parameters={"mode": "error_mid"})
+        first, failed = results.get(timeout=30), results.get(timeout=30)
+        assert first[1] is None and _out(first[0]) == 0
+        assert failed[0] is None and failed[1].status() == "StatusCode.INVALID_ARGUMENT"
+        assert "token 1 failed" in failed[1].message()
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 def test_a_model_that_raises_mid_stream_ends_that_request_with_the_error(stream: Stream) -> None:
     stream.send("streamer", 2, "raise_mid")
     got = [stream.next() for _ in range(3)]

@@ -27,7 +27,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from quiver.errors import InvalidArgumentError
-from quiver.frontends.grpc_stream import serve_stream
+from quiver.frontends.grpc_stream import StreamAborted, serve_stream
 from quiver.frontends.offload import OFFLOAD_NS, PARSE_INLINE_BYTES, in_worker
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import grpc_error
@@ -255,8 +255,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         self, request_iterator: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
         """ModelStreamInfer: see :mod:`quiver.frontends.grpc_stream`."""
-        async for message in serve_stream(self, request_iterator):
-            yield message
+        metadata = {key.lower(): value for key, value in (context.invocation_metadata() or ())}
+        abort = str(metadata.get("triton_grpc_error", "")).strip().lower() == "true"
+        try:
+            async for message in serve_stream(self, request_iterator, abort_on_error=abort):
+                yield message
+        except StreamAborted as exc:
+            await context.abort(exc.code, exc.message)
 
 
 def _parse_request(data: bytes) -> Any:

@@ -13,7 +13,9 @@ As Triton's stream handler does:
 - a failed request or response is answered with ``error_message`` (and the request's id,
   model and version), and the stream goes on;
 - a client that cancels the call or goes away cancels its requests: queued ones leave their
-  queue, running ones see ``is_cancelled()``, and their responses are dropped.
+  queue, running ones see ``is_cancelled()``, and their responses are dropped;
+- with the header ``triton_grpc_error: true`` (Triton's opt-in), the first error instead ends
+  the stream with its gRPC status (:class:`StreamAborted`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.offload import OFFLOAD_NS, in_worker
-from quiver.frontends.status import grpc_error
+from quiver.frontends.status import grpc_error, grpc_status
 from quiver.protocol.v2_grpc import encode_cost, encode_infer_response
 from quiver.service import InferenceService
 from quiver.streaming import StreamResponse
@@ -36,6 +39,16 @@ from quiver.types import InferenceRequest
 STREAM_WINDOW = 64
 #: The request parameter by which a client asks for decoupled models' flag-only finals.
 EMPTY_FINAL = "triton_enable_empty_final_response"
+
+
+class StreamAborted(Exception):
+    """The first error of a stream opened with ``triton_grpc_error: true``: the call ends with
+    this status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class StreamServicer(Protocol):
@@ -104,10 +117,13 @@ async def _encoded(item: StreamResponse, request: InferenceRequest, empty_final:
     return _message(item, request, empty_final)
 
 
-async def serve_stream(servicer: StreamServicer, request_iterator: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The ModelStreamInfer call: serialized requests in, serialized responses out."""
+async def serve_stream(
+    servicer: StreamServicer, request_iterator: AsyncIterator[bytes], *, abort_on_error: bool = False
+) -> AsyncIterator[bytes]:
+    """The ModelStreamInfer call: serialized requests in, serialized responses out; with
+    ``abort_on_error``, the first error raises :class:`StreamAborted` instead."""
     loop = asyncio.get_running_loop()
-    out: asyncio.Queue[bytes | None] = asyncio.Queue()
+    out: asyncio.Queue[bytes | StreamAborted | None] = asyncio.Queue()
     window = asyncio.Semaphore(STREAM_WINDOW)
     tasks: set[asyncio.Task[None]] = set()
     reading = True
@@ -123,18 +139,24 @@ async def serve_stream(servicer: StreamServicer, request_iterator: AsyncIterator
     async def answer(data: bytes, before: asyncio.Future[None] | None, turn: asyncio.Future[None]) -> None:
         """One request: its answers onto ``out`` (in its turn, unless decoupled)."""
         request: InferenceRequest | None = None
-        answers: list[bytes] = []
+        answers: list[bytes | StreamAborted] = []
         try:
             request = await servicer.decode(data)
             empty_final = _wants_empty_final(request)
             if service.decoupled(request.model_name, request.model_version):
                 turn.set_result(None)  # answers as they come: later requests need not wait
                 async for item in service.infer_stream(request):
+                    if abort_on_error and item.error is not None:
+                        out.put_nowait(StreamAborted(grpc_status(item.error.code), item.error.message))
+                        return
                     encoded = await _encoded(item, request, empty_final)
                     if encoded is not None:
                         out.put_nowait(encoded)
                 return
             async for item in service.infer_stream(request):
+                if abort_on_error and item.error is not None:
+                    answers.append(StreamAborted(grpc_status(item.error.code), item.error.message))
+                    continue
                 encoded = await _encoded(item, request, False)
                 if encoded is not None:
                     answers.append(encoded)
@@ -143,11 +165,15 @@ async def serve_stream(servicer: StreamServicer, request_iterator: AsyncIterator
                 turn.set_result(None)  # the stream is going away: nobody waits for order
             raise
         except Exception as exc:
-            answers.append(_error(exc, request))
+            if abort_on_error:
+                model = request.model_name if request is not None else ""
+                answers.append(StreamAborted(*grpc_error(exc, model=model, where="gRPC ModelStreamInfer")))
+            else:
+                answers.append(_error(exc, request))
         if not turn.done() and before is not None and answers:
             await before
-        for encoded in answers:
-            out.put_nowait(encoded)
+        for answered in answers:
+            out.put_nowait(answered)
         if not turn.done():
             turn.set_result(None)
 
@@ -171,6 +197,8 @@ async def serve_stream(servicer: StreamServicer, request_iterator: AsyncIterator
     reader = asyncio.create_task(read())
     try:
         while (message := await out.get()) is not None:
+            if isinstance(message, StreamAborted):
+                raise message
             yield message
         await reader  # raises what ended the reading, if it failed
     finally:
@@ -179,4 +207,4 @@ async def serve_stream(servicer: StreamServicer, request_iterator: AsyncIterator
             task.cancel()  # the client went away: its requests are cancelled
 
 
-__all__ = ["EMPTY_FINAL", "STREAM_WINDOW", "StreamServicer", "serve_stream"]
+__all__ = ["EMPTY_FINAL", "STREAM_WINDOW", "StreamAborted", "StreamServicer", "serve_stream"]
