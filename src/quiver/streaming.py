@@ -84,7 +84,7 @@ class ResponseStream:
     Responses wait in an unbounded queue until read.
     """
 
-    __slots__ = ("_lock", "_loop", "_queue", "_thread", "cancellation", "closed", "sent")
+    __slots__ = ("__weakref__", "_lock", "_loop", "_queue", "_thread", "cancellation", "closed", "sent")
 
     def __init__(self, cancellation: Cancellation | None = None) -> None:
         self._loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ import asyncio
 import queue
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -326,3 +327,22 @@ def test_asyncio_client_stream(server: QuiverServer) -> None:
         [(0, False), (1, False), (2, True), (0, True), (-1, True)], key=str
     )
     assert [s for s in seen if s[0] in (1, 2)] == [(1, False), (2, True)]  # in order within a request
+
+
+@pytest.mark.parametrize("where", ["worker", "in-process"])
+def test_unloading_a_model_ends_its_open_streams_with_an_error(tmp_path: Path, where: str) -> None:
+    repo = build_decoupled_repository(tmp_path)
+    args = ["--model-control-mode=explicit", "--load-model=streamer"]
+    if where == "in-process":
+        args.append("--backend-config=python,in-process=true")
+    with QuiverServer(repo, args=tuple(args)) as running:
+        stream = Stream(running)
+        try:
+            stream.send("streamer", 1, "wait_cancel")
+            result, error = stream.next()
+            assert error is None and _out(result) == 0
+            stream.client.unload_model("streamer")
+            result, error = stream.next()
+            assert result is None and "was unloaded while answering the request" in str(error)
+        finally:
+            stream.close()

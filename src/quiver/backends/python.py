@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,7 @@ class PythonInstance(DecoupledInstance, ThreadedInstance):
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
         self._background: BackgroundLoop | None = None  # a decoupled model's async execute
         self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
+        self._open_streams = weakref.WeakSet()
 
     # ---- load / unload (instance thread)
 
@@ -199,6 +201,7 @@ class PythonInstance(DecoupledInstance, ThreadedInstance):
         return _initialize_args(self._config, self._files, self._spec)
 
     def release(self) -> None:
+        self._end_streams()
         if self._background is not None:
             self._background.stop()
             self._background = None
@@ -241,6 +244,7 @@ class PythonInstance(DecoupledInstance, ThreadedInstance):
         timing = self.timing
         t0 = time.monotonic_ns()
         senders = Senders(requests, self._decoupled, self._converter(requests))
+        self._track_streams(requests)
         try:
             pb_requests = [
                 self._pb_request(request, senders.factory(index)) for index, request in enumerate(requests)

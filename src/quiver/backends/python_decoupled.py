@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -21,8 +22,8 @@ from quiver.backends.python_convert import _error_code
 from quiver.backends.python_readiness import UserReadiness, call_is_ready
 from quiver.backends.python_sender import BackgroundLoop, InferenceResponseSender, failure_message
 from quiver.config import ModelConfig
-from quiver.errors import InternalError, QuiverError, error_for_code
-from quiver.streaming import StreamedResponse, StreamResponse
+from quiver.errors import InternalError, QuiverError, UnavailableError, error_for_code
+from quiver.streaming import ResponseStream, StreamedResponse, StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
@@ -199,12 +200,25 @@ class DecoupledInstance:
     background, and the model's own ``is_ready()``."""
 
     name: str
+    #: Streams of requests being answered (weakly held: a finished one goes by itself).
+    _open_streams: weakref.WeakSet[ResponseStream]
     _background: BackgroundLoop | None
     _readiness: UserReadiness | None
     _config: ModelConfig
     _where: str
 
     _response: Callable[[Any, InferenceRequest, int], InferenceResponse | QuiverError]
+
+    def _track_streams(self, requests: list[InferenceRequest]) -> None:
+        for request in requests:
+            if request.stream is not None:
+                self._open_streams.add(request.stream)
+
+    def _end_streams(self) -> None:
+        """The instance unloads: requests still streaming end with an error."""
+        for stream in list(self._open_streams):
+            if stream.finish(UnavailableError(f"{self._where} was unloaded while answering the request")):
+                stream.cancellation.cancel()  # a model thread still sending may stop
 
     def _watch_readiness(self, model: Any) -> None:
         """Use the model's own ``is_ready()``, if it has one."""

@@ -115,8 +115,10 @@ class WorkerInstance(WorkerStreamsMixin):
         return uss_bytes(pid) if pid is not None else 0
 
     def unload(self) -> None:
-        """``finalize()`` in the worker (bounded by stub-timeout-seconds), then the process ends."""
+        """``finalize()`` in the worker (bounded by stub-timeout-seconds), then the process ends;
+        requests still streaming end with an error."""
         self._closed = True
+        self._end_streams(UnavailableError(f"{self._where} was unloaded while answering the request"))
         worker, self._worker = self._worker, None
         if worker is None:
             return

@@ -141,6 +141,19 @@ class WorkerStreamsMixin:
     _ready_worker: Callable[[], Awaitable[Any]]
     _bls_request: Callable[[Any, dict[str, Any]], InferenceRequest]
 
+    def _end_streams(self, error: QuiverError) -> None:
+        """End every open stream with ``error`` (on the server's loop, from any thread)."""
+        loop = SERVER.loop
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is not None and loop is not running and loop.is_running():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._streams.fail_all, error)
+                return
+        self._streams.fail_all(error)
+
     async def user_ready(self) -> bool:
         """The model's own ``is_ready()`` (True when it has none)."""
         return True if self._readiness is None else await self._readiness.check()
