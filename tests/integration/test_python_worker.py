@@ -62,6 +62,11 @@ class TritonPythonModel:
                 time.sleep(3600)
             if first == -4:
                 return []
+            if first == -7:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("negative sevens are not allowed", pb_utils.TritonError.INVALID_ARG)
+                ))
+                continue
             out = data.astype(np.int32) if first == -5 else data.copy()
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("OUTPUT0", out),
@@ -178,6 +183,33 @@ class TritonPythonModel:
         ]
 """
 
+# No inputs or outputs configured: auto_complete_config (run in a short-lived worker) adds them.
+AUTO = """
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        auto_complete_model_config.set_max_batch_size(4)
+        auto_complete_model_config.add_input({"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]})
+        auto_complete_model_config.add_output({"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]})
+        auto_complete_model_config.add_output({"name": "PID", "data_type": "TYPE_INT64", "dims": [1]})
+        return auto_complete_model_config
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() * 3),
+                pb_utils.Tensor("PID", np.array([[os.getpid()]], dtype=np.int64)),
+            ])
+            for r in requests
+        ]
+"""
+
 SLOW_INIT = """
 import time
 
@@ -223,6 +255,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
     write_python(root, "bls_sync", BLS_SYNC, FP32_IO.format(name="bls_sync", extra=""))
     write_python(root, "bls_async", BLS_ASYNC, FP32_IO.format(name="bls_async", extra=""))
+    write_python(root, "auto", AUTO, 'name: "auto"\nbackend: "python"\n')
     write_python(root, "slow_init", SLOW_INIT, FP32_IO.format(name="slow_init", extra=""))
     write_python(root, "raising_init", RAISING_INIT, FP32_IO.format(name="raising_init", extra=""))
     return root
@@ -379,6 +412,19 @@ def test_wrong_answers_get_clear_errors(server: QuiverServer) -> None:
     with pytest.raises(InferenceServerException, match=r"model 'poison' version 1: unexpected shape \[2\] for output 'PID'"):
         infer(server, "poison", [-6.0])
     assert succeeds(server, "poison")
+
+
+def test_errors_per_request_and_auto_complete_from_workers(server: QuiverServer) -> None:
+    with pytest.raises(InferenceServerException, match="negative sevens are not allowed") as refused:
+        infer(server, "poison", [-7.0])
+    assert "400" in str(refused.value)
+    client = httpclient.InferenceServerClient(server.url)
+    metadata = client.get_model_metadata("auto")
+    assert [i["name"] for i in metadata["inputs"]] == ["INPUT0"]
+    assert client.get_model_config("auto")["max_batch_size"] == 4
+    tensor = httpclient.InferInput("INPUT0", [1, 2], "FP32")
+    tensor.set_data_from_numpy(np.array([[1.0, 2.0]], dtype=np.float32))
+    assert client.infer("auto", [tensor]).as_numpy("OUTPUT0").tolist() == [[3.0, 6.0]]
 
 
 def test_a_request_that_never_returns_times_out_and_the_worker_is_replaced(server: QuiverServer) -> None:
