@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 REPOSITORY := examples/model_repository
 
-.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray bench-soak bench-compare bench-dali-inception clean
+.PHONY: setup serve test lint bench bench-batching bench-pipelines bench-multi-model bench-ray bench-soak bench-compare bench-dali-inception bench-streaming clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,9 @@ bench-pipelines: $(REPOSITORY)/.built
 
 bench-dali-inception: $(STAMP)
 	$(PY) -m benchmarks.dali_inception $(ARGS)
+
+bench-streaming: $(STAMP)
+	$(PY) -m benchmarks.streaming $(ARGS)
 
 bench-compare: $(REPOSITORY)/.built
 	$(PY) -m benchmarks.compare $(ARGS)

@@ -196,6 +196,65 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 # step is busy run as one batch when it is free (measured: a delay of 1-2 ms per step only added
 # latency at low concurrency and gave no throughput; see benchmarks/pipelines.py).
 
+TOKEN_STREAMER_CONFIG = """\
+name: "token_streamer"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [
+  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true }
+]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+TOKEN_STREAMER_MODEL = '''\
+"""A decoupled model: streams its input back one word (token) per response.
+
+Each request is answered from a thread the model starts, after execute() has returned, as an
+LLM server would stream tokens. ``max_tokens`` (optional) stops early; the request parameter
+``delay_ms`` waits between tokens (a stand-in for generation time). A client that cancels
+(or goes away) stops the stream at the next token.
+"""
+
+import json
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
+            text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+            limit = pb_utils.get_input_tensor_by_name(request, "max_tokens")
+            max_tokens = int(limit.as_numpy().reshape(-1)[0]) if limit is not None else None
+            delay = float(json.loads(request.parameters()).get("delay_ms", 0)) / 1000.0
+            sender = request.get_response_sender()
+            threading.Thread(
+                target=self._stream, args=(sender, text, max_tokens, delay), daemon=True
+            ).start()
+        return None  # decoupled: every answer goes through the response senders
+
+    def _stream(self, sender, text, max_tokens, delay):
+        words = text.split()
+        if max_tokens is not None:
+            words = words[:max_tokens]
+        for index, word in enumerate(words):
+            if sender.is_cancelled():
+                break
+            if delay:
+                time.sleep(delay)
+            token = word if index == len(words) - 1 else word + " "
+            output = pb_utils.Tensor("text_output", np.array([token.encode("utf-8")], dtype=np.object_))
+            sender.send(pb_utils.InferenceResponse([output], parameters={"index": index}))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+
 RESNET_SEED = 0
 IMAGE_MAX_BATCH = 16
 TEXT_MAX_BATCH = 64
@@ -730,6 +789,7 @@ def build(root: Path, pipelines: bool = True) -> None:
     for name, config, model in (
         ("add_sub", ADD_SUB_CONFIG, ADD_SUB_MODEL),
         ("string_upper", STRING_CONFIG, STRING_MODEL),
+        ("token_streamer", TOKEN_STREAMER_CONFIG, TOKEN_STREAMER_MODEL),
     ):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(config)

@@ -1,13 +1,15 @@
 """Quiver's ``triton_python_backend_utils``: the module Triton Python models import.
 
 Models written for Triton's Python backend do ``import triton_python_backend_utils as
-pb_utils``; this module gives them the same names and behaviour, for models that run on CPU
-and are not decoupled, in a worker process of their own (the default) or in the server's.
+pb_utils``; this module gives them the same names and behaviour, for models that run on CPU,
+in a worker process of their own (the default) or in the server's.
 It imports only numpy and Quiver's worker-safe modules, so it runs under a model's own
 Python environment too (``EXECUTION_ENV_PATH``). It is written from Triton's documented API
 (python_backend ``README.md`` and the stub's ``c_python_backend_utils`` bindings).
 
-Not available here: decoupled mode (``get_response_sender`` raises), the model-control functions
+Decoupled mode (``get_response_sender``), request cancellation and BLS (including
+``exec(decoupled=True)``) are served by the Python backend, in a worker or in-process. Not
+available here: the model-control functions
 (``load_model``, ``unload_model``, ``is_model_ready``), custom metrics
 (``MetricFamily``) and GPU tensors.
 """
@@ -409,6 +411,10 @@ class _BlsExecutor(Protocol):
 
     def async_exec(self, request: InferenceRequest) -> Awaitable[InferenceResponse]: ...
 
+    def exec_decoupled(self, request: InferenceRequest) -> Any: ...
+
+    def async_exec_decoupled(self, request: InferenceRequest) -> Awaitable[Any]: ...
+
 
 _bls: list[_BlsExecutor] = []
 
@@ -500,6 +506,7 @@ class InferenceRequest:
         self._preferred_memory = preferred_memory or PreferredMemory(TRITONSERVER_MEMORY_CPU)
         self._trace = trace or InferenceTrace()
         self._parameters = _parameters_to_json(parameters)
+        self._sender_factory: Callable[[], Any] | None = None
         self._cancelled: Callable[[], bool] | None = None
 
     @classmethod
@@ -515,8 +522,11 @@ class InferenceRequest:
         flags: int,
         timeout: int,
         parameters_json: str,
+        sender_factory: Any = None,
+        cancelled: Any = None,
     ) -> InferenceRequest:
-        """The backend's constructor: no checks, parameters already JSON."""
+        """The backend's constructor: no checks, parameters already JSON; the backend's
+        ``sender_factory()`` makes the response sender, ``cancelled()`` tells cancellation."""
         request = cls.__new__(cls)
         request._request_id = request_id
         request._correlation_id = correlation_id
@@ -529,7 +539,8 @@ class InferenceRequest:
         request._preferred_memory = PreferredMemory(TRITONSERVER_MEMORY_CPU)
         request._trace = InferenceTrace()
         request._parameters = parameters_json
-        request._cancelled = None
+        request._sender_factory = sender_factory
+        request._cancelled = cancelled
         return request
 
     def inputs(self) -> list[Tensor]:
@@ -564,9 +575,8 @@ class InferenceRequest:
         return self._trace
 
     def is_cancelled(self) -> bool:
-        """Whether the client gave up on this request (a model may stop early); known in a
-        worker process, where the server says so, else always False."""
-        return self._cancelled is not None and self._cancelled()
+        """Whether the client cancelled this request (or went away): a model may stop early."""
+        return self._cancelled is not None and bool(self._cancelled())
 
     def model_name(self) -> str:
         return self._model_name
@@ -574,25 +584,29 @@ class InferenceRequest:
     def model_version(self) -> int:
         return self._model_version
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
+    def exec(self, decoupled: bool = False) -> Any:
         """Run this request on ``model_name`` and wait for the response (BLS). Errors come
-        back in the response (``has_error()``), as in Triton."""
+        back in the response (``has_error()``), as in Triton. With ``decoupled=True``: an
+        iterator of the responses (a decoupled model's may end with an empty one), which
+        ``cancel()`` cancels."""
         if decoupled:
-            raise TritonModelException("decoupled BLS requests are not supported by Quiver")
+            return _bls_executor().exec_decoupled(self)
         return _bls_executor().exec(self)
 
-    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse]:
+    def async_exec(self, decoupled: bool = False) -> Awaitable[Any]:
         """Like :meth:`exec`, for ``async def execute``: ``await request.async_exec()``."""
         if decoupled:
-            raise TritonModelException("decoupled BLS requests are not supported by Quiver")
+            return _bls_executor().async_exec_decoupled(self)
         return _bls_executor().async_exec(self)
 
     def get_response_sender(self) -> Any:
-        raise TritonModelException(
-            "get_response_sender() is only available to decoupled models; Quiver's Python "
-            "backend does not support decoupled mode (model_transaction_policy "
-            "{ decoupled: true }). Return the responses from execute() instead."
-        )
+        """The request's InferenceResponseSender (one per request)."""
+        if self._sender_factory is None:
+            raise TritonModelException(
+                "Unable to send response. Response sender has no reference to the decoupled "
+                "state of the model."
+            )
+        return self._sender_factory()
 
     def __repr__(self) -> str:
         names = [tensor.name() for tensor in self._inputs]

@@ -12,16 +12,16 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tritonclient.grpc import model_config_pb2 as pb
 
 import quiver
-from quiver import logs, messages
+from quiver import logs
+from quiver.backends.base import SERVER
 from quiver.config import ModelConfig
 from quiver.errors import (
     AlreadyExistsError,
@@ -40,8 +40,10 @@ from quiver.repository.names import check_local_path
 from quiver.response_cache import ResponseCache
 from quiver.scheduling.core import batch_rows
 from quiver.shared_memory import SharedMemoryManager, read_inputs, write_outputs
+from quiver.streaming import Cancellation, ResponseStream, StreamResponse
 from quiver.tracing import Trace, TraceManager
-from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
+from quiver.types import InferenceRequest, InferenceResponse
+from quiver.validation import select_outputs, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,12 @@ CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullErr
 _UNLOADED = ("unloaded", "evicted")
 #: Where Triton's SageMaker frontend refuses to look for models.
 _FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
+
+#: What :meth:`InferenceService.infer` says of a decoupled model unless told otherwise.
+DECOUPLED_ERROR = (
+    "model '{model}' uses the decoupled transaction policy: its answers stream through gRPC "
+    "ModelStreamInfer or HTTP generate_stream (an ensemble step takes one answer)"
+)
 
 #: Extensions Quiver implements, by Triton's names (server metadata lists them).
 EXTENSIONS = [
@@ -101,6 +109,8 @@ class InferenceService:
         #: --strict-readiness: ready only while every model that is not unloaded is READY.
         self.strict_readiness = strict_readiness
         manager.bind(self.infer)
+        SERVER.infer_stream = self.infer_stream  # Python models' decoupled BLS calls
+        SERVER.decoupled = self.decoupled
         self.ready = False  # set by the runner once start-up finished
         #: The local ``--model-repository`` folders (SageMaker urls inside them load by name).
         self.repositories = [p.resolve() for p in repositories]
@@ -133,6 +143,17 @@ class InferenceService:
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.manager.is_ready(name, version)
+
+    async def model_ready_checked(self, name: str, version: str = "") -> bool:
+        """:meth:`model_ready`, and every instance's own check (``is_ready()``) agrees."""
+        if not self.manager.is_ready(name, version):
+            return False
+        checks = [
+            check()
+            for instance in self.manager.get(name, version).instances
+            if (check := getattr(instance, "user_ready", None)) is not None
+        ]
+        return all(await asyncio.gather(*checks)) if checks else True
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
         model = self.manager.get(name, version)
@@ -399,20 +420,24 @@ class InferenceService:
         except QuiverError:
             return False
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        if request.input_placements is None and request.output_placements is None:
-            return await self._infer(request)
-        lease = read_inputs(self.shared_memory, request)
+    def decoupled(self, name: str, version: str = "") -> bool:
+        """Whether the READY model ``name`` is decoupled (False when not READY)."""
         try:
-            response = await self._infer(request)
-            write_outputs(self.shared_memory, lease, request, response)
-            return response
-        finally:
-            self.shared_memory.release(lease)
+            return bool(self.manager.get(name, version).config.proto.model_transaction_policy.decoupled)
+        except QuiverError:
+            return False
 
-    async def _infer(self, request: InferenceRequest) -> InferenceResponse:
-        trace: Trace | None = request.trace
-        started = time.monotonic_ns() if trace is not None else 0
+    async def serving_config(self, name: str, version: str = "") -> ModelConfig:
+        """The configuration of the model a request for ``name`` runs on (loaded on demand)."""
+        try:
+            return self.manager.get(name, version).config
+        except (NotFoundError, UnavailableError):
+            if not self.manager.on_demand:
+                raise
+            return (await self.manager.acquire(name, version)).config
+
+    async def _admit(self, request: InferenceRequest) -> Model:
+        """The READY model for ``request`` (loaded first, on demand), the request checked."""
         manager = self.manager
         try:
             model = manager.get(request.model_name, request.model_version)
@@ -426,10 +451,40 @@ class InferenceService:
         try:
             if request.raw:
                 deduce_raw_input(model.config, request)
-            _validate(model.config, request)
+            validate_request(model.config, request)
         except QuiverError:
             model.stats.record_failure(0, "REJECTED")
             raise
+        return model
+
+    async def infer(
+        self, request: InferenceRequest, *, decoupled_error: str = DECOUPLED_ERROR
+    ) -> InferenceResponse:
+        """One request, one response; a decoupled model is UNSUPPORTED (``decoupled_error``).
+        Inputs in client shared-memory regions are read first, outputs written into them after."""
+        if request.input_placements is None and request.output_placements is None:
+            return await self._infer(request, decoupled_error)
+        lease = read_inputs(self.shared_memory, request)
+        try:
+            response = await self._infer(request, decoupled_error)
+            write_outputs(self.shared_memory, lease, request, response)
+            return response
+        finally:
+            self.shared_memory.release(lease)
+
+    async def _infer(self, request: InferenceRequest, decoupled_error: str) -> InferenceResponse:
+        started = time.monotonic_ns() if request.trace is not None else 0
+        model = await self._admit(request)
+        if model.config.proto.model_transaction_policy.decoupled:
+            model.stats.record_failure(0, "REJECTED")
+            self.manager.request_done(model)
+            raise UnsupportedError(decoupled_error.replace("{model}", model.name))
+        return await self._execute(model, request, started)
+
+    async def _execute(self, model: Model, request: InferenceRequest, started: int) -> InferenceResponse:
+        """A request to a model that is not decoupled, admitted: traced, answered from the
+        response cache when the model enables it, else scheduled."""
+        trace: Trace | None = request.trace
         if trace is not None:
             trace.start(model.name, request.model_version, request.id, started)
             trace.capture("QUEUE_START")
@@ -443,16 +498,64 @@ class InferenceService:
                 )
             else:
                 response = await model.scheduler.enqueue(request)
+        except asyncio.CancelledError:
+            request.cancellation = request.cancellation or Cancellation()  # the model reads it
+            request.cancellation.cancel()
+            raise
         finally:
-            manager.request_done(model)  # loads waiting for room look again
+            self.manager.request_done(model)  # loads waiting for room look again
             if trace is not None:
                 trace.capture("REQUEST_END")
+        return self._finish(model, request, response)
+
+    def _finish(self, model: Model, request: InferenceRequest, response: InferenceResponse) -> InferenceResponse:
         response.model_name = model.name
         response.model_version = model.version_str
         response.id = request.id
         if request.outputs is not None:
-            response.outputs = _select_outputs(model, request, response)
+            response.outputs = select_outputs(model, request, response)
         return response
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[StreamResponse, None]:
+        """The responses to ``request``, the last one final (a decoupled model's may be a
+        flag-only final). An error of the request as a whole raises before the first item;
+        errors the model sends are items. Leaving early cancels the request."""
+        cancellation = request.cancellation = request.cancellation or Cancellation()
+        if request.input_placements is not None or request.output_placements is not None:
+            # Client shared memory: one response, from a model that is not decoupled.
+            try:
+                response = await self.infer(request)
+            except QuiverError as error:
+                yield StreamResponse(error=error, final=True)
+                return
+            yield StreamResponse(response=response, final=True)
+            return
+        started = time.monotonic_ns() if request.trace is not None else 0
+        model = await self._admit(request)
+        if not model.config.proto.model_transaction_policy.decoupled:
+            try:
+                response = await self._execute(model, request, started)
+            except QuiverError as error:
+                yield StreamResponse(error=error, final=True)
+                return
+            yield StreamResponse(response=response, final=True)
+            return
+        stream = request.stream = ResponseStream(cancellation)
+        running = asyncio.ensure_future(model.scheduler.enqueue(request))
+        running.add_done_callback(stream.executed)
+        finished = False
+        try:
+            async for item in stream.responses():
+                if item.response is not None:
+                    item.response = self._finish(model, request, item.response)
+                finished = item.final
+                yield item
+        finally:
+            if not finished:
+                cancellation.cancel()
+                if not running.done():
+                    running.cancel()  # still queued: it leaves the queue
+            self.manager.request_done(model)
 
 
 def _url_folder(path: Path, url: str) -> Path:
@@ -462,125 +565,6 @@ def _url_folder(path: Path, url: str) -> Path:
     if is_model_folder(path):
         return path
     return served_folder(path, f"url '{url}'")
-
-
-def _validate(config: ModelConfig, request: InferenceRequest) -> None:
-    """The request against the model's configuration, with Triton's checks and messages."""
-    inputs = config.input_map
-    batching = config.max_batch_size > 0
-    batch_size = -1
-    name = config.name
-    for tensor in request.inputs:
-        spec = inputs.get(tensor.name)
-        if spec is None:
-            raise InvalidArgumentError(messages.unexpected_input(tensor.name, name, list(inputs)))
-        if tensor.datatype is not spec.datatype:
-            raise InvalidArgumentError(
-                messages.input_datatype(tensor.name, tensor.datatype.value, name, spec.datatype.value)
-            )
-        shape = tensor.shape
-        dims = spec.dims
-        if batching:
-            if len(shape) != len(dims) + 1:
-                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name, batching)
-            if batch_size < 0:
-                batch_size = shape[0]
-                if batch_size < 1 or batch_size > config.max_batch_size:
-                    raise InvalidArgumentError(messages.batch_size(config.max_batch_size, name, batch_size, tensor.name))
-            elif shape[0] != batch_size:
-                raise InvalidArgumentError(
-                    f"inputs of one request must share the batch size: input '{tensor.name}' "
-                    f"has {shape[0]}, another has {batch_size} (model '{name}')"
-                )
-            shape = shape[1:]
-        elif len(shape) != len(dims):
-            raise _shape_error(tensor, list(dims), name, batching)
-        for got, want in zip(shape, dims, strict=True):
-            if want != -1 and got != want:
-                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name, batching)
-    given = {t.name for t in request.inputs}
-    if len(given) != len(request.inputs):
-        seen: set[str] = set()
-        for tensor in request.inputs:
-            if tensor.name in seen:
-                raise InvalidArgumentError(messages.input_twice(tensor.name))
-            seen.add(tensor.name)
-    if len(given) != len(inputs):
-        missing = [t.name for t in config.inputs if t.name not in given and not t.optional]
-        if missing:
-            required = sum(1 for t in config.inputs if not t.optional)
-            raise InvalidArgumentError(
-                messages.missing_inputs(
-                    required, len(inputs), [t.name for t in request.inputs], missing, name
-                )
-            )
-    if request.outputs is not None:
-        outputs = config.output_map
-        asked: set[str] = set()
-        for requested in request.outputs:
-            if requested.name not in outputs:
-                raise InvalidArgumentError(messages.unexpected_output(requested.name, name, list(outputs)))
-            if requested.name in asked:
-                raise InvalidArgumentError(messages.output_twice(requested.name))
-            asked.add(requested.name)
-            k = requested.parameters.get("classification")
-            if k is not None and (type(k) is not int or k < 0):
-                raise InvalidArgumentError(
-                    f"output '{requested.name}': 'classification' must be a non-negative integer"
-                )
-
-
-def _shape_error(tensor: Tensor, expected: list[int], model: str, batching: bool) -> InvalidArgumentError:
-    return InvalidArgumentError(messages.input_shape(tensor.name, model, expected, list(tensor.shape), batching))
-
-
-def _select_outputs(model: Model, request: InferenceRequest, response: InferenceResponse) -> list[Tensor]:
-    """The requested outputs in the order asked for; classification applied where asked."""
-    assert request.outputs is not None
-    produced = {t.name: t for t in response.outputs}
-    selected: list[Tensor] = []
-    for requested in request.outputs:
-        tensor = produced.get(requested.name)
-        if tensor is None:
-            continue  # the model did not produce it (Triton omits it too)
-        k = requested.classification
-        if k:
-            tensor = classify(
-                tensor, k, model.labels.get(tensor.name), model.config.max_batch_size > 0, model.name
-            )
-        selected.append(tensor)
-    return selected
-
-
-def classify(
-    tensor: Tensor, k: int, labels: list[str] | None, batched: bool, model: str
-) -> Tensor:
-    """Triton's classification extension: top-k as ``"value:index[:label]"`` strings."""
-    if tensor.datatype in (DataType.BYTES, DataType.BOOL):
-        raise InvalidArgumentError(
-            f"model '{model}': classification needs a numeric output, '{tensor.name}' is "
-            f"{tensor.datatype.value}"
-        )
-    data = tensor.data
-    rows = data.reshape(data.shape[0], -1) if batched and data.ndim > 0 else data.reshape(1, -1)
-    if rows.shape[1] == 0:
-        # the request's own inputs were empty: the client's mistake, not the server's
-        raise InvalidArgumentError(
-            f"model '{model}': output '{tensor.name}' is empty; nothing to classify"
-        )
-    k = min(k, rows.shape[1])
-    values = rows.astype(np.float64, copy=False)
-    order = np.argsort(-values, axis=1, kind="stable")[:, :k]
-    out = np.empty((rows.shape[0], k), dtype=object)
-    for r in range(rows.shape[0]):
-        for c in range(k):
-            index = int(order[r, c])
-            text = f"{values[r, index]:f}:{index}"
-            if labels is not None and index < len(labels) and labels[index]:
-                text += f":{labels[index]}"  # no label, as in Triton, for an empty line
-            out[r, c] = text.encode("utf-8")
-    result = out if batched else out.reshape(k)
-    return Tensor(tensor.name, DataType.BYTES, result.shape, result)
 
 
 __all__ = [

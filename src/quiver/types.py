@@ -10,7 +10,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,9 @@ try:  # ml_dtypes ships with onnx; it gives numpy a real bfloat16.
 except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype(np.uint16)
     HAVE_BF16 = False
+
+if TYPE_CHECKING:
+    from quiver.streaming import Cancellation, ResponseStream
 
 
 class DataType(enum.Enum):
@@ -161,6 +164,9 @@ class InferenceRequest:
 
     ``model_version`` is ``""`` or ``-1`` semantics: empty means "the version policy's
     latest". ``outputs`` is ``None`` when the client asked for every output.
+
+    ``cancellation`` is set when the client cancelled or left (the model sees it); ``stream``
+    receives the responses of a request to a decoupled model (:mod:`quiver.streaming`).
     """
 
     model_name: str
@@ -178,6 +184,8 @@ class InferenceRequest:
     #: (by name); None when the request uses no shared memory.
     input_placements: dict[str, Placement] | None = None
     output_placements: dict[str, Placement] | None = None
+    cancellation: Cancellation | None = None
+    stream: ResponseStream | None = None
 
     def input(self, name: str) -> Tensor | None:
         for tensor in self.inputs:

@@ -14,7 +14,7 @@ import contextlib
 import importlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -28,6 +28,7 @@ from quiver.errors import QuiverError, UnsupportedError
 from quiver.errors import (
     format_exception as format_exception,  # re-exported: backends import it from here
 )
+from quiver.streaming import Cancellation, StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,10 @@ class ThreadedInstance(abc.ABC):
         except asyncio.CancelledError:
             # The thread cannot be stopped: the instance stays busy until the execution
             # ends, so the caller (and the scheduler that hands out instances) waits for it.
+            # The model may stop early: its requests say they are cancelled now.
+            for request in requests:
+                request.cancellation = request.cancellation or Cancellation()
+                request.cancellation.cancel()
             with contextlib.suppress(Exception):
                 await running
             raise
@@ -183,6 +188,10 @@ class ServerContext:
 
     infer: Callable[[InferenceRequest], Awaitable[InferenceResponse]] | None = None
     loop: asyncio.AbstractEventLoop | None = None
+    #: The streaming entry (``InferenceService.infer_stream``) and whether a model is
+    #: decoupled, for BLS calls with ``decoupled=True``.
+    infer_stream: Callable[[InferenceRequest], AsyncIterator[StreamResponse]] | None = None
+    decoupled: Callable[[str, str], bool] | None = None
     #: ``--backend-config``: backend name ("" for global settings) -> key -> value.
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     #: Where backends keep what they make once (Python environments unpacked): the model cache.

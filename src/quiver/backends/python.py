@@ -8,11 +8,9 @@ state), builds ``TritonPythonModel`` and calls ``initialize(args)``. Every call 
 model (import, ``initialize``, ``execute``, ``finalize``) runs on the instance's own
 thread, which owns an asyncio event loop for models whose methods are ``async def``.
 
-Not supported: decoupled models, BLS, GPU tensors (see ``triton_python_backend_utils``).
-
-Pieces: importing ``model.py`` is :mod:`quiver.backends.python_loading`; conversions of
-errors, tensors, requests and responses are :mod:`quiver.backends.python_convert`; this
-module keeps the instance (threads, event-loop inlining), the backend and BLS.
+Response senders, background async execute and ``is_ready()``: ``python_decoupled``;
+importing ``model.py``: ``python_loading``; conversions: ``python_convert``; this module
+keeps the instance (threads, event-loop inlining), the backend and BLS. No GPU tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +25,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 import triton_python_backend_utils as pb_utils
-from quiver.backends import python_env
+from quiver.backends import python_bls_stream, python_env
 from quiver.backends.base import (
     SERVER,
     ExecuteResult,
@@ -48,15 +47,23 @@ from quiver.backends.python_convert import (
     _error_code,
     _json_ready,
     _model_error,
-    _output_tensor,
     _pb_error,
     _pb_response,
     _quiver_request,
     _request_fields,
+    model_response,
+)
+from quiver.backends.python_decoupled import (
+    DecoupledInstance,
+    Senders,
+    cancelled,
+    resolve,
 )
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
 from quiver.backends.python_process import start_worker
+from quiver.backends.python_readiness import UserReadiness
+from quiver.backends.python_sender import BackgroundLoop, ResponseIterator
 from quiver.backends.python_settings import (
     IN_PROCESS_PARAMETER,
     PythonSettings,
@@ -70,9 +77,10 @@ from quiver.errors import (
     ErrorCode,
     InternalError,
     QuiverError,
+    UnsupportedError,
     error_for_code,
 )
-from quiver.types import InferenceRequest, InferenceResponse, Tensor
+from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +122,7 @@ def _initialize_args(config: ModelConfig, files: ModelFiles, spec: InstanceSpec)
     }
 
 
-class PythonInstance(ThreadedInstance):
+class PythonInstance(DecoupledInstance, ThreadedInstance):
     """One ``TritonPythonModel`` object, driven on its own thread.
 
     A model that opts in (config parameter ``EXECUTE_ON_EVENT_LOOP: "true"``) and whose
@@ -143,6 +151,10 @@ class PythonInstance(ThreadedInstance):
         self._clean_executions = 0  # on the thread, with no BLS call and no exception
         self._may_inline = False  # set after load: a plain (not async) execute
         self._inlining = False  # an execution is running on the event loop now
+        self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
+        self._background: BackgroundLoop | None = None  # a decoupled model's async execute
+        self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
+        self._open_streams = weakref.WeakSet()
 
     # ---- load / unload (instance thread)
 
@@ -171,9 +183,11 @@ class PythonInstance(ThreadedInstance):
                     raise _model_error(
                         exc, f"{self._where}: initialize() failed: {format_exception(exc)}"
                     ) from exc
+            self._watch_readiness(self._model)
             self._may_inline = (
                 self._config.parameters.get(INLINE_PARAMETER, "").strip().lower() == "true"
                 and not self._config.proto.HasField("sequence_batching")
+                and not self._decoupled
                 and not inspect.iscoroutinefunction(getattr(self._model, "execute", None))
             )
         except BaseException:
@@ -184,6 +198,10 @@ class PythonInstance(ThreadedInstance):
         return _initialize_args(self._config, self._files, self._spec)
 
     def release(self) -> None:
+        self._end_streams()
+        if self._background is not None:
+            self._background.stop()
+            self._background = None
         try:
             finalize = getattr(self._model, "finalize", None) if self._model is not None else None
             if finalize is not None:
@@ -222,8 +240,12 @@ class PythonInstance(ThreadedInstance):
         count = len(requests)
         timing = self.timing
         t0 = time.monotonic_ns()
+        senders = Senders(requests, self._decoupled, self._converter(requests))
+        self._track_streams(requests)
         try:
-            pb_requests = [self._pb_request(request) for request in requests]
+            pb_requests = [
+                self._pb_request(request, senders.factory(index)) for index, request in enumerate(requests)
+            ]
         except Exception as exc:
             return self._fail_all(
                 count,
@@ -249,12 +271,17 @@ class PythonInstance(ThreadedInstance):
                     if inspect.iscoroutine(result):
                         result.close()
                     raise _RunOnThread("execute() returned an awaitable")
-                assert self._loop is not None
-                result = self._loop.run_until_complete(result)
+                if self._decoupled and inspect.iscoroutine(result):
+                    self._in_background(result, senders)
+                    result = None
+                else:
+                    assert self._loop is not None
+                    result = self._loop.run_until_complete(result)
         except (Exception, SystemExit) as exc:
             if inlining:
                 raise _RunOnThread(f"execute() raised {type(exc).__name__}") from exc
             self._clean_executions = 0
+            senders.close()
             return self._fail_all(
                 count,
                 _error_code(exc),
@@ -266,7 +293,10 @@ class PythonInstance(ThreadedInstance):
         if not inlining and self._may_inline:
             self._clean_executions += 1
         t2 = time.monotonic_ns()
-        responses = self._responses(result, requests)
+        if self._decoupled or senders.used:
+            responses = senders.results(result, self._config.name, self._responses)
+        else:
+            responses = self._responses(result, requests)
         timing.input_ns = t1 - t0
         timing.infer_ns = t2 - t1
         timing.output_ns = time.monotonic_ns() - t2
@@ -296,13 +326,15 @@ class PythonInstance(ThreadedInstance):
             finally:
                 self._inlining = False
                 _on_loop.remove(self)
-        return await super().run(requests)
+        return await resolve(await super().run(requests))
 
     @staticmethod
     def _fail_all(count: int, code: ErrorCode, message: str) -> ExecuteResult:
         return [error_for_code(code, message) for _ in range(count)]
 
-    def _pb_request(self, request: InferenceRequest) -> pb_utils.InferenceRequest:
+    def _pb_request(
+        self, request: InferenceRequest, sender_factory: Callable[[], Any]
+    ) -> pb_utils.InferenceRequest:
         inputs = []
         for tensor in request.inputs:
             array = tensor.data
@@ -313,7 +345,11 @@ class PythonInstance(ThreadedInstance):
         fields["requested_output_names"] = set(fields["requested_output_names"])
         fields["model_name"] = self._config.name
         pb_request = pb_utils.InferenceRequest._from_server(
-            inputs=inputs, model_version=int(self._files.version), **fields
+            inputs=inputs,
+            model_version=int(self._files.version),
+            sender_factory=sender_factory,
+            cancelled=cancelled(request),
+            **fields,
         )
         pb_request.trace()._server = request.trace  # BLS requests given trace= are traced with it
         return pb_request
@@ -349,32 +385,7 @@ class PythonInstance(ThreadedInstance):
     def _response(
         self, item: Any, request: InferenceRequest, index: int
     ) -> InferenceResponse | QuiverError:
-        if not isinstance(item, pb_utils.InferenceResponse):
-            return InternalError(
-                f"{self._where}: execute() returned a {type(item).__name__} for request "
-                f"{index}, expected a pb_utils.InferenceResponse"
-            )
-        if item.has_error():
-            error = item.error()
-            assert error is not None
-            return error_for_code(ErrorCode[error.code().name], error.message())
-        outputs: list[Tensor] = []
-        for tensor in item.output_tensors():
-            try:
-                outputs.append(_output_tensor(tensor))
-            except ValueError as exc:
-                return InternalError(f"{self._where}: response to request {index}: {exc}")
-        try:
-            parameters = json.loads(item.parameters())
-        except (TypeError, ValueError):
-            parameters = {}
-        return InferenceResponse(
-            model_name=self._config.name,
-            model_version=self._version,
-            outputs=outputs,
-            id=request.id,
-            parameters=parameters if isinstance(parameters, dict) else {},
-        )
+        return model_response(item, self._where, self._config.name, self._version, request.id, index)
 
 
 # ------------------------------------------------------------------------- backend
@@ -515,7 +526,12 @@ class _Bls:
     request through the server's inference path on its event loop, from the model's
     thread (exec) or the model's own event loop (async_exec)."""
 
-    def _submit(self, request: pb_utils.InferenceRequest) -> concurrent.futures.Future[InferenceResponse]:
+    def _submit(
+        self,
+        request: pb_utils.InferenceRequest,
+        on_server: Callable[[InferenceRequest], Coroutine[Any, Any, Any]] | None = None,
+    ) -> concurrent.futures.Future[Any]:
+        """Run ``request`` on the server's loop (with ``on_server``, or as one inference)."""
         infer, loop = SERVER.infer, SERVER.loop
         if infer is None or loop is None or loop.is_closed():
             raise pb_utils.TritonModelException("BLS requests can only run inside a running Quiver server")
@@ -543,9 +559,12 @@ class _Bls:
         quiver_request = _quiver_request(request)
 
         async def run() -> InferenceResponse:
+            decoupled = SERVER.decoupled
+            if decoupled is not None and decoupled(quiver_request.model_name, quiver_request.model_version):
+                raise UnsupportedError(python_bls_stream.not_decoupled_call(quiver_request.model_name))
             return await infer(quiver_request)
 
-        return asyncio.run_coroutine_threadsafe(run(), loop)
+        return asyncio.run_coroutine_threadsafe(run() if on_server is None else on_server(quiver_request), loop)
 
     def exec(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         future = self._submit(request)
@@ -566,6 +585,12 @@ class _Bls:
 
     def async_exec(self, request: pb_utils.InferenceRequest) -> Awaitable[pb_utils.InferenceResponse]:
         return self._await(request)
+
+    def exec_decoupled(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
+        return python_bls_stream.exec_decoupled(request, self._submit)
+
+    def async_exec_decoupled(self, request: pb_utils.InferenceRequest) -> Awaitable[ResponseIterator]:
+        return python_bls_stream.async_exec_decoupled(request, self._submit)
 
 
 pb_utils._set_bls_executor(_Bls())

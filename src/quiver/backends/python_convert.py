@@ -13,6 +13,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from quiver.errors import (
     ErrorCode,
+    InternalError,
     QuiverError,
     error_for_code,
 )
@@ -177,10 +178,48 @@ def _request_fields(request: InferenceRequest, all_outputs: list[str]) -> dict[s
 
 
 def _pb_response(response: InferenceResponse) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse([pb_utils.Tensor(t.name, t.data) for t in response.outputs])
+    parameters = {
+        k: v for k, v in response.parameters.items() if isinstance(k, str) and isinstance(v, (bool, int, str))
+    }
+    return pb_utils.InferenceResponse(
+        [pb_utils.Tensor(t.name, t.data) for t in response.outputs], parameters=parameters or None
+    )
 
 
 def _pb_error(code: ErrorCode, message: str) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(
         error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code.value))
+    )
+
+
+def model_response(
+    item: Any, where: str, model: str, version: str, request_id: str, index: int
+) -> InferenceResponse | QuiverError:
+    """A response the model returned or sent for request ``index``, as Quiver's (or its
+    error); ``where`` names the model in messages."""
+    if not isinstance(item, pb_utils.InferenceResponse):
+        return InternalError(
+            f"{where}: execute() returned a {type(item).__name__} for request "
+            f"{index}, expected a pb_utils.InferenceResponse"
+        )
+    if item.has_error():
+        error = item.error()
+        assert error is not None
+        return error_for_code(ErrorCode[error.code().name], error.message())
+    outputs: list[Tensor] = []
+    for tensor in item.output_tensors():
+        try:
+            outputs.append(_output_tensor(tensor))
+        except ValueError as exc:
+            return InternalError(f"{where}: response to request {index}: {exc}")
+    try:
+        parameters = json.loads(item.parameters())
+    except (TypeError, ValueError):
+        parameters = {}
+    return InferenceResponse(
+        model_name=model,
+        model_version=version,
+        outputs=outputs,
+        id=request_id,
+        parameters=parameters if isinstance(parameters, dict) else {},
     )

@@ -40,6 +40,7 @@ WORKER_MODULES = (
     "quiver/__init__.py",
     "quiver/errors.py",
     "quiver/types.py",
+    "quiver/streaming.py",
     "quiver/protocol/__init__.py",
     "quiver/protocol/bytes_codec.py",
     "quiver/ipc/__init__.py",
@@ -50,7 +51,10 @@ WORKER_MODULES = (
     "quiver/backends/__init__.py",
     "quiver/backends/python_convert.py",
     "quiver/backends/python_loading.py",
+    "quiver/backends/python_readiness.py",
+    "quiver/backends/python_sender.py",
     "quiver/backends/python_stub.py",
+    "quiver/backends/python_stub_senders.py",
 )
 
 _lock = threading.Lock()

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import inspect
 import itertools
+import json
 import logging
 import os
 import queue
@@ -28,6 +29,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,9 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 from quiver.backends.python_convert import _error_code, _json_ready, _output_tensor
 from quiver.backends.python_loading import _import_model_file, _model_class
+from quiver.backends.python_readiness import call_is_ready
+from quiver.backends.python_sender import BackgroundLoop, ResponseIterator
+from quiver.backends.python_stub_senders import WorkerSenders
 from quiver.errors import format_exception
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
@@ -102,8 +107,16 @@ class Worker:
         self.cancelled: set[str] = set()
         self.waiting: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self.bls_ids = itertools.count(1)
+        #: Decoupled BLS calls: id -> what receives each (response, final).
+        self.bls_sinks: dict[int, Callable[[dict[str, Any] | None, bool], None]] = {}
         self.model: Any = None
         self.outbox: list[dict[str, Any]] | None = None  # a batch's responses, sent with its done
+        config = json.loads((init.get("args") or {}).get("model_config") or "{}")
+        self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled", False))
+        self.background: BackgroundLoop | None = None  # a decoupled model's async execute
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.channel.send(message)
 
     # ---- messages from the server
 
@@ -111,9 +124,19 @@ class Worker:
         """A message that is not a batch: BLS answers, releases, cancellations."""
         op = message["op"]
         if op == msg.BLS_RESPONSE:
-            future = self.waiting.pop(int(message["id"]), None)
+            number = int(message["id"])
+            sink = self.bls_sinks.get(number)
+            final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
+            if sink is not None:  # a decoupled BLS call: one of many responses
+                sink(message["response"], final)
+                if not final:
+                    return
+                del self.bls_sinks[number]
+            future = self.waiting.pop(number, None)
             if future is not None:
                 future.set_result(message["response"])
+        elif op == msg.IS_READY:
+            threading.Thread(target=self.is_ready, args=(message["id"],), daemon=True).start()
         elif op == msg.RELEASE:
             for segment, offset in message["blocks"]:
                 self.arena.free(segment, offset)
@@ -136,6 +159,22 @@ class Worker:
         finally:
             self.arena.close()
             os._exit(0)
+
+    def is_ready(self, number: int) -> None:
+        """Answer the server's readiness check with the model's own ``is_ready()``."""
+        answer: dict[str, Any] = {"op": msg.IS_READY_RESULT, "id": number}
+        try:
+            answer["ready"] = call_is_ready(self.model.is_ready, self._run_in_background)
+        except Exception as exc:
+            answer["ready"] = False
+            answer["error"] = format_exception(exc)
+        with contextlib.suppress(OSError):
+            self.send(answer)
+
+    def _run_in_background(self, coroutine: Any) -> Any:
+        if self.background is None:
+            self.background = BackgroundLoop(self.name)
+        return self.background.run(coroutine)
 
     # ---- model life
 
@@ -187,6 +226,8 @@ class Worker:
             self.execute(job)
 
     def finalize(self) -> None:
+        if self.background is not None:
+            self.background.stop()
         finalize = getattr(self.model, "finalize", None)
         if finalize is not None:
             try:
@@ -203,9 +244,10 @@ class Worker:
         batch = job["batch"]
         items = job["requests"]
         ids = [str(item["id"]) for item in items]
+        senders = WorkerSenders(self, ids, self.decoupled)
         self.outbox = []
         try:
-            requests = [self._request(item) for item in items]
+            requests = [self._request(item, senders.factory(index)) for index, item in enumerate(items)]
         except Exception as exc:
             self._fail(ids, "INTERNAL", f"{self.where}: reading the requests failed: {format_exception(exc)}")
             self._flush(batch)
@@ -218,15 +260,27 @@ class Worker:
             try:
                 result = model_execute(requests)
                 if inspect.isawaitable(result):
-                    result = self.loop.run_until_complete(result)
+                    if self.decoupled and inspect.iscoroutine(result):
+                        senders.in_background(result)
+                        result = None
+                    else:
+                        result = self.loop.run_until_complete(result)
             except (Exception, SystemExit) as exc:
-                self._fail(ids, _error_code(exc).name, f"{self.where}: execute() raised {format_exception(exc)}")
+                message = f"{self.where}: execute() raised {format_exception(exc)}"
+                if self.decoupled or senders.used:
+                    senders.fail(_error_code(exc).name, message)
+                else:
+                    self._fail(ids, _error_code(exc).name, message)
                 return
-            self._respond(ids, result)
+            if self.decoupled or senders.used:
+                senders.respond(result)
+            else:
+                self._respond(ids, result)
         finally:
             self._flush(batch)
-            for request_id in ids:
-                self.cancelled.discard(request_id)
+            if not self.decoupled and not senders.used:
+                for request_id in ids:
+                    self.cancelled.discard(request_id)
 
     def _flush(self, batch: int) -> None:
         """The batch's responses and its ``done``, in one write."""
@@ -234,12 +288,13 @@ class Worker:
         outbox.append({"op": msg.DONE, "batch": batch})
         self.channel.send_many(outbox)
 
-    def _request(self, item: dict[str, Any]) -> pb_utils.InferenceRequest:
+    def _request(self, item: dict[str, Any], sender_factory: Any) -> pb_utils.InferenceRequest:
         inputs = []
         for descriptor in item["tensors"]:
             name, datatype, _, array = tensors.read(self.mapper, descriptor)
             inputs.append(pb_utils.Tensor._wrap(name, array, DataType(datatype).triton_value))
         fields = item["fields"]
+        request_id = str(item["id"])
         request = pb_utils.InferenceRequest._from_server(
             request_id=fields["request_id"],
             correlation_id=fields["correlation_id"],
@@ -250,9 +305,11 @@ class Worker:
             flags=fields["flags"],
             timeout=fields["timeout"],
             parameters_json=fields["parameters_json"],
+            sender_factory=sender_factory,
+            cancelled=lambda: request_id in self.cancelled,
         )
-        request_id = str(item["id"])
-        request._cancelled = lambda: request_id in self.cancelled
+        if item.get("traced"):
+            request.trace()._server = request_id  # the server finds the trace by this id
         return request
 
     def _fail(self, ids: list[str], code: str, message: str) -> None:
@@ -316,7 +373,13 @@ class Worker:
 
     # ---- BLS
 
-    def bls(self, request: pb_utils.InferenceRequest) -> concurrent.futures.Future[dict[str, Any]]:
+    def bls(
+        self,
+        request: pb_utils.InferenceRequest,
+        sink: Callable[[dict[str, Any] | None, bool], None] | None = None,
+    ) -> int:
+        """Send a BLS request; its answer completes ``self.waiting[id]`` (the id returned), or,
+        with ``sink``, every response of a decoupled call goes there (the last one final)."""
         blocks: list[Block] = []
         descriptors = []
         try:
@@ -330,6 +393,8 @@ class Worker:
         number = next(self.bls_ids)
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         self.waiting[number] = future
+        if sink is not None:
+            self.bls_sinks[number] = sink
 
         def free(_: object) -> None:
             for block in blocks:
@@ -350,10 +415,12 @@ class Worker:
                     "flags": request.flags(),
                     "timeout": request.timeout(),
                     "parameters": request.parameters(),
+                    "decoupled": sink is not None,
+                    "trace": request.trace()._server,
                 },
             }
         )
-        return future
+        return number
 
     def bls_result(self, response: dict[str, Any]) -> pb_utils.InferenceResponse:
         """The server's answer as a pb_utils response; its tensors are copied out of the
@@ -394,7 +461,7 @@ class _WorkerBls:
         self._worker = worker
 
     def exec(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        future = self._worker.bls(request)
+        future = self._worker.waiting[self._worker.bls(request)]
         timeout = request.timeout() / 1e6 if request.timeout() else None
         try:
             answer = future.result(timeout)
@@ -407,11 +474,34 @@ class _WorkerBls:
         return self._worker.bls_result(answer)
 
     async def _await(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        answer = await asyncio.wrap_future(self._worker.bls(request))
+        answer = await asyncio.wrap_future(self._worker.waiting[self._worker.bls(request)])
         return self._worker.bls_result(answer)
 
     def async_exec(self, request: pb_utils.InferenceRequest) -> Any:
         return self._await(request)
+
+    def exec_decoupled(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
+        """A decoupled BLS call: its responses as they come; ``cancel()`` tells the server."""
+        worker = self._worker
+        number = 0
+
+        def cancel() -> None:
+            worker.send({"op": msg.BLS_CANCEL, "id": number})
+
+        iterator = ResponseIterator(cancel)
+
+        def sink(response: dict[str, Any] | None, final: bool) -> None:
+            iterator._put(pb_utils.InferenceResponse([]) if response is None else worker.bls_result(response), final)
+
+        number = worker.bls(request, sink)
+        return iterator
+
+    async def _first(self, iterator: ResponseIterator) -> ResponseIterator:
+        await asyncio.wrap_future(iterator.first)
+        return iterator
+
+    def async_exec_decoupled(self, request: pb_utils.InferenceRequest) -> Any:
+        return self._first(self.exec_decoupled(request))
 
 
 def main() -> None:
@@ -443,7 +533,8 @@ def main() -> None:
         code = getattr(getattr(exc, "code", None), "name", "INTERNAL")
         channel.send({"op": msg.INIT_ERROR, "code": code, "message": str(exc)})
         return
-    channel.send({"op": msg.READY, "pid": os.getpid(), **extra})
+    has_is_ready = callable(getattr(worker.model, "is_ready", None))
+    channel.send({"op": msg.READY, "pid": os.getpid(), "has_is_ready": has_is_ready, **extra})
     if init.get("auto_complete") is not None:
         return
     reader.start()

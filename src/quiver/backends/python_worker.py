@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
+from quiver.backends.python_bls_stream import not_decoupled_call
 from quiver.backends.python_convert import _request_fields
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_process import (
@@ -38,19 +39,29 @@ from quiver.backends.python_process import (
     uss_bytes,
     wait,
 )
+from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
 from quiver.backends.python_settings import PythonSettings
+from quiver.backends.python_worker_streams import BlsStreams, WorkerStreams, WorkerStreamsMixin
 from quiver.config import ModelConfig
-from quiver.errors import ErrorCode, InternalError, QuiverError, UnavailableError, error_for_code
+from quiver.errors import (
+    ErrorCode,
+    InternalError,
+    QuiverError,
+    UnavailableError,
+    UnsupportedError,
+    error_for_code,
+)
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import AsyncChannel, ChannelError
 from quiver.ipc.shm import Block, PoolFullError
+from quiver.streaming import StreamedResponse
 from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerInstance:
+class WorkerInstance(WorkerStreamsMixin):
     """A :class:`~quiver.backends.base.ModelInstance` whose model runs in a worker process."""
 
     def __init__(
@@ -70,6 +81,11 @@ class WorkerInstance:
         self._outputs = {tensor.name: tensor for tensor in config.outputs}
         self._worker: Worker | None = None
         self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
+        self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
+        self._streams = WorkerStreams()  # a decoupled model's open requests
+        self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
+        self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
+        self._ready_answers = WorkerReadiness()
         self._batches: dict[int, asyncio.Future[None]] = {}
         self._batch_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
@@ -79,12 +95,16 @@ class WorkerInstance:
         self._failures = 0  # starts in a row that failed or died before serving
         self._closed = False
         self._bls_tasks: set[asyncio.Task[None]] = set()
+        #: The traces of sampled requests in flight, by the id the worker knows them by.
+        self._traces: dict[str, Any] = {}
 
     # ---- start / stop
 
     def start(self) -> None:
         """Start the worker and wait for its ``ready`` (blocking; on a load thread)."""
-        self._worker, _ = start_worker(self._config, self._files, self._env, self._tree, self._settings, self._init_args)
+        self._worker, ready = start_worker(self._config, self._files, self._env, self._tree, self._settings, self._init_args)
+        if ready.get("has_is_ready"):
+            self._readiness = UserReadiness(self._ask_ready, self._where)
 
     @property
     def pid(self) -> int | None:
@@ -97,8 +117,10 @@ class WorkerInstance:
         return uss_bytes(pid) if pid is not None else 0
 
     def unload(self) -> None:
-        """``finalize()`` in the worker (bounded by stub-timeout-seconds), then the process ends."""
+        """``finalize()`` in the worker (bounded by stub-timeout-seconds), then the process ends;
+        requests still streaming end with an error."""
         self._closed = True
+        self._end_streams(UnavailableError(f"{self._where} was unloaded while answering the request"))
         worker, self._worker = self._worker, None
         if worker is None:
             return
@@ -163,15 +185,29 @@ class WorkerInstance:
                 futures.append(failed)
                 continue
             future: asyncio.Future[InferenceResponse | QuiverError] = loop.create_future()
-            self._pending[request_id] = future
+            if self._decoupled:
+                future.set_result(StreamedResponse("", "", []))  # answered on its stream
+                self._streams.open(request_id, request, self._cancel)
+            else:
+                self._pending[request_id] = future
             futures.append(future)
-            items.append({"id": request_id, "tensors": descriptors, "fields": _request_fields(request, self._all_outputs)})
-        if items:
-            await self._execute(worker, items, requests)
-        for block in blocks:
-            worker.arena.free(block.segment, block.offset)
-        for future in futures:
-            results.append(future.result() if future.done() else InternalError(f"{self._where}: no response"))
+            item: dict[str, Any] = {"id": request_id, "tensors": descriptors, "fields": _request_fields(request, self._all_outputs)}
+            if request.trace is not None:
+                # BLS requests the model passes this request's trace to are traced under it.
+                item["traced"] = True
+                self._traces[request_id] = request.trace
+            items.append(item)
+        try:
+            if items:
+                await self._execute(worker, items, requests)
+            for block in blocks:
+                worker.arena.free(block.segment, block.offset)
+            for future in futures:
+                # A model may answer through its response sender after execute() returned.
+                results.append(await future)
+        finally:
+            for item in items:
+                self._traces.pop(item["id"], None)
         return results
 
     async def _execute(self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> None:
@@ -238,6 +274,10 @@ class WorkerInstance:
                 elif op == msg.RELEASE:
                     for segment, offset in message["blocks"]:
                         worker.arena.free(segment, offset)
+                elif op == msg.IS_READY_RESULT:
+                    self._ready_answers.answered(message)
+                elif op == msg.BLS_CANCEL:
+                    self._bls_streams.cancel(int(message["id"]))
                 elif op == msg.LOG:
                     log_message(message)
                 elif op == msg.FINALIZED:
@@ -253,8 +293,13 @@ class WorkerInstance:
         await self._on_exit(worker)
 
     def _on_response(self, worker: Worker, message: dict[str, Any]) -> None:
-        future = self._pending.pop(str(message["id"]), None)
+        request_id = str(message["id"])
+        final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
         response = message["response"]
+        if response is None:  # a decoupled model's flag-only final
+            self._streams.deliver(request_id, None, final)
+            return
+        future = None if request_id in self._streams else self._pending.pop(request_id, None)
         descriptors = response.get("tensors") or []
         result: InferenceResponse | QuiverError
         try:
@@ -286,6 +331,8 @@ class WorkerInstance:
             blocks = tensors.blocks_of(descriptors)
             if blocks:
                 worker.release(blocks)
+        if self._streams.deliver(request_id, result, final):
+            return
         if future is not None and not future.done():
             future.set_result(result)
 
@@ -319,11 +366,19 @@ class WorkerInstance:
         """Run a BLS request from the model through the server; answer with the response."""
         number = message["id"]
         answer: dict[str, Any]
+        if message["request"].get("decoupled"):
+            await self._bls_stream(worker, number, message["request"])
+            return
         try:
             request = self._bls_request(worker, message["request"])
-            infer = SERVER.infer
+            parent = self._traces.get(str(message["request"].get("trace")))
+            if parent is not None:
+                request.trace = parent.spawn()
+            infer, decoupled = SERVER.infer, SERVER.decoupled
             if infer is None:
                 raise UnavailableError("BLS requests can only run inside a running Quiver server")
+            if decoupled is not None and decoupled(request.model_name, request.model_version):
+                raise UnsupportedError(not_decoupled_call(request.model_name))
             response = await infer(request)
             blocks: list[Block] = []
             try:
@@ -385,6 +440,7 @@ class WorkerInstance:
         )
         logger.error("%s: Python worker (pid %d) %s; restarting it", self._where, worker.process.pid, cause)
         self._fail_pending(list(self._pending), error)
+        self._streams.fail_all(error)
         for done in self._batches.values():
             if not done.done():
                 done.set_result(None)

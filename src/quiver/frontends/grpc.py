@@ -32,6 +32,7 @@ from quiver.frontends.grpc_plumbing import (
     GenericHandlersOnly,
     RestrictionInterceptor,
 )
+from quiver.frontends.grpc_stream import StreamAborted, serve_stream
 from quiver.frontends.headers import HeaderForwarding
 from quiver.frontends.offload import OFFLOAD_NS, PARSE_INLINE_BYTES, in_worker
 from quiver.frontends.restrictions import Restrictions
@@ -45,17 +46,18 @@ from quiver.protocol.v2_grpc import (
 from quiver.service import InferenceService
 from quiver.tracing import Trace
 from quiver.triton_flags import GrpcTls
-from quiver.types import InferenceResponse
+from quiver.types import InferenceRequest, InferenceResponse
 
 DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
-#: Requests of one stream decoded and running at once; the reader waits past this.
-STREAM_WINDOW = 64
 
 
 #: (model, request id) of the current RPC or stream request, once known: an unexpected
 #: error's message names the model, a stream's error answer carries the id. Each RPC and each
 #: stream request runs in its own task, with its own copy.
 _call: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("quiver_grpc_call", default=("", ""))
+
+#: Triton's answer to ModelInfer on a decoupled model (ModelStreamInfer serves those).
+DECOUPLED_ERROR = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 
 _Reply = TypeVar("_Reply")
 _Servicer = TypeVar("_Servicer", bound="InferenceServicer")
@@ -85,18 +87,6 @@ def _rpc(
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return call
-
-
-def _stream_error(exc: Exception) -> bytes:
-    """The one translation of a stream request's errors: as Triton, a ModelStreamInferResponse
-    with ``error_message`` and the request id, so the client knows which one failed; the
-    stream goes on."""
-    _, message = _translated(exc, "ModelStreamInfer")
-    failed = pb.ModelStreamInferResponse(
-        error_message=message, infer_response=pb.ModelInferResponse(id=_call.get()[1])
-    )
-    serialized: bytes = failed.SerializeToString()
-    return serialized
 
 
 def _tensor_metadata(entries: list[dict[str, Any]]) -> list[Any]:
@@ -149,7 +139,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     async def ModelReady(self, request: Any, context: Any) -> Any:
         # Triton answers an unknown model with ready=false, not an error; a version that is
         # not a positive integer is INVALID_ARGUMENT.
-        return pb.ModelReadyResponse(ready=self.service.model_ready(request.name, request.version))
+        return pb.ModelReadyResponse(ready=await self.service.model_ready_checked(request.name, request.version))
 
     @_rpc
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
@@ -312,7 +302,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         request.trace = trace
         if self.forwarding and context is not None:
             self.forwarding.apply(context.invocation_metadata() or (), request)
-        response = await self.service.infer(request)
+        response = await self.service.infer(request, decoupled_error=DECOUPLED_ERROR)
         if trace is not None:
             trace.capture("INFER_RESPONSE_COMPLETE")
             trace.capture("GRPC_SEND_START")
@@ -329,50 +319,39 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         finally:
             self._leave()
 
-    async def _stream_one(self, data: bytes, context: Any = None) -> bytes:
-        """One request of a stream, in its own task (so with its own ``_call``)."""
-        _call.set(("", ""))
-        try:
-            return await self._infer(data, _serialized_stream_response, context)
-        except Exception as exc:
-            return _stream_error(exc)
+    async def decode(self, data: bytes, context: Any = None) -> InferenceRequest:
+        """A serialized ModelInferRequest of a stream -> the request (large ones on a codec
+        thread), with its forwarded headers and its trace when sampled (released by the
+        stream once answered)."""
+        received = now_ns()
+        if len(data) < PARSE_INLINE_BYTES:
+            message = _parse_request(data)
+        else:
+            message = await in_worker(_parse_request, data)
+        if decode_cost(message) < OFFLOAD_NS:
+            request = decode_infer_request(message)
+        else:
+            request = await in_worker(decode_infer_request, message)
+        if self.forwarding and context is not None:
+            self.forwarding.apply(context.invocation_metadata() or (), request)
+        trace = self.service.start_trace(request.model_name, lambda: _metadata(context))
+        if trace is not None:
+            trace.capture("GRPC_WAITREAD_START", received)
+            trace.capture("GRPC_WAITREAD_END")
+            request.trace = trace
+        return request
 
     async def model_stream_infer_bytes(
         self, request_iterator: AsyncIterator[bytes], context: Any
     ) -> AsyncIterator[bytes]:
-        """ModelStreamInfer: requests run concurrently; answers go out in request order
-        (Triton's order for models that are not decoupled). A failed request is answered
-        with ``error_message`` and the stream goes on."""
-        pending: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
-        window = asyncio.Semaphore(STREAM_WINDOW)
-
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    await window.acquire()
-                    self._enter()
-                    pending.put_nowait(asyncio.create_task(self._stream_one(request, context)))
-            finally:
-                pending.put_nowait(None)
-
-        reader = asyncio.create_task(read())
+        """ModelStreamInfer: see :mod:`quiver.frontends.grpc_stream`."""
+        metadata = {key.lower(): value for key, value in (context.invocation_metadata() or ())}
+        abort = str(metadata.get("triton_grpc_error", "")).strip().lower() == "true"
         try:
-            while (task := await pending.get()) is not None:
-                try:
-                    yield await task
-                finally:  # answered (or abandoned): no longer in flight
-                    if not task.done():
-                        task.cancel()  # the client went away while it ran
-                    window.release()
-                    self._leave()
-            await reader  # raises what ended the reading, if it failed
-        finally:
-            reader.cancel()
-            while not pending.empty():
-                leftover = pending.get_nowait()
-                if leftover is not None:
-                    leftover.cancel()
-                    self._leave()
+            async for message in serve_stream(self, request_iterator, abort_on_error=abort, context=context):
+                yield message
+        except StreamAborted as exc:
+            await context.abort(exc.code, exc.message)
 
 
 def _metadata(context: Any) -> dict[str, str]:
@@ -391,13 +370,6 @@ def _parse_request(data: bytes) -> Any:
 
 def _serialized_response(response: InferenceResponse) -> bytes:
     serialized: bytes = encode_infer_response(response).SerializeToString()
-    return serialized
-
-
-def _serialized_stream_response(response: InferenceResponse) -> bytes:
-    message = pb.ModelStreamInferResponse()
-    message.infer_response.CopyFrom(encode_infer_response(response))
-    serialized: bytes = message.SerializeToString()
     return serialized
 
 

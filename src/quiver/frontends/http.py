@@ -12,8 +12,6 @@ import asyncio
 import base64
 import contextlib
 import functools
-import gzip
-import zlib
 from collections.abc import Awaitable
 from time import monotonic_ns as now_ns
 from typing import Any
@@ -27,7 +25,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver import messages
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.content_encoding import compress_for as _compress
+from quiver.frontends.content_encoding import decompress as _decompress
 from quiver.frontends.headers import HeaderForwarding
+from quiver.frontends.http_generate import GenerateEndpoint
 from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
 from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import BodyTooLarge, http_error
@@ -46,6 +47,10 @@ from quiver.types import InferenceResponse
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
+
+
+#: Triton's answer to /infer on a decoupled model (generate_stream serves those).
+DECOUPLED_ERROR = "HTTP end point doesn't support models with decoupled transaction policy"
 
 
 def _error(status: int, message: str) -> Response:
@@ -71,6 +76,7 @@ class HttpFrontend:
         self.restrictions = restrictions or Restrictions()
         self.forwarding = HeaderForwarding(header_forward_pattern, ignore_case=True)
         self.max_input_size = max_input_size
+        self.generate = GenerateEndpoint(service, max_input_size, read_body)
         self._app = Starlette(
             routes=self.routes(),
             exception_handlers={
@@ -95,6 +101,10 @@ class HttpFrontend:
             # POST .../infer is served by __call__ directly; these give other methods a 405.
             Route(model + "/infer", self._unroutable, methods=["POST"]),
             Route(versioned + "/infer", self._unroutable, methods=["POST"]),
+            Route(model + "/generate", self._unroutable, methods=["POST"]),
+            Route(versioned + "/generate", self._unroutable, methods=["POST"]),
+            Route(model + "/generate_stream", self._unroutable, methods=["POST"]),
+            Route(versioned + "/generate_stream", self._unroutable, methods=["POST"]),
             Route("/v2/models/stats", self.model_statistics, methods=["GET"]),
             Route(model + "/stats", self.model_statistics, methods=["GET"]),
             Route(versioned + "/stats", self.model_statistics, methods=["GET"]),
@@ -152,10 +162,10 @@ class HttpFrontend:
     async def model_ready(self, request: Request) -> Response:
         name = request.path_params["model"]
         version = request.path_params.get("version", "")
-        if self.service.model_ready(name, version):
+        if await self.service.model_ready_checked(name, version):
             return Response(status_code=200)
         self.service.check_model(name, version)
-        return Response(status_code=503)  # pragma: no cover - raced with a load
+        return Response(status_code=503)  # the model's own is_ready() said no (or raced a load)
 
     async def model_metadata(self, request: Request) -> Response:
         return _json(
@@ -326,6 +336,15 @@ class HttpFrontend:
                 if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
                     await self._infer(scope, receive, send, parts[0], parts[2])
                     return
+            elif path.startswith("/v2/models/") and path.endswith(("/generate", "/generate_stream")):
+                streaming = path.endswith("_stream")
+                parts = path[11 : -16 if streaming else -9].split("/")
+                if len(parts) == 1 and parts[0]:
+                    await self.generate(scope, receive, send, parts[0], "", streaming)
+                    return
+                if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+                    await self.generate(scope, receive, send, parts[0], parts[2], streaming)
+                    return
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
@@ -393,10 +412,11 @@ class HttpFrontend:
                     ((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
                     infer_request,
                 )
+            infer = self.service.infer(infer_request, decoupled_error=DECOUPLED_ERROR)
             if self.service.queues(model, version):
-                response = await _unless_disconnected(self.service.infer(infer_request), receive)
+                response = await _unless_disconnected(infer, receive)
             else:
-                response = await self.service.infer(infer_request)
+                response = await infer
             if trace is not None:
                 trace.capture("INFER_RESPONSE_COMPLETE")
             if encode_cost(response, infer_request) < OFFLOAD_NS:
@@ -520,64 +540,6 @@ def _parameters(body: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise InvalidArgumentError("'parameters' must be a JSON object")
     return dict(params)
-
-
-def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """Undo gzip/deflate, refusing output past ``limit`` (a small body can inflate hugely)."""
-    if encoding == "gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    elif encoding == "deflate":
-        wbits = zlib.MAX_WBITS
-    else:
-        raise InvalidArgumentError(
-            f"unsupported Content-Encoding '{encoding}'; use gzip, deflate or identity"
-        )
-    decompressor = zlib.decompressobj(wbits)
-    try:
-        out = decompressor.decompress(body, limit + 1)
-        if len(out) > limit or decompressor.unconsumed_tail:
-            raise BodyTooLarge(limit)
-        out += decompressor.flush()
-    except zlib.error as exc:
-        raise InvalidArgumentError(f"request body is not valid {encoding} data: {exc}") from None
-    if not decompressor.eof:
-        raise InvalidArgumentError(f"request body is truncated {encoding} data")
-    return out
-
-
-#: Smaller responses go out as they are: compressing them costs more than it saves.
-MIN_COMPRESS_BYTES = 1024
-#: Larger ones are compressed on a thread, so one big answer does not stall the event loop.
-THREAD_COMPRESS_BYTES = 256 * 1024
-
-
-def _accepted(accept: str) -> set[str]:
-    """Codings the client accepts (``Accept-Encoding``), without those it refuses (``q=0``)."""
-    codings = set()
-    for part in accept.split(","):
-        name, _, params = part.partition(";")
-        q = params.strip().lower()
-        if q.startswith("q=") and q[2:].strip() in ("0", "0.0", "0.00", "0.000"):
-            continue
-        codings.add(name.strip().lower())
-    return codings
-
-
-async def _compress(payload: bytes, accept: str, headers: list[tuple[bytes, bytes]]) -> bytes:
-    """Compress for a client that asked (``Accept-Encoding``); gzip preferred."""
-    if len(payload) < MIN_COMPRESS_BYTES:
-        return payload
-    accepted = _accepted(accept)
-    if "gzip" in accepted:
-        coding, compress = b"gzip", functools.partial(gzip.compress, compresslevel=1)
-    elif "deflate" in accepted:
-        coding, compress = b"deflate", functools.partial(zlib.compress, level=1)
-    else:
-        return payload
-    headers.append((b"content-encoding", coding))
-    if len(payload) >= THREAD_COMPRESS_BYTES:
-        return await asyncio.to_thread(compress, payload)
-    return compress(payload)
 
 
 __all__ = ["HttpFrontend"]

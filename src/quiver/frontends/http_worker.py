@@ -103,8 +103,8 @@ class RemoteService:
         yes: watching for the client costs a little, a queued request nobody waits for more."""
         return self._queues.get((name, ""), True)
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        response: InferenceResponse = await self._call("infer", request)
+    async def infer(self, request: InferenceRequest, *, decoupled_error: str = "") -> InferenceResponse:
+        response: InferenceResponse = await self._call("infer", request, decoupled_error)
         return response
 
     def start_trace(self, model: str, headers: Any = None) -> None:
@@ -139,6 +139,14 @@ class WorkerFrontend(HttpFrontend):
         )
         self.remote = remote
         self._app = self._forward  # type: ignore[assignment]
+        self.generate = self._forward_generate  # type: ignore[assignment]
+
+    async def _forward_generate(
+        self, scope: Scope, receive: Receive, send: Send, model: str, version: str, streaming: bool
+    ) -> None:
+        """The generate extension is answered by the model side's application (a
+        ``generate_stream`` answer reaches the client once complete)."""
+        await self._forward(scope, receive, send)
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -61,6 +61,8 @@ class Restrictions:
 _ACTIONS = {
     "": "metadata",
     "infer": "inference",
+    "generate": "inference",
+    "generate_stream": "inference",
     "ready": "health",
     "config": "model-config",
     "stats": "statistics",

@@ -49,7 +49,8 @@ from quiver.errors import (
     QuiverError,
     UnavailableError,
 )
-from quiver.frontends.http import _trace_headers, _unless_disconnected, read_body
+from quiver.frontends.http import DECOUPLED_ERROR, _trace_headers, _unless_disconnected, read_body
+from quiver.frontends.http_generate import GenerateEndpoint
 from quiver.frontends.offload import OFFLOAD_NS, in_worker
 from quiver.frontends.status import http_error, http_status
 from quiver.protocol.limits import check_body_depth
@@ -71,6 +72,8 @@ DEFAULT_PORT = 8080
 #: ``GET /models`` pages hold at most this many models unless ``max_results`` says fewer.
 MAX_PAGE = 1000
 _TRUE = {"true", "1", "yes", "on"}
+#: ``SAGEMAKER_TRITON_INFERENCE_TYPE``'s values.
+INFERENCE_TYPES = ("infer", "generate", "generate_stream")
 
 
 def _env_true(value: str | None) -> bool:
@@ -118,6 +121,9 @@ class SageMakerSettings:
     multi_model: bool = False
     default_model: str = ""
     ping_mode: str = "ready"
+    #: What ``POST /invocations`` does (``SAGEMAKER_TRITON_INFERENCE_TYPE``): ``infer``, or
+    #: the generate extension's ``generate`` / ``generate_stream``.
+    inference_type: str = "infer"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SageMakerSettings:
@@ -127,10 +133,17 @@ class SageMakerSettings:
             raise InvalidArgumentError(
                 f"SAGEMAKER_TRITON_PING_MODE must be 'ready' or 'live', got '{ping}'"
             )
+        kind = env.get("SAGEMAKER_TRITON_INFERENCE_TYPE", "").strip() or "infer"
+        if kind not in INFERENCE_TYPES:
+            raise InvalidArgumentError(
+                f"Invalid SAGEMAKER_TRITON_INFERENCE_TYPE '{kind}': must be one of: "
+                f"{', '.join(INFERENCE_TYPES)}"
+            )
         return cls(
             multi_model=_env_true(env.get("SAGEMAKER_MULTI_MODEL")),
             default_model=env.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME", "").strip(),
             ping_mode=ping,
+            inference_type=kind,
         )
 
 
@@ -205,6 +218,7 @@ class SageMakerFrontend:
         self.service = service
         self.settings = settings or SageMakerSettings()
         self.max_input_size = max_input_size
+        self.generate = GenerateEndpoint(service, max_input_size, read_body)
 
     @property
     def registered(self) -> dict[str, Registration]:
@@ -223,6 +237,9 @@ class SageMakerFrontend:
             return  # no websockets, no lifespan
         method: str = scope["method"]
         path: str = scope["path"]
+        if path == "/invocations" and method == "POST" and self.settings.inference_type != "infer":
+            await self._invoke_generate(scope, receive, send)
+            return
         try:
             reply = await self._route(method, path, scope, receive)
         except ClientDisconnect:
@@ -316,7 +333,20 @@ class SageMakerFrontend:
             "X-Amzn-SageMaker-Target-Model header"
         )
 
-    async def _invocations(self, scope: Scope, receive: Receive) -> _Reply | None:
+    async def _invoke_generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``/invocations`` as the generate extension (``SAGEMAKER_TRITON_INFERENCE_TYPE``
+        ``generate`` or ``generate_stream``) on the model it would infer on."""
+        try:
+            model = self._invocation_model(scope)
+        except QuiverError as exc:
+            reply = _error(*http_error(exc, where="SageMaker /invocations", status_of=error_status))
+            await send({"type": "http.response.start", "status": reply.status,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": reply.body})
+            return
+        await self.generate(scope, receive, send, model, "", self.settings.inference_type == "generate_stream")
+
+    def _invocation_model(self, scope: Scope) -> str:
         if self.settings.multi_model:
             target = _headers(scope).get(TARGET_MODEL_HEADER, "").strip()
             if not target:
@@ -324,10 +354,11 @@ class SageMakerFrontend:
                     "multi-model endpoint: the X-Amzn-SageMaker-Target-Model header (TargetModel) "
                     "is required"
                 )
-            model = self.service.resolve_target(target)
-        else:
-            model = self.default_model()
-        return await self._infer(model, scope, receive)
+            return self.service.resolve_target(target)
+        return self.default_model()
+
+    async def _invocations(self, scope: Scope, receive: Receive) -> _Reply | None:
+        return await self._infer(self._invocation_model(scope), scope, receive)
 
     async def _invoke_named(self, name: str, scope: Scope, receive: Receive) -> _Reply | None:
         return await self._infer(self.service.resolve_target(name), scope, receive)
@@ -378,10 +409,11 @@ class SageMakerFrontend:
             trace.capture("HTTP_RECV_END")
             request.trace = trace
         response: InferenceResponse
+        infer = self.service.infer(request, decoupled_error=DECOUPLED_ERROR)
         if self.service.queues(model):
-            response = await _unless_disconnected(self.service.infer(request), receive)
+            response = await _unless_disconnected(infer, receive)
         else:
-            response = await self.service.infer(request)
+            response = await infer
         if trace is not None:
             trace.capture("INFER_RESPONSE_COMPLETE")
         if encode_cost(response, request) < OFFLOAD_NS:

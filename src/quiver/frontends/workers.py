@@ -26,7 +26,7 @@ from typing import Any
 from quiver.errors import ErrorCode, QuiverError
 from quiver.frontends.status import http_error
 from quiver.frontends.worker_link import Link
-from quiver.service import InferenceService
+from quiver.service import DECOUPLED_ERROR, InferenceService
 from quiver.types import InferenceRequest
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,8 @@ class HttpWorkers:
         kind = message[0]
         if kind == "infer":
             ident = message[1]
-            worker.tasks[ident] = asyncio.create_task(self._infer(worker, ident, message[2]))
+            decoupled_error = message[3] if len(message) > 3 and message[3] else DECOUPLED_ERROR
+            worker.tasks[ident] = asyncio.create_task(self._infer(worker, ident, message[2], decoupled_error))
         elif kind == "cancel":
             task = worker.tasks.get(message[1])
             if task is not None:
@@ -168,13 +169,13 @@ class HttpWorkers:
         for task in worker.tasks.values():
             task.cancel()  # nobody to answer: queued requests leave their queues
 
-    async def _infer(self, worker: _Worker, ident: int, request: InferenceRequest) -> None:
+    async def _infer(self, worker: _Worker, ident: int, request: InferenceRequest, decoupled_error: str) -> None:
         # Traces are sampled here, where the trace settings live: a worker's request is traced
         # from its arrival on the model side (no HTTP_* timestamps of the worker's).
         trace = self.service.start_trace(request.model_name)
         request.trace = trace
         try:
-            response = await self.service.infer(request)
+            response = await self.service.infer(request, decoupled_error=decoupled_error)
             if trace is not None:
                 trace.capture("INFER_RESPONSE_COMPLETE")
         except asyncio.CancelledError:

@@ -15,6 +15,16 @@ Worker -> server:
   ``response`` {id, response, flags}       ``done`` {batch, error?}
   ``bls`` {id, request}                    ``release`` {blocks}
   ``log`` {level, message}                 ``finalized`` {}
+  ``bls_cancel`` {id}                      ``is_ready_result`` {id, ready, error?}
+
+``is_ready`` {id} (server -> worker) asks the model's own ``is_ready()``; ``ready`` says
+whether it has one (``has_is_ready``).
+
+Decoupled models: a ``response`` may come after ``done`` (sent from a thread the model
+started), its ``response`` is null for a flag-only final, and ``cancel`` may come after
+``done`` too (the client went away mid-stream). A BLS ``request`` with ``decoupled: true`` gets
+any number of ``bls_response`` {id, response, flags} (``response`` null for the called
+model's flag-only final), the last with FINAL; ``bls_cancel`` cancels it.
 
 A request: {id, tensors, requested, correlation_id, flags, timeout, parameters, model_name,
 model_version}; a response: {tensors, error?: [code, message], parameters}.
@@ -30,6 +40,9 @@ EXECUTE = "execute"
 CANCEL = "cancel"
 BLS = "bls"
 BLS_RESPONSE = "bls_response"
+BLS_CANCEL = "bls_cancel"
+IS_READY = "is_ready"
+IS_READY_RESULT = "is_ready_result"
 RELEASE = "release"
 FINALIZE = "finalize"
 READY = "ready"

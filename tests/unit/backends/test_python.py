@@ -323,7 +323,7 @@ def test_request_as_the_model_sees_it(tmp_path: Path) -> None:
     assert a["requested"] == ["OTHER", "VIEW"]  # none asked for: all of them
     assert a["cancelled"] is False
     assert a["inputs"] == [["IN", 11, [2, 2], True]]
-    assert "decoupled" in a["sender"]
+    assert a["sender"] == "no error"  # Triton 24.06+: models that are not decoupled have one too
     assert first.parameters == {"seen": True}
 
     b = _view(second)

@@ -13,6 +13,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from quiver.errors import NotFoundError, UnavailableError
 from quiver.frontends.grpc import InferenceServicer
+from quiver.frontends.grpc_stream import serve_stream
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.status import BodyTooLarge, grpc_error, http_error
 
@@ -101,12 +102,22 @@ def test_a_failed_stream_request_is_an_error_message_with_its_id() -> None:
     servicer = InferenceServicer(_Service())  # type: ignore[arg-type]
     data = pb.ModelInferRequest(model_name="m", id="r1").SerializeToString()
 
-    async def infer(request: Any) -> Any:
+    async def infer_stream(request: Any) -> Any:
         raise UnavailableError("model 'm' is loading")
+        yield  # an async generator, as the service's
 
-    servicer.service.infer = infer  # type: ignore[method-assign]
-    answer = pb.ModelStreamInferResponse.FromString(asyncio.run(servicer._stream_one(data)))
+    servicer.service.infer_stream = infer_stream  # type: ignore[attr-defined]
+    servicer.service.decoupled = lambda name, version: False  # type: ignore[attr-defined]
+
+    async def requests() -> Any:
+        yield data
+        yield b"\xff\xff"
+
+    async def run() -> list[bytes]:
+        return [message async for message in serve_stream(servicer, requests())]
+
+    answer, garbage = (pb.ModelStreamInferResponse.FromString(m) for m in asyncio.run(run()))
     assert answer.error_message == "model 'm' is loading"
     assert answer.infer_response.id == "r1"
-    garbage = pb.ModelStreamInferResponse.FromString(asyncio.run(servicer._stream_one(b"\xff\xff")))
+    assert answer.infer_response.parameters["triton_final_response"].bool_param
     assert garbage.error_message.startswith("malformed ModelInferRequest message")
