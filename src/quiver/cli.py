@@ -87,6 +87,33 @@ def _count(value: str) -> int:
     return number
 
 
+def _verbose(value: str) -> int:
+    """--log-verbose: a level, or Triton's true|false (1|0)."""
+    lowered = value.strip().lower()
+    if lowered in _TRUE - {"1"}:
+        return 1
+    if lowered in _FALSE - {"0"}:
+        return 0
+    try:
+        number = int(lowered)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a level (0, 1, ...) or true|false, got '{value}'") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"the level must be 0 or more, got '{value}'")
+    return number
+
+
+def _backend_config(value: str) -> str:
+    """--backend-config=<backend>,<setting>=<value> (Triton's form)."""
+    from quiver.settings import parse_backend_config
+
+    try:
+        parse_backend_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _flag(parser: argparse._ActionsContainer, name: str, default: bool, help: str) -> None:
     parser.add_argument(
         name,
@@ -178,6 +205,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--sagemaker-address", default="127.0.0.1", help="SageMaker bind address (default: 127.0.0.1)"
     )
     net.add_argument(
+        "--sagemaker-thread-count",
+        type=_count,
+        default=None,
+        metavar="N",
+        help=(
+            "threads that decode and encode large request and response bodies off the event "
+            "loop (Triton: the SageMaker listener's threads) (default: 4, at most the CPUs)"
+        ),
+    )
+    net.add_argument(
+        "--sagemaker-inference-type",
+        choices=["infer", "generate", "generate_stream"],
+        default=None,
+        help=(
+            "what POST /invocations does: KServe v2 inference, or the generate extension "
+            "(default: SAGEMAKER_TRITON_INFERENCE_TYPE, else infer)"
+        ),
+    )
+    net.add_argument(
         "--sagemaker-safe-port-range",
         default=None,
         metavar="LOW-HIGH",
@@ -262,10 +308,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument(
         "--model-eviction-policy",
-        choices=["lru", "gds"],
+        choices=["lru", "gds", "none"],
         default="lru",
         help="which models go first under --model-memory-limit: least recently used, or "
-        "GreedyDual-Size (favours keeping small, often used models) (default: lru)",
+        "GreedyDual-Size (favours keeping small, often used models); 'none' unloads nothing: "
+        "a load that does not fit fails at once (507 on SageMaker, whose platform then "
+        "unloads models and retries) (default: lru)",
+    )
+    _flag(
+        models,
+        "--model-namespacing",
+        True,
+        "serve the other models of an archive or SageMaker folder under '<name>::<folder>', "
+        "so two of them may each hold a model of one name; when false they keep their own "
+        "names and such a clash is refused",
+    )
+    models.add_argument(
+        "--backend-config",
+        action="append",
+        type=_backend_config,
+        default=[],
+        metavar="BACKEND,SETTING=VALUE",
+        help="a backend setting in Triton's form, e.g. python,shm-default-byte-size=16777216; repeatable",
+    )
+    models.add_argument(
+        "--buffer-manager-thread-count",
+        type=int,
+        default=0,
+        metavar="N",
+        help=(
+            "accepted for Triton compatibility (0 or more); Quiver needs no buffer-manager "
+            "threads: tensors are copied by the codec threads (--sagemaker-thread-count) "
+            "(default: 0)"
+        ),
     )
     models.add_argument(
         "--model-load-wait-timeout",
@@ -445,11 +520,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="on scale-in and shutdown a replica takes no new requests and gets this long to "
         "finish the ones in flight (default: 30)",
     )  # fmt: skip
+    cloud = serve.add_argument_group(
+        "CloudWatch (quiver[sagemaker]): publish the metrics as embedded-metric-format events "
+        "into a CloudWatch Logs group, as the CloudWatch agent does from Prometheus; needs "
+        "--allow-metrics; credentials, region and endpoint from the usual AWS variables "
+        "(AWS_REGION, AWS_ENDPOINT_URL_LOGS, ...)"
+    )
+    cloud.add_argument(
+        "--cloudwatch-log-group", default=None, metavar="GROUP",
+        help="publish into this log group, created when missing (default: "
+        "SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP when SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH "
+        "is true, else no publishing)",
+    )
+    cloud.add_argument(
+        "--cloudwatch-metric-namespace", default=None, metavar="NAMESPACE",
+        help="the metric namespace of the events (default: SAGEMAKER_TRITON_CLOUDWATCH_METRIC_NAMESPACE)",
+    )
+    cloud.add_argument(
+        "--cloudwatch-interval", type=_seconds, default=60.0, metavar="SECONDS",
+        help="seconds between publications (default: 60)",
+    )  # fmt: skip
     logs = serve.add_argument_group("logging")
     logs.add_argument(
-        "--log-verbose", type=int, default=0, metavar="LEVEL", help="verbose logging level; >0 logs debug (default: 0)"
+        "--log-verbose",
+        type=_verbose,
+        default=0,
+        metavar="LEVEL",
+        help="verbose logging level, or true|false (1|0); >0 logs debug (default: 0)",
     )
     _flag(logs, "--log-info", True, "log lifecycle events")
+    _flag(logs, "--log-warning", True, "log warnings")
+    _flag(logs, "--log-error", True, "log errors")
     logs.add_argument("--log-file", default="", metavar="PATH", help="log to this file instead of standard error")
     _flag(
         logs,
@@ -467,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument(
         "--log-format", choices=["default", "ISO8601"], default="default", help="timestamp format (default: default)"
     )
+    from quiver.sagemaker_serve import add_parser as add_sagemaker_serve
+
+    add_sagemaker_serve(commands)
     return parser
 
 
@@ -526,5 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return _run_serve(args)
+    if args.command == "sagemaker-serve":
+        from quiver.sagemaker_serve import run as run_sagemaker_serve
+
+        return run_sagemaker_serve(args, os.environ, build_parser, _run_serve)
     parser.error(f"unknown command {args.command}")
     return 2

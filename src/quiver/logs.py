@@ -167,6 +167,8 @@ def configure(
     log_file: str = "",
     log_format: str = "default",
     log_file_dir: str | None = None,
+    warning: bool = True,
+    error: bool = True,
 ) -> None:
     """Set up logging at start (the CLI's ``--log-*`` flags). ``log_file_dir``: the folder
     inside which the logging API may set ``log_file`` (``None``: the API may not change it)."""
@@ -185,7 +187,14 @@ def configure(
                     f"--log-file-dir '{log_file_dir}' is not a folder Quiver can open: {exc.strerror}"
                 ) from None
     _update(
-        {"log_verbose_level": verbose, "log_info": info, "log_file": log_file, "log_format": log_format},
+        {
+            "log_verbose_level": verbose,
+            "log_info": info,
+            "log_warning": warning,
+            "log_error": error,
+            "log_file": log_file,
+            "log_format": log_format,
+        },
         trusted=True,
     )
 

@@ -32,7 +32,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -42,6 +42,7 @@ from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
+from quiver.frontends.offload import set_codec_threads
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.lifecycle import ModelRepositoryManager
@@ -49,6 +50,9 @@ from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
 from quiver.service import InferenceService
 from quiver.settings import Settings
+
+if TYPE_CHECKING:
+    from quiver.metrics.cloudwatch import CloudWatchPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +101,7 @@ def assemble(settings: Settings) -> Parts:
             max_ratio=settings.model_archive_max_ratio,
         ),
         cache_revalidate_timeout=settings.model_cache_revalidate_timeout,
+        namespacing=settings.model_namespacing,
     )
     service = InferenceService(manager, repositories=list(settings.model_repositories))
     http = HttpFrontend(
@@ -118,6 +123,8 @@ def configure_logging(settings: Settings) -> None:
         logs.configure(
             verbose=settings.log_verbose,
             info=settings.log_info,
+            warning=settings.log_warning,
+            error=settings.log_error,
             log_file=settings.log_file,
             log_format=settings.log_format,
             log_file_dir=settings.log_file_dir,
@@ -281,6 +288,9 @@ class Runner:
     async def _start(self, stack: contextlib.AsyncExitStack) -> list[_Listener]:
         settings = self.settings
         configure_logging(settings)  # 1.
+        if settings.sagemaker_thread_count:
+            set_codec_threads(settings.sagemaker_thread_count)
+            logger.info("%d codec threads (--sagemaker-thread-count)", settings.sagemaker_thread_count)
         # 2. the metrics registry, 3. the manager (assembled first: the collector reads it;
         # assembling opens nothing). The disk cache opens on first use and closes with it.
         parts = self.parts = assemble(settings)
@@ -328,6 +338,10 @@ class Runner:
                 opened(await _serve_asgi("HTTP", parts.http.app(), sock))
         except OSError as exc:
             raise StartError(str(exc)) from None
+        if settings.cloudwatch is not None and registry is not None:
+            publisher = _cloudwatch_publisher(registry, settings)
+            publisher.start()
+            stack.push_async_callback(publisher.stop)  # before the models unload
         parts.service.ready = True
         for listener in listeners:
             if isinstance(listener, _AsgiListener):
@@ -360,12 +374,26 @@ def _log_model_table(manager: ModelRepositoryManager) -> None:
     logger.info("model repository:\n%s", "\n".join(lines))
 
 
+def _cloudwatch_publisher(registry: CollectorRegistry, settings: Settings) -> CloudWatchPublisher:
+    assert settings.cloudwatch is not None
+    from quiver.metrics.cloudwatch import CloudWatchPublisher
+
+    return CloudWatchPublisher(
+        registry.collect,
+        log_group=settings.cloudwatch.log_group,
+        namespace=settings.cloudwatch.namespace,
+        interval=settings.cloudwatch.interval,
+    )
+
+
 def _metrics_collector(manager: ModelRepositoryManager, settings: Settings) -> TritonCollector:
-    """Triton's metrics, for a registry of this server's own (not prometheus_client's global one)."""
+    """Triton's metrics, for a registry of this server's own (not prometheus_client's global
+    one); the multi-model ones with on_demand, a memory limit or a SageMaker multi-model endpoint."""
+    multi_model_endpoint = settings.sagemaker is not None and settings.sagemaker.multi_model
 
     def multi_model() -> MultiModelView | None:
         used, limit = manager.memory
-        if not manager.on_demand and not limit:
+        if not manager.on_demand and not limit and not multi_model_endpoint:
             return None
         resident = {m.name: m.size_bytes for m in manager.ready_models}
         disk = manager.disk_cache_stats

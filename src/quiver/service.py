@@ -259,7 +259,9 @@ class InferenceService:
         if str(path).startswith(_FORBIDDEN_ROOTS) or str(path) in ("/dev", "/proc", "/sys"):
             raise InvalidArgumentError(f"url '{url}' may not be under /dev, /proc or /sys")
         if not path.is_dir():
-            raise NotFoundError(f"url '{url}' is not a folder")
+            if path.exists() or path.is_symlink():
+                raise InvalidArgumentError(f"url '{url}' is not a folder (a model folder or repository)")
+            raise NotFoundError(f"url '{url}' does not exist")
         folder = await asyncio.to_thread(_url_folder, path, url)
         if folder.parent.resolve() not in self.repositories:
             return await self._load_elsewhere(
@@ -276,11 +278,12 @@ class InferenceService:
         return model
 
     async def _load_elsewhere(self, name: str, url: str, why: str) -> str:
-        if not self.manager.on_demand:
+        if self.manager.control_mode not in ("explicit", "on_demand"):
             raise UnsupportedError(
                 f"cannot load '{name}' from '{url}': {why}, and loading from other locations "
-                "(S3, archives, other folders) needs the multi-model manager "
-                "(--model-control-mode=on_demand)"
+                "(S3, archives, other folders) is not allowed in model control mode "
+                f"'{self.manager.control_mode}' (start with --model-control-mode=explicit, as "
+                "Triton's SageMaker image does, or on_demand)"
             )
         return await self.manager.load_url(name, url)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from quiver.errors import InvalidArgumentError
@@ -76,6 +76,15 @@ class RaySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class CloudWatchSettings:
+    """``--cloudwatch-*``: where the metrics are published (:mod:`quiver.metrics.cloudwatch`)."""
+
+    log_group: str
+    namespace: str
+    interval: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything one Quiver server (or Ray replica) is assembled and started from."""
 
@@ -105,6 +114,7 @@ class Settings:
     sagemaker_safe_port_range: tuple[int, int] | None = None  # None: any port
     sagemaker: SageMakerSettings | None = None
     # models
+    sagemaker_thread_count: int = 0  # codec threads; 0: the default
     model_control_mode: str = "none"
     load_models: tuple[str, ...] = ()
     model_memory_limit: int = 0
@@ -116,6 +126,9 @@ class Settings:
     exit_on_error: bool = True
     model_load_thread_count: int = 4
     inline_execution_threshold_us: int = 200
+    model_namespacing: bool = True
+    backend_config: tuple[tuple[str, str, str], ...] = ()  # (backend, setting, value)
+    buffer_manager_thread_count: int = 0
     # model cache and S3
     model_cache_dir: Path | None = None  # None: the manager's default ($QUIVER_CACHE_DIR, ...)
     model_cache_size: int = DEFAULT_CACHE_BYTES
@@ -129,9 +142,13 @@ class Settings:
     # logging
     log_verbose: int = 0
     log_info: bool = True
+    log_warning: bool = True
+    log_error: bool = True
     log_file: str = ""
     log_format: str = "default"
     log_file_dir: str | None = None  # the logging API's folder; None: the API may not set log_file
+    # CloudWatch: None publishes nothing
+    cloudwatch: CloudWatchSettings | None = None
     # Ray: None serves from this process
     ray: RaySettings | None = None
 
@@ -157,6 +174,22 @@ def parse_fraction(value: str) -> float:
     if not 0 < number <= 1:
         raise ValueError(f"{value} is not a fraction in (0, 1]")
     return number
+
+
+def parse_backend_config(text: str) -> tuple[str, str, str]:
+    """``--backend-config=<backend>,<setting>=<value>`` -> (backend, setting, value);
+    ValueError naming what is wrong. Quiver's TensorFlow backend runs TensorFlow 2 only."""
+    backend, comma, rest = text.partition(",")
+    setting, equals, value = rest.partition("=")
+    backend, setting, value = backend.strip(), setting.strip(), value.strip()
+    if not comma or not equals or not backend or not setting:
+        raise ValueError(f"expected <backend>,<setting>=<value>, got '{text}'")
+    if backend == "tensorflow" and setting == "version" and value != "2":
+        raise ValueError(
+            f"tensorflow,version={value}: Quiver's TensorFlow backend runs TensorFlow 2 "
+            "(SavedModels); only version 2 is supported"
+        )
+    return backend, setting, value
 
 
 def _variable(environ: Mapping[str, str], name: str) -> str:
@@ -217,6 +250,8 @@ def _sagemaker(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str
     try:
         if allow or args.ray:  # the SageMaker routes are always on the Ray port
             routes = SageMakerSettings.from_env(environ)
+            if args.sagemaker_inference_type is not None:
+                routes = replace(routes, inference_type=args.sagemaker_inference_type)
         if allow:  # the range only matters to a listener of its own
             safe = parse_port_range(text) if text else None
             check_port(port, safe)
@@ -229,6 +264,29 @@ def _sagemaker(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str
         "sagemaker_safe_port_range": safe,
         "sagemaker": routes,
     }
+
+
+def _cloudwatch(args: argparse.Namespace, environ: Mapping[str, str]) -> CloudWatchSettings | None:
+    """The flags, else ``SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH=true`` with
+    ``SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP`` and ``_METRIC_NAMESPACE``."""
+    group, namespace = args.cloudwatch_log_group, args.cloudwatch_metric_namespace
+    publish = _variable(environ, "SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH").lower()
+    if publish not in ("", "true", "false"):
+        raise SettingsError(f"SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH must be true or false, got '{publish}'")
+    if publish == "true":
+        group = group or _variable(environ, "SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP")
+        namespace = namespace or _variable(environ, "SAGEMAKER_TRITON_CLOUDWATCH_METRIC_NAMESPACE")
+        if not group:
+            raise SettingsError("SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH is true but SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP is not set")
+        if not namespace:
+            raise SettingsError("SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH is true but SAGEMAKER_TRITON_CLOUDWATCH_METRIC_NAMESPACE is not set")
+    if not group and not namespace:
+        return None
+    if not group or not namespace:
+        raise SettingsError("--cloudwatch-log-group and --cloudwatch-metric-namespace go together")
+    if not args.allow_metrics:
+        raise SettingsError("publishing to CloudWatch needs the metrics: --allow-metrics=true (SAGEMAKER_TRITON_ALLOW_METRICS=true)")
+    return CloudWatchSettings(group, namespace, args.cloudwatch_interval)
 
 
 def _ray(args: argparse.Namespace) -> RaySettings | None:
@@ -261,6 +319,8 @@ def _ray(args: argparse.Namespace) -> RaySettings | None:
 def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     """The settings ``quiver serve``'s parsed flags and ``environ`` describe (see the module
     docstring for the precedence); raises SettingsError naming what makes no sense."""
+    if args.buffer_manager_thread_count < 0:
+        raise SettingsError("--buffer-manager-thread-count must be 0 or more")
     if args.allow_log_file_api and not args.log_file_dir:
         raise SettingsError("--allow-log-file-api needs --log-file-dir DIR")
     local, remote = _repositories(args.model_repository)
@@ -308,6 +368,10 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
+        model_namespacing=args.model_namespacing,
+        backend_config=tuple(parse_backend_config(text) for text in args.backend_config),
+        buffer_manager_thread_count=args.buffer_manager_thread_count,
+        sagemaker_thread_count=args.sagemaker_thread_count or 0,
         model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
         model_cache_size=args.model_cache_size,
         model_archive_max_bytes=args.model_archive_max_bytes or 0,
@@ -319,8 +383,11 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         s3_retry=s3_retry,
         log_verbose=args.log_verbose,
         log_info=args.log_info,
+        log_warning=args.log_warning,
+        log_error=args.log_error,
         log_file=args.log_file,
         log_format=args.log_format,
         log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
+        cloudwatch=_cloudwatch(args, environ),
         ray=ray,
     )

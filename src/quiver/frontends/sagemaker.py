@@ -33,7 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -47,6 +47,7 @@ from quiver.errors import (
     NotFoundError,
     QuiverError,
     UnavailableError,
+    UnsupportedError,
 )
 from quiver.frontends.http import _unless_disconnected, read_body
 from quiver.frontends.offload import OFFLOAD_NS, in_worker
@@ -69,6 +70,8 @@ DEFAULT_PORT = 8080
 #: ``GET /models`` pages hold at most this many models unless ``max_results`` says fewer.
 MAX_PAGE = 1000
 _TRUE = {"true", "1", "yes", "on"}
+#: ``SAGEMAKER_TRITON_INFERENCE_TYPE`` / ``--sagemaker-inference-type`` values.
+INFERENCE_TYPES = ("infer", "generate", "generate_stream")
 
 
 def _env_true(value: str | None) -> bool:
@@ -116,6 +119,8 @@ class SageMakerSettings:
     multi_model: bool = False
     default_model: str = ""
     ping_mode: str = "ready"
+    #: What ``POST /invocations`` does (``SAGEMAKER_TRITON_INFERENCE_TYPE``).
+    inference_type: str = "infer"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SageMakerSettings:
@@ -125,10 +130,17 @@ class SageMakerSettings:
             raise InvalidArgumentError(
                 f"SAGEMAKER_TRITON_PING_MODE must be 'ready' or 'live', got '{ping}'"
             )
+        kind = env.get("SAGEMAKER_TRITON_INFERENCE_TYPE", "").strip() or "infer"
+        if kind not in INFERENCE_TYPES:
+            raise InvalidArgumentError(
+                f"SAGEMAKER_TRITON_INFERENCE_TYPE must be one of {', '.join(INFERENCE_TYPES)}, "
+                f"got '{kind}'"
+            )
         return cls(
             multi_model=_env_true(env.get("SAGEMAKER_MULTI_MODEL")),
             default_model=env.get("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME", "").strip(),
             ping_mode=ping,
+            inference_type=kind,
         )
 
 
@@ -138,6 +150,10 @@ class _Reply:
     body: bytes = b""
     content_type: str = "application/json"
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+#: An inference handler of the routes: (model, scope, receive) -> the reply.
+_Handler = Callable[[str, Scope, Receive], Awaitable["_Reply | None"]]
 
 
 def _error(status: int, message: str) -> _Reply:
@@ -316,7 +332,24 @@ class SageMakerFrontend:
             model = self.service.resolve_target(target)
         else:
             model = self.default_model()
-        return await self._infer(model, scope, receive)
+        handler = self.invocation_handler(self.settings.inference_type)
+        return await handler(model, scope, receive)
+
+    def invocation_handler(self, kind: str) -> _Handler:
+        """What ``POST /invocations`` runs for ``SAGEMAKER_TRITON_INFERENCE_TYPE`` ``kind``:
+        KServe v2 inference for ``infer``; for ``generate`` and ``generate_stream``, this
+        frontend's handler of that name (``_generate``, ``_generate_stream``) where the
+        generate extension provides one, else UnsupportedError (501) naming the setting."""
+        if kind == "infer":
+            return self._infer
+        handler: _Handler | None = getattr(self, f"_{kind}", None)
+        if handler is None:
+            raise UnsupportedError(
+                f"SAGEMAKER_TRITON_INFERENCE_TYPE={kind} (--sagemaker-inference-type): /invocations "
+                f"would answer with the generate extension's '{kind}', which this server does "
+                "not provide; use 'infer'"
+            )
+        return handler
 
     async def _invoke_named(self, name: str, scope: Scope, receive: Receive) -> _Reply | None:
         return await self._infer(self.service.resolve_target(name), scope, receive)
