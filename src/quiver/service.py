@@ -264,9 +264,12 @@ class InferenceService:
             raise NotFoundError(f"url '{url}' does not exist")
         folder = await asyncio.to_thread(_url_folder, path, url)
         if folder.parent.resolve() not in self.repositories:
-            return await self._load_elsewhere(
-                name, url, "it is outside the --model-repository folders"
-            )
+            try:
+                return await self._load_elsewhere(
+                    name, url, "it is outside the --model-repository folders"
+                )
+            except QuiverError as exc:
+                raise load_failure(exc) from None
         model = folder.name
         for registration in self.registered.values():
             if registration.model == model and self.model_ready(model):
@@ -274,7 +277,10 @@ class InferenceService:
                     f"model '{model}' at '{url}' is already loaded as '{registration.name}'"
                 )
         if not self.model_ready(model):
-            await self.load_model(model)
+            try:
+                await self.load_model(model)
+            except QuiverError as exc:
+                raise load_failure(exc) from None
         return model
 
     async def _load_elsewhere(self, name: str, url: str, why: str) -> str:
@@ -363,6 +369,38 @@ class InferenceService:
         if request.outputs is not None:
             response.outputs = _select_outputs(model, request, response)
         return response
+
+
+#: What a framework says when it runs out of memory (the strings Triton's SageMaker frontend
+#: looks for to answer 507 rather than 400).
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "CUDA_OUT_OF_MEMORY",
+    "Out of memory",
+    "Out Of Memory",
+    "out of memory",
+    "MemoryError",
+    "OutOfMemory",
+    "OOM",
+    "Failed to allocate memory",
+    "failed to allocate memory",
+    "No space left on device",
+)
+
+
+def load_failure(exc: QuiverError) -> QuiverError:
+    """The error a SageMaker load answers with, as Triton's SageMaker frontend: running out of
+    memory (the budget's, or a framework's) is a capacity error (507: the platform unloads
+    models and tries again); a model that failed to load is the folder's fault (400); other
+    errors stay what they are."""
+    if isinstance(exc, CAPACITY_ERRORS):
+        return exc
+    message = exc.message
+    if any(text in message for text in _OOM_MESSAGES):
+        return OutOfMemoryError(message)
+    if isinstance(exc, UnavailableError) and "failed to load" in message:
+        return InvalidArgumentError(message)
+    return exc
 
 
 def _url_folder(path: Path, url: str) -> Path:

@@ -358,16 +358,19 @@ class ModelLifeCycle:
     def _check_members_free(self, served: str, key: str, members: list[ModelSource]) -> None:
         """Without model namespacing an archive's other models keep their own names: one
         that another archive (or the repository) serves, or is loading, is a conflict."""
+        taken = []
         for member in members:
             owner = self._graph.namespace_of(member.name)
-            if (owner is not None and owner != served) or (
-                owner is None and (self._table.serving(member.name) or self._locks.busy(member.name))
-            ):
-                raise AlreadyExistsError(
-                    f"cannot load '{served}' from '{key}': its model '{member.name}' is already "
-                    f"loaded{f' with {owner!r}' if owner else ''}; without model namespacing "
-                    "(--model-namespacing=false) no two loaded folders may hold models of one name"
-                )
+            if owner is not None and owner != served:
+                taken.append(f"'{member.name}' (loaded with '{owner}')")
+            elif owner is None and (self._table.serving(member.name) or self._locks.busy(member.name)):
+                taken.append(f"'{member.name}'")
+        if taken:
+            raise AlreadyExistsError(
+                f"cannot load '{served}' from '{key}': its model(s) {', '.join(taken)} are already "
+                "loaded; without model namespacing (--model-namespacing=false) no two loaded "
+                "folders may hold models of one name"
+            )
 
     async def _drop_namespace(self, served: str, reason: str) -> None:
         """Unload the composing models of the archive served as ``served``, forget them,
