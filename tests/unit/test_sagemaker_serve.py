@@ -152,7 +152,7 @@ def test_additional_args_are_parsed_as_serve_parses_them(root: Path) -> None:
     # They come last: they win over the generated flags.
     later = settings_of({"SAGEMAKER_TRITON_ADDITIONAL_ARGS": "--allow-grpc=true --model-namespacing=false"}, root)
     assert later.allow_grpc and not later.model_namespacing
-    with pytest.raises(EntrypointError, match="SAGEMAKER_TRITON_ADDITIONAL_ARGS.*--no-such-flag"):
+    with pytest.raises(EntrypointError, match=r"SAGEMAKER_TRITON_ADDITIONAL_ARGS.*--no-such-flag"):
         parse_serve_args(build_parser, plan({"SAGEMAKER_TRITON_ADDITIONAL_ARGS": "--no-such-flag"}, model_root=root))
     with pytest.raises(EntrypointError, match="SAGEMAKER_TRITON_ADDITIONAL_ARGS cannot be split"):
         plan({"SAGEMAKER_TRITON_ADDITIONAL_ARGS": "--log-file 'unclosed"}, model_root=root)
