@@ -524,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         "CloudWatch (quiver[sagemaker]): publish the metrics as embedded-metric-format events "
         "into a CloudWatch Logs group, as the CloudWatch agent does from Prometheus; needs "
         "--allow-metrics; credentials, region and endpoint from the usual AWS variables "
-        "(AWS_REGION, AWS_ENDPOINT_URL_LOGS, ...)"
+        "(AWS_REGION, AWS_ENDPOINT_URL_CLOUDWATCH_LOGS, ...)"
     )
     cloud.add_argument(
         "--cloudwatch-log-group", default=None, metavar="GROUP",

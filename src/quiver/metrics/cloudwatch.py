@@ -19,7 +19,7 @@ from inside the server, with boto3 and no agent:
   bounded by the client's timeouts) and stops the thread.
 
 The log group (and the stream, named after the host) are created when missing. Credentials,
-region and endpoint are boto3's: ``AWS_REGION``, ``AWS_ENDPOINT_URL_LOGS``, the profile, ...
+region and endpoint are boto3's: ``AWS_REGION``, ``AWS_ENDPOINT_URL_CLOUDWATCH_LOGS``, the profile, ...
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import re
 import socket
 import threading
@@ -161,7 +162,9 @@ def _default_client() -> Any:
 
     # One attempt per call (this module retries, between rounds too), short timeouts.
     config = Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=3, read_timeout=10)
-    return boto3.client("logs", config=config)
+    # SageMaker sets AWS_REGION; boto3 itself reads AWS_DEFAULT_REGION and the profile.
+    region = os.environ.get("AWS_REGION") or None
+    return boto3.client("logs", config=config, region_name=region)
 
 
 class CloudWatchPublisher:
