@@ -178,16 +178,16 @@ def parse_fraction(value: str) -> float:
 
 def parse_backend_config(text: str) -> tuple[str, str, str]:
     """``--backend-config=<backend>,<setting>=<value>`` -> (backend, setting, value);
-    ValueError naming what is wrong. Quiver's TensorFlow backend runs TensorFlow 2 only."""
+    ValueError naming what is wrong; a TensorFlow version is 1 or 2."""
     backend, comma, rest = text.partition(",")
     setting, equals, value = rest.partition("=")
     backend, setting, value = backend.strip(), setting.strip(), value.strip()
     if not comma or not equals or not backend or not setting:
         raise ValueError(f"expected <backend>,<setting>=<value>, got '{text}'")
-    if backend == "tensorflow" and setting == "version" and value != "2":
+    if backend == "tensorflow" and setting == "version" and value not in ("1", "2"):
         raise ValueError(
-            f"tensorflow,version={value}: Quiver's TensorFlow backend runs TensorFlow 2 "
-            "(SavedModels); only version 2 is supported"
+            f"tensorflow,version={value}: the TensorFlow version is 1 or 2 (Quiver runs "
+            "TensorFlow 2 for both; 1 is logged at the first TensorFlow load)"
         )
     return backend, setting, value
 

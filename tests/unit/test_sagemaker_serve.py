@@ -180,7 +180,7 @@ def test_additional_args_are_parsed_as_serve_parses_them(root: Path) -> None:
         ("SAGEMAKER_TRITON_LOG_ERROR", "x"),
         ("SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE", "16MB"),
         ("SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE", "0"),
-        ("SAGEMAKER_TRITON_TENSORFLOW_VERSION", "1"),
+        ("SAGEMAKER_TRITON_TENSORFLOW_VERSION", "3"),
         ("SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT", "80"),
         ("SAGEMAKER_TRITON_INFERENCE_TYPE", "predict"),
         ("SAGEMAKER_TRITON_DEFAULT_MODEL_NAME", "../etc"),
