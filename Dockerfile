@@ -2,7 +2,7 @@
 # Triton's SageMaker image. Build and run it as the README's "SageMaker" section shows:
 #   docker build -t quiver-sagemaker .
 #   docker run --rm -p 8080:8080 -v "$PWD/model_repository:/opt/ml/model:ro" \
-#       -e SAGEMAKER_TRITON_DEFAULT_MODEL_NAME=ensemble quiver-sagemaker serve
+#       -e SAGEMAKER_TRITON_DEFAULT_MODEL_NAME=text_pipeline quiver-sagemaker serve
 # QUIVER_EXTRAS picks the backends beside ONNX Runtime and Python (always in): the default
 # serves the seed's pipelines (TorchScript, TensorFlow, DALI); pass "" for the smallest image.
 FROM python:3.11-slim
