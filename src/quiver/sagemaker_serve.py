@@ -14,9 +14,10 @@ flags, and starts the server with them:
   ping mode ``ready``;
 - multi-model mode (``SAGEMAKER_MULTI_MODEL=true``): an empty repository
   (``/tmp/sagemaker``), the platform loads each model with ``POST /models`` from the folder
-  it extracted (``/opt/ml/models/<hash>/model``); ping mode ``live``; a load that does not fit
-  in ``--model-memory-limit`` answers 507 rather than unloading other models
-  (``--model-eviction-policy=none``): the platform chooses what to unload;
+  it extracted (``/opt/ml/models/<hash>/model``); ping mode ``live``; a memory budget of
+  80 % of the container's memory (:func:`model_memory_default`), and a load that does not fit
+  answers 507 rather than unloading other models (``--model-eviction-policy=none``): the
+  platform chooses what to unload;
 - ``SAGEMAKER_TRITON_ADDITIONAL_ARGS``: more ``quiver serve`` flags (Triton's names), split
   as a shell would and parsed by the same parser, after the generated ones (so they win).
 
@@ -142,6 +143,9 @@ def plan(
     ]
     if multi:
         args.append("--model-eviction-policy=none")
+        memory = model_memory_default()
+        if memory:
+            args.append(f"--model-memory-limit={memory}")
     disable_namespacing = _boolean(env, "SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING", False)
     args.append(f"--model-namespacing={_bool_text(not disable_namespacing)}")
     port = _integer(env, "SAGEMAKER_BIND_TO_PORT", least=0, most=65535)
@@ -203,6 +207,31 @@ def plan(
         except ValueError as exc:
             raise EntrypointError(f"SAGEMAKER_TRITON_ADDITIONAL_ARGS cannot be split: {exc}") from None
     return Plan(args, {"SAGEMAKER_TRITON_PING_MODE": ping}, notes, bool(multi))
+
+
+#: Multi-model mode's default memory budget: this share of the container's memory (the rest
+#: is the process, the frameworks and the requests' tensors).
+MEMORY_SHARE = 0.8
+_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def model_memory_default() -> int:
+    """Multi-model mode's ``--model-memory-limit`` (``SAGEMAKER_TRITON_ADDITIONAL_ARGS`` may
+    set another): :data:`MEMORY_SHARE` of the container's memory (its cgroup limit, else the
+    machine's), so that a load that would not fit is 507 and the platform unloads models,
+    rather than the kernel ending the process. 0 when it cannot be read."""
+    import psutil
+
+    total = int(psutil.virtual_memory().total)
+    for path in _CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+        break
+    return int(total * MEMORY_SHARE)
 
 
 def _logging(env: Mapping[str, str]) -> list[str]:

@@ -65,6 +65,11 @@ def test_multi_model_mode(root: Path, tmp_path: Path) -> None:
     entry = plan({"SAGEMAKER_MULTI_MODEL": "true"}, model_root=root, multi_model_repository=tmp_path / "sm")
     assert f"--model-repository={tmp_path / 'sm'}" in entry.args
     assert "--model-eviction-policy=none" in entry.args
+    limit = next(int(a.split("=")[1]) for a in entry.args if a.startswith("--model-memory-limit="))
+    assert limit > 0
+    assert settings_of({"SAGEMAKER_MULTI_MODEL": "true"}, root).model_memory_limit == limit
+    later = {"SAGEMAKER_MULTI_MODEL": "true", "SAGEMAKER_TRITON_ADDITIONAL_ARGS": "--model-memory-limit=3G"}
+    assert settings_of(later, root).model_memory_limit == 3 << 30
     assert not any(a.startswith("--load-model") for a in entry.args)
     assert entry.environ["SAGEMAKER_TRITON_PING_MODE"] == "live" and entry.multi_model
     # in multi-model mode /opt/ml/model is not looked at (a stray config.pbtxt is fine)
