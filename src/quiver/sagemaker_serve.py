@@ -61,7 +61,7 @@ class EntrypointError(Exception):
 @dataclass(slots=True)
 class Plan:
     """What the entrypoint decided: ``quiver serve``'s arguments, the variables the server
-    reads (the ping mode), and the notes printed before it starts."""
+    reads (the ping mode, single-model mode's model), and the notes printed before it starts."""
 
     args: list[str]
     environ: dict[str, str] = field(default_factory=dict)
@@ -199,14 +199,17 @@ def plan(
                 f"       Must be one of: {', '.join(INFERENCE_TYPES)}"
             )
         args.append(f"--sagemaker-inference-type={kind}")
+    environ = {"SAGEMAKER_TRITON_PING_MODE": ping}
     if not multi:
-        args.append(f"--load-model={_default_model(env, model_root, notes)}")
+        model = _default_model(env, model_root, notes)
+        args.append(f"--load-model={model}")
+        environ["SAGEMAKER_TRITON_DEFAULT_MODEL_NAME"] = model  # exported, as the script does
     if extra:
         try:
             args += shlex.split(extra)
         except ValueError as exc:
             raise EntrypointError(f"SAGEMAKER_TRITON_ADDITIONAL_ARGS cannot be split: {exc}") from None
-    return Plan(args, {"SAGEMAKER_TRITON_PING_MODE": ping}, notes, bool(multi))
+    return Plan(args, environ, notes, bool(multi))
 
 
 #: Multi-model mode's default memory budget: this share of the container's memory (the rest
@@ -419,7 +422,7 @@ def run(
             print(f"ERROR: cannot create {args.multi_model_repository}: {exc.strerror}", file=sys.stderr)
             return 1
     print(f"SageMaker entrypoint: {entry.command}", file=sys.stderr, flush=True)
-    os.environ.update(entry.environ)  # the ping mode, as the script exports it
+    os.environ.update(entry.environ)  # as the script exports them
     return run_serve(serve_args)
 
 

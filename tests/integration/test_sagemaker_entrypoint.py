@@ -98,3 +98,15 @@ def test_print_command_shows_the_server_command(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("quiver serve --allow-sagemaker=true --allow-http=false --model-control-mode=explicit")
     assert not (tmp_path / "sm").exists()  # deciding creates nothing
+
+
+def test_verbose_logging_as_tritons_image_unless_turned_off(tmp_path: Path) -> None:
+    root = extract(single_archive(1.0, folder="only", name="only"), tmp_path / "model")
+    with EntrypointServer(root, tmp_path / "sm", env={"SAGEMAKER_TRITON_LOG_VERBOSE": "true"}) as server:
+        invoke(server.sagemaker_url, "/invocations", X, "INPUT0")
+        assert "--log-verbose=true" in server.log
+        assert any(" D quiver" in line for line in server.lines), server.log
+    with EntrypointServer(root, tmp_path / "sm", env={"SAGEMAKER_TRITON_LOG_VERBOSE": "false"}) as quiet:
+        invoke(quiet.sagemaker_url, "/invocations", X, "INPUT0")
+        assert not any(" D quiver" in line for line in quiet.lines), quiet.log
+

@@ -48,12 +48,13 @@ def test_defaults_are_tritons_image(root: Path) -> None:
         "--load-model=resnet",
     ):
         assert flag in entry.args
-    assert entry.environ == {"SAGEMAKER_TRITON_PING_MODE": "ready"}
+    assert entry.environ == {"SAGEMAKER_TRITON_PING_MODE": "ready", "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "resnet"}
     assert any("No SAGEMAKER_TRITON_DEFAULT_MODEL_NAME provided" in n for n in entry.notes)
     settings = settings_of({}, root)
     assert settings.allow_sagemaker and not settings.allow_http and not settings.allow_grpc
     assert not settings.allow_metrics and settings.model_control_mode == "explicit"
     assert settings.load_models == ("resnet",) and settings.log_verbose == 1
+    assert settings.sagemaker is not None and settings.sagemaker.default_model == "resnet"
     assert settings.sagemaker_address == "0.0.0.0" and settings.sagemaker_port == 8080
     assert settings.backend_config == (
         ("python", "shm-default-byte-size", "16777216"),

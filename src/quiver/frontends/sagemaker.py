@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ from quiver.protocol.v2_json import (
 )
 from quiver.service import CAPACITY_ERRORS, InferenceService, Registration
 from quiver.types import InferenceResponse
+
+logger = logging.getLogger(__name__)
 
 BINARY_JSON = "application/vnd.sagemaker-triton.binary+json"
 BINARY_JSON_PREFIX = BINARY_JSON + ";json-header-size="
@@ -242,6 +245,7 @@ class SageMakerFrontend:
             return  # nobody to answer
         if reply is None:
             return
+        logger.debug("SageMaker %s %s: %d", method, path, reply.status)  # --log-verbose
         headers = [
             (b"content-type", reply.content_type.encode("latin-1")),
             (b"content-length", str(len(reply.body)).encode()),
