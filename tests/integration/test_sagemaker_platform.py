@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from test_sagemaker import BINARY_JSON, TARGET, Reply, call, invoke, outputs
 
-from support.archives import pipeline_archive, single_archive
+from support.archives import listing, pipeline_archive, single_archive
 from support.sagemaker import EntrypointServer, platform_extract
 
 WEIGHT_MB = 16
@@ -278,3 +278,34 @@ def test_v2_listener_beside_the_platform_flow_when_asked(tmp_path: Path) -> None
         client = grpcclient.InferenceServerClient(server.grpc_url)
         assert client.is_model_ready(name)
         assert client.get_server_metadata(as_json=True)["name"] == "quiver"
+
+
+def test_nothing_is_written_outside_the_cache_and_no_link_is_followed(tmp_path: Path) -> None:
+    """The platform's folders are read, never written; what is loaded is a copy in the cache;
+    a link in a platform folder that leaves it is refused (400), not followed."""
+    cache = tmp_path / "cache"
+    secret = tmp_path / "secret.onnx"
+    secret.write_bytes(b"not yours")
+    env = {"SAGEMAKER_MULTI_MODEL": "true", "QUIVER_CACHE_DIR": str(cache)}
+    with EntrypointServer(tmp_path / "unused", tmp_path / "sagemaker", env=env) as server:
+        platform = Platform(server, tmp_path / "models")
+        name = model_hash("pipe.tar.gz")
+        platform_extract(pipeline_archive(3.0), platform.models, name)
+        before = listing(platform.models, skip=cache)
+        _, reply = platform.load("pipe.tar.gz", b"")
+        assert reply.status == 200, reply.body
+        np.testing.assert_array_equal(outputs(invoke(platform.base, f"/models/{name}/invoke", X))["OUT"], X + 103)
+        assert listing(platform.models, skip=cache) == before  # read only
+        assert list((tmp_path / "sagemaker").iterdir()) == []  # the empty repository stays empty
+        assert any(cache.rglob("config.pbtxt"))  # what is served is the cache's copy
+        assert call(platform.base, "DELETE", f"/models/{name}").status == 200
+
+        linked = model_hash("linked.tar.gz")
+        folder = platform_extract(single_archive(1.0, folder="m", name="m"), platform.models, linked)
+        (folder / "m" / "1" / "model.onnx").unlink()
+        (folder / "m" / "1" / "model.onnx").symlink_to(secret)
+        _, refused = platform.load("linked.tar.gz", b"")
+        assert refused.status == 400, refused.body
+        assert "link" in refused.json()["error"]
+        assert not any(p.read_bytes() == b"not yours" for p in cache.rglob("*") if p.is_file() and not p.is_symlink())
+        assert call(platform.base, "GET", "/models").json() == {"models": []}
