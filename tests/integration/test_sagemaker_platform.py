@@ -21,6 +21,7 @@ import tritonclient.http as httpclient
 from test_sagemaker import BINARY_JSON, TARGET, Reply, call, invoke, outputs
 
 from support.archives import listing, pipeline_archive, single_archive
+from support.models import write_python
 from support.sagemaker import EntrypointServer, platform_extract
 
 WEIGHT_MB = 16
@@ -309,3 +310,35 @@ def test_nothing_is_written_outside_the_cache_and_no_link_is_followed(tmp_path: 
         assert "link" in refused.json()["error"]
         assert not any(p.read_bytes() == b"not yours" for p in cache.rglob("*") if p.is_file() and not p.is_symlink())
         assert call(platform.base, "GET", "/models").json() == {"models": []}
+
+
+OOM_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        raise MemoryError("Failed to allocate memory for the weights")
+
+    def execute(self, requests):
+        return []
+"""
+
+OOM_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
+
+def test_a_framework_out_of_memory_at_load_is_507(platform: Platform) -> None:
+    """A load that fails because the framework ran out of memory is 507 (the platform unloads
+    models and tries again), as Triton's SageMaker frontend answers it; other failures are 400."""
+    name = model_hash("oom.tar.gz")
+    write_python(platform.models / name / "model", "oom", OOM_MODEL, OOM_CONFIG)
+    url = str(platform.models / name / "model")
+    reply = call(platform.base, "POST", "/models", {"model_name": name, "url": url}, {TARGET: "oom.tar.gz"})
+    assert reply.status == 507, reply.body
+    assert "Failed to allocate memory" in reply.json()["error"]
+    assert call(platform.base, "GET", f"/models/{name}").status == 404
