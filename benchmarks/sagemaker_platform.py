@@ -194,10 +194,12 @@ def main() -> int:
     # the machine's load falls on every configuration alike).
     results = {label: sorted(t, key=lambda r: r["rps"])[len(t) // 2] for label, t in trials.items()}
     off = results["CloudWatch off"]
+    env_info = environment(["boto3", "moto", "aiohttp"])
     lines = [
         "# SageMaker platform flow and CloudWatch publishing",
         "",
-        f"`{command_line()}`",
+        f"`{command_line()}`, {env_info['date']}, {env_info['nproc']} cores ({env_info['cpu_model']}), "
+        f"Python {env_info['python']}. The machine is shared: compare ratios within this run.",
         "",
         f"`POST /models` of {args.models} single-model folders (extracted as the platform does), one after "
         f"another: median {statistics.median(loads) * 1e3:.1f} ms, p95 {percentile(loads, 0.95) * 1e3:.1f} ms.",
@@ -214,7 +216,7 @@ def main() -> int:
             f"| {label} | {r['rps']:.0f} | {r['rps'] / off['rps']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |"
         )
     report = {
-        "environment": environment(["boto3", "moto", "aiohttp"]),
+        "environment": env_info,
         "command": command_line(),
         "settings": vars(args) | {"output_dir": str(args.output_dir)},
         "load_seconds": loads,
