@@ -286,6 +286,8 @@ def _cloudwatch(args: argparse.Namespace, environ: Mapping[str, str]) -> CloudWa
         raise SettingsError("--cloudwatch-log-group and --cloudwatch-metric-namespace go together")
     if not args.allow_metrics:
         raise SettingsError("publishing to CloudWatch needs the metrics: --allow-metrics=true (SAGEMAKER_TRITON_ALLOW_METRICS=true)")
+    if args.ray:
+        raise SettingsError("publishing to CloudWatch is not available with --ray (each replica would publish)")
     return CloudWatchSettings(group, namespace, args.cloudwatch_interval)
 
 

@@ -239,14 +239,15 @@ class CloudWatchPublisher:
         ]
 
     async def stop(self) -> None:
-        """Publish one last time (one attempt), then stop the sender thread."""
+        """Publish one last time (one attempt), then stop the sender thread. A round under way
+        gives up its backoff waits at once."""
+        self._stopping.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
             await self.publish_once(attempts=1)
-        self._stopping.set()
         await asyncio.get_running_loop().run_in_executor(None, self._sender.shutdown, True)
         if self._pending:
             logger.warning("%d metric events were not published to CloudWatch", len(self._pending))
@@ -270,6 +271,9 @@ class CloudWatchPublisher:
                 self.sent += len(batch)
         except Exception as exc:
             self.failures += 1
+            if self._stopping.is_set() and attempts > 1:
+                logger.debug("CloudWatch round given up: the server is stopping (%s)", exc)
+                return
             if not self._failing:
                 logger.error(
                     "publishing metrics to CloudWatch log group '%s' failed (inference is not "
