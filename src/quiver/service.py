@@ -199,7 +199,13 @@ class InferenceService:
             self.registered[name] = Registration(name, model, url, target)
             if target and target != name:
                 self._targets[target] = name
-        logger.info("SageMaker: loaded model '%s' (Quiver model '%s') from %s", name, model, url)
+        logger.info(
+            "SageMaker: loaded TargetModel '%s' as model '%s' (Quiver model '%s') from %s",
+            target or name,
+            name,
+            model,
+            url,
+        )
         return model
 
     async def unregister_sagemaker_model(self, name: str) -> None:
