@@ -103,17 +103,6 @@ def _verbose(value: str) -> int:
     return number
 
 
-def _backend_config(value: str) -> str:
-    """--backend-config=<backend>,<setting>=<value> (Triton's form)."""
-    from quiver.settings import parse_backend_config
-
-    try:
-        parse_backend_config(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
 def _flag(parser: argparse._ActionsContainer, name: str, default: bool, help: str) -> None:
     parser.add_argument(
         name,
@@ -127,6 +116,9 @@ def _flag(parser: argparse._ActionsContainer, name: str, default: bool, help: st
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from quiver.sagemaker_serve import add_parser as add_sagemaker_serve
+    from quiver.sagemaker_serve import add_serve_flags, backend_config_flag
+
     parser = argparse.ArgumentParser(
         prog="quiver",
         description=(
@@ -203,25 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     net.add_argument(
         "--sagemaker-address", default="127.0.0.1", help="SageMaker bind address (default: 127.0.0.1)"
-    )
-    net.add_argument(
-        "--sagemaker-thread-count",
-        type=_count,
-        default=None,
-        metavar="N",
-        help=(
-            "threads that decode and encode large request and response bodies off the event "
-            "loop (Triton: the SageMaker listener's threads) (default: 4, at most the CPUs)"
-        ),
-    )
-    net.add_argument(
-        "--sagemaker-inference-type",
-        choices=["infer", "generate", "generate_stream"],
-        default=None,
-        help=(
-            "what POST /invocations does: KServe v2 inference, or the generate extension "
-            "(default: SAGEMAKER_TRITON_INFERENCE_TYPE, else infer)"
-        ),
     )
     net.add_argument(
         "--sagemaker-safe-port-range",
@@ -326,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument(
         "--backend-config",
         action="append",
-        type=_backend_config,
+        type=backend_config_flag,
         default=[],
         metavar="BACKEND,SETTING=VALUE",
         help="a backend setting in Triton's form, e.g. python,shm-default-byte-size=16777216; repeatable",
@@ -520,26 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on scale-in and shutdown a replica takes no new requests and gets this long to "
         "finish the ones in flight (default: 30)",
     )  # fmt: skip
-    cloud = serve.add_argument_group(
-        "CloudWatch (quiver[sagemaker]): publish the metrics as embedded-metric-format events "
-        "into a CloudWatch Logs group, as the CloudWatch agent does from Prometheus; needs "
-        "--allow-metrics; credentials, region and endpoint from the usual AWS variables "
-        "(AWS_REGION, AWS_ENDPOINT_URL_CLOUDWATCH_LOGS, ...)"
-    )
-    cloud.add_argument(
-        "--cloudwatch-log-group", default=None, metavar="GROUP",
-        help="publish into this log group, created when missing (default: "
-        "SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP when SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH "
-        "is true, else no publishing)",
-    )
-    cloud.add_argument(
-        "--cloudwatch-metric-namespace", default=None, metavar="NAMESPACE",
-        help="the metric namespace of the events (default: SAGEMAKER_TRITON_CLOUDWATCH_METRIC_NAMESPACE)",
-    )
-    cloud.add_argument(
-        "--cloudwatch-interval", type=_seconds, default=60.0, metavar="SECONDS",
-        help="seconds between publications (default: 60)",
-    )  # fmt: skip
+    add_serve_flags(serve, net)  # the SageMaker listener's own flags and CloudWatch
     logs = serve.add_argument_group("logging")
     logs.add_argument(
         "--log-verbose",
@@ -568,8 +522,6 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument(
         "--log-format", choices=["default", "ISO8601"], default="default", help="timestamp format (default: default)"
     )
-    from quiver.sagemaker_serve import add_parser as add_sagemaker_serve
-
     add_sagemaker_serve(commands)
     return parser
 

@@ -374,6 +374,63 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
 
 
+def backend_config_flag(value: str) -> str:
+    """``--backend-config=<backend>,<setting>=<value>`` (Triton's form), checked."""
+    from quiver.settings import parse_backend_config
+
+    try:
+        parse_backend_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def add_serve_flags(serve: argparse.ArgumentParser, net: argparse._ArgumentGroup) -> None:
+    """``quiver serve``'s flags for the SageMaker listener (in ``net``, the listeners' group)
+    and for CloudWatch publishing (a group of their own)."""
+    from quiver.cli import _count, _seconds
+
+    net.add_argument(
+        "--sagemaker-thread-count",
+        type=_count,
+        default=None,
+        metavar="N",
+        help=(
+            "threads that decode and encode large request and response bodies off the event "
+            "loop (Triton: the SageMaker listener's threads) (default: 4, at most the CPUs)"
+        ),
+    )
+    net.add_argument(
+        "--sagemaker-inference-type",
+        choices=["infer", "generate", "generate_stream"],
+        default=None,
+        help=(
+            "what POST /invocations does: KServe v2 inference, or the generate extension "
+            "(default: SAGEMAKER_TRITON_INFERENCE_TYPE, else infer)"
+        ),
+    )
+    cloud = serve.add_argument_group(
+        "CloudWatch (quiver[sagemaker]): publish the metrics as embedded-metric-format events "
+        "into a CloudWatch Logs group, as the CloudWatch agent does from Prometheus; needs "
+        "--allow-metrics; credentials, region and endpoint from the usual AWS variables "
+        "(AWS_REGION, AWS_ENDPOINT_URL_CLOUDWATCH_LOGS, ...)"
+    )
+    cloud.add_argument(
+        "--cloudwatch-log-group", default=None, metavar="GROUP",
+        help="publish into this log group, created when missing (default: "
+        "SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP when SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH "
+        "is true, else no publishing)",
+    )
+    cloud.add_argument(
+        "--cloudwatch-metric-namespace", default=None, metavar="NAMESPACE",
+        help="the metric namespace of the events (default: SAGEMAKER_TRITON_CLOUDWATCH_METRIC_NAMESPACE)",
+    )
+    cloud.add_argument(
+        "--cloudwatch-interval", type=_seconds, default=60.0, metavar="SECONDS",
+        help="seconds between publications (default: 60)",
+    )  # fmt: skip
+
+
 def parse_serve_args(
     build_parser: Callable[[], argparse.ArgumentParser], entry: Plan
 ) -> argparse.Namespace:
@@ -432,6 +489,8 @@ __all__ = [
     "EntrypointError",
     "Plan",
     "add_parser",
+    "add_serve_flags",
+    "backend_config_flag",
     "parse_serve_args",
     "plan",
     "run",
