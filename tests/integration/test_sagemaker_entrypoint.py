@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -105,8 +106,12 @@ def test_verbose_logging_as_tritons_image_unless_turned_off(tmp_path: Path) -> N
     with EntrypointServer(root, tmp_path / "sm", env={"SAGEMAKER_TRITON_LOG_VERBOSE": "true"}) as server:
         invoke(server.sagemaker_url, "/invocations", X, "INPUT0")
         assert "--log-verbose=true" in server.log
-        assert any(" D quiver" in line for line in server.lines), server.log
+        deadline = time.monotonic() + 10  # the log is read on a thread of the test's
+        while not any(" D quiver" in line for line in server.lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(" D quiver.frontends.sagemaker] SageMaker POST /invocations: 200" in line for line in server.lines), server.log
     with EntrypointServer(root, tmp_path / "sm", env={"SAGEMAKER_TRITON_LOG_VERBOSE": "false"}) as quiet:
         invoke(quiet.sagemaker_url, "/invocations", X, "INPUT0")
+        time.sleep(0.5)
         assert not any(" D quiver" in line for line in quiet.lines), quiet.log
 
