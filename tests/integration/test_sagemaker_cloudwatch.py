@@ -158,9 +158,9 @@ def test_cloudwatch_refusing_is_retried_logged_and_not_fatal(tmp_path: Path) -> 
                 outputs(invoke(platform.base, f"/models/{name}/invoke", X, "INPUT0"))
                 time.sleep(0.2)
             assert _Refusing.calls >= 4  # rounds go on, each one tried again
+            assert server.stop(timeout=60) == 0  # then every line of the log has been read
             assert "try later" in server.log and "inference is not affected" in server.log
             assert server.log.count(f"publishing metrics to CloudWatch log group '{GROUP}' failed") == 1  # once per streak
-            assert server.stop(timeout=60) == 0
     finally:
         refusing.shutdown()
         refusing.server_close()
