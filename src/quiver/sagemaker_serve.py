@@ -146,8 +146,11 @@ def plan(
         memory = model_memory_default()
         if memory:
             args.append(f"--model-memory-limit={memory}")
-    disable_namespacing = _boolean(env, "SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING", False)
-    args.append(f"--model-namespacing={_bool_text(not disable_namespacing)}")
+    # Triton's script passes this variable's value through as --model-namespacing, and AWS's
+    # reference documents it so ("set to true by default"): `false` turns namespacing off.
+    # Quiver does the same, so an endpoint moved from Triton's image behaves alike.
+    namespacing = _boolean(env, "SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING", True)
+    args.append(f"--model-namespacing={_bool_text(bool(namespacing))}")
     port = _integer(env, "SAGEMAKER_BIND_TO_PORT", least=0, most=65535)
     if port is not None:
         args.append(f"--sagemaker-port={port}")

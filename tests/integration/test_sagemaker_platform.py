@@ -238,7 +238,8 @@ def test_memory_budget_answers_507_then_the_platform_unloads_and_retries(tmp_pat
 
 
 def test_namespacing_disabled_refuses_a_second_preprocess(tmp_path: Path) -> None:
-    env = {"SAGEMAKER_MULTI_MODEL": "true", "SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING": "true"}
+    # Triton's script passes the value through as --model-namespacing: false turns it off.
+    env = {"SAGEMAKER_MULTI_MODEL": "true", "SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING": "false"}
     with EntrypointServer(tmp_path / "unused", tmp_path / "sagemaker", env=env) as server:
         platform = Platform(server, tmp_path / "models")
         first, a = platform.load("pipe_a.tar.gz", pipeline_archive(1.0))

@@ -81,8 +81,9 @@ def test_multi_model_mode(root: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("env", "flag"),
     [
-        ({"SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING": "true"}, "--model-namespacing=false"),
-        ({"SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING": "false"}, "--model-namespacing=true"),
+        # passed through as Triton's script does (and AWS documents): false turns it off
+        ({"SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING": "false"}, "--model-namespacing=false"),
+        ({"SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING": "true"}, "--model-namespacing=true"),
         ({"SAGEMAKER_BIND_TO_PORT": "8081"}, "--sagemaker-port=8081"),
         ({"SAGEMAKER_SAFE_PORT_RANGE": "8000-9000"}, "--sagemaker-safe-port-range=8000-9000"),
         ({"SAGEMAKER_TRITON_ALLOW_GRPC": "true"}, "--allow-grpc=true"),
@@ -111,7 +112,7 @@ def test_each_variable_becomes_its_flag(root: Path, env: dict[str, str], flag: s
 
 def test_the_flags_become_settings(root: Path) -> None:
     env = {
-        "SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING": "true",
+        "SAGEMAKER_TRITON_DISABLE_MODEL_NAMESPACING": "false",
         "SAGEMAKER_BIND_TO_PORT": "8085",
         "SAGEMAKER_SAFE_PORT_RANGE": "8000-9000",
         "SAGEMAKER_TRITON_ALLOW_GRPC": "true",
