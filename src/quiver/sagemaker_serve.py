@@ -146,6 +146,9 @@ def plan(
         memory = model_memory_default()
         if memory:
             args.append(f"--model-memory-limit={memory}")
+        cache = model_cache_default(env)
+        if cache:
+            args.append(f"--model-cache-size={cache}")
     # Triton's script passes this variable's value through as --model-namespacing, and AWS's
     # reference documents it so ("set to true by default"): `false` turns namespacing off.
     # Quiver does the same, so an endpoint moved from Triton's image behaves alike.
@@ -238,6 +241,25 @@ def model_memory_default() -> int:
             total = int(text)
         break
     return int(total * MEMORY_SHARE)
+
+
+def model_cache_default(env: Mapping[str, str]) -> int:
+    """Multi-model mode's ``--model-cache-size``: the platform's folders are copied into the
+    disk cache before they load (no link in them is followed), so the cache may use
+    :data:`MEMORY_SHARE` of the free space where it lives (``QUIVER_CACHE_DIR``, else the
+    temporary folder) rather than a fixed 20G: a large model fits, and a full disk is 507.
+    0 when it cannot be read."""
+    import shutil
+    import tempfile
+
+    folder = Path(env.get("QUIVER_CACHE_DIR") or tempfile.gettempdir())
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return 0
+    return int(free * MEMORY_SHARE) if free > 0 else 0
 
 
 def _logging(env: Mapping[str, str]) -> list[str]:

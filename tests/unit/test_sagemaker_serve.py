@@ -4,6 +4,7 @@ the settings those flags parse into, and the message naming the variable of an i
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,8 @@ def test_multi_model_mode(root: Path, tmp_path: Path) -> None:
     assert settings_of({"SAGEMAKER_MULTI_MODEL": "true"}, root).model_memory_limit == limit
     later = {"SAGEMAKER_MULTI_MODEL": "true", "SAGEMAKER_TRITON_ADDITIONAL_ARGS": "--model-memory-limit=3G"}
     assert settings_of(later, root).model_memory_limit == 3 << 30
+    cache = next(int(a.split("=")[1]) for a in entry.args if a.startswith("--model-cache-size="))
+    assert 0 < cache < shutil.disk_usage(tmp_path).free + 1
     assert not any(a.startswith("--load-model") for a in entry.args)
     assert entry.environ["SAGEMAKER_TRITON_PING_MODE"] == "live" and entry.multi_model
     # in multi-model mode /opt/ml/model is not looked at (a stray config.pbtxt is fine)
