@@ -256,7 +256,10 @@ class InferenceService:
         """Load what ``url`` holds; returns the Quiver model serving it. A local model folder,
         or a repository (:func:`~quiver.lifecycle.dependencies.served_folder`'s rule), inside
         a ``--model-repository`` loads by name (or is registered as it is when READY); other
-        locations (S3, archives, other folders) go to the multi-model manager."""
+        locations (the platform's folders under /opt/ml/models, S3, archives) are copied or
+        fetched through the disk cache and load as ``name`` in their own namespace
+        (:meth:`ModelRepositoryManager.load_url`, in explicit and on_demand modes). Errors are
+        :func:`load_failure`'s."""
         local = url.removeprefix("file://")
         if "://" in local or local.endswith((".tar.gz", ".tgz", ".tar")):
             return await self._load_elsewhere(name, url, "it is not a local folder")
