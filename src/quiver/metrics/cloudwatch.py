@@ -13,7 +13,8 @@ from inside the server, with boto3 and no agent:
   ``_count`` increases, gauges as they are;
 - a thread of its own sends them with ``PutLogEvents`` in batches (at most 10,000 events and
   1 MiB each, CloudWatch's limits), retrying a failed batch with backoff; events not sent wait
-  for the next round, the oldest dropped past :data:`MAX_PENDING` (with a warning). Nothing of
+  for the next round, the oldest dropped past :data:`MAX_PENDING` or :data:`MAX_AGE_MS` (with a
+  warning; CloudWatch refuses a batch spanning a day). Nothing of
   this runs on the event loop: a slow or unreachable CloudWatch never holds a request;
 - failures are logged, never fatal; :meth:`stop` publishes one last time (one attempt,
   bounded by the client's timeouts) and stops the thread.
@@ -52,6 +53,8 @@ MAX_METRICS_PER_EVENT = 100
 MAX_DIMENSIONS = 30
 #: Events kept for the next round when CloudWatch cannot take them, at most.
 MAX_PENDING = 50_000
+#: Events older than this are dropped unsent: CloudWatch refuses a batch spanning 24 hours.
+MAX_AGE_MS = 23 * 3600 * 1000
 #: Attempts per batch within one round, and the first backoff (doubling) between them.
 ATTEMPTS = 3
 BACKOFF_SECONDS = 0.5
@@ -257,7 +260,8 @@ class CloudWatchPublisher:
     def _send(self, events: list[tuple[int, bytes]], attempts: int) -> None:
         self._pending.extend(events)
         dropped = 0
-        while len(self._pending) > MAX_PENDING:
+        oldest = int(time.time() * 1000) - MAX_AGE_MS
+        while self._pending and (len(self._pending) > MAX_PENDING or self._pending[0][0] < oldest):
             self._pending.popleft()
             dropped += 1
         if dropped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from prometheus_client.metrics_core import (
@@ -112,3 +113,17 @@ def test_a_failed_batch_is_retried_then_kept_for_the_next_round(monkeypatch: Any
     successes = [e["nv_inference_request_success"] for e in client.received if "nv_inference_request_success" in e]
     assert successes == [1, 1]  # nothing lost, nothing counted twice
     assert publisher.sent == len(client.received)
+
+
+def test_events_older_than_a_day_are_dropped_not_retried_forever(monkeypatch: Any) -> None:
+    client = FlakyLogs(failures=0)
+    publisher = CloudWatchPublisher(lambda: collection(1), log_group="g", namespace="ns", client_factory=lambda: client)
+    stale = int(time.time() * 1000) - cloudwatch.MAX_AGE_MS - 60_000
+    publisher._pending.append((stale, b'{"stale": 1}'))
+
+    async def main() -> None:
+        await publisher.publish_once()
+        await publisher.stop()
+
+    asyncio.run(main())
+    assert client.received and not any("stale" in e for e in client.received)
