@@ -12,7 +12,8 @@ use it, and :func:`load_models` for the models loaded at start.
 3. the model manager and its disk cache;
 4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
 5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
-   every listener is up); then the server is ready.
+   every listener is up); then CloudWatch publishing (``--cloudwatch-*``, which stops after
+   the listeners drained and before the models unload) and the server is ready.
 
 A failure at any step closes exactly what the earlier steps opened, in reverse order, logs
 why, and exits non-zero (2 for a logging set-up the flags make impossible, as for other flags;
@@ -303,6 +304,15 @@ class Runner:
         stack.push_async_callback(parts.manager.stop)
         # 4. the models loaded at start
         await load_models(parts, settings)
+        # CloudWatch (started once the listeners are up) stops after they drained, so its last
+        # publication counts every request, and before the models unload.
+        publishers: list[CloudWatchPublisher] = []
+
+        async def stop_publishing() -> None:
+            for publisher in publishers:
+                await publisher.stop()
+
+        stack.push_async_callback(stop_publishing)
         # 5. the listeners
         listeners: list[_Listener] = []
 
@@ -341,7 +351,7 @@ class Runner:
         if settings.cloudwatch is not None and registry is not None:
             publisher = _cloudwatch_publisher(registry, settings)
             publisher.start()
-            stack.push_async_callback(publisher.stop)  # before the models unload
+            publishers.append(publisher)
         parts.service.ready = True
         for listener in listeners:
             if isinstance(listener, _AsgiListener):
