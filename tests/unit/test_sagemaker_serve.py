@@ -12,7 +12,7 @@ import pytest
 from quiver import logs
 from quiver.cli import build_parser
 from quiver.sagemaker_serve import EntrypointError, parse_serve_args, plan
-from quiver.settings import from_args
+from quiver.settings import SettingsError, from_args
 
 
 @pytest.fixture
@@ -254,3 +254,28 @@ def test_log_levels_reach_the_logger() -> None:
         logs.configure(
             verbose=before["log_verbose_level"], info=before["log_info"], warning=before["log_warning"], error=before["log_error"]
         )
+
+
+def test_quiver_serve_reads_the_cloudwatch_variables_and_flags(tmp_path: Path) -> None:
+    parser = build_parser()
+    serve = ["serve", "--model-repository", str(tmp_path)]
+    env = {
+        "SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH": "true",
+        "SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP": "g",
+        "SAGEMAKER_TRITON_CLOUDWATCH_METRIC_NAMESPACE": "ns",
+    }
+    cloudwatch = from_args(parser.parse_args(serve), env).cloudwatch
+    assert cloudwatch is not None and (cloudwatch.log_group, cloudwatch.namespace) == ("g", "ns")
+    flags = [*serve, "--cloudwatch-log-group", "g2", "--cloudwatch-metric-namespace", "n2", "--cloudwatch-interval", "5"]
+    cloudwatch = from_args(parser.parse_args(flags), env).cloudwatch
+    assert cloudwatch is not None and (cloudwatch.log_group, cloudwatch.interval) == ("g2", 5.0)
+    assert from_args(parser.parse_args(serve), {}).cloudwatch is None
+    for args, environ, message in (
+        ([*serve, "--cloudwatch-log-group", "g"], {}, "go together"),
+        ([*serve, "--allow-metrics=false"], env, "--allow-metrics=true"),
+        (serve, {**env, "SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP": ""}, "SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP"),
+        (serve, {**env, "SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH": "sometimes"}, "must be true or false"),
+        ([*serve, "--ray"], env, "--ray"),
+    ):
+        with pytest.raises(SettingsError, match=message):
+            from_args(parser.parse_args(args), environ)
