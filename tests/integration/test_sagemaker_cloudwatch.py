@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -164,3 +165,48 @@ def test_cloudwatch_refusing_is_retried_logged_and_not_fatal(tmp_path: Path) -> 
     finally:
         refusing.shutdown()
         refusing.server_close()
+
+
+def test_a_hanging_cloudwatch_never_holds_a_request(tmp_path: Path) -> None:
+    """CloudWatch accepts the connection and never answers: the publisher's thread waits, the
+    requests do not, and the server still stops in time."""
+    hanging = socket.socket()
+    hanging.bind(("127.0.0.1", 0))
+    hanging.listen(64)
+    held: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        hanging.settimeout(0.2)
+        while not done.is_set():
+            try:
+                held.append(hanging.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{hanging.getsockname()[1]}"
+        with EntrypointServer(tmp_path / "unused", tmp_path / "sm", env=publishing_env(endpoint)) as server:
+            platform = Platform(server, tmp_path / "models")
+            name, reply = platform.load("m.tar.gz", single_archive(2.0, folder="m", name="m"))
+            assert reply.status == 200
+            deadline = time.monotonic() + 6
+            slowest = 0.0
+            while time.monotonic() < deadline or not held:
+                started = time.monotonic()
+                np.testing.assert_array_equal(outputs(invoke(platform.base, f"/models/{name}/invoke", X, "INPUT0"))["OUTPUT0"], X + 2)
+                slowest = max(slowest, time.monotonic() - started)
+                assert time.monotonic() < deadline + 30, "the publisher never connected"
+            assert held  # a publication is under way, hanging
+            assert slowest < 5.0, slowest  # none waited for it (a held call lasts 10 s)
+            started = time.monotonic()
+            assert server.stop(timeout=60) == 0
+            assert time.monotonic() - started < 40
+    finally:
+        done.set()
+        thread.join(5)
+        for conn in held:
+            conn.close()
+        hanging.close()

@@ -242,15 +242,17 @@ class CloudWatchPublisher:
         ]
 
     async def stop(self) -> None:
-        """Publish one last time (one attempt), then stop the sender thread. A round under way
-        gives up its backoff waits at once."""
+        """Publish one last time (one attempt; not when CloudWatch is failing, so a stop does
+        not wait on it twice), then stop the sender thread. A round under way gives up its
+        backoff waits at once; a call under way ends within the client's timeouts."""
         self._stopping.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-            await self.publish_once(attempts=1)
+            if not self._failing:
+                await self.publish_once(attempts=1)
         await asyncio.get_running_loop().run_in_executor(None, self._sender.shutdown, True)
         if self._pending:
             logger.warning("%d metric events were not published to CloudWatch", len(self._pending))
