@@ -203,7 +203,7 @@ def test_a_hanging_cloudwatch_never_holds_a_request(tmp_path: Path) -> None:
             assert slowest < 5.0, slowest  # none waited for it (a held call lasts 10 s)
             started = time.monotonic()
             assert server.stop(timeout=60) == 0
-            assert time.monotonic() - started < 40
+            assert time.monotonic() - started < 25  # the call under way ends at its 10 s read timeout
     finally:
         done.set()
         thread.join(5)

@@ -164,7 +164,7 @@ def _default_client() -> Any:
     from botocore.config import Config
 
     # One attempt per call (this module retries, between rounds too), short timeouts.
-    config = Config(retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=3, read_timeout=10)
+    config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, connect_timeout=3, read_timeout=10)
     # SageMaker sets AWS_REGION; boto3 itself reads AWS_DEFAULT_REGION and the profile.
     region = os.environ.get("AWS_REGION") or None
     return boto3.client("logs", config=config, region_name=region)
@@ -261,6 +261,8 @@ class CloudWatchPublisher:
 
     def _send(self, events: list[tuple[int, bytes]], attempts: int) -> None:
         self._pending.extend(events)
+        if self._stopping.is_set() and self._failing:
+            return  # stopping, and the round before failed: do not wait on CloudWatch again
         dropped = 0
         oldest = int(time.time() * 1000) - MAX_AGE_MS
         while self._pending and (len(self._pending) > MAX_PENDING or self._pending[0][0] < oldest):
