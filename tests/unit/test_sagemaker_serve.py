@@ -4,6 +4,7 @@ the settings those flags parse into, and the message naming the variable of an i
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -243,18 +244,23 @@ def test_cloudwatch_variables(root: Path) -> None:
 
 
 def test_log_levels_reach_the_logger() -> None:
-    before = logs.settings()
+    """--log-warning / --log-error reach the logging set-up (root logger and module restored)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    saved = dict(logs._settings), logs._handler, logs._file_dir
     try:
         logs.configure(info=False, warning=False, error=True)
         assert logs.settings()["log_warning"] is False and logs.settings()["log_error"] is True
-        import logging
-
         assert logging.getLogger("quiver").getEffectiveLevel() == logging.ERROR
     finally:
-        logs.configure(
-            verbose=before["log_verbose_level"], info=before["log_info"], warning=before["log_warning"], error=before["log_error"]
-        )
-
+        if logs._handler is not None and logs._handler is not saved[1]:
+            root.removeHandler(logs._handler)
+            logs._handler.close()
+        logs._settings.clear()
+        logs._settings.update(saved[0])
+        logs._handler, logs._file_dir = saved[1], saved[2]
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 def test_quiver_serve_reads_the_cloudwatch_variables_and_flags(tmp_path: Path) -> None:
     parser = build_parser()
