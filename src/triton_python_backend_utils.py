@@ -388,10 +388,13 @@ TRITONSERVER_MEMORY_CPU = 1
 
 
 class InferenceTrace:
-    """The trace of a request; Quiver has no trace context to hand to models."""
+    """The trace of a request. Pass it on, ``InferenceRequest(..., trace=request.trace())``,
+    and a traced request's BLS request is traced with it (a trace of its own whose
+    ``parent_id`` is this request's), as Triton traces BLS requests."""
 
     def __init__(self, context: str | None = None) -> None:
         self._context = context
+        self._server: Any = None  # the server's trace of the request, when it is traced
 
     def get_context(self) -> str | None:
         return self._context

@@ -493,6 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="on scale-in and shutdown a replica takes no new requests and gets this long to "
         "finish the ones in flight (default: 30)",
     )  # fmt: skip
+    from quiver import response_cache, tracing
+
+    tracing.config.add_arguments(serve.add_argument_group("trace (Triton's trace extension)"))
+    response_cache.add_arguments(serve.add_argument_group("response cache"))
     add_serve_flags(serve, net)  # the SageMaker listener's own flags and CloudWatch
     logs = serve.add_argument_group("logging")
     logs.add_argument(

@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import CollectorRegistry
@@ -49,8 +50,11 @@ from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
+from quiver.response_cache import ResponseCache
 from quiver.service import InferenceService
 from quiver.settings import Settings
+from quiver.tracing import TraceManager
+from quiver.tracing.otel import MissingOpenTelemetry, OpenTelemetryExporter
 
 if TYPE_CHECKING:
     from quiver.metrics.cloudwatch import CloudWatchPublisher
@@ -104,7 +108,12 @@ def assemble(settings: Settings) -> Parts:
         cache_revalidate_timeout=settings.model_cache_revalidate_timeout,
         namespacing=settings.model_namespacing,
     )
-    service = InferenceService(manager, repositories=list(settings.model_repositories))
+    service = InferenceService(
+        manager,
+        repositories=list(settings.model_repositories),
+        tracing=TraceManager(settings.trace),
+        response_cache=ResponseCache(settings.response_cache_size) if settings.response_cache_size else None,
+    )
     http = HttpFrontend(
         service,
         max_input_size=settings.http_max_input_size,
@@ -295,9 +304,10 @@ class Runner:
         # 2. the metrics registry, 3. the manager (assembled first: the collector reads it;
         # assembling opens nothing). The disk cache opens on first use and closes with it.
         parts = self.parts = assemble(settings)
+        _start_tracing(parts.service.tracing, stack)
         registry: CollectorRegistry | None = None
         if settings.allow_metrics:
-            collector = _metrics_collector(parts.manager, settings)
+            collector = _metrics_collector(parts.manager, settings, parts.service.response_cache)
             stack.callback(collector.close)
             registry = CollectorRegistry(auto_describe=False)
             registry.register(collector)
@@ -396,7 +406,29 @@ def _cloudwatch_publisher(registry: CollectorRegistry, settings: Settings) -> Cl
     )
 
 
-def _metrics_collector(manager: ModelRepositoryManager, settings: Settings) -> TritonCollector:
+def _start_tracing(tracing: TraceManager, stack: contextlib.AsyncExitStack) -> None:
+    """Log the trace flags' warnings, open the OpenTelemetry exporter (mode opentelemetry);
+    at stop (after the listeners and the models) write the traces held, flush the spans."""
+    config = tracing.config
+    for warning in config.warnings:
+        logger.warning("%s", warning)
+    folder = Path(config.file).parent if config.file else None
+    if config.mode == "triton" and folder is not None and not folder.is_dir():
+        raise StartError(f"--trace-config triton,file={config.file}: the folder {folder} does not exist", 2)
+    if config.mode == "opentelemetry":
+        try:
+            tracing.exporter = OpenTelemetryExporter(config)
+        except MissingOpenTelemetry as exc:
+            raise StartError(str(exc)) from None
+    stack.callback(tracing.close)
+    if config.level:
+        where = config.file if config.mode == "triton" else tracing.exporter.url
+        logger.info("tracing: mode %s, rate %d, count %d, to %s", config.mode, config.rate, config.count, where)
+
+
+def _metrics_collector(
+    manager: ModelRepositoryManager, settings: Settings, response_cache: ResponseCache | None = None
+) -> TritonCollector:
     """Triton's metrics, for a registry of this server's own (not prometheus_client's global
     one); the multi-model ones with on_demand, a memory limit or a SageMaker multi-model endpoint."""
     multi_model_endpoint = settings.sagemaker is not None and settings.sagemaker.multi_model
@@ -425,6 +457,7 @@ def _metrics_collector(manager: ModelRepositoryManager, settings: Settings) -> T
 
     return TritonCollector(
         lambda: manager.ready_models,
+        response_cache=response_cache,
         multi_model=multi_model,
         cpu=settings.allow_cpu_metrics,
         gpu=settings.allow_gpu_metrics,

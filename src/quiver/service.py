@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ from quiver.lifecycle.budget import OutOfMemoryError
 from quiver.lifecycle.dependencies import ensemble_steps, is_model_folder, served_folder
 from quiver.repository.cache import CacheFullError
 from quiver.repository.names import check_local_path
+from quiver.response_cache import ResponseCache
+from quiver.scheduling.core import batch_rows
+from quiver.tracing import Trace, TraceManager
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,7 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
     "statistics",
+    "trace",
     "logging",
 ]
 
@@ -68,8 +73,19 @@ class Registration:
 
 
 class InferenceService:
-    def __init__(self, manager: ModelRepositoryManager, repositories: Sequence[Path] = ()) -> None:
+    def __init__(
+        self,
+        manager: ModelRepositoryManager,
+        repositories: Sequence[Path] = (),
+        *,
+        tracing: TraceManager | None = None,
+        response_cache: ResponseCache | None = None,
+    ) -> None:
         self.manager = manager
+        #: Triton's trace extension: the settings and which requests are traced.
+        self.tracing = tracing if tracing is not None else TraceManager()
+        #: The server-wide response cache (``--cache-config local,size=N``), or None.
+        self.response_cache = response_cache
         manager.bind(self.infer)
         self.ready = False  # set by the runner once start-up finished
         #: The local ``--model-repository`` folders (SageMaker urls inside them load by name).
@@ -342,6 +358,24 @@ class InferenceService:
     def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
         return logs.update(changes)
 
+    # -- trace extension -------------------------------------------------------------------
+
+    def trace_settings(self, model: str = "", changes: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Triton's trace settings, global or ``model``'s, after applying ``changes`` (a POST:
+        values as text or lists of text, None to clear one)."""
+        if model and not self.manager.is_ready(model):
+            raise InvalidArgumentError(f"Request for unknown model : {model}")
+        if changes:
+            return self.tracing.update(model, changes)
+        return self.tracing.settings_json(model)
+
+    def start_trace(self, model: str, headers: Callable[[], Mapping[str, str]] | None = None) -> Trace | None:
+        """The trace of a request to ``model`` arriving now, if it is sampled; ``headers()``
+        may give an OpenTelemetry ``traceparent`` (asked for only in that mode). The frontend
+        records its own timestamps on it, sets it on the request and releases it once it
+        has answered."""
+        return self.tracing.sample(model, headers)
+
     # -- inference -------------------------------------------------------------------
 
     def queues(self, name: str, version: str = "") -> bool:
@@ -353,6 +387,8 @@ class InferenceService:
             return False
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        trace: Trace | None = request.trace
+        started = time.monotonic_ns() if trace is not None else 0
         manager = self.manager
         try:
             model = manager.get(request.model_name, request.model_version)
@@ -368,10 +404,23 @@ class InferenceService:
         except QuiverError:
             model.stats.record_failure(0, "REJECTED")
             raise
+        if trace is not None:
+            trace.start(model.name, request.model_version, request.id, started)
+            trace.capture("QUEUE_START")
+            trace.tensors("TENSOR_QUEUE_INPUT", request.inputs)
+        cache = self.response_cache
         try:
-            response = await model.scheduler.enqueue(request)
+            if cache is not None and model.config.proto.response_cache.enable:
+                rows = batch_rows(request, model.config.max_batch_size > 0)
+                response = await cache.infer(
+                    model.name, model.version_str, request, model.stats, rows, model.scheduler.enqueue, model.loaded_at
+                )
+            else:
+                response = await model.scheduler.enqueue(request)
         finally:
             manager.request_done(model)  # loads waiting for room look again
+            if trace is not None:
+                trace.capture("REQUEST_END")
         response.model_name = model.name
         response.model_version = model.version_str
         response.id = request.id
@@ -383,18 +432,10 @@ class InferenceService:
 #: What a framework says when it runs out of memory (the strings Triton's SageMaker frontend
 #: looks for to answer 507 rather than 400).
 _OOM_MESSAGES = (
-    "CUDA out of memory",
-    "CUDA_OUT_OF_MEMORY",
-    "Out of memory",
-    "Out Of Memory",
-    "out of memory",
-    "MemoryError",
-    "OutOfMemory",
-    "OOM",
-    "Failed to allocate memory",
-    "failed to allocate memory",
+    "CUDA out of memory", "CUDA_OUT_OF_MEMORY", "Out of memory", "Out Of Memory", "out of memory",
+    "MemoryError", "OutOfMemory", "OOM", "Failed to allocate memory", "failed to allocate memory",
     "No space left on device",
-)
+)  # fmt: skip
 
 
 def load_failure(exc: QuiverError) -> QuiverError:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quiver.errors import InvalidArgumentError
@@ -44,6 +44,9 @@ from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
 from quiver.repository.archive import DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO
 from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT
 from quiver.repository.storage import RetryPolicy
+from quiver.response_cache import CacheConfigError, parse_cache_config
+from quiver.tracing import TraceConfig, TraceConfigError
+from quiver.tracing import config as trace_config
 
 #: ``--s3-retries`` when none is given (S3Storage's own default then applies).
 DEFAULT_S3_RETRIES = 5
@@ -151,6 +154,9 @@ class Settings:
     cloudwatch: CloudWatchSettings | None = None
     # Ray: None serves from this process
     ray: RaySettings | None = None
+    # Triton's trace extension (--trace-config) and response cache (--cache-config)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    response_cache_size: int = 0  # bytes of the local response cache; 0: none
 
     @property
     def s3_options(self) -> dict[str, object]:
@@ -338,6 +344,14 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     gpu_limit = _gpu_limit(args, environ)
     sagemaker = _sagemaker(args, environ)
     ray = _ray(args)
+    try:
+        trace = trace_config.from_args(args, environ)
+        cache_size = parse_cache_config(args.cache_config, args.response_cache_byte_size)
+    except (TraceConfigError, CacheConfigError) as exc:
+        raise SettingsError(str(exc)) from None
+    if ray is not None and trace.level:
+        # Each replica would sample, count and write the same files on its own.
+        raise SettingsError("tracing (--trace-config level=...) is not available with --ray")
     endpoint = args.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
     return Settings(
         model_repositories=local,
@@ -392,4 +406,6 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
         cloudwatch=_cloudwatch(args, environ),
         ray=ray,
+        trace=trace,
+        response_cache_size=cache_size,
     )

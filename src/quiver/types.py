@@ -160,6 +160,8 @@ class InferenceRequest:
     outputs: list[RequestedOutput] | None = None
     id: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: The request's trace (a ``quiver.tracing.Trace``) when it is sampled, else None.
+    trace: Any = None
 
     def input(self, name: str) -> Tensor | None:
         for tensor in self.inputs:

@@ -127,3 +127,16 @@ def test_repositories_split_into_local_and_s3(tmp_path: Path) -> None:
 def test_cache_dir_flag_is_resolved_and_the_variable_is_left_to_the_manager(tmp_path: Path) -> None:
     assert settings(tmp_path, "--model-cache-dir", str(tmp_path / "c")).model_cache_dir == (tmp_path / "c").resolve()
     assert settings(tmp_path, env={"QUIVER_CACHE_DIR": str(tmp_path)}).model_cache_dir is None
+
+
+def test_trace_and_cache_flags(tmp_path: Path) -> None:
+    built = settings(
+        tmp_path, "--trace-config", "triton,file=t.json", "--trace-level", "TIMESTAMPS",
+        "--cache-config", "local,size=4096",
+    )  # fmt: skip
+    assert (built.trace.file, built.trace.level, built.response_cache_size) == ("t.json", 1, 4096)
+    assert settings(tmp_path).trace.level == 0 and settings(tmp_path).response_cache_size == 0
+    with pytest.raises(SettingsError, match="not available with --ray"):
+        settings(tmp_path, "--ray", "--trace-config", "level=TIMESTAMPS")
+    with pytest.raises(SettingsError, match="Incompatible flags"):
+        settings(tmp_path, "--cache-config", "local,size=1", "--response-cache-byte-size", "1")

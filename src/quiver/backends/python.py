@@ -321,7 +321,7 @@ class PythonInstance(ThreadedInstance):
             requested = set(self._all_outputs)
         else:
             requested = {output.name for output in request.outputs}
-        return pb_utils.InferenceRequest._from_server(
+        pb_request = pb_utils.InferenceRequest._from_server(
             request_id=request.id,
             correlation_id=correlation_id,
             inputs=inputs,
@@ -332,6 +332,8 @@ class PythonInstance(ThreadedInstance):
             timeout=timeout,
             parameters_json=json.dumps(passed, default=str),
         )
+        pb_request.trace()._server = request.trace  # BLS requests given trace= are traced with it
+        return pb_request
 
     def _responses(self, result: Any, requests: list[InferenceRequest]) -> ExecuteResult:
         count = len(requests)

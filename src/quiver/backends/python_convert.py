@@ -117,6 +117,7 @@ def _quiver_request(request: pb_utils.InferenceRequest) -> InferenceRequest:
     if request.timeout():
         parameters["timeout"] = request.timeout()
     version = request.model_version()
+    parent = request.trace()._server  # the calling request's trace, when it was passed on
     return InferenceRequest(
         model_name=request.model_name(),
         model_version="" if version < 0 else str(version),
@@ -124,6 +125,7 @@ def _quiver_request(request: pb_utils.InferenceRequest) -> InferenceRequest:
         outputs=[RequestedOutput(name) for name in sorted(names)] if names else None,
         id=request.request_id(),
         parameters=parameters,
+        trace=parent.spawn() if parent is not None else None,
     )
 
 

@@ -54,6 +54,7 @@ class EnsembleScheduler(CoreScheduler):
             outputs=[RequestedOutput(model_output) for model_output, _ in step.output_map],
             id=request.id,
             parameters=params,
+            trace=request.trace.spawn() if request.trace is not None else None,
         )
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:

@@ -17,6 +17,7 @@ import functools
 import gc
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
+from time import monotonic_ns as now_ns
 from typing import Any, TypeVar
 
 import grpc
@@ -37,6 +38,7 @@ from quiver.protocol.v2_grpc import (
     encode_infer_response,
 )
 from quiver.service import InferenceService
+from quiver.tracing import Trace
 from quiver.types import InferenceResponse
 
 #: The service name clients may ask the health service about, besides "" (the server).
@@ -218,6 +220,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 entry.string_param = str(setting)
         return response
 
+    @_rpc
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        changes = {key: list(value.value) or None for key, value in request.settings.items()}
+        settings = self.service.trace_settings(request.model_name, changes or None)
+        response = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
+
     # -- inference -------------------------------------------------------------------
     #
     # ModelInfer and ModelStreamInfer are served by _RawInferHandler with no (de)serializers:
@@ -226,18 +237,37 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     # one inline, as grpc would have. A message that is not a ModelInferRequest is then
     # INVALID_ARGUMENT rather than grpc's own failure.
 
-    async def _infer(self, data: bytes, serialize: Callable[[InferenceResponse], bytes]) -> bytes:
+    async def _infer(
+        self, data: bytes, serialize: Callable[[InferenceResponse], bytes], context: Any = None
+    ) -> bytes:
         """Parse, decode, infer, encode and serialize one ModelInferRequest."""
+        received = now_ns()
         if len(data) < PARSE_INLINE_BYTES:
             message = _parse_request(data)
         else:
             message = await in_worker(_parse_request, data)
         _call.set((message.model_name, message.id))
+        trace = self.service.start_trace(message.model_name, lambda: _metadata(context))
+        if trace is None:
+            return await self._run(message, serialize, None)
+        trace.capture("GRPC_WAITREAD_START", received)
+        trace.capture("GRPC_WAITREAD_END")
+        try:
+            return await self._run(message, serialize, trace)
+        finally:
+            trace.capture("GRPC_SEND_END")  # handed to grpc, which sends it
+            trace.release()
+
+    async def _run(self, message: Any, serialize: Callable[[InferenceResponse], bytes], trace: Trace | None) -> bytes:
         if decode_cost(message) < OFFLOAD_NS:
             request = decode_infer_request(message)
         else:
             request = await in_worker(decode_infer_request, message)
+        request.trace = trace
         response = await self.service.infer(request)
+        if trace is not None:
+            trace.capture("INFER_RESPONSE_COMPLETE")
+            trace.capture("GRPC_SEND_START")
         if encode_cost(response) < OFFLOAD_NS:
             return serialize(response)
         return await in_worker(serialize, response)
@@ -247,7 +277,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         """ModelInfer: a serialized ModelInferRequest in, a ModelInferResponse out."""
         self._enter()
         try:
-            return await self._infer(data, _serialized_response)
+            return await self._infer(data, _serialized_response, context)
         finally:
             self._leave()
 
@@ -295,6 +325,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 if leftover is not None:
                     leftover.cancel()
                     self._leave()
+
+
+def _metadata(context: Any) -> dict[str, str]:
+    """The call's metadata an OpenTelemetry context may come in (W3C trace context)."""
+    if context is None:
+        return {}
+    return {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
 
 
 def _parse_request(data: bytes) -> Any:

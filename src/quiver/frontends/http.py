@@ -15,6 +15,7 @@ import functools
 import gzip
 import zlib
 from collections.abc import Awaitable
+from time import monotonic_ns as now_ns
 from typing import Any
 
 import orjson
@@ -37,6 +38,7 @@ from quiver.protocol.v2_json import (
     encode_response,
 )
 from quiver.service import InferenceService
+from quiver.tracing import Trace
 from quiver.types import InferenceResponse
 
 JSON = "application/json"
@@ -95,6 +97,8 @@ class HttpFrontend:
             Route("/v2/repository/models/{model}/load", self.repository_load, methods=["POST"]),
             Route("/v2/repository/models/{model}/unload", self.repository_unload, methods=["POST"]),
             Route("/v2/logging", self.logging, methods=["GET", "POST"]),
+            Route("/v2/trace/setting", self.trace_setting, methods=["GET", "POST"]),
+            Route(model + "/trace/setting", self.trace_setting, methods=["GET", "POST"]),
             Route(model + "/ready", self.model_ready, methods=["GET"]),
             Route(versioned + "/ready", self.model_ready, methods=["GET"]),
             Route(model + "/config", self.model_config, methods=["GET"]),
@@ -230,6 +234,11 @@ class HttpFrontend:
             return _json(self.service.log_settings())
         return _json(self.service.update_log_settings(await self._json_body(request)))
 
+    async def trace_setting(self, request: Request) -> Response:
+        model = request.path_params.get("model", "")
+        changes = await self._json_body(request) if request.method == "POST" else None
+        return _json(self.service.trace_settings(model, changes))
+
     # -- inference: a lean ASGI path, no router or request objects -----------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -256,6 +265,21 @@ class HttpFrontend:
             await self._app(scope, receive, send)
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, model: str, version: str) -> None:
+        received = now_ns()
+        trace = self.service.start_trace(model, lambda: _trace_headers(scope))
+        if trace is None:
+            await self._infer_traced(scope, receive, send, model, version, None)
+            return
+        trace.capture("HTTP_RECV_START", received)
+        try:
+            await self._infer_traced(scope, receive, send, model, version, trace)
+        finally:
+            trace.capture("HTTP_SEND_END")
+            trace.release()
+
+    async def _infer_traced(
+        self, scope: Scope, receive: Receive, send: Send, model: str, version: str, trace: Trace | None
+    ) -> None:
         content_length = raw_length = encoding = accept = None
         for key, value in scope["headers"]:
             if key == b"content-length":
@@ -281,10 +305,15 @@ class HttpFrontend:
                 infer_request = decode_request(body, header_length, model, version)
             else:
                 infer_request = await in_worker(decode_request, body, header_length, model, version)
+            if trace is not None:
+                trace.capture("HTTP_RECV_END")
+                infer_request.trace = trace
             if self.service.queues(model, version):
                 response = await _unless_disconnected(self.service.infer(infer_request), receive)
             else:
                 response = await self.service.infer(infer_request)
+            if trace is not None:
+                trace.capture("INFER_RESPONSE_COMPLETE")
             if encode_cost(response, infer_request) < OFFLOAD_NS:
                 payload, json_length = encode_response(response, infer_request)
             else:
@@ -302,6 +331,8 @@ class HttpFrontend:
             content_type = _BINARY
         if accept is not None:
             payload = await _compress(payload, accept.decode("latin-1"), headers)
+        if trace is not None:
+            trace.capture("HTTP_SEND_START")
         await _send(send, 200, payload, content_type, headers)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None, encoding: bytes | None) -> bytes:
@@ -388,6 +419,15 @@ async def _send(
         all_headers.extend(headers)
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _trace_headers(scope: Scope) -> dict[str, str]:
+    """The headers an OpenTelemetry context may come in (W3C trace context)."""
+    return {
+        k.decode("latin-1"): v.decode("latin-1")
+        for k, v in scope["headers"]
+        if k in (b"traceparent", b"tracestate")
+    }
 
 
 def _parameters(body: dict[str, Any]) -> dict[str, Any]:

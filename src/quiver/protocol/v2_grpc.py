@@ -20,8 +20,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from quiver.errors import InvalidArgumentError
-from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.protocol.bytes_codec import serialize_bytes
 from quiver.protocol.limits import MAX_RANK, element_count
+from quiver.protocol.raw import array_from_raw
 from quiver.types import (
     HAVE_BF16,
     DataType,
@@ -122,22 +123,12 @@ def _checked(shape: tuple[int, ...], name: str, datatype: DataType) -> int:
 def _from_raw(buffer: bytes, datatype: DataType, shape: tuple[int, ...], name: str) -> np.ndarray[Any, Any]:
     count = _checked(shape, name, datatype)
     size = len(buffer)
-    if datatype is DataType.BYTES:
-        if count * 4 > size:  # every element has at least its 4-byte length
-            raise _bad(
-                f"input '{name}': shape {list(shape)} of BYTES needs at least {count * 4} bytes "
-                f"but its raw_input_contents has {size}"
-            )
-        return deserialize_bytes(buffer, count, name).reshape(shape)
-    expected = count * datatype.itemsize
-    if size != expected:
+    if datatype is DataType.BYTES and count * 4 > size:  # each element has a 4-byte length
         raise _bad(
-            f"input '{name}': shape {list(shape)} of {datatype.value} needs {expected} bytes "
+            f"input '{name}': shape {list(shape)} of BYTES needs at least {count * 4} bytes "
             f"but its raw_input_contents has {size}"
         )
-    if datatype is DataType.BF16 and not HAVE_BF16:
-        raise _bad(f"input '{name}': BF16 needs the ml_dtypes package on the server")
-    return np.frombuffer(buffer, dtype=datatype.numpy_dtype).reshape(shape)
+    return array_from_raw(buffer, datatype, shape, count, name, "its raw_input_contents has")
 
 
 def _from_contents(

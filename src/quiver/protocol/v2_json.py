@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 
 from quiver.errors import InvalidArgumentError
-from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.protocol.bytes_codec import serialize_bytes
 from quiver.protocol.limits import (
     MAX_JSON_DEPTH,
     MAX_RANK,
@@ -27,6 +27,7 @@ from quiver.protocol.limits import (
     element_count,
     may_nest_too_deep,
 )
+from quiver.protocol.raw import array_from_raw
 from quiver.types import (
     BY_WIRE_NAME,
     HAVE_BF16,
@@ -230,18 +231,7 @@ def decode_request(
                 )
             chunk = view[offset:end]
             offset = end
-            if datatype is DataType.BYTES:
-                data = deserialize_bytes(chunk, count, name).reshape(shape)
-            else:
-                expected = count * datatype.itemsize
-                if binary_size != expected:
-                    raise _bad(
-                        f"input '{name}': shape {list(shape)} of {datatype.value} needs "
-                        f"{expected} bytes but binary_data_size is {binary_size}"
-                    )
-                if datatype is DataType.BF16 and not HAVE_BF16:
-                    raise _bad(f"input '{name}': BF16 needs the ml_dtypes package on the server")
-                data = np.frombuffer(chunk, dtype=datatype.numpy_dtype).reshape(shape)
+            data = array_from_raw(chunk, datatype, shape, count, name, "binary_data_size is")
         else:
             if "data" not in raw:
                 raise _bad(f"input '{name}': has neither 'data' nor 'binary_data_size'")
