@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import quiver
+from quiver import triton_flags
 
 if TYPE_CHECKING:
     from quiver.settings import Settings
@@ -29,9 +30,11 @@ def _bool(value: str) -> bool:
 
 
 def _fraction(value: str) -> float:
-    """A fraction in (0, 1], for --model-load-gpu-limit."""
+    """A fraction in (0, 1], for --model-load-gpu-limit (Triton's DEVICE:FRACTION form too:
+    Quiver's limit holds for every GPU)."""
     from quiver.settings import parse_fraction
 
+    value = value.rpartition(":")[2]
     try:
         return parse_fraction(value)
     except ValueError as exc:
@@ -139,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.add_argument(
+        "--id",
+        default="quiver",
+        metavar="NAME",
+        help="the server's name in its metadata (GET /v2, gRPC ServerMetadata) (default: quiver)",
+    )
+    serve.add_argument(
         "--model-repository",
         "--model-store",
         dest="model_repository",
@@ -216,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(net, "--allow-gpu-metrics", True, "report GPU metrics through NVML (needs quiver[gpu] and a GPU)")
     net.add_argument(
         "--metrics-interval-ms",
-        type=int,
+        type=lambda value: int(float(value)),
         default=2000,
         metavar="MS",
         help=(
@@ -303,17 +312,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="BACKEND,SETTING=VALUE",
         help="a backend setting in Triton's form, e.g. python,shm-default-byte-size=16777216; repeatable",
-    )
-    models.add_argument(
-        "--buffer-manager-thread-count",
-        type=int,
-        default=0,
-        metavar="N",
-        help=(
-            "accepted for Triton compatibility (0 or more); Quiver needs no buffer-manager "
-            "threads: tensors are copied by the codec threads (--sagemaker-thread-count) "
-            "(default: 0)"
-        ),
     )
     models.add_argument(
         "--model-load-wait-timeout",
@@ -497,6 +495,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     tracing.config.add_arguments(serve.add_argument_group("trace (Triton's trace extension)"))
     response_cache.add_arguments(serve.add_argument_group("response cache"))
+    shm = serve.add_argument_group("shared memory")
+    _flag(
+        shm,
+        "--allow-client-shm",
+        False,
+        "let clients register and unregister system shared-memory regions "
+        "(/v2/systemsharedmemory, gRPC SystemSharedMemory*) and use them for inputs and "
+        "outputs; status is always served, as in Triton",
+    )
+    triton_flags.add_arguments(serve)
     add_serve_flags(serve, net)  # the SageMaker listener's own flags and CloudWatch
     logs = serve.add_argument_group("logging")
     logs.add_argument(
@@ -507,8 +515,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="verbose logging level, or true|false (1|0); >0 logs debug (default: 0)",
     )
     _flag(logs, "--log-info", True, "log lifecycle events")
-    _flag(logs, "--log-warning", True, "log warnings")
-    _flag(logs, "--log-error", True, "log errors")
     logs.add_argument("--log-file", default="", metavar="PATH", help="log to this file instead of standard error")
     _flag(
         logs,

@@ -164,11 +164,11 @@ def configure(
     *,
     verbose: int = 0,
     info: bool = True,
+    warning: bool = True,
+    error: bool = True,
     log_file: str = "",
     log_format: str = "default",
     log_file_dir: str | None = None,
-    warning: bool = True,
-    error: bool = True,
 ) -> None:
     """Set up logging at start (the CLI's ``--log-*`` flags). ``log_file_dir``: the folder
     inside which the logging API may set ``log_file`` (``None``: the API may not change it)."""

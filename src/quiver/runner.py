@@ -50,9 +50,11 @@ from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
+from quiver.repository.local import use_custom_config
 from quiver.response_cache import ResponseCache
 from quiver.service import InferenceService
 from quiver.settings import Settings
+from quiver.shared_memory import SharedMemoryManager
 from quiver.tracing import TraceManager
 from quiver.tracing.otel import MissingOpenTelemetry, OpenTelemetryExporter
 
@@ -85,6 +87,7 @@ class Parts:
 
 def assemble(settings: Settings) -> Parts:
     """The model manager, the inference service over it and its HTTP applications."""
+    use_custom_config(settings.model_config_name)  # --model-config-name (checked by settings)
     manager = ModelRepositoryManager(
         list(settings.model_repositories),
         control_mode=settings.model_control_mode,
@@ -95,6 +98,7 @@ def assemble(settings: Settings) -> Parts:
         startup_models=list(settings.load_models),
         strict_config=settings.strict_model_config,
         load_threads=settings.model_load_thread_count,
+        load_retries=settings.model_load_retry_count,
         inline_threshold_ns=settings.inline_execution_threshold_us * 1000,
         remote_repositories=list(settings.s3_repositories),
         s3_options=settings.s3_options,
@@ -113,11 +117,15 @@ def assemble(settings: Settings) -> Parts:
         repositories=list(settings.model_repositories),
         tracing=TraceManager(settings.trace),
         response_cache=ResponseCache(settings.response_cache_size) if settings.response_cache_size else None,
+        shared_memory=SharedMemoryManager(allow_client=settings.allow_client_shm),
+        server_id=settings.server_id,
+        strict_readiness=settings.strict_readiness,
     )
     http = HttpFrontend(
         service,
         max_input_size=settings.http_max_input_size,
         restrictions=Restrictions(list(settings.http_restricted_api)),
+        header_forward_pattern=settings.http_header_forward_pattern,
     )
     sagemaker = None
     if settings.sagemaker is not None:
@@ -192,13 +200,14 @@ class _AsgiListener(_Listener):
 class _GrpcListener(_Listener):
     name = "GRPC"
 
-    def __init__(self, frontend: GrpcFrontend) -> None:
+    def __init__(self, frontend: GrpcFrontend, grace: float) -> None:
         self.frontend = frontend
+        self.grace = grace
         self._stopping: asyncio.Task[None] | None = None
 
     async def begin_stop(self) -> None:
         await self.frontend.begin_shutdown()  # health NOT_SERVING before anything closes
-        self._stopping = asyncio.create_task(self.frontend.stop(grace=30))
+        self._stopping = asyncio.create_task(self.frontend.stop(grace=self.grace))
 
     async def close(self) -> None:
         if self._stopping is None:
@@ -222,10 +231,12 @@ class _MetricsListener(_Listener):
         await self.frontend.stop()
 
 
-def _listen(address: str, port: int) -> socket.socket:
+def _listen(address: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # --reuse-http-port: several servers may listen on the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((address, port))
     except OSError as exc:
@@ -246,9 +257,9 @@ def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket
     raise OSError(f"no free port for the SageMaker listener in the safe port range {low}-{high}")
 
 
-async def _serve_asgi(name: str, app: object, sock: socket.socket) -> _AsgiListener:
+async def _serve_asgi(name: str, app: object, sock: socket.socket, grace: float = 30.0) -> _AsgiListener:
     try:
-        server, serving = await serve(app, sock, graceful_seconds=30)
+        server, serving = await serve(app, sock, graceful_seconds=grace)
     except BaseException as exc:
         sock.close()
         if isinstance(exc, Exception):
@@ -301,6 +312,8 @@ class Runner:
         if settings.sagemaker_thread_count:
             set_codec_threads(settings.sagemaker_thread_count)
             logger.info("%d codec threads (--sagemaker-thread-count)", settings.sagemaker_thread_count)
+        for note in settings.flag_notes:
+            logger.info("%s", note)
         # 2. the metrics registry, 3. the manager (assembled first: the collector reads it;
         # assembling opens nothing). The disk cache opens on first use and closes with it.
         parts = self.parts = assemble(settings)
@@ -312,6 +325,7 @@ class Runner:
             registry = CollectorRegistry(auto_describe=False)
             registry.register(collector)
         stack.push_async_callback(parts.manager.stop)
+        stack.callback(parts.service.shared_memory.close)  # after the listeners have closed
         # 4. the models loaded at start
         await load_models(parts, settings)
         # CloudWatch (started once the listeners are up) stops after they drained, so its last
@@ -343,19 +357,24 @@ class Runner:
                     sock = _listen_in_range(settings.sagemaker_address, safe)
                 else:
                     sock = _listen(settings.sagemaker_address, settings.sagemaker_port)
-                opened(await _serve_asgi("SageMaker", parts.sagemaker, sock))
+                opened(await _serve_asgi("SageMaker", parts.sagemaker, sock, settings.exit_timeout_secs))
             grpc: GrpcFrontend | None = None
             if settings.allow_grpc:
                 grpc = GrpcFrontend(
                     parts.service,
                     max_message_size=settings.grpc_max_message_size,
                     restrictions=Restrictions(list(settings.grpc_restricted_protocol)),
+                    header_forward_pattern=settings.grpc_header_forward_pattern,
+                    tls=settings.grpc_tls,
+                    options=settings.grpc_options,
+                    compression_level=settings.grpc_compression_level,
+                    reuse_port=settings.reuse_grpc_port,
                 )
                 grpc_port = await grpc.start(settings.grpc_address, settings.grpc_port)
-                opened(_GrpcListener(grpc))
+                opened(_GrpcListener(grpc, settings.exit_timeout_secs))
             if settings.allow_http:
-                sock = _listen(settings.http_address, settings.http_port)
-                opened(await _serve_asgi("HTTP", parts.http.app(), sock))
+                sock = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
+                opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
         except OSError as exc:
             raise StartError(str(exc)) from None
         if settings.cloudwatch is not None and registry is not None:

@@ -47,6 +47,8 @@ from quiver.repository.storage import RetryPolicy
 from quiver.response_cache import CacheConfigError, parse_cache_config
 from quiver.tracing import TraceConfig, TraceConfigError
 from quiver.tracing import config as trace_config
+from quiver.triton_flags import FlagError, GrpcTls
+from quiver.triton_flags import settings as triton_settings
 
 #: ``--s3-retries`` when none is given (S3Storage's own default then applies).
 DEFAULT_S3_RETRIES = 5
@@ -131,7 +133,6 @@ class Settings:
     inline_execution_threshold_us: int = 200
     model_namespacing: bool = True
     backend_config: tuple[tuple[str, str, str], ...] = ()  # (backend, setting, value)
-    buffer_manager_thread_count: int = 0
     # model cache and S3
     model_cache_dir: Path | None = None  # None: the manager's default ($QUIVER_CACHE_DIR, ...)
     model_cache_size: int = DEFAULT_CACHE_BYTES
@@ -145,13 +146,28 @@ class Settings:
     # logging
     log_verbose: int = 0
     log_info: bool = True
-    log_warning: bool = True
-    log_error: bool = True
     log_file: str = ""
     log_format: str = "default"
     log_file_dir: str | None = None  # the logging API's folder; None: the API may not set log_file
     # CloudWatch: None publishes nothing
     cloudwatch: CloudWatchSettings | None = None
+    # Triton's other flags (quiver.triton_flags)
+    server_id: str = "quiver"  # --id: the server's name in its metadata
+    allow_client_shm: bool = False  # --allow-client-shm: clients may register regions
+    model_config_name: str = ""  # configs/NAME.pbtxt instead of config.pbtxt where present
+    strict_readiness: bool = True  # ready only while every live model is READY
+    model_load_retry_count: int = 0
+    exit_timeout_secs: float = 30.0  # in-flight requests' time to finish at stop
+    log_warning: bool = True
+    log_error: bool = True
+    http_header_forward_pattern: str | None = None  # headers -> request parameters
+    grpc_header_forward_pattern: str | None = None
+    reuse_http_port: bool = False
+    reuse_grpc_port: bool = False
+    grpc_tls: GrpcTls | None = None
+    grpc_options: tuple[tuple[str, int], ...] = ()  # keepalive and HTTP/2 channel arguments
+    grpc_compression_level: int = 0  # 0 none ... 3 high (gzip)
+    flag_notes: tuple[str, ...] = ()  # one line per given flag that has no effect here
     # Ray: None serves from this process
     ray: RaySettings | None = None
     # Triton's trace extension (--trace-config) and response cache (--cache-config)
@@ -327,8 +343,6 @@ def _ray(args: argparse.Namespace) -> RaySettings | None:
 def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     """The settings ``quiver serve``'s parsed flags and ``environ`` describe (see the module
     docstring for the precedence); raises SettingsError naming what makes no sense."""
-    if args.buffer_manager_thread_count < 0:
-        raise SettingsError("--buffer-manager-thread-count must be 0 or more")
     if args.allow_log_file_api and not args.log_file_dir:
         raise SettingsError("--allow-log-file-api needs --log-file-dir DIR")
     local, remote = _repositories(args.model_repository)
@@ -341,6 +355,10 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         except InvalidArgumentError as exc:
             raise SettingsError(f"{flag}: {exc}") from None
     s3_retry = _s3_retry(args)
+    try:
+        triton = triton_settings(args)
+    except FlagError as exc:
+        raise SettingsError(str(exc)) from None
     gpu_limit = _gpu_limit(args, environ)
     sagemaker = _sagemaker(args, environ)
     ray = _ray(args)
@@ -380,13 +398,12 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         model_eviction_policy=args.model_eviction_policy,
         model_load_wait_timeout=args.model_load_wait_timeout,
         repository_poll_secs=args.repository_poll_secs,
-        strict_model_config=args.strict_model_config,
+        strict_model_config=args.strict_model_config or args.disable_auto_complete_config,
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
         model_namespacing=args.model_namespacing,
         backend_config=tuple(parse_backend_config(text) for text in args.backend_config),
-        buffer_manager_thread_count=args.buffer_manager_thread_count,
         sagemaker_thread_count=args.sagemaker_thread_count or 0,
         model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
         model_cache_size=args.model_cache_size,
@@ -399,12 +416,13 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         s3_retry=s3_retry,
         log_verbose=args.log_verbose,
         log_info=args.log_info,
-        log_warning=args.log_warning,
-        log_error=args.log_error,
         log_file=args.log_file,
         log_format=args.log_format,
         log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
         cloudwatch=_cloudwatch(args, environ),
+        server_id=args.id or "quiver",
+        allow_client_shm=args.allow_client_shm,
+        **triton,
         ray=ray,
         trace=trace,
         response_cache_size=cache_size,

@@ -137,7 +137,8 @@ def test_the_flags_become_settings(root: Path) -> None:
     assert s.sagemaker_safe_port_range == (8000, 9000)
     assert s.allow_grpc and s.grpc_port == 9001 and s.grpc_address == "0.0.0.0"
     assert s.allow_metrics and s.metrics_port == 9002 and s.metrics_address == "0.0.0.0"
-    assert s.sagemaker_thread_count == 6 and s.buffer_manager_thread_count == 2
+    assert s.sagemaker_thread_count == 6
+    assert any(n.startswith("--buffer-manager-thread-count has no effect") for n in s.flag_notes)
     assert s.log_verbose == 0 and not s.log_warning and s.log_error
     assert s.model_load_gpu_limit == 0.5
     assert s.sagemaker is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,43 @@ def test_trace_and_cache_flags(tmp_path: Path) -> None:
         settings(tmp_path, "--ray", "--trace-config", "level=TIMESTAMPS")
     with pytest.raises(SettingsError, match="Incompatible flags"):
         settings(tmp_path, "--cache-config", "local,size=1", "--response-cache-byte-size", "1")
+
+
+def test_tritonserver_flags(tmp_path: Path) -> None:
+    built = settings(tmp_path)
+    assert (built.server_id, built.strict_readiness, built.allow_client_shm) == ("quiver", True, False)
+    assert built.flag_notes == () and built.grpc_options == () and built.grpc_tls is None
+    built = settings(
+        tmp_path,
+        "--id=a",
+        "--strict-readiness=false",
+        "--allow-client-shm",
+        "--disable-auto-complete-config",
+        "--model-load-retry-count=2",
+        "--exit-timeout-secs=7",
+        "--log-warning=false",
+        "--http-header-forward-pattern=^x-",
+        "--grpc-keepalive-time=1000",
+        "--grpc-http2-max-ping-strikes=0",
+        "--grpc-infer-response-compression-level=high",
+        "--model-load-gpu-limit=1:0.5",
+        "--host-policy=a,b=c",
+        "--host-policy=d,e=f",
+        "--rate-limit=off",
+    )
+    assert (built.server_id, built.strict_readiness, built.allow_client_shm) == ("a", False, True)
+    assert built.strict_model_config and built.model_load_retry_count == 2 and built.exit_timeout_secs == 7
+    assert built.log_warning is False and built.http_header_forward_pattern == "^x-"
+    assert built.grpc_options == (("grpc.keepalive_time_ms", 1000), ("grpc.http2.max_ping_strikes", 0))
+    assert built.grpc_compression_level == 3 and built.model_load_gpu_limit == 0.5
+    assert [note.split(" has no effect")[0] for note in built.flag_notes] == ["--rate-limit", "--host-policy"]
+
+
+def test_bad_tritonserver_flag_values(tmp_path: Path) -> None:
+    for flags, message in (
+        (["--grpc-header-forward-pattern=[a"], "--grpc-header-forward-pattern: '[a' is not a regular expression"),
+        (["--grpc-use-ssl-mutual", "--grpc-server-cert=/x", "--grpc-server-key=/y"], "--grpc-server-cert: cannot read '/x'"),
+        (["--grpc-keepalive-timeout=-5"], "--grpc-keepalive-timeout must be at least 0"),
+    ):
+        with pytest.raises(SettingsError, match=re.escape(message)):
+            settings(tmp_path, *flags)

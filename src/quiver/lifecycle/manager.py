@@ -34,6 +34,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as pb
 
+from quiver import messages
 from quiver.backends.base import INLINE_THRESHOLD_NS, SERVER
 from quiver.config import parse_model_config_json
 from quiver.ensemble.scheduler import InferFn
@@ -85,6 +86,7 @@ class ModelRepositoryManager:
         startup_models: Iterable[str] = (),
         strict_config: bool = False,
         load_threads: int = 4,
+        load_retries: int = 0,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
         memory_limit_bytes: int = 0,
         eviction_policy: str = "lru",
@@ -161,6 +163,7 @@ class ModelRepositoryManager:
             inline_threshold_ns=inline_threshold_ns,
             reload_failed_composing=control_mode in _API_MODES,
             namespacing=namespacing,
+            load_retries=load_retries,
         )
         self._flights = SingleFlight(self._lifecycle.spawn, clock)
         self._poll_task: asyncio.Task[None] | None = None
@@ -256,9 +259,10 @@ class ModelRepositoryManager:
 
     def _check_api(self, what: str, name: str) -> None:
         if self.control_mode not in _API_MODES:
-            raise UnsupportedError(
-                f"failed to {what} '{name}': explicit model load / unload is not allowed in "
-                f"model control mode '{self.control_mode}' (start with --model-control-mode=explicit)"
+            raise UnavailableError(  # Triton's code and text (in 'none' mode too)
+                messages.LOAD_UNLOAD_NOT_ALLOWED
+                + f" (failed to {what} '{name}': model control mode '{self.control_mode}'; start "
+                "with --model-control-mode=explicit)"
             )
         check_model_name(name)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from quiver import messages
 from quiver.errors import NotFoundError, UnavailableError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.loader import LoadOutcome
@@ -97,7 +98,7 @@ class ModelTable:
     def _missing(self, name: str, version: str) -> Exception:
         statuses = self._status.get(name)
         if statuses is None:
-            return NotFoundError(f"unknown model: '{name}'")
+            return NotFoundError(messages.unknown_model(name))
         specific = bool(version)
         what = f"model '{name}'" + (f" version {version}" if specific else "")
         if specific:
