@@ -90,22 +90,6 @@ def _count(value: str) -> int:
     return number
 
 
-def _verbose(value: str) -> int:
-    """--log-verbose: a level, or Triton's true|false (1|0)."""
-    lowered = value.strip().lower()
-    if lowered in _TRUE - {"1"}:
-        return 1
-    if lowered in _FALSE - {"0"}:
-        return 0
-    try:
-        number = int(lowered)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a level (0, 1, ...) or true|false, got '{value}'") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"the level must be 0 or more, got '{value}'")
-    return number
-
-
 def _flag(parser: argparse._ActionsContainer, name: str, default: bool, help: str) -> None:
     parser.add_argument(
         name,
@@ -119,6 +103,7 @@ def _flag(parser: argparse._ActionsContainer, name: str, default: bool, help: st
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from quiver.logs import verbose_level
     from quiver.sagemaker_serve import add_parser as add_sagemaker_serve
     from quiver.sagemaker_serve import add_serve_flags, backend_config_flag
 
@@ -168,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=64 * 1024 * 1024,
         metavar="BYTES",
         help="largest request body accepted, after decompression, e.g. 64M (default: 64M)",
+    )
+    net.add_argument(
+        "--http-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve HTTP from N worker processes accepting on the HTTP port, each decoding and "
+        "encoding requests on a core of its own, over this process's one model table, memory "
+        "budget, scheduler per model and statistics; 0 or 1 serves HTTP from this process "
+        "(default: 0)",
     )
     net.add_argument("--grpc-port", type=int, default=8001, help="gRPC port; 0 picks a free one (default: 8001)")
     net.add_argument("--grpc-address", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")
@@ -509,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs = serve.add_argument_group("logging")
     logs.add_argument(
         "--log-verbose",
-        type=_verbose,
+        type=verbose_level,
         default=0,
         metavar="LEVEL",
         help="verbose logging level, or true|false (1|0); >0 logs debug (default: 0)",

@@ -12,8 +12,9 @@ use it, and :func:`load_models` for the models loaded at start.
 3. the model manager and its disk cache;
 4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
 5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
-   every listener is up); then CloudWatch publishing (``--cloudwatch-*``, which stops after
-   the listeners drained and before the models unload) and the server is ready.
+   every listener is up; with ``--http-workers N``, N worker processes serve the HTTP socket,
+   :mod:`quiver.frontends.workers`); then CloudWatch publishing (``--cloudwatch-*``, which
+   stops after the listeners drained and before the models unload) and the server is ready.
 
 A failure at any step closes exactly what the earlier steps opened, in reverse order, logs
 why, and exits non-zero (2 for a logging set-up the flags make impossible, as for other flags;
@@ -47,6 +48,7 @@ from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.offload import set_codec_threads
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
+from quiver.frontends.workers import HttpWorkers
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
@@ -218,6 +220,22 @@ class _GrpcListener(_Listener):
         await self._stopping
 
 
+class _WorkersListener(_Listener):
+    """HTTP served by worker processes (``--http-workers``) on the socket this process bound."""
+
+    name = "HTTP"
+
+    def __init__(self, workers: HttpWorkers) -> None:
+        self.workers = workers
+        self.socket = workers.socket
+
+    async def begin_stop(self) -> None:
+        await self.workers.begin_stop()
+
+    async def close(self) -> None:
+        await self.workers.close()
+
+
 class _MetricsListener(_Listener):
     name = "Metrics"
 
@@ -266,6 +284,27 @@ async def _serve_asgi(name: str, app: object, sock: socket.socket, grace: float 
             raise OSError(f"the {name} listener stopped at start: {exc}") from None
         raise
     return _AsgiListener(name, server, serving, sock)
+
+
+async def _serve_workers(parts: Parts, settings: Settings, sock: socket.socket) -> _WorkersListener:
+    workers = HttpWorkers(
+        parts.service,
+        parts.http.app(),
+        sock,
+        settings.http_workers,
+        max_input_size=settings.http_max_input_size,
+        restricted_api=list(settings.http_restricted_api),
+        graceful_seconds=settings.exit_timeout_secs,
+        log_verbose=settings.log_verbose,
+        header_forward_pattern=settings.http_header_forward_pattern,
+    )
+    try:
+        await workers.start()
+    except BaseException:
+        await workers.close()
+        raise
+    logger.info("HTTP served by %d worker processes (pids %s)", workers.count, " ".join(map(str, workers.pids)))
+    return _WorkersListener(workers)
 
 
 # -- the single-process server -----------------------------------------------------------------
@@ -374,7 +413,10 @@ class Runner:
                 opened(_GrpcListener(grpc, settings.exit_timeout_secs))
             if settings.allow_http:
                 sock = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
-                opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
+                if settings.http_workers > 1:
+                    opened(await _serve_workers(parts, settings, sock))
+                else:
+                    opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
         except OSError as exc:
             raise StartError(str(exc)) from None
         if settings.cloudwatch is not None and registry is not None:
@@ -383,7 +425,7 @@ class Runner:
             publishers.append(publisher)
         parts.service.ready = True
         for listener in listeners:
-            if isinstance(listener, _AsgiListener):
+            if isinstance(listener, _AsgiListener | _WorkersListener):
                 host, port = listener.socket.getsockname()[:2]
                 logger.info("started %s service at %s:%d", listener.name, host, port)
             elif isinstance(listener, _GrpcListener) and grpc is not None:

@@ -15,7 +15,6 @@ import importlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -23,6 +22,7 @@ from typing import Protocol
 import psutil
 from tritonclient.grpc import model_config_pb2 as pb
 
+from quiver.backends.instance_thread import InstanceThread
 from quiver.config import InstanceGroup, ModelConfig
 from quiver.errors import QuiverError, UnsupportedError
 from quiver.types import InferenceRequest, InferenceResponse
@@ -123,7 +123,7 @@ class ThreadedInstance(abc.ABC):
         self.name = name
         self.inline_threshold_ns = INLINE_THRESHOLD_NS
         self.timing = ExecutionTiming()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"quiver-{name}")
+        self._executor = InstanceThread(f"quiver-{name}")
         self._cost_ns = -1  # moving average of execute(); -1 until measured
 
     @abc.abstractmethod
@@ -148,8 +148,7 @@ class ThreadedInstance(abc.ABC):
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
         if self.runs_inline:
             return self._timed(requests)
-        loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._executor, self._timed, requests)
+        running = self._executor.call(self._timed, requests)
         try:
             return await asyncio.shield(running)
         except asyncio.CancelledError:
