@@ -12,97 +12,16 @@ from typing import TYPE_CHECKING
 
 import quiver
 from quiver import triton_flags
+from quiver.cli_types import _bool, _count, _flag, _fraction, _ratio, _seconds, _size
 
 if TYPE_CHECKING:
     from quiver.settings import Settings
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-
-
-def _bool(value: str) -> bool:
-    lowered = value.lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
-
-
-def _fraction(value: str) -> float:
-    """A fraction in (0, 1], for --model-load-gpu-limit (Triton's DEVICE:FRACTION form too:
-    Quiver's limit holds for every GPU)."""
-    from quiver.settings import parse_fraction
-
-    value = value.rpartition(":")[2]
-    try:
-        return parse_fraction(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _seconds(value: str) -> float:
-    """A positive number of seconds."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
-    if not 0 < number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got '{value}'")
-    return number
-
-
-def _size(value: str) -> int:
-    """Bytes, with an optional K/M/G suffix (powers of 1024)."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = value.strip().lower().removesuffix("b")
-    factor = units.get(text[-1:], 1)
-    if factor != 1:
-        text = text[:-1]
-    try:
-        number = int(text) * factor
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 64M, got '{value}'") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got '{value}'")
-    return number
-
-
-def _ratio(value: str) -> float:
-    """An expansion ratio, for --model-archive-max-ratio: 0 (no limit) or at least 1."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not a number") from None
-    if not (number == 0 or 1 <= number < float("inf")):
-        raise argparse.ArgumentTypeError(f"{value} is neither 0 (no limit) nor a ratio of at least 1")
-    return number
-
-
-def _count(value: str) -> int:
-    """A positive integer."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{value}' is not an integer") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got '{value}'")
-    return number
-
-
-def _flag(parser: argparse._ActionsContainer, name: str, default: bool, help: str) -> None:
-    parser.add_argument(
-        name,
-        type=_bool,
-        nargs="?",
-        const=True,
-        default=default,
-        metavar="true|false",
-        help=f"{help} (default: {str(default).lower()})",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from quiver.logs import verbose_level
+    from quiver.sagemaker_serve import add_parser as add_sagemaker_serve
+    from quiver.sagemaker_serve import add_serve_flags
+
     parser = argparse.ArgumentParser(
         prog="quiver",
         description=(
@@ -281,10 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument(
         "--model-eviction-policy",
-        choices=["lru", "gds"],
+        choices=["lru", "gds", "none"],
         default="lru",
         help="which models go first under --model-memory-limit: least recently used, or "
-        "GreedyDual-Size (favours keeping small, often used models) (default: lru)",
+        "GreedyDual-Size (favours keeping small, often used models); 'none' unloads nothing: "
+        "a load that does not fit fails at once (507 on SageMaker, whose platform then "
+        "unloads models and retries) (default: lru)",
+    )
+    _flag(
+        models,
+        "--model-namespacing",
+        True,
+        "serve the other models of an archive or SageMaker folder under '<name>::<folder>', "
+        "so two of them may each hold a model of one name; when false they keep their own "
+        "names and such a clash is refused",
     )
     models.add_argument(
         "--model-load-wait-timeout",
@@ -494,9 +423,14 @@ def build_parser() -> argparse.ArgumentParser:
         "outputs; status is always served, as in Triton",
     )
     triton_flags.add_arguments(serve)
+    add_serve_flags(serve, net)  # the SageMaker listener's own flags and CloudWatch
     logs = serve.add_argument_group("logging")
     logs.add_argument(
-        "--log-verbose", type=int, default=0, metavar="LEVEL", help="verbose logging level; >0 logs debug (default: 0)"
+        "--log-verbose",
+        type=verbose_level,
+        default=0,
+        metavar="LEVEL",
+        help="verbose logging level, or true|false (1|0); >0 logs debug (default: 0)",
     )
     _flag(logs, "--log-info", True, "log lifecycle events")
     logs.add_argument("--log-file", default="", metavar="PATH", help="log to this file instead of standard error")
@@ -516,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument(
         "--log-format", choices=["default", "ISO8601"], default="default", help="timestamp format (default: default)"
     )
+    add_sagemaker_serve(commands)
     return parser
 
 
@@ -575,5 +510,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return _run_serve(args)
+    if args.command == "sagemaker-serve":
+        from quiver.sagemaker_serve import run as run_sagemaker_serve
+
+        return run_sagemaker_serve(args, os.environ, build_parser, _run_serve)
     parser.error(f"unknown command {args.command}")
     return 2

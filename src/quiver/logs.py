@@ -16,6 +16,7 @@ the open) is followed; it must be a regular file with no other hard link.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import logging
 import os
@@ -158,6 +159,22 @@ def _open_in_dir(requested: str) -> tuple[TextIO, str]:
         if folder != root_fd:
             os.close(folder)
     return stream, os.path.join(root, *parts)
+
+
+def verbose_level(value: str) -> int:
+    """``--log-verbose`` (an argparse type): a level, or Triton's true|false (1|0)."""
+    lowered = value.strip().lower()
+    if lowered in {"true", "yes", "on"}:
+        return 1
+    if lowered in {"false", "no", "off"}:
+        return 0
+    try:
+        number = int(lowered)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a level (0, 1, ...) or true|false, got '{value}'") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"the level must be 0 or more, got '{value}'")
+    return number
 
 
 def configure(

@@ -13,7 +13,8 @@ use it, and :func:`load_models` for the models loaded at start.
 4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
 5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
    every listener is up; with ``--http-workers N``, N worker processes serve the HTTP socket,
-   :mod:`quiver.frontends.workers`); then the server is ready.
+   :mod:`quiver.frontends.workers`); then CloudWatch publishing (``--cloudwatch-*``, which
+   stops after the listeners drained and before the models unload) and the server is ready.
 
 A failure at any step closes exactly what the earlier steps opened, in reverse order, logs
 why, and exits non-zero (2 for a logging set-up the flags make impossible, as for other flags;
@@ -34,7 +35,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -45,6 +46,7 @@ from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
+from quiver.frontends.offload import set_codec_threads
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.frontends.workers import HttpWorkers
@@ -59,6 +61,9 @@ from quiver.settings import Settings
 from quiver.shared_memory import SharedMemoryManager
 from quiver.tracing import TraceManager
 from quiver.tracing.otel import MissingOpenTelemetry, OpenTelemetryExporter
+
+if TYPE_CHECKING:
+    from quiver.metrics.cloudwatch import CloudWatchPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +116,7 @@ def assemble(settings: Settings) -> Parts:
             max_ratio=settings.model_archive_max_ratio,
         ),
         cache_revalidate_timeout=settings.model_cache_revalidate_timeout,
+        namespacing=settings.model_namespacing,
     )
     service = InferenceService(
         manager,
@@ -346,6 +352,9 @@ class Runner:
     async def _start(self, stack: contextlib.AsyncExitStack) -> list[_Listener]:
         settings = self.settings
         configure_logging(settings)  # 1.
+        if settings.sagemaker_thread_count:
+            set_codec_threads(settings.sagemaker_thread_count)
+            logger.info("%d codec threads (--sagemaker-thread-count)", settings.sagemaker_thread_count)
         for note in settings.flag_notes:
             logger.info("%s", note)
         # 2. the metrics registry, 3. the manager (assembled first: the collector reads it;
@@ -362,6 +371,15 @@ class Runner:
         stack.callback(parts.service.shared_memory.close)  # after the listeners have closed
         # 4. the models loaded at start
         await load_models(parts, settings)
+        # CloudWatch (started once the listeners are up) stops after they drained, so its last
+        # publication counts every request, and before the models unload.
+        publishers: list[CloudWatchPublisher] = []
+
+        async def stop_publishing() -> None:
+            for publisher in publishers:
+                await publisher.stop()
+
+        stack.push_async_callback(stop_publishing)
         # 5. the listeners
         listeners: list[_Listener] = []
 
@@ -405,6 +423,10 @@ class Runner:
                     opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
         except OSError as exc:
             raise StartError(str(exc)) from None
+        if settings.cloudwatch is not None and registry is not None:
+            publisher = _cloudwatch_publisher(registry, settings)
+            publisher.start()
+            publishers.append(publisher)
         parts.service.ready = True
         for listener in listeners:
             if isinstance(listener, _AsgiListener | _WorkersListener):
@@ -437,6 +459,18 @@ def _log_model_table(manager: ModelRepositoryManager) -> None:
     logger.info("model repository:\n%s", "\n".join(lines))
 
 
+def _cloudwatch_publisher(registry: CollectorRegistry, settings: Settings) -> CloudWatchPublisher:
+    assert settings.cloudwatch is not None
+    from quiver.metrics.cloudwatch import CloudWatchPublisher
+
+    return CloudWatchPublisher(
+        registry.collect,
+        log_group=settings.cloudwatch.log_group,
+        namespace=settings.cloudwatch.namespace,
+        interval=settings.cloudwatch.interval,
+    )
+
+
 def _start_tracing(tracing: TraceManager, stack: contextlib.AsyncExitStack) -> None:
     """Log the trace flags' warnings, open the OpenTelemetry exporter (mode opentelemetry);
     at stop (after the listeners and the models) write the traces held, flush the spans."""
@@ -460,11 +494,13 @@ def _start_tracing(tracing: TraceManager, stack: contextlib.AsyncExitStack) -> N
 def _metrics_collector(
     manager: ModelRepositoryManager, settings: Settings, response_cache: ResponseCache | None = None
 ) -> TritonCollector:
-    """Triton's metrics, for a registry of this server's own (not prometheus_client's global one)."""
+    """Triton's metrics, for a registry of this server's own (not prometheus_client's global
+    one); the multi-model ones with on_demand, a memory limit or a SageMaker multi-model endpoint."""
+    multi_model_endpoint = settings.sagemaker is not None and settings.sagemaker.multi_model
 
     def multi_model() -> MultiModelView | None:
         used, limit = manager.memory
-        if not manager.on_demand and not limit:
+        if not manager.on_demand and not limit and not multi_model_endpoint:
             return None
         resident = {m.name: m.size_bytes for m in manager.ready_models}
         disk = manager.disk_cache_stats

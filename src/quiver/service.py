@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,10 +32,10 @@ from quiver.errors import (
 )
 from quiver.lifecycle import Model, ModelRepositoryManager, ModelState
 from quiver.lifecycle.budget import OutOfMemoryError
-from quiver.lifecycle.dependencies import ensemble_steps, is_model_folder, served_folder
+from quiver.lifecycle.dependencies import ensemble_steps
+from quiver.lifecycle.urls import CAPACITY_ERRORS, load_failure, url_folder
 from quiver.raw_input import deduce as deduce_raw_input
 from quiver.repository.cache import CacheFullError
-from quiver.repository.names import check_local_path
 from quiver.response_cache import ResponseCache
 from quiver.scheduling.core import batch_rows
 from quiver.shared_memory import SharedMemoryManager, read_inputs, write_outputs
@@ -47,12 +46,8 @@ from quiver.validation import select_outputs, validate_request
 
 logger = logging.getLogger(__name__)
 
-#: Errors that mean "no room (memory or disk); unload something and try again".
-CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullError)
 #: Reasons of models that are UNAVAILABLE because they were unloaded, not because they failed.
 _UNLOADED = ("unloaded", "evicted")
-#: Where Triton's SageMaker frontend refuses to look for models.
-_FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
 
 #: What :meth:`InferenceService.infer` says of a decoupled model unless told otherwise.
 DECOUPLED_ERROR = (
@@ -267,7 +262,13 @@ class InferenceService:
             self.registered[name] = Registration(name, model, url, target)
             if target and target != name:
                 self._targets[target] = name
-        logger.info("SageMaker: loaded model '%s' (Quiver model '%s') from %s", name, model, url)
+        logger.info(
+            "SageMaker: loaded TargetModel '%s' as model '%s' (Quiver model '%s') from %s",
+            target or name,
+            name,
+            model,
+            url,
+        )
         return model
 
     async def unregister_sagemaker_model(self, name: str) -> None:
@@ -318,21 +319,21 @@ class InferenceService:
         """Load what ``url`` holds; returns the Quiver model serving it. A local model folder,
         or a repository (:func:`~quiver.lifecycle.dependencies.served_folder`'s rule), inside
         a ``--model-repository`` loads by name (or is registered as it is when READY); other
-        locations (S3, archives, other folders) go to the multi-model manager."""
+        locations (the platform's folders under /opt/ml/models, S3, archives) are copied or
+        fetched through the disk cache and load as ``name`` in their own namespace
+        (:meth:`ModelRepositoryManager.load_url`, in explicit and on_demand modes). Errors are
+        :func:`~quiver.lifecycle.urls.load_failure`'s."""
         local = url.removeprefix("file://")
         if "://" in local or local.endswith((".tar.gz", ".tgz", ".tar")):
             return await self._load_elsewhere(name, url, "it is not a local folder")
-        check_local_path(local, "url")
-        path = Path(os.path.abspath(os.path.normpath(local)))
-        if str(path).startswith(_FORBIDDEN_ROOTS) or str(path) in ("/dev", "/proc", "/sys"):
-            raise InvalidArgumentError(f"url '{url}' may not be under /dev, /proc or /sys")
-        if not path.is_dir():
-            raise NotFoundError(f"url '{url}' is not a folder")
-        folder = await asyncio.to_thread(_url_folder, path, url)
+        folder = await asyncio.to_thread(url_folder, local, url)
         if folder.parent.resolve() not in self.repositories:
-            return await self._load_elsewhere(
-                name, url, "it is outside the --model-repository folders"
-            )
+            try:
+                return await self._load_elsewhere(
+                    name, url, "it is outside the --model-repository folders"
+                )
+            except QuiverError as exc:
+                raise load_failure(exc) from None
         model = folder.name
         for registration in self.registered.values():
             if registration.model == model and self.model_ready(model):
@@ -340,15 +341,19 @@ class InferenceService:
                     f"model '{model}' at '{url}' is already loaded as '{registration.name}'"
                 )
         if not self.model_ready(model):
-            await self.load_model(model)
+            try:
+                await self.load_model(model)
+            except QuiverError as exc:
+                raise load_failure(exc) from None
         return model
 
     async def _load_elsewhere(self, name: str, url: str, why: str) -> str:
-        if not self.manager.on_demand:
+        if self.manager.control_mode not in ("explicit", "on_demand"):
             raise UnsupportedError(
                 f"cannot load '{name}' from '{url}': {why}, and loading from other locations "
-                "(S3, archives, other folders) needs the multi-model manager "
-                "(--model-control-mode=on_demand)"
+                "(S3, archives, other folders) is not allowed in model control mode "
+                f"'{self.manager.control_mode}' (start with --model-control-mode=explicit, as "
+                "Triton's SageMaker image does, or on_demand)"
             )
         return await self.manager.load_url(name, url)
 
@@ -558,13 +563,6 @@ class InferenceService:
             self.manager.request_done(model)
 
 
-def _url_folder(path: Path, url: str) -> Path:
-    """The model folder a SageMaker ``url`` folder serves: itself when it is a model folder
-    (a config.pbtxt is not required: Triton completes configs), else the repository's model
-    by :func:`~quiver.lifecycle.dependencies.served_folder`, as for archives."""
-    if is_model_folder(path):
-        return path
-    return served_folder(path, f"url '{url}'")
 
 
 __all__ = [

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from quiver.backends.python_settings import parse_python_settings
@@ -84,6 +84,15 @@ class RaySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class CloudWatchSettings:
+    """``--cloudwatch-*``: where the metrics are published (:mod:`quiver.metrics.cloudwatch`)."""
+
+    log_group: str
+    namespace: str
+    interval: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything one Quiver server (or Ray replica) is assembled and started from."""
 
@@ -114,6 +123,7 @@ class Settings:
     sagemaker_safe_port_range: tuple[int, int] | None = None  # None: any port
     sagemaker: SageMakerSettings | None = None
     # models
+    sagemaker_thread_count: int = 0  # codec threads; 0: the default
     model_control_mode: str = "none"
     load_models: tuple[str, ...] = ()
     model_memory_limit: int = 0
@@ -125,6 +135,7 @@ class Settings:
     exit_on_error: bool = True
     model_load_thread_count: int = 4
     inline_execution_threshold_us: int = 200
+    model_namespacing: bool = True
     # --backend-config: backend name ("" for the global settings) -> key -> value, as given
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # model cache and S3
@@ -143,6 +154,8 @@ class Settings:
     log_file: str = ""
     log_format: str = "default"
     log_file_dir: str | None = None  # the logging API's folder; None: the API may not set log_file
+    # CloudWatch: None publishes nothing
+    cloudwatch: CloudWatchSettings | None = None
     # Triton's other flags (quiver.triton_flags)
     server_id: str = "quiver"  # --id: the server's name in its metadata
     allow_client_shm: bool = False  # --allow-client-shm: clients may register regions
@@ -248,6 +261,8 @@ def _sagemaker(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str
     try:
         if allow or args.ray:  # the SageMaker routes are always on the Ray port
             routes = SageMakerSettings.from_env(environ)
+            if args.sagemaker_inference_type is not None:
+                routes = replace(routes, inference_type=args.sagemaker_inference_type)
         if allow:  # the range only matters to a listener of its own
             safe = parse_port_range(text) if text else None
             check_port(port, safe)
@@ -260,6 +275,31 @@ def _sagemaker(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str
         "sagemaker_safe_port_range": safe,
         "sagemaker": routes,
     }
+
+
+def _cloudwatch(args: argparse.Namespace, environ: Mapping[str, str]) -> CloudWatchSettings | None:
+    """The flags, else ``SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH=true`` with
+    ``SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP`` and ``_METRIC_NAMESPACE``."""
+    group, namespace = args.cloudwatch_log_group, args.cloudwatch_metric_namespace
+    publish = _variable(environ, "SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH").lower()
+    if publish not in ("", "true", "false"):
+        raise SettingsError(f"SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH must be true or false, got '{publish}'")
+    if publish == "true":
+        group = group or _variable(environ, "SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP")
+        namespace = namespace or _variable(environ, "SAGEMAKER_TRITON_CLOUDWATCH_METRIC_NAMESPACE")
+        if not group:
+            raise SettingsError("SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH is true but SAGEMAKER_TRITON_CLOUDWATCH_LOG_GROUP is not set")
+        if not namespace:
+            raise SettingsError("SAGEMAKER_TRITON_PUBLISH_METRICS_TO_CLOUDWATCH is true but SAGEMAKER_TRITON_CLOUDWATCH_METRIC_NAMESPACE is not set")
+    if not group and not namespace:
+        return None
+    if not group or not namespace:
+        raise SettingsError("--cloudwatch-log-group and --cloudwatch-metric-namespace go together")
+    if not args.allow_metrics:
+        raise SettingsError("publishing to CloudWatch needs the metrics: --allow-metrics=true (SAGEMAKER_TRITON_ALLOW_METRICS=true)")
+    if args.ray:
+        raise SettingsError("publishing to CloudWatch is not available with --ray (each replica would publish)")
+    return CloudWatchSettings(group, namespace, args.cloudwatch_interval)
 
 
 def _ray(args: argparse.Namespace) -> RaySettings | None:
@@ -306,9 +346,14 @@ def parse_backend_config(option: str) -> tuple[str, str, str]:
     backend, comma, key = head.partition(",")
     if not comma:
         backend, key = "", head
-    backend, key = backend.strip(), key.strip()
+    backend, key, value = backend.strip(), key.strip(), value.strip()
     if not key or (comma and not backend):
         raise ValueError(f"'{option}' is not <backend>,<setting>=<value> or <setting>=<value>")
+    if backend == "tensorflow" and key == "version" and value not in ("1", "2"):
+        raise ValueError(
+            f"tensorflow,version={value}: the TensorFlow version is 1 or 2 (Quiver runs "
+            "TensorFlow 2 for both; 1 is logged at the first TensorFlow load)"
+        )
     return backend, key, value
 
 
@@ -375,6 +420,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         for backend, keys in sorted(backend_config.items())
         if backend not in ("", "python")
         for key in sorted(keys)
+        if (backend, key) != ("tensorflow", "version")  # checked: TensorFlow 2 serves 1 and 2
     )
     endpoint = args.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
     return Settings(
@@ -409,7 +455,9 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
+        model_namespacing=args.model_namespacing,
         backend_config=backend_config,
+        sagemaker_thread_count=args.sagemaker_thread_count or 0,
         model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
         model_cache_size=args.model_cache_size,
         model_archive_max_bytes=args.model_archive_max_bytes or 0,
@@ -424,6 +472,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         log_file=args.log_file,
         log_format=args.log_format,
         log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
+        cloudwatch=_cloudwatch(args, environ),
         server_id=args.id or "quiver",
         allow_client_shm=args.allow_client_shm,
         **triton,

@@ -1,7 +1,8 @@
 """The rest of ``tritonserver``'s flags, so a Triton launch script starts Quiver unchanged.
 
 ``quiver serve`` defines the flags whose behaviour it has in :mod:`quiver.cli` (listeners,
-models, cache, logging, shared memory). This module adds every other flag of Triton's parser
+models, cache, logging, shared memory; ``--model-namespacing``) and
+:mod:`quiver.sagemaker_serve` (``--sagemaker-thread-count``). This module adds every other flag of Triton's parser
 (``src/command_line_parser.cc``):
 
 - flags Quiver applies: ``--strict-readiness``, ``--disable-auto-complete-config``,
@@ -28,10 +29,6 @@ from typing import Any
 
 #: flag -> why it has no effect in Quiver (the log line's reason).
 NO_EFFECT: dict[str, str] = {
-    "--model-namespacing": (
-        "Quiver serves one model per name across all --model-repository folders; models of "
-        "the same name in different repositories are not served side by side"
-    ),
     "--enable-peer-access": "CUDA peer access between GPUs: Quiver runs no CUDA kernels of its own",
     "--http-thread-count": (
         "the HTTP frontend runs on one asyncio event loop per process (large bodies are decoded "
@@ -40,7 +37,6 @@ NO_EFFECT: dict[str, str] = {
     "--grpc-infer-thread-count": "the gRPC frontend (grpc.aio) runs on the asyncio event loop",
     "--grpc-infer-allocation-pool-size": "grpc.aio allocates responses as it needs them",
     "--grpc-max-response-pool-size": "grpc.aio allocates responses as it needs them",
-    "--sagemaker-thread-count": "the SageMaker frontend runs on the asyncio event loop",
     "--allow-vertex-ai": "Quiver has no Vertex AI frontend",
     "--vertex-ai-port": "Quiver has no Vertex AI frontend",
     "--vertex-ai-thread-count": "Quiver has no Vertex AI frontend",
@@ -63,10 +59,10 @@ NO_EFFECT: dict[str, str] = {
 
 #: Flags whose value is a list (Triton allows them several times).
 _REPEATABLE = {"--metrics-config", "--rate-limit-resource", "--host-policy"}
-_BOOLEAN = {"--model-namespacing", "--enable-peer-access", "--allow-vertex-ai"}
+_BOOLEAN = {"--enable-peer-access", "--allow-vertex-ai"}
 _INTEGER = {
     "--http-thread-count", "--grpc-infer-thread-count", "--grpc-infer-allocation-pool-size",
-    "--grpc-max-response-pool-size", "--sagemaker-thread-count", "--vertex-ai-port",
+    "--grpc-max-response-pool-size", "--vertex-ai-port",
     "--vertex-ai-thread-count", "--buffer-manager-thread-count",
 }  # fmt: skip
 

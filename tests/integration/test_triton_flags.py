@@ -79,13 +79,11 @@ output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
 
 #: A value for each flag that has no effect (Triton's syntax).
 NO_EFFECT_VALUES = {
-    "--model-namespacing": "true",
     "--enable-peer-access": "false",
     "--http-thread-count": "8",
     "--grpc-infer-thread-count": "4",
     "--grpc-infer-allocation-pool-size": "8",
     "--grpc-max-response-pool-size": "16",
-    "--sagemaker-thread-count": "4",
     "--allow-vertex-ai": "false",
     "--vertex-ai-port": "8080",
     "--vertex-ai-thread-count": "4",

@@ -239,8 +239,14 @@ def test_sagemaker_shm_variables_reach_the_python_backend_and_flags_win(tmp_path
 
 
 def test_backend_config_for_other_backends_is_noted_as_without_effect(tmp_path: Path) -> None:
-    built = settings(tmp_path, "--backend-config=tensorflow,version=2", "--backend-config=python,shm-growth-byte-size=1048576")
-    assert built.backend_config["tensorflow"] == {"version": "2"}
+    built = settings(
+        tmp_path,
+        "--backend-config=onnxruntime,default-max-batch-size=4",
+        "--backend-config=tensorflow,version=2",
+        "--backend-config=python,shm-growth-byte-size=1048576",
+    )
+    assert built.backend_config["onnxruntime"] == {"default-max-batch-size": "4"}
     assert [n for n in built.flag_notes if "backend-config" in n] == [
-        "--backend-config=tensorflow,version=... has no effect: Quiver reads no tensorflow backend settings"
+        "--backend-config=onnxruntime,default-max-batch-size=... has no effect: "
+        "Quiver reads no onnxruntime backend settings"
     ]

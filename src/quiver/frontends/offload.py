@@ -48,10 +48,33 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
+def set_codec_threads(count: int) -> None:
+    """Use ``count`` codec threads (``--sagemaker-thread-count``); call before serving."""
+    global _pool
+    if count < 1:
+        raise ValueError(f"codec threads must be at least 1, got {count}")
+    with _pool_lock:
+        previous, _pool = _pool, ThreadPoolExecutor(max_workers=count, thread_name_prefix="quiver-codec")
+    if previous is not None:
+        previous.shutdown(wait=False)
+
+
+def codec_threads() -> int:
+    """How many codec threads decode and encode large bodies."""
+    return _executor()._max_workers
+
+
 async def in_worker(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
     """``fn(*args, **kwargs)`` on a codec thread; its exceptions come back here."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_executor(), functools.partial(fn, *args, **kwargs))
 
 
-__all__ = ["INFLATE_INLINE_BYTES", "OFFLOAD_NS", "PARSE_INLINE_BYTES", "in_worker"]
+__all__ = [
+    "INFLATE_INLINE_BYTES",
+    "OFFLOAD_NS",
+    "PARSE_INLINE_BYTES",
+    "codec_threads",
+    "in_worker",
+    "set_codec_threads",
+]

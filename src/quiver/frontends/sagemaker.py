@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import os
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ from quiver.service import CAPACITY_ERRORS, InferenceService, Registration
 from quiver.tracing import Trace
 from quiver.types import InferenceResponse
 
+logger = logging.getLogger(__name__)
+
 BINARY_JSON = "application/vnd.sagemaker-triton.binary+json"
 BINARY_JSON_PREFIX = BINARY_JSON + ";json-header-size="
 TARGET_MODEL_HEADER = "x-amzn-sagemaker-target-model"
@@ -72,7 +75,7 @@ DEFAULT_PORT = 8080
 #: ``GET /models`` pages hold at most this many models unless ``max_results`` says fewer.
 MAX_PAGE = 1000
 _TRUE = {"true", "1", "yes", "on"}
-#: ``SAGEMAKER_TRITON_INFERENCE_TYPE``'s values.
+#: ``SAGEMAKER_TRITON_INFERENCE_TYPE`` / ``--sagemaker-inference-type`` values.
 INFERENCE_TYPES = ("infer", "generate", "generate_stream")
 
 
@@ -154,6 +157,9 @@ class _Reply:
     content_type: str = "application/json"
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     trace: Trace | None = None  # a traced invocation's trace, released once the reply is sent
+
+
+#: An inference handler of the routes: (model, scope, receive) -> the reply.
 
 
 def _error(status: int, message: str) -> _Reply:
@@ -246,6 +252,7 @@ class SageMakerFrontend:
             return  # nobody to answer
         if reply is None:
             return
+        logger.debug("SageMaker %s %s: %d", method, path, reply.status)  # --log-verbose
         headers = [
             (b"content-type", reply.content_type.encode("latin-1")),
             (b"content-length", str(len(reply.body)).encode()),

@@ -105,6 +105,9 @@ class AdmissionControl:
         self.policy: EvictionPolicy = (
             GreedyDualSizePolicy() if eviction_policy in ("gds", "greedy-dual-size") else LRUPolicy()
         )
+        #: ``none``: a load that does not fit fails at once (OutOfMemoryError; 507 on the
+        #: SageMaker routes) instead of unloading other models: the platform decides.
+        self.evicts = eviction_policy != "none"
         self._meter = meter or MemoryMeter(clock=clock)
         self._predictor = predictor or SizePredictor()
         # --model-load-gpu-limit: on only when a GPU can be read; loaded name -> GPU bytes per device.
@@ -174,7 +177,10 @@ class AdmissionControl:
         )
 
     def candidates(self, loading: str) -> list[Candidate]:
-        """Loaded models as eviction candidates, pinned when in use (see the module notes)."""
+        """Loaded models as eviction candidates, pinned when in use (see the module notes);
+        none under ``--model-eviction-policy=none``."""
+        if not self.evicts:
+            return []
         busy_composing: set[str] = set()
         for ensemble, composing in self._graph.ensembles.items():
             if self.in_use(ensemble) or any(self._locks.busy(m) for m in self._graph.closure(ensemble)):
@@ -299,7 +305,12 @@ class AdmissionControl:
         prediction = self._predictor.predict(identity, source.path)
         timeout = self.load_wait_timeout
         admission = await self.gate.reserve(
-            name, prediction.bytes, self.policy, functools.partial(self.candidates, name), timeout=timeout
+            name,
+            prediction.bytes,
+            self.policy,
+            functools.partial(self.candidates, name),
+            timeout=timeout,
+            wait=self.evicts,
         )
         # A model measured before (same files) is not measured again: measuring serialises
         # loads and costs two garbage collections; its size is known.
@@ -385,6 +396,7 @@ class AdmissionControl:
                 functools.partial(self.candidates, name),
                 timeout=self.load_wait_timeout,
                 grow=True,
+                wait=self.evicts,
             )
             await self._evict(admission, name, unloader)
             await self.gate.covered(name, seconds(self._clock) + self.load_wait_timeout)

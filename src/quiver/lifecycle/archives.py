@@ -29,9 +29,13 @@ def is_namespaced(name: str) -> bool:
     return NAMESPACE_SEPARATOR in name
 
 
-def archive_layout(served: str, key: str, content: Path) -> tuple[ModelSource, list[ModelSource]]:
+def archive_layout(
+    served: str, key: str, content: Path, *, namespacing: bool = True
+) -> tuple[ModelSource, list[ModelSource]]:
     """The model served as ``served`` from the extracted archive ``content``, and the other
-    models of the archive under their namespaced names.
+    models of the archive under their namespaced names (``namespacing``, the default), or
+    under their own folder names (``--model-namespacing=false``: two archives may then not
+    both hold a model of one name).
 
     Raises :class:`InvalidArgumentError` naming the archive when it holds no model (no
     config.pbtxt) or several models of which none, or more than one, is the served one.
@@ -40,12 +44,13 @@ def archive_layout(served: str, key: str, content: Path) -> tuple[ModelSource, l
     if top == content:
         return ModelSource(served, content.parent, content, archive=key), []
     models = model_folders(content)
-    aliases = tuple(
-        (f.name, served if f == top else namespaced(served, f.name)) for f in models
-    )
+    def member(folder: str) -> str:
+        return namespaced(served, folder) if namespacing else folder
+
+    aliases = tuple((f.name, served if f == top else member(f.name)) for f in models)
     source = ModelSource(served, content, top, archive=key, aliases=aliases)
     members = [
-        ModelSource(namespaced(served, f.name), content, f, archive=key, aliases=aliases)
+        ModelSource(member(f.name), content, f, archive=key, aliases=aliases)
         for f in models
         if f != top
     ]

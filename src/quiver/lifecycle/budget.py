@@ -418,9 +418,11 @@ class BudgetGate:
         *,
         timeout: float,
         grow: bool = False,
+        wait: bool = True,
     ) -> Admission:
         """Admit (or grow) ``name`` by ``need`` bytes, waiting while :class:`Blocked`, up to
-        ``timeout`` seconds; then :class:`OutOfMemoryError` with the last reason."""
+        ``timeout`` seconds; then :class:`OutOfMemoryError` with the last reason. Without
+        ``wait`` (no eviction: the platform unloads), Blocked is OutOfMemoryError at once."""
         budget = self.budget
         assert budget is not None
         decide = budget.grow if grow else budget.admit
@@ -429,6 +431,11 @@ class BudgetGate:
             decision = decide(name, need, policy, candidates())
             if isinstance(decision, Admission):
                 return decision
+            if not wait:
+                raise OutOfMemoryError(
+                    f"{decision.reason}; models are not unloaded to make room "
+                    "(--model-eviction-policy=none): unload one and try again"
+                )
             if not await self.wait(deadline):
                 raise OutOfMemoryError(
                     f"{decision.reason}; waited {timeout:g} s (--model-load-wait-timeout) for "

@@ -33,7 +33,13 @@ from tritonclient.grpc import model_config_pb2 as pb
 from quiver.backends.base import INLINE_THRESHOLD_NS
 from quiver.config import ModelConfig
 from quiver.ensemble.scheduler import InferFn
-from quiver.errors import InvalidArgumentError, NotFoundError, QuiverError, UnavailableError
+from quiver.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    QuiverError,
+    UnavailableError,
+)
 from quiver.lifecycle.admission import AdmissionControl
 from quiver.lifecycle.archives import archive_layout, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
@@ -73,6 +79,7 @@ class ModelLifeCycle:
         strict: bool = False,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
         reload_failed_composing: bool = False,
+        namespacing: bool = True,
         load_retries: int = 0,
     ) -> None:
         self._table = table
@@ -91,6 +98,7 @@ class ModelLifeCycle:
         # explicit and on_demand modes load a composing model again when an earlier load of
         # it failed; none and poll modes report the earlier failure.
         self._reload_failed_composing = reload_failed_composing
+        self._namespacing = namespacing
         self._infer: InferFn | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
@@ -331,7 +339,11 @@ class ModelLifeCycle:
             await self._drop_namespace(served, f"archive model '{served}' is loaded again")
         lease = await self._sources.fetch(served, key, stores)
         try:
-            source, members = await self._pool.run(archive_layout, served, key, lease.path)
+            source, members = await self._pool.run(
+                functools.partial(archive_layout, namespacing=self._namespacing), served, key, lease.path
+            )
+            if not self._namespacing:
+                self._check_members_free(served, key, members)
         except BaseException:
             lease.release()
             raise
@@ -353,6 +365,23 @@ class ModelLifeCycle:
             lease.path,
             f" with {', '.join(sorted(m.name for m in members))}" if members else "",
         )
+
+    def _check_members_free(self, served: str, key: str, members: list[ModelSource]) -> None:
+        """Without model namespacing an archive's other models keep their own names: one
+        that another archive (or the repository) serves, or is loading, is a conflict."""
+        taken = []
+        for member in members:
+            owner = self._graph.namespace_of(member.name)
+            if owner is not None and owner != served:
+                taken.append(f"'{member.name}' (loaded with '{owner}')")
+            elif owner is None and (self._table.serving(member.name) or self._locks.busy(member.name)):
+                taken.append(f"'{member.name}'")
+        if taken:
+            raise AlreadyExistsError(
+                f"cannot load '{served}' from '{key}': its model(s) {', '.join(taken)} are already "
+                "loaded; without model namespacing (--model-namespacing=false) no two loaded "
+                "folders may hold models of one name"
+            )
 
     async def _drop_namespace(self, served: str, reason: str) -> None:
         """Unload the composing models of the archive served as ``served``, forget them,

@@ -102,6 +102,7 @@ class ModelRepositoryManager:
         clock: Clock = SYSTEM_CLOCK,
         meter: MemoryMeter | None = None,
         predictor: SizePredictor | None = None,
+        namespacing: bool = True,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -161,6 +162,7 @@ class ModelRepositoryManager:
             strict=strict_config,
             inline_threshold_ns=inline_threshold_ns,
             reload_failed_composing=control_mode in _API_MODES,
+            namespacing=namespacing,
             load_retries=load_retries,
         )
         self._flights = SingleFlight(self._lifecycle.spawn, clock)
@@ -326,12 +328,15 @@ class ModelRepositoryManager:
 
     async def load_url(self, name: str, url: str) -> str:
         """Load the model at ``url`` (``s3://bucket/prefix/key.tar.gz``, an S3 folder, a
-        local archive or folder) as ``name``: SageMaker's ``POST /models``. Returns the name
-        it is served under. AlreadyExistsError when ``name`` is loaded."""
-        if not self.on_demand:
+        local archive or folder) as ``name``, in its own namespace: SageMaker's ``POST
+        /models``, in the modes that let the repository API load (explicit, as Triton's
+        SageMaker image runs, and on_demand). Returns the name it is served under.
+        AlreadyExistsError when ``name`` is loaded."""
+        if self.control_mode not in _API_MODES:
             raise UnsupportedError(
-                f"cannot load '{name}' from '{url}': loading from S3, archives and other "
-                "folders needs the multi-model manager (--model-control-mode=on_demand)"
+                f"cannot load '{name}' from '{url}': loading by url is not allowed in model "
+                f"control mode '{self.control_mode}' (start with --model-control-mode=explicit "
+                "or on_demand)"
             )
         check_key_name(name)
         if not url.startswith("s3://"):

@@ -318,3 +318,20 @@ def test_a_closed_gate_fails_its_waiters_at_once() -> None:
             await asyncio.wait_for(waiting, 1)
 
     asyncio.run(main())
+
+
+def test_without_waiting_a_load_that_does_not_fit_fails_at_once_and_claims_nothing() -> None:
+    """--model-eviction-policy=none: no candidates are offered and nobody waits; the load is
+    OutOfMemoryError (507 on SageMaker) and the resident models stay."""
+    gate = BudgetGate(clock=FakeClock())
+    budget = MemoryBudget(100, listener=gate.notify)
+    gate.budget = budget
+    resident(budget, a=80)
+
+    async def main() -> None:
+        with pytest.raises(OutOfMemoryError, match="--model-eviction-policy=none"):
+            await asyncio.wait_for(gate.reserve("b", 50, LRUPolicy(), lambda: [], timeout=10, wait=False), 1)
+        assert budget.reserved == {} and gate.waiting == 0
+        assert await gate.reserve("c", 20, LRUPolicy(), lambda: [], timeout=10, wait=False) == Admission([])
+
+    asyncio.run(main())

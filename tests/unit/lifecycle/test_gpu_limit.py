@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from quiver.cli import _fraction
+from quiver.cli_types import _fraction
 from quiver.lifecycle.manager import ModelRepositoryManager
 from quiver.lifecycle.memory import GpuMemoryLimit, ModelIdentity
 
