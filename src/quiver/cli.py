@@ -262,10 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument(
         "--model-eviction-policy",
-        choices=["lru", "gds"],
-        default="lru",
-        help="which models go first under --model-memory-limit: least recently used, or "
-        "GreedyDual-Size (favours keeping small, often used models) (default: lru)",
+        choices=["tinylfu", "lru", "gds"],
+        default="tinylfu",
+        help="which models go first under --model-memory-limit: tinylfu (W-TinyLFU: keeps "
+        "models by how often they are used as well as how recently, per byte, so one-off "
+        "requests and scans do not flush often used models), lru (least recently used), or "
+        "gds (GreedyDual-Size: favours keeping small models) (default: tinylfu)",
     )
     models.add_argument(
         "--model-load-wait-timeout",

@@ -1,4 +1,4 @@
-"""On-demand loading under a memory budget: single flight, LRU eviction, pins, failures."""
+"""On-demand loading under a memory budget: single flight, eviction, pins, failures."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_skewed_load_over_more_models_than_fit(repository: Path) -> None:
     """A Zipf-like mix over 12 models with memory for about 3: every answer right, never more
-    models resident than fit, each model loaded once per miss and evicted least recently used."""
+    models resident than fit, each model loaded once per miss and evicted by the policy."""
     args = ("--model-control-mode=on_demand", "--model-memory-limit", f"{3 * WEIGHT_MB + 20}M")
     with QuiverServer(repository, args=args) as server:
         client = httpclient.InferenceServerClient(server.url)

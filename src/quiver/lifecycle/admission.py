@@ -34,7 +34,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph
-from quiver.lifecycle.eviction import Candidate, EvictionPolicy, GreedyDualSizePolicy, LRUPolicy
+from quiver.lifecycle.eviction import Candidate, EvictionPolicy, LRUPolicy
 from quiver.lifecycle.frameworks import prime
 from quiver.lifecycle.loader import LoadOutcome, backend_name
 from quiver.lifecycle.locks import ModelLocks
@@ -47,6 +47,7 @@ from quiver.lifecycle.memory import (
 )
 from quiver.lifecycle.model import Model
 from quiver.lifecycle.pins import Pins
+from quiver.lifecycle.policies import DEFAULT_POLICY, make_policy
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.table import ModelTable
 from quiver.repository.local import ModelSource
@@ -77,7 +78,7 @@ class AdmissionControl:
         pool: LoadPool,
         clock: Clock,
         memory_limit_bytes: int = 0,
-        eviction_policy: str = "lru",
+        eviction_policy: str = DEFAULT_POLICY,
         load_wait_timeout: float = 60.0,
         strict: bool = False,
         gpu_limit: float = 0.0,
@@ -102,9 +103,7 @@ class AdmissionControl:
             fix_mmap_threshold()  # RSS deltas that belong to one load (lifecycle.memory)
         self._frameworks: dict[str, int] = {}  # framework -> its one-time bytes, measured once
         self._prime_lock = asyncio.Lock()
-        self.policy: EvictionPolicy = (
-            GreedyDualSizePolicy() if eviction_policy in ("gds", "greedy-dual-size") else LRUPolicy()
-        )
+        self.policy: EvictionPolicy = make_policy(eviction_policy)
         self._meter = meter or MemoryMeter(clock=clock)
         self._predictor = predictor or SizePredictor()
         # --model-load-gpu-limit: on only when a GPU can be read; loaded name -> GPU bytes per device.

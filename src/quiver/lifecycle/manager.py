@@ -54,6 +54,7 @@ from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import MemoryMeter, SizePredictor
 from quiver.lifecycle.model import Model, ModelState, VersionStatus
 from quiver.lifecycle.pins import Pins
+from quiver.lifecycle.policies import DEFAULT_POLICY
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.sources import DEFAULT_CACHE_BYTES, ModelSources
 from quiver.lifecycle.table import ModelTable
@@ -87,7 +88,7 @@ class ModelRepositoryManager:
         load_threads: int = 4,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
         memory_limit_bytes: int = 0,
-        eviction_policy: str = "lru",
+        eviction_policy: str = DEFAULT_POLICY,
         load_wait_timeout: float = 60.0,
         remote_repositories: Iterable[str] = (),
         s3_options: dict[str, Any] | None = None,

@@ -200,7 +200,9 @@ async def serving(
 ) -> AsyncIterator[tuple[InferenceService, ModelRepositoryManager]]:
     """The real manager (on-demand, a memory budget of ``limit`` bytes unless 0) and service
     over the fake backend; at the end, the ledger is checked and the manager stopped, and no
-    task it started is left."""
+    task it started is left. The eviction policy is LRU unless ``eviction_policy`` names
+    another: the scenarios name their victims by recency."""
+    options.setdefault("eviction_policy", "lru")
     for name, size in sizes.items():
         write_model(tmp_path, name, size)
     manager = ModelRepositoryManager(

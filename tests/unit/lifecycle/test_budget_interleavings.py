@@ -38,7 +38,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> World:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize("policy", ["lru", "gds"])
+@pytest.mark.parametrize("policy", ["lru", "gds", "tinylfu"])
 def test_random_loads_unloads_and_evictions_hold_the_budget(
     tmp_path: Path, world: World, seed: int, policy: str
 ) -> None:
