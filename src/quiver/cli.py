@@ -270,6 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
         "gds (GreedyDual-Size: favours keeping small models) (default: tinylfu)",
     )
     models.add_argument(
+        "--model-evict-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="under --model-memory-limit, after each load unload the eviction policy's "
+        "victims in the background until the free bytes would hold another model like it, "
+        "so a miss finds its room free instead of waiting for an unload (default: on)",
+    )
+    models.add_argument(
         "--model-load-wait-timeout",
         type=float,
         default=60.0,

@@ -101,6 +101,7 @@ class ModelRepositoryManager:
         clock: Clock = SYSTEM_CLOCK,
         meter: MemoryMeter | None = None,
         predictor: SizePredictor | None = None,
+        evict_ahead: bool = True,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -142,6 +143,7 @@ class ModelRepositoryManager:
             gpu_reader=gpu_reader,
             meter=meter,
             predictor=predictor,
+            evict_ahead=evict_ahead,
         )
         # A model no longer pinned, or no longer loading or unloading: loads waiting for room look again.
         self._locks.on_release = self._pins.on_release = self.admission.notify

@@ -201,8 +201,10 @@ async def serving(
     """The real manager (on-demand, a memory budget of ``limit`` bytes unless 0) and service
     over the fake backend; at the end, the ledger is checked and the manager stopped, and no
     task it started is left. The eviction policy is LRU unless ``eviction_policy`` names
-    another: the scenarios name their victims by recency."""
+    another, and nothing is evicted ahead of need unless ``evict_ahead=True``: the scenarios
+    name their victims by recency, and which are resident when."""
     options.setdefault("eviction_policy", "lru")
+    options.setdefault("evict_ahead", False)
     for name, size in sizes.items():
         write_model(tmp_path, name, size)
     manager = ModelRepositoryManager(
