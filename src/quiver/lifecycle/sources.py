@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ from quiver.repository.storage import (
 __all__ = ["DEFAULT_CACHE_BYTES", "ModelSources", "default_cache_dir", "fingerprint"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds an S3 store's listing serves the repository index before it is listed again.
+LISTING_TTL_S = 30.0
 
 #: ``--model-cache-size`` when none is given.
 DEFAULT_CACHE_BYTES = 20 << 30
@@ -101,6 +105,7 @@ class ModelSources:
         self._cache_lock = asyncio.Lock()
         self._fingerprints: dict[str, str] = {}
         self._overrides: dict[str, Path] = {}  # models loaded from request-supplied files
+        self._listings: dict[str, tuple[float, list[str]]] = {}  # S3 store -> (when, keys)
 
     # -- model folders -----------------------------------------------------------------
 
@@ -144,10 +149,8 @@ class ModelSources:
         than a local model folder: no local model folder (nor request-supplied files) has it."""
         if name in self._overrides:
             return False
-        if await self._pool.run(self._repository.find, name) is not None:
-            return False
-        sources, clashes = await self.scan()
-        return name not in sources and name not in clashes
+        # one stat per repository: no listing of the repositories per miss
+        return not await self._pool.run(self._repository.has, name)
 
     def key_stores(self, name: str) -> list[Storage]:
         """The stores in which ``name``, not a local model folder, is looked up as a key:
@@ -201,12 +204,25 @@ class ModelSources:
             local_store = self._url_stores[folder] = LocalStorage(target.parent)
         return local_store, target.name
 
-    async def stored_keys(self) -> set[str]:
+    async def stored_keys(self, *, refresh: bool = False) -> set[str]:
         """The keys every store serves: archives next to local model folders, archives and
-        folders under S3 prefixes (a store that cannot be listed is left out, with a warning)."""
+        folders under S3 prefixes (a store that cannot be listed is left out, with a warning).
+
+        An S3 store's listing (paginated, 1,000 keys a page) is kept for
+        :data:`LISTING_TTL_S` seconds and listed again after, or at once with ``refresh``:
+        the index of 10,000 archives is not 10 requests to S3 each time. A miss never needs
+        the listing (it asks the store for its key)."""
         names: set[str] = set()
         for store in self._stores:
-            names.update(await self._pool.run(_stored_keys, store))
+            if isinstance(store, LocalStorage):
+                names.update(await self._pool.run(_stored_keys, store))
+                continue
+            cached = self._listings.get(store.location)
+            now = time.monotonic()
+            if refresh or cached is None or now - cached[0] > LISTING_TTL_S:
+                keys = await self._pool.run(_stored_keys, store)
+                cached = self._listings[store.location] = (now, keys)
+            names.update(cached[1])
         return names
 
     # -- the disk cache ----------------------------------------------------------------

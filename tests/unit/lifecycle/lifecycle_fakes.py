@@ -227,6 +227,8 @@ async def serving(
         yield service, manager
         budget = manager.admission.budget
         if budget is not None:
+            # evictions ahead of need still under way finish first (they hold a reservation)
+            await until(lambda: not any(t.get_name() == "quiver-evict-ahead" for t in asyncio.all_tasks()))
             assert budget.peak <= limit
             assert budget.reserved == {} and budget.releasing == frozenset()
             assert budget.resident == {m.name: m.size_bytes for m in manager.ready_models if m.instances}

@@ -1,0 +1,104 @@
+"""The miss path's own work: configurations prepared once per version of a model's files, and
+repository listings that are incremental."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+from lifecycle_fakes import World, answer, install_fake_backend, serving
+
+from quiver.lifecycle import loader
+from quiver.lifecycle.configs import ConfigCache, PreparedConfig
+from quiver.repository.local import LocalRepository, ModelSource
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> World:
+    return install_fake_backend(monkeypatch)
+
+
+def test_a_config_is_read_and_prepared_once_per_version_of_its_files(
+    tmp_path: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room for one model: a and b evict each other on every request. Each is read once,
+    however often it loads; a changed file is read again."""
+    reads: list[str] = []
+    real = loader._read_proto
+
+    def counting(source: ModelSource, **kwargs: object) -> object:
+        reads.append(source.name)
+        return real(source, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "_read_proto", counting)
+
+    async def main() -> None:
+        async with serving(tmp_path, world, 12_000, {"a": 8_000, "b": 8_000}) as (service, manager):
+            for _ in range(3):
+                assert await answer(service, "a", 1.0) == 1.0
+                assert await answer(service, "b", 2.0) == 2.0
+            assert world.loads == ["a", "b"] * 3
+            assert sorted(reads) == ["a", "b"]
+            configs = manager.admission.configs
+            assert configs.hits > 0
+            config = tmp_path / "a" / "config.pbtxt"
+            config.write_text(config.read_text() + "\n# edited\n")
+            assert await answer(service, "a", 3.0) == 3.0
+            assert sorted(reads) == ["a", "a", "b"]
+
+    asyncio.run(main())
+
+
+def test_the_config_cache_is_bounded_and_keyed_by_fingerprint(tmp_path: Path) -> None:
+    cache = ConfigCache(capacity=2)
+    sources = [ModelSource(n, tmp_path, tmp_path / n) for n in ("a", "b", "c")]
+    for source in sources:
+        cache.remember_read(source, "f1", False, loader.pb.ModelConfig(name=source.name))
+    assert len(cache) == 2
+    assert cache.read(sources[0], "f1", False) is None  # the least recently used went
+    assert cache.read(sources[2], "f1", False) is not None
+    assert cache.read(sources[2], "f2", False) is None  # other files: not the same entry
+    assert cache.read(sources[2], "f1", True) is None  # strict reads differently
+    assert cache.prepared(sources[2], "f1", False) is None
+    with pytest.raises(ValueError):
+        ConfigCache(capacity=0)
+    assert PreparedConfig.__slots__  # frozen, shared by the loads
+
+
+def test_the_repository_listing_is_incremental(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("m1", "m2", ".hidden"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "notes.txt").write_text("not a model")
+    repository = LocalRepository([tmp_path])
+    listings: list[str] = []
+    real = os.scandir
+
+    def counting(path: object) -> object:
+        listings.append(str(path))
+        return real(path)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(os, "scandir", counting)
+    models, clashes = repository.scan()
+    assert sorted(models) == ["m1", "m2"] and clashes == {}
+    assert models["m1"].path == tmp_path / "m1"
+    repository.scan()
+    assert len(listings) == 1  # unchanged folder: not listed again
+    time.sleep(0.01)
+    (tmp_path / "m3").mkdir()
+    assert sorted(repository.scan()[0]) == ["m1", "m2", "m3"]
+    (tmp_path / "m1").rmdir()
+    assert sorted(repository.scan()[0]) == ["m2", "m3"]
+    assert len(listings) == 3
+    assert repository.has("m2") and not repository.has("m1") and not repository.has(".hidden")
+
+
+def test_names_clashing_between_repositories_are_reported(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    for root in (one, two):
+        (root / "same").mkdir(parents=True)
+    (one / "only").mkdir()
+    models, clashes = LocalRepository([one, two]).scan()
+    assert sorted(models) == ["only"] and "more than one repository" in clashes["same"]
