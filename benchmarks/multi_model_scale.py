@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +39,7 @@ from benchmarks.multi_model import (
     BUCKET,
     MB,
     PREFIX,
+    RssSampler,
     archive,
     build,
     log,
@@ -51,36 +51,6 @@ from benchmarks.multi_model import (
 from benchmarks.peers.quiver import QuiverServer
 
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-class RssSampler:
-    """The RSS of process ``pid`` every ``interval`` seconds, in a thread, while in the ``with``."""
-
-    def __init__(self, pid: int, interval: float = 0.02) -> None:
-        self.pid, self.interval = pid, interval
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def read(self) -> int:
-        with open(f"/proc/{self.pid}/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.samples.append(self.read())
-            except OSError:
-                return
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def scrape(url: str) -> dict[str, float]:

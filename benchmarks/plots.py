@@ -87,7 +87,7 @@ def multi_model(data: dict[str, Any], png: Path) -> None:
     window = max(10, min(250, len(per["kinds"]) // 10))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
     for label, seq, style in (
-        ("Quiver (LRU)", [k == "H" for k in per["kinds"]], "-"),
+        (f"Quiver ({data.get('eviction_policy', 'lru')})", [k == "H" for k in per["kinds"]], "-"),
         ("LRU simulated", [k == "H" for k in per["lru_simulated"]], "--"),
         ("Belady MIN (offline optimum)", [k == "H" for k in per["belady"]], ":"),
     ):
