@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import logging
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
@@ -75,6 +76,10 @@ logger = logging.getLogger(__name__)
 CONTROL_MODES = ("none", "explicit", "poll", "on_demand")
 #: Modes in which the repository API may load and unload models.
 _API_MODES = ("explicit", "on_demand")
+
+
+def _index_order(status: VersionStatus) -> tuple[str, int]:
+    return status.name, int(status.version) if status.version else -1
 
 
 class ModelRepositoryManager:
@@ -419,16 +424,14 @@ class ModelRepositoryManager:
         """Like :meth:`index`, plus models in the repositories never loaded (no state): model
         folders and, in on-demand mode, the keys it would load: archives in the local
         repositories, archives and folders in the S3 ones (an S3 repository that cannot be
-        listed is left out, with a warning)."""
-        sources, _ = await self._sources.scan()
-        names = set(sources)
-        if self.on_demand:
-            names |= await self._sources.stored_keys()
-        known = {s.name for s in self.index()}
-        entries = self.index() + [
-            VersionStatus(name, "", ModelState.UNKNOWN) for name in names if name not in known
-        ]
-        return sorted(entries, key=lambda s: (s.name, int(s.version) if s.version else -1))
+        listed is left out, with a warning). The listings are incremental
+        (:meth:`ModelSources.index_names`): with nothing changed, the index of 10,000 models
+        lists nothing."""
+        names = await self._sources.index_names(keys=self.on_demand)
+        known = sorted(self.index(), key=_index_order)  # nearly sorted already: cheap
+        seen = {s.name for s in known}
+        unknown = (VersionStatus(name, "", ModelState.UNKNOWN) for name in names if name not in seen)
+        return list(heapq.merge(known, unknown, key=_index_order))
 
     def request_done(self, model: Model) -> None:
         """A request on ``model`` finished (its pin may be released): loads waiting for room

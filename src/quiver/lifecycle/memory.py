@@ -25,7 +25,8 @@ measured; it is the remaining noise, small next to model weights. Second, glibc 
 memory in its heap: a load that parses a protobuf into temporary buffers shows those buffers
 in RSS until ``malloc_trim`` returns them. The meter trims (glibc only; elsewhere a no-op)
 before and after each measured load, which turns a noisy transient into the retained
-footprint (it does not run a full garbage collection: see :func:`release_free_memory`). Third, glibc's moving mmap threshold lets a freed model's blocks stay
+footprint (no full garbage collection: see :func:`release_free_memory`). Third, glibc's
+moving mmap threshold lets a freed model's blocks stay
 in the heap and be reused by the next load (measured as 0, then as 2 models): under a budget
 the manager fixes the threshold (:func:`fix_mmap_threshold`). Measured on this machine (2
 cores, onnxruntime 1.31 CPU, MatMul chains of 1024x1024 FP32 weights, several models loaded
@@ -67,7 +68,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import gc
 import logging
 import os
 import sys
@@ -156,35 +156,21 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     return bool(_MALLOPT(_M_MMAP_THRESHOLD, int(threshold)))
 
 
-def release_free_memory(*, collect: bool = False) -> None:
-    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``), and with
-    ``collect`` first collect all of Python's garbage.
-
-    Call it after unloading a model too: otherwise the freed weights may stay in RSS and the
-    machine does not get them back until the allocator happens to reuse them. The trim runs
-    without the GIL (a ctypes call) and costs well under a millisecond on a server's heap; a
-    full garbage collection stops every Python thread for tens of milliseconds in a server
-    with its libraries imported (measured: 69 ms with onnxruntime and tritonclient loaded), so
-    the load and unload paths do not collect: a backend frees its framework's objects when it
-    releases an instance (the onnxruntime session is dropped by reference count), and the
-    interpreter's own collections take care of the rest.
-    """
-    if collect:
-        gc.collect()
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``, outside the GIL).
+    No garbage collection: a full one stops every thread for tens of milliseconds (69 ms with
+    onnxruntime and tritonclient imported); backends free their objects by reference count."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
 
-_PROCESS: dict[int, psutil.Process] = {}  # pid -> this process (psutil.Process() reads /proc each time)
+_PROCESS: list[psutil.Process] = []  # this process, kept (psutil.Process() reads /proc)
 
 
 def _process_rss() -> int:
-    pid = os.getpid()
-    process = _PROCESS.get(pid)
-    if process is None:
-        _PROCESS.clear()
-        process = _PROCESS[pid] = psutil.Process(pid)
-    return int(process.memory_info().rss)
+    if not _PROCESS or _PROCESS[0].pid != os.getpid():
+        _PROCESS[:] = [psutil.Process()]
+    return int(_PROCESS[0].memory_info().rss)
 
 
 _NVML_STATE: dict[str, Any] = {}  # "module" -> pynvml once initialized, "failed" -> True

@@ -106,6 +106,8 @@ class ModelSources:
         self._fingerprints: dict[str, str] = {}
         self._overrides: dict[str, Path] = {}  # models loaded from request-supplied files
         self._listings: dict[str, tuple[float, list[str]]] = {}  # S3 store -> (when, keys)
+        self._local_listings: dict[str, tuple[int, list[str]]] = {}  # local store -> (mtime_ns, archives)
+        self._index_names: tuple[tuple[frozenset[str], frozenset[str]], list[str]] | None = None
 
     # -- model folders -----------------------------------------------------------------
 
@@ -215,7 +217,7 @@ class ModelSources:
         names: set[str] = set()
         for store in self._stores:
             if isinstance(store, LocalStorage):
-                names.update(await self._pool.run(_stored_keys, store))
+                names.update(await self._pool.run(self._local_keys, store))
                 continue
             cached = self._listings.get(store.location)
             now = time.monotonic()
@@ -224,6 +226,28 @@ class ModelSources:
                 cached = self._listings[store.location] = (now, keys)
             names.update(cached[1])
         return names
+
+    def _local_keys(self, store: LocalStorage) -> list[str]:
+        """:func:`_stored_keys` of a local repository, listed again only when the folder's
+        modification time changed (blocking)."""
+        try:
+            mtime = os.stat(store.root).st_mtime_ns
+        except OSError:
+            return []
+        cached = self._local_listings.get(store.location)
+        if cached is None or cached[0] != mtime:
+            cached = self._local_listings[store.location] = (mtime, _stored_keys(store))
+        return cached[1]
+
+    async def index_names(self, *, keys: bool) -> list[str]:
+        """Every model folder's name (and with ``keys`` every stored key), sorted; the sorted
+        list is kept while the listings it came from are unchanged."""
+        sources, _ = await self.scan()
+        stored = await self.stored_keys() if keys else set()
+        token = (frozenset(sources), frozenset(stored))
+        if self._index_names is None or self._index_names[0] != token:
+            self._index_names = (token, sorted(set(sources) | stored))
+        return self._index_names[1]
 
     # -- the disk cache ----------------------------------------------------------------
 

@@ -62,6 +62,7 @@ class LocalRepository:
         self.roots = roots
         self._listings: dict[Path, tuple[int, list[str]]] = {}  # root -> (mtime_ns, folder names)
         self._lock = threading.Lock()
+        self._scanned: tuple[list[list[str]], dict[str, ModelSource], dict[str, str]] | None = None
 
     def has(self, name: str) -> bool:
         """Whether any repository has a model folder ``name`` (one ``stat`` per repository)."""
@@ -95,11 +96,25 @@ class LocalRepository:
         return ModelSource(name, found[0], found[0] / name)
 
     def scan(self) -> tuple[dict[str, ModelSource], dict[str, str]]:
-        """Every model folder by name, and the names that clash between repositories."""
+        """Every model folder by name, and the names that clash between repositories (built
+        again only when a repository's listing changed; the dicts returned are the caller's)."""
+        listings = [self._folders(root) for root in self.roots]
+        with self._lock:
+            cached = self._scanned
+        if cached is not None and len(cached[0]) == len(listings) and all(
+            a is b for a, b in zip(cached[0], listings, strict=True)
+        ):
+            return dict(cached[1]), dict(cached[2])
+        models, clashes = self._build(listings)
+        with self._lock:
+            self._scanned = (listings, models, clashes)
+        return dict(models), dict(clashes)
+
+    def _build(self, listings: list[list[str]]) -> tuple[dict[str, ModelSource], dict[str, str]]:
         models: dict[str, ModelSource] = {}
         clashes: dict[str, str] = {}
-        for root in self.roots:
-            for name in self._folders(root):
+        for root, names in zip(self.roots, listings, strict=True):
+            for name in names:
                 if name in models:
                     clashes[name] = (
                         f"model '{name}' is in more than one repository: "
