@@ -91,14 +91,22 @@ def run_size(count: int, args: argparse.Namespace, tmp: Path, store: Any) -> dic
     else:
         client = store.client(timeout=30)
         prefix = f"{PREFIX}{count}"
-        client.create_bucket(Bucket=f"{BUCKET}{count}")
+        if count == min(int(n) for n in args.sizes.split(",")):
+            client.create_bucket(Bucket=BUCKET)
 
         def upload(i: int) -> None:
-            client.put_object(Bucket=f"{BUCKET}{count}", Key=f"{prefix}/model_{i:05d}.tar.gz", Body=archive(i))
+            for attempt in range(5):  # SeaweedFS answers 500 now and then while it grows volumes
+                try:
+                    client.put_object(Bucket=BUCKET, Key=f"{prefix}/model_{i:05d}.tar.gz", Body=archive(i))
+                    return
+                except Exception:
+                    if attempt == 4:
+                        raise
+                    time.sleep(0.5 * (attempt + 1))
 
-        with ThreadPoolExecutor(16) as pool:
+        with ThreadPoolExecutor(8) as pool:
             list(pool.map(upload, range(count)))
-        repository = f"s3://{BUCKET}{count}/{prefix}"
+        repository = f"s3://{BUCKET}/{prefix}"
         flags = ["--s3-endpoint-url", store.endpoint, "--model-cache-dir", str(tmp / f"cache{count}"), *flags]
         env = {"AWS_ACCESS_KEY_ID": store.access_key, "AWS_SECRET_ACCESS_KEY": store.secret_key, "AWS_REGION": "us-east-1"}
     names = [f"model_{i:05d}{suffix}" for i in range(count)]
