@@ -102,3 +102,59 @@ def test_names_clashing_between_repositories_are_reported(tmp_path: Path) -> Non
     (one / "only").mkdir()
     models, clashes = LocalRepository([one, two]).scan()
     assert sorted(models) == ["only"] and "more than one repository" in clashes["same"]
+
+
+def test_an_s3_listing_serves_the_index_until_it_is_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index lists an S3 repository once per LISTING_TTL_S (or when asked to refresh);
+    local archives are listed again only when their folder changed."""
+    from quiver.lifecycle import sources as sources_module
+    from quiver.lifecycle.pool import LoadPool
+    from quiver.lifecycle.sources import LISTING_TTL_S, ModelSources
+    from quiver.metrics.statistics import MultiModelStatistics
+    from quiver.repository.storage import LocalStorage
+
+    listed: list[str] = []
+    real = sources_module._stored_keys
+
+    def counting(store: object) -> list[str]:
+        listed.append(type(store).__name__)
+        if isinstance(store, LocalStorage):
+            return real(store)
+        return [f"s3model{len(listed)}.tar.gz"]
+
+    monkeypatch.setattr(sources_module, "_stored_keys", counting)
+    now = [1000.0]
+    monkeypatch.setattr(sources_module.time, "monotonic", lambda: now[0])
+    (tmp_path / "local.tar.gz").write_bytes(b"")
+    pool = LoadPool(2)
+    sources = ModelSources(
+        [tmp_path],
+        pool=pool,
+        stats=MultiModelStatistics(),
+        remote_repositories=["s3://bucket/models"],
+        s3_options={"endpoint_url": "http://127.0.0.1:9", "region": "us-east-1"},
+    )
+
+    async def main() -> None:
+        try:
+            first = await sources.stored_keys()
+            assert first == {"local.tar.gz", "s3model2.tar.gz"}
+            assert await sources.stored_keys() == first  # nothing listed again
+            assert listed == ["LocalStorage", "S3Storage"]
+            now[0] += LISTING_TTL_S + 1
+            assert "s3model3.tar.gz" in await sources.stored_keys()  # stale: listed again
+            assert "s3model4.tar.gz" in await sources.stored_keys(refresh=True)
+            assert listed.count("LocalStorage") == 1
+            (tmp_path / "new.tar.gz").write_bytes(b"")
+            os.utime(tmp_path, ns=(time.time_ns(), time.time_ns() + 10**9))
+            assert "new.tar.gz" in await sources.stored_keys()
+            assert listed.count("LocalStorage") == 2
+        finally:
+            await sources.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
