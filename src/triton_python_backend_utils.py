@@ -1,12 +1,13 @@
 """Quiver's ``triton_python_backend_utils``: the module Triton Python models import.
 
 Models written for Triton's Python backend do ``import triton_python_backend_utils as
-pb_utils``; this module gives them the same names and behaviour, for models that run
-in-process on CPU and are not decoupled. It is written from Triton's documented API
+pb_utils``; this module gives them the same names and behaviour, for models that run on CPU
+and are not decoupled, in a worker process of their own (the default) or in the server's.
+It imports only numpy and Quiver's worker-safe modules, so it runs under a model's own
+Python environment too (``EXECUTION_ENV_PATH``). It is written from Triton's documented API
 (python_backend ``README.md`` and the stub's ``c_python_backend_utils`` bindings).
 
-Not available here: decoupled mode (``get_response_sender`` raises), BLS
-(``InferenceRequest.exec``/``async_exec``), the model-control functions
+Not available here: decoupled mode (``get_response_sender`` raises), the model-control functions
 (``load_model``, ``unload_model``, ``is_model_ready``), custom metrics
 (``MetricFamily``) and GPU tensors.
 """
@@ -17,7 +18,7 @@ import copy
 import enum
 import json
 import logging
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -388,10 +389,13 @@ TRITONSERVER_MEMORY_CPU = 1
 
 
 class InferenceTrace:
-    """The trace of a request; Quiver has no trace context to hand to models."""
+    """The trace of a request. Pass it on, ``InferenceRequest(..., trace=request.trace())``,
+    and a traced request's BLS request is traced with it (a trace of its own whose
+    ``parent_id`` is this request's), as Triton traces BLS requests."""
 
     def __init__(self, context: str | None = None) -> None:
         self._context = context
+        self._server: Any = None  # the server's trace of the request, when it is traced
 
     def get_context(self) -> str | None:
         return self._context
@@ -496,6 +500,7 @@ class InferenceRequest:
         self._preferred_memory = preferred_memory or PreferredMemory(TRITONSERVER_MEMORY_CPU)
         self._trace = trace or InferenceTrace()
         self._parameters = _parameters_to_json(parameters)
+        self._cancelled: Callable[[], bool] | None = None
 
     @classmethod
     def _from_server(
@@ -524,6 +529,7 @@ class InferenceRequest:
         request._preferred_memory = PreferredMemory(TRITONSERVER_MEMORY_CPU)
         request._trace = InferenceTrace()
         request._parameters = parameters_json
+        request._cancelled = None
         return request
 
     def inputs(self) -> list[Tensor]:
@@ -558,7 +564,9 @@ class InferenceRequest:
         return self._trace
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the client gave up on this request (a model may stop early); known in a
+        worker process, where the server says so, else always False."""
+        return self._cancelled is not None and self._cancelled()
 
     def model_name(self) -> str:
         return self._model_name

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import quiver
+from quiver import triton_flags
 
 if TYPE_CHECKING:
     from quiver.settings import Settings
@@ -29,9 +30,11 @@ def _bool(value: str) -> bool:
 
 
 def _fraction(value: str) -> float:
-    """A fraction in (0, 1], for --model-load-gpu-limit."""
+    """A fraction in (0, 1], for --model-load-gpu-limit (Triton's DEVICE:FRACTION form too:
+    Quiver's limit holds for every GPU)."""
     from quiver.settings import parse_fraction
 
+    value = value.rpartition(":")[2]
     try:
         return parse_fraction(value)
     except ValueError as exc:
@@ -120,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.add_argument(
+        "--id",
+        default="quiver",
+        metavar="NAME",
+        help="the server's name in its metadata (GET /v2, gRPC ServerMetadata) (default: quiver)",
+    )
+    serve.add_argument(
         "--model-repository",
         "--model-store",
         dest="model_repository",
@@ -140,6 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=64 * 1024 * 1024,
         metavar="BYTES",
         help="largest request body accepted, after decompression, e.g. 64M (default: 64M)",
+    )
+    net.add_argument(
+        "--http-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve HTTP from N worker processes accepting on the HTTP port, each decoding and "
+        "encoding requests on a core of its own, over this process's one model table, memory "
+        "budget, scheduler per model and statistics; 0 or 1 serves HTTP from this process "
+        "(default: 0)",
     )
     net.add_argument("--grpc-port", type=int, default=8001, help="gRPC port; 0 picks a free one (default: 8001)")
     net.add_argument("--grpc-address", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")
@@ -197,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(net, "--allow-gpu-metrics", True, "report GPU metrics through NVML (needs quiver[gpu] and a GPU)")
     net.add_argument(
         "--metrics-interval-ms",
-        type=int,
+        type=lambda value: int(float(value)),
         default=2000,
         metavar="MS",
         help=(
@@ -330,6 +349,22 @@ def build_parser() -> argparse.ArgumentParser:
             "thread hand-off costs more than the model; 0 always uses the thread (default: 200)"
         ),
     )
+    models.add_argument(
+        "--backend-config",
+        action="append",
+        default=[],
+        metavar="<backend>,<setting>=<value>",
+        help=(
+            "a backend's setting, as tritonserver takes it; repeat for more, or give "
+            "<setting>=<value> for a global one. The python backend reads "
+            "shm-default-byte-size, shm-growth-byte-size, shm-max-byte-size, "
+            "shm-region-prefix-name, stub-timeout-seconds, restart-backoff-seconds and "
+            "in-process=true (run Python models in the server's process unless their "
+            "config's parameter QUIVER_PYTHON_IN_PROCESS says otherwise); "
+            "SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE and SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE "
+            "set the first two when no flag does"
+        ),
+    )
     store = serve.add_argument_group(
         "model cache and S3 (credentials, region and endpoint also come from the usual AWS "
         "variables: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_ENDPOINT_URL_S3, "
@@ -455,6 +490,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="on scale-in and shutdown a replica takes no new requests and gets this long to "
         "finish the ones in flight (default: 30)",
     )  # fmt: skip
+    from quiver import response_cache, tracing
+
+    tracing.config.add_arguments(serve.add_argument_group("trace (Triton's trace extension)"))
+    response_cache.add_arguments(serve.add_argument_group("response cache"))
+    shm = serve.add_argument_group("shared memory")
+    _flag(
+        shm,
+        "--allow-client-shm",
+        False,
+        "let clients register and unregister system shared-memory regions "
+        "(/v2/systemsharedmemory, gRPC SystemSharedMemory*) and use them for inputs and "
+        "outputs; status is always served, as in Triton",
+    )
+    triton_flags.add_arguments(serve)
     logs = serve.add_argument_group("logging")
     logs.add_argument(
         "--log-verbose", type=int, default=0, metavar="LEVEL", help="verbose logging level; >0 logs debug (default: 0)"

@@ -93,3 +93,9 @@ def error_for_code(code: ErrorCode, message: str) -> QuiverError:
 
 class ConfigError(InvalidArgumentError):
     """A model configuration that cannot be used; the message names file and field."""
+
+
+def format_exception(exc: BaseException) -> str:
+    """``Type: message`` (just ``Type`` when the message is empty), as errors quote exceptions."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

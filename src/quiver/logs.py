@@ -164,6 +164,8 @@ def configure(
     *,
     verbose: int = 0,
     info: bool = True,
+    warning: bool = True,
+    error: bool = True,
     log_file: str = "",
     log_format: str = "default",
     log_file_dir: str | None = None,
@@ -185,7 +187,14 @@ def configure(
                     f"--log-file-dir '{log_file_dir}' is not a folder Quiver can open: {exc.strerror}"
                 ) from None
     _update(
-        {"log_verbose_level": verbose, "log_info": info, "log_file": log_file, "log_format": log_format},
+        {
+            "log_verbose_level": verbose,
+            "log_info": info,
+            "log_warning": warning,
+            "log_error": error,
+            "log_file": log_file,
+            "log_format": log_format,
+        },
         trusted=True,
     )
 

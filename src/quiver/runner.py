@@ -12,7 +12,8 @@ use it, and :func:`load_models` for the models loaded at start.
 3. the model manager and its disk cache;
 4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
 5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
-   every listener is up); then the server is ready.
+   every listener is up; with ``--http-workers N``, N worker processes serve the HTTP socket,
+   :mod:`quiver.frontends.workers`); then the server is ready.
 
 A failure at any step closes exactly what the earlier steps opened, in reverse order, logs
 why, and exits non-zero (2 for a logging set-up the flags make impossible, as for other flags;
@@ -32,11 +33,13 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
 from quiver import logs
+from quiver.backends.base import SERVER
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
@@ -44,11 +47,18 @@ from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
+from quiver.frontends.workers import HttpWorkers
 from quiver.lifecycle import ModelRepositoryManager
+from quiver.lifecycle.sources import default_cache_dir
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
+from quiver.repository.local import use_custom_config
+from quiver.response_cache import ResponseCache
 from quiver.service import InferenceService
 from quiver.settings import Settings
+from quiver.shared_memory import SharedMemoryManager
+from quiver.tracing import TraceManager
+from quiver.tracing.otel import MissingOpenTelemetry, OpenTelemetryExporter
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +86,9 @@ class Parts:
 
 def assemble(settings: Settings) -> Parts:
     """The model manager, the inference service over it and its HTTP applications."""
+    use_custom_config(settings.model_config_name)  # --model-config-name (checked by settings)
+    SERVER.backend_config = settings.backend_config
+    SERVER.cache_dir = settings.model_cache_dir or default_cache_dir()
     manager = ModelRepositoryManager(
         list(settings.model_repositories),
         control_mode=settings.model_control_mode,
@@ -87,6 +100,7 @@ def assemble(settings: Settings) -> Parts:
         startup_models=list(settings.load_models),
         strict_config=settings.strict_model_config,
         load_threads=settings.model_load_thread_count,
+        load_retries=settings.model_load_retry_count,
         inline_threshold_ns=settings.inline_execution_threshold_us * 1000,
         remote_repositories=list(settings.s3_repositories),
         s3_options=settings.s3_options,
@@ -99,11 +113,20 @@ def assemble(settings: Settings) -> Parts:
         ),
         cache_revalidate_timeout=settings.model_cache_revalidate_timeout,
     )
-    service = InferenceService(manager, repositories=list(settings.model_repositories))
+    service = InferenceService(
+        manager,
+        repositories=list(settings.model_repositories),
+        tracing=TraceManager(settings.trace),
+        response_cache=ResponseCache(settings.response_cache_size) if settings.response_cache_size else None,
+        shared_memory=SharedMemoryManager(allow_client=settings.allow_client_shm),
+        server_id=settings.server_id,
+        strict_readiness=settings.strict_readiness,
+    )
     http = HttpFrontend(
         service,
         max_input_size=settings.http_max_input_size,
         restrictions=Restrictions(list(settings.http_restricted_api)),
+        header_forward_pattern=settings.http_header_forward_pattern,
     )
     sagemaker = None
     if settings.sagemaker is not None:
@@ -119,6 +142,8 @@ def configure_logging(settings: Settings) -> None:
         logs.configure(
             verbose=settings.log_verbose,
             info=settings.log_info,
+            warning=settings.log_warning,
+            error=settings.log_error,
             log_file=settings.log_file,
             log_format=settings.log_format,
             log_file_dir=settings.log_file_dir,
@@ -176,13 +201,14 @@ class _AsgiListener(_Listener):
 class _GrpcListener(_Listener):
     name = "GRPC"
 
-    def __init__(self, frontend: GrpcFrontend) -> None:
+    def __init__(self, frontend: GrpcFrontend, grace: float) -> None:
         self.frontend = frontend
+        self.grace = grace
         self._stopping: asyncio.Task[None] | None = None
 
     async def begin_stop(self) -> None:
         await self.frontend.begin_shutdown()  # health NOT_SERVING before anything closes
-        self._stopping = asyncio.create_task(self.frontend.stop(grace=30))
+        self._stopping = asyncio.create_task(self.frontend.stop(grace=self.grace))
 
     async def close(self) -> None:
         if self._stopping is None:
@@ -191,6 +217,22 @@ class _GrpcListener(_Listener):
             # it started can crash the process (SIGSEGV), so it is not stopped here.
             return
         await self._stopping
+
+
+class _WorkersListener(_Listener):
+    """HTTP served by worker processes (``--http-workers``) on the socket this process bound."""
+
+    name = "HTTP"
+
+    def __init__(self, workers: HttpWorkers) -> None:
+        self.workers = workers
+        self.socket = workers.socket
+
+    async def begin_stop(self) -> None:
+        await self.workers.begin_stop()
+
+    async def close(self) -> None:
+        await self.workers.close()
 
 
 class _MetricsListener(_Listener):
@@ -206,10 +248,12 @@ class _MetricsListener(_Listener):
         await self.frontend.stop()
 
 
-def _listen(address: str, port: int) -> socket.socket:
+def _listen(address: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # --reuse-http-port: several servers may listen on the port
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((address, port))
     except OSError as exc:
@@ -230,15 +274,36 @@ def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket
     raise OSError(f"no free port for the SageMaker listener in the safe port range {low}-{high}")
 
 
-async def _serve_asgi(name: str, app: object, sock: socket.socket) -> _AsgiListener:
+async def _serve_asgi(name: str, app: object, sock: socket.socket, grace: float = 30.0) -> _AsgiListener:
     try:
-        server, serving = await serve(app, sock, graceful_seconds=30)
+        server, serving = await serve(app, sock, graceful_seconds=grace)
     except BaseException as exc:
         sock.close()
         if isinstance(exc, Exception):
             raise OSError(f"the {name} listener stopped at start: {exc}") from None
         raise
     return _AsgiListener(name, server, serving, sock)
+
+
+async def _serve_workers(parts: Parts, settings: Settings, sock: socket.socket) -> _WorkersListener:
+    workers = HttpWorkers(
+        parts.service,
+        parts.http.app(),
+        sock,
+        settings.http_workers,
+        max_input_size=settings.http_max_input_size,
+        restricted_api=list(settings.http_restricted_api),
+        graceful_seconds=settings.exit_timeout_secs,
+        log_verbose=settings.log_verbose,
+        header_forward_pattern=settings.http_header_forward_pattern,
+    )
+    try:
+        await workers.start()
+    except BaseException:
+        await workers.close()
+        raise
+    logger.info("HTTP served by %d worker processes (pids %s)", workers.count, " ".join(map(str, workers.pids)))
+    return _WorkersListener(workers)
 
 
 # -- the single-process server -----------------------------------------------------------------
@@ -282,16 +347,20 @@ class Runner:
     async def _start(self, stack: contextlib.AsyncExitStack) -> list[_Listener]:
         settings = self.settings
         configure_logging(settings)  # 1.
+        for note in settings.flag_notes:
+            logger.info("%s", note)
         # 2. the metrics registry, 3. the manager (assembled first: the collector reads it;
         # assembling opens nothing). The disk cache opens on first use and closes with it.
         parts = self.parts = assemble(settings)
+        _start_tracing(parts.service.tracing, stack)
         registry: CollectorRegistry | None = None
         if settings.allow_metrics:
-            collector = _metrics_collector(parts.manager, settings)
+            collector = _metrics_collector(parts.manager, settings, parts.service.response_cache)
             stack.callback(collector.close)
             registry = CollectorRegistry(auto_describe=False)
             registry.register(collector)
         stack.push_async_callback(parts.manager.stop)
+        stack.callback(parts.service.shared_memory.close)  # after the listeners have closed
         # 4. the models loaded at start
         await load_models(parts, settings)
         # 5. the listeners
@@ -314,24 +383,32 @@ class Runner:
                     sock = _listen_in_range(settings.sagemaker_address, safe)
                 else:
                     sock = _listen(settings.sagemaker_address, settings.sagemaker_port)
-                opened(await _serve_asgi("SageMaker", parts.sagemaker, sock))
+                opened(await _serve_asgi("SageMaker", parts.sagemaker, sock, settings.exit_timeout_secs))
             grpc: GrpcFrontend | None = None
             if settings.allow_grpc:
                 grpc = GrpcFrontend(
                     parts.service,
                     max_message_size=settings.grpc_max_message_size,
                     restrictions=Restrictions(list(settings.grpc_restricted_protocol)),
+                    header_forward_pattern=settings.grpc_header_forward_pattern,
+                    tls=settings.grpc_tls,
+                    options=settings.grpc_options,
+                    compression_level=settings.grpc_compression_level,
+                    reuse_port=settings.reuse_grpc_port,
                 )
                 grpc_port = await grpc.start(settings.grpc_address, settings.grpc_port)
-                opened(_GrpcListener(grpc))
+                opened(_GrpcListener(grpc, settings.exit_timeout_secs))
             if settings.allow_http:
-                sock = _listen(settings.http_address, settings.http_port)
-                opened(await _serve_asgi("HTTP", parts.http.app(), sock))
+                sock = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
+                if settings.http_workers > 1:
+                    opened(await _serve_workers(parts, settings, sock))
+                else:
+                    opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
         except OSError as exc:
             raise StartError(str(exc)) from None
         parts.service.ready = True
         for listener in listeners:
-            if isinstance(listener, _AsgiListener):
+            if isinstance(listener, _AsgiListener | _WorkersListener):
                 host, port = listener.socket.getsockname()[:2]
                 logger.info("started %s service at %s:%d", listener.name, host, port)
             elif isinstance(listener, _GrpcListener) and grpc is not None:
@@ -361,7 +438,29 @@ def _log_model_table(manager: ModelRepositoryManager) -> None:
     logger.info("model repository:\n%s", "\n".join(lines))
 
 
-def _metrics_collector(manager: ModelRepositoryManager, settings: Settings) -> TritonCollector:
+def _start_tracing(tracing: TraceManager, stack: contextlib.AsyncExitStack) -> None:
+    """Log the trace flags' warnings, open the OpenTelemetry exporter (mode opentelemetry);
+    at stop (after the listeners and the models) write the traces held, flush the spans."""
+    config = tracing.config
+    for warning in config.warnings:
+        logger.warning("%s", warning)
+    folder = Path(config.file).parent if config.file else None
+    if config.mode == "triton" and folder is not None and not folder.is_dir():
+        raise StartError(f"--trace-config triton,file={config.file}: the folder {folder} does not exist", 2)
+    if config.mode == "opentelemetry":
+        try:
+            tracing.exporter = OpenTelemetryExporter(config)
+        except MissingOpenTelemetry as exc:
+            raise StartError(str(exc)) from None
+    stack.callback(tracing.close)
+    if config.level:
+        where = config.file if config.mode == "triton" else tracing.exporter.url
+        logger.info("tracing: mode %s, rate %d, count %d, to %s", config.mode, config.rate, config.count, where)
+
+
+def _metrics_collector(
+    manager: ModelRepositoryManager, settings: Settings, response_cache: ResponseCache | None = None
+) -> TritonCollector:
     """Triton's metrics, for a registry of this server's own (not prometheus_client's global one)."""
 
     def multi_model() -> MultiModelView | None:
@@ -388,6 +487,7 @@ def _metrics_collector(manager: ModelRepositoryManager, settings: Settings) -> T
 
     return TritonCollector(
         lambda: manager.ready_models,
+        response_cache=response_cache,
         multi_model=multi_model,
         cpu=settings.allow_cpu_metrics,
         gpu=settings.allow_gpu_metrics,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as pb
 
 import quiver
-from quiver import logs
+from quiver import logs, messages
 from quiver.config import ModelConfig
 from quiver.errors import (
     AlreadyExistsError,
@@ -33,14 +34,21 @@ from quiver.errors import (
 from quiver.lifecycle import Model, ModelRepositoryManager, ModelState
 from quiver.lifecycle.budget import OutOfMemoryError
 from quiver.lifecycle.dependencies import ensemble_steps, is_model_folder, served_folder
+from quiver.raw_input import deduce as deduce_raw_input
 from quiver.repository.cache import CacheFullError
 from quiver.repository.names import check_local_path
+from quiver.response_cache import ResponseCache
+from quiver.scheduling.core import batch_rows
+from quiver.shared_memory import SharedMemoryManager, read_inputs, write_outputs
+from quiver.tracing import Trace, TraceManager
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)
 
 #: Errors that mean "no room (memory or disk); unload something and try again".
 CAPACITY_ERRORS: tuple[type[QuiverError], ...] = (OutOfMemoryError, CacheFullError)
+#: Reasons of models that are UNAVAILABLE because they were unloaded, not because they failed.
+_UNLOADED = ("unloaded", "evicted")
 #: Where Triton's SageMaker frontend refuses to look for models.
 _FORBIDDEN_ROOTS = ("/dev/", "/proc/", "/sys/")
 
@@ -51,8 +59,11 @@ EXTENSIONS = [
     "model_repository(unload_dependents)",
     "model_configuration",
     "binary_tensor_data",
+    "system_shared_memory",
+    "cuda_shared_memory",
     "parameters",
     "statistics",
+    "trace",
     "logging",
 ]
 
@@ -68,8 +79,27 @@ class Registration:
 
 
 class InferenceService:
-    def __init__(self, manager: ModelRepositoryManager, repositories: Sequence[Path] = ()) -> None:
+    def __init__(
+        self,
+        manager: ModelRepositoryManager,
+        repositories: Sequence[Path] = (),
+        *,
+        tracing: TraceManager | None = None,
+        response_cache: ResponseCache | None = None,
+        shared_memory: SharedMemoryManager | None = None,
+        server_id: str = "quiver",
+        strict_readiness: bool = False,
+    ) -> None:
         self.manager = manager
+        #: Triton's trace extension: the settings and which requests are traced.
+        self.tracing = tracing if tracing is not None else TraceManager()
+        #: The server-wide response cache (``--cache-config local,size=N``), or None.
+        self.response_cache = response_cache
+        #: The client shared-memory regions (both frontends register them here).
+        self.shared_memory = shared_memory or SharedMemoryManager()
+        self.server_id = server_id
+        #: --strict-readiness: ready only while every model that is not unloaded is READY.
+        self.strict_readiness = strict_readiness
         manager.bind(self.infer)
         self.ready = False  # set by the runner once start-up finished
         #: The local ``--model-repository`` folders (SageMaker urls inside them load by name).
@@ -82,7 +112,24 @@ class InferenceService:
     # -- health and metadata ---------------------------------------------------------
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "quiver", "version": quiver.__version__, "extensions": EXTENSIONS}
+        return {"name": self.server_id, "version": quiver.__version__, "extensions": EXTENSIONS}
+
+    def server_ready(self) -> bool:
+        """Triton's server readiness: started (and not stopping); with strict readiness also
+        every model version the repository manager knows READY, unless it was unloaded (or
+        evicted). With on-demand loading, what clients' requests load (or fail to) does not
+        decide readiness: one bad model asked for must not take the server out of rotation."""
+        if not self.ready:
+            return False
+        if not self.strict_readiness or self.manager.on_demand:
+            return True
+        for status in self.manager.index():
+            if status.state is ModelState.READY:
+                continue
+            if status.state is ModelState.UNAVAILABLE and status.reason.startswith(_UNLOADED):
+                continue
+            return False
+        return True
 
     def model_ready(self, name: str, version: str = "") -> bool:
         return self.manager.is_ready(name, version)
@@ -324,6 +371,24 @@ class InferenceService:
     def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
         return logs.update(changes)
 
+    # -- trace extension -------------------------------------------------------------------
+
+    def trace_settings(self, model: str = "", changes: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Triton's trace settings, global or ``model``'s, after applying ``changes`` (a POST:
+        values as text or lists of text, None to clear one)."""
+        if model and not self.manager.is_ready(model):
+            raise InvalidArgumentError(f"Request for unknown model : {model}")
+        if changes:
+            return self.tracing.update(model, changes)
+        return self.tracing.settings_json(model)
+
+    def start_trace(self, model: str, headers: Callable[[], Mapping[str, str]] | None = None) -> Trace | None:
+        """The trace of a request to ``model`` arriving now, if it is sampled; ``headers()``
+        may give an OpenTelemetry ``traceparent`` (asked for only in that mode). The frontend
+        records its own timestamps on it, sets it on the request and releases it once it
+        has answered."""
+        return self.tracing.sample(model, headers)
+
     # -- inference -------------------------------------------------------------------
 
     def queues(self, name: str, version: str = "") -> bool:
@@ -335,6 +400,19 @@ class InferenceService:
             return False
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        if request.input_placements is None and request.output_placements is None:
+            return await self._infer(request)
+        lease = read_inputs(self.shared_memory, request)
+        try:
+            response = await self._infer(request)
+            write_outputs(self.shared_memory, lease, request, response)
+            return response
+        finally:
+            self.shared_memory.release(lease)
+
+    async def _infer(self, request: InferenceRequest) -> InferenceResponse:
+        trace: Trace | None = request.trace
+        started = time.monotonic_ns() if trace is not None else 0
         manager = self.manager
         try:
             model = manager.get(request.model_name, request.model_version)
@@ -346,14 +424,29 @@ class InferenceService:
             if manager.on_demand:
                 manager.multi_model.cache_hits += 1
         try:
+            if request.raw:
+                deduce_raw_input(model.config, request)
             _validate(model.config, request)
         except QuiverError:
             model.stats.record_failure(0, "REJECTED")
             raise
+        if trace is not None:
+            trace.start(model.name, request.model_version, request.id, started)
+            trace.capture("QUEUE_START")
+            trace.tensors("TENSOR_QUEUE_INPUT", request.inputs)
+        cache = self.response_cache
         try:
-            response = await model.scheduler.enqueue(request)
+            if cache is not None and model.config.proto.response_cache.enable:
+                rows = batch_rows(request, model.config.max_batch_size > 0)
+                response = await cache.infer(
+                    model.name, model.version_str, request, model.stats, rows, model.scheduler.enqueue, model.loaded_at
+                )
+            else:
+                response = await model.scheduler.enqueue(request)
         finally:
             manager.request_done(model)  # loads waiting for room look again
+            if trace is not None:
+                trace.capture("REQUEST_END")
         response.model_name = model.name
         response.model_version = model.version_str
         response.id = request.id
@@ -372,6 +465,7 @@ def _url_folder(path: Path, url: str) -> Path:
 
 
 def _validate(config: ModelConfig, request: InferenceRequest) -> None:
+    """The request against the model's configuration, with Triton's checks and messages."""
     inputs = config.input_map
     batching = config.max_batch_size > 0
     batch_size = -1
@@ -379,27 +473,20 @@ def _validate(config: ModelConfig, request: InferenceRequest) -> None:
     for tensor in request.inputs:
         spec = inputs.get(tensor.name)
         if spec is None:
-            raise InvalidArgumentError(
-                f"unexpected inference input '{tensor.name}' for model '{name}'; it expects: "
-                f"{', '.join(inputs) or 'no inputs'}"
-            )
+            raise InvalidArgumentError(messages.unexpected_input(tensor.name, name, list(inputs)))
         if tensor.datatype is not spec.datatype:
             raise InvalidArgumentError(
-                f"inference input '{tensor.name}' data-type is '{tensor.datatype.value}', but "
-                f"model '{name}' expects '{spec.datatype.value}'"
+                messages.input_datatype(tensor.name, tensor.datatype.value, name, spec.datatype.value)
             )
         shape = tensor.shape
         dims = spec.dims
         if batching:
             if len(shape) != len(dims) + 1:
-                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name)
+                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name, batching)
             if batch_size < 0:
                 batch_size = shape[0]
                 if batch_size < 1 or batch_size > config.max_batch_size:
-                    raise InvalidArgumentError(
-                        f"inference request batch-size must be <= {config.max_batch_size} for "
-                        f"model '{name}', got {batch_size} (input '{tensor.name}')"
-                    )
+                    raise InvalidArgumentError(messages.batch_size(config.max_batch_size, name, batch_size, tensor.name))
             elif shape[0] != batch_size:
                 raise InvalidArgumentError(
                     f"inputs of one request must share the batch size: input '{tensor.name}' "
@@ -407,28 +494,35 @@ def _validate(config: ModelConfig, request: InferenceRequest) -> None:
                 )
             shape = shape[1:]
         elif len(shape) != len(dims):
-            raise _shape_error(tensor, list(dims), name)
+            raise _shape_error(tensor, list(dims), name, batching)
         for got, want in zip(shape, dims, strict=True):
             if want != -1 and got != want:
-                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name)
+                raise _shape_error(tensor, spec.full_shape(config.max_batch_size), name, batching)
     given = {t.name for t in request.inputs}
     if len(given) != len(request.inputs):
-        raise InvalidArgumentError(f"an input is given twice in the request for model '{name}'")
+        seen: set[str] = set()
+        for tensor in request.inputs:
+            if tensor.name in seen:
+                raise InvalidArgumentError(messages.input_twice(tensor.name))
+            seen.add(tensor.name)
     if len(given) != len(inputs):
         missing = [t.name for t in config.inputs if t.name not in given and not t.optional]
         if missing:
+            required = sum(1 for t in config.inputs if not t.optional)
             raise InvalidArgumentError(
-                f"expected {len(inputs)} inputs but got {len(request.inputs)} inputs for model "
-                f"'{name}'; missing required input(s): {', '.join(missing)}"
+                messages.missing_inputs(
+                    required, len(inputs), [t.name for t in request.inputs], missing, name
+                )
             )
     if request.outputs is not None:
         outputs = config.output_map
+        asked: set[str] = set()
         for requested in request.outputs:
             if requested.name not in outputs:
-                raise InvalidArgumentError(
-                    f"unexpected inference output '{requested.name}' for model '{name}'; it has: "
-                    f"{', '.join(outputs)}"
-                )
+                raise InvalidArgumentError(messages.unexpected_output(requested.name, name, list(outputs)))
+            if requested.name in asked:
+                raise InvalidArgumentError(messages.output_twice(requested.name))
+            asked.add(requested.name)
             k = requested.parameters.get("classification")
             if k is not None and (type(k) is not int or k < 0):
                 raise InvalidArgumentError(
@@ -436,11 +530,8 @@ def _validate(config: ModelConfig, request: InferenceRequest) -> None:
                 )
 
 
-def _shape_error(tensor: Tensor, expected: list[int], model: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"unexpected shape for input '{tensor.name}' for model '{model}'. Expected "
-        f"{expected}, got {list(tensor.shape)}"
-    )
+def _shape_error(tensor: Tensor, expected: list[int], model: str, batching: bool) -> InvalidArgumentError:
+    return InvalidArgumentError(messages.input_shape(tensor.name, model, expected, list(tensor.shape), batching))
 
 
 def _select_outputs(model: Model, request: InferenceRequest, response: InferenceResponse) -> list[Tensor]:
@@ -485,8 +576,8 @@ def classify(
         for c in range(k):
             index = int(order[r, c])
             text = f"{values[r, index]:f}:{index}"
-            if labels is not None and index < len(labels):
-                text += f":{labels[index]}"
+            if labels is not None and index < len(labels) and labels[index]:
+                text += f":{labels[index]}"  # no label, as in Triton, for an empty line
             out[r, c] = text.encode("utf-8")
     result = out if batched else out.reshape(k)
     return Tensor(tensor.name, DataType.BYTES, result.shape, result)

@@ -10,6 +10,8 @@ precedence, for every setting that has both a flag and a variable:
   ``SAGEMAKER_TRITON_MODEL_LOAD_GPU_LIMIT`` (``--model-load-gpu-limit``),
   ``SAGEMAKER_MULTI_MODEL`` or any ``SAGEMAKER_TRITON_*`` (``--allow-sagemaker``);
   ``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL`` (``--s3-endpoint-url``);
+  ``SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE`` / ``SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE``
+  (``--backend-config=python,shm-default-byte-size=N`` / ``shm-growth-byte-size=N``);
 - else the built-in default.
 
 The SageMaker routes' own settings (``SAGEMAKER_MULTI_MODEL``, ``SAGEMAKER_TRITON_PING_MODE``,
@@ -28,9 +30,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from quiver.backends.python_settings import parse_python_settings
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import (
@@ -45,6 +48,11 @@ from quiver.lifecycle.policies import DEFAULT_POLICY
 from quiver.repository.archive import DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO
 from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT
 from quiver.repository.storage import RetryPolicy
+from quiver.response_cache import CacheConfigError, parse_cache_config
+from quiver.tracing import TraceConfig, TraceConfigError
+from quiver.tracing import config as trace_config
+from quiver.triton_flags import FlagError, GrpcTls
+from quiver.triton_flags import settings as triton_settings
 
 #: ``--s3-retries`` when none is given (S3Storage's own default then applies).
 DEFAULT_S3_RETRIES = 5
@@ -96,6 +104,7 @@ class Settings:
     allow_gpu_metrics: bool = True
     metrics_interval_ms: int = 2000
     http_max_input_size: int = 64 * 1024 * 1024
+    http_workers: int = 0  # HTTP frontend worker processes; 0 or 1: HTTP served in this process
     grpc_max_message_size: int = 64 * 1024 * 1024
     http_restricted_api: tuple[str, ...] = ()
     grpc_restricted_protocol: tuple[str, ...] = ()
@@ -118,6 +127,8 @@ class Settings:
     exit_on_error: bool = True
     model_load_thread_count: int = 4
     inline_execution_threshold_us: int = 200
+    # --backend-config: backend name ("" for the global settings) -> key -> value, as given
+    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # model cache and S3
     model_cache_dir: Path | None = None  # None: the manager's default ($QUIVER_CACHE_DIR, ...)
     model_cache_size: int = DEFAULT_CACHE_BYTES
@@ -134,8 +145,28 @@ class Settings:
     log_file: str = ""
     log_format: str = "default"
     log_file_dir: str | None = None  # the logging API's folder; None: the API may not set log_file
+    # Triton's other flags (quiver.triton_flags)
+    server_id: str = "quiver"  # --id: the server's name in its metadata
+    allow_client_shm: bool = False  # --allow-client-shm: clients may register regions
+    model_config_name: str = ""  # configs/NAME.pbtxt instead of config.pbtxt where present
+    strict_readiness: bool = True  # ready only while every live model is READY
+    model_load_retry_count: int = 0
+    exit_timeout_secs: float = 30.0  # in-flight requests' time to finish at stop
+    log_warning: bool = True
+    log_error: bool = True
+    http_header_forward_pattern: str | None = None  # headers -> request parameters
+    grpc_header_forward_pattern: str | None = None
+    reuse_http_port: bool = False
+    reuse_grpc_port: bool = False
+    grpc_tls: GrpcTls | None = None
+    grpc_options: tuple[tuple[str, int], ...] = ()  # keepalive and HTTP/2 channel arguments
+    grpc_compression_level: int = 0  # 0 none ... 3 high (gzip)
+    flag_notes: tuple[str, ...] = ()  # one line per given flag that has no effect here
     # Ray: None serves from this process
     ray: RaySettings | None = None
+    # Triton's trace extension (--trace-config) and response cache (--cache-config)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    response_cache_size: int = 0  # bytes of the local response cache; 0: none
 
     @property
     def s3_options(self) -> dict[str, object]:
@@ -260,11 +291,61 @@ def _ray(args: argparse.Namespace) -> RaySettings | None:
     )
 
 
+#: SageMaker's variables for the Python backend's shared-memory pool (Triton's container turns
+#: them into these ``--backend-config=python,...`` keys).
+_SAGEMAKER_PYTHON_VARIABLES = {
+    "SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE": "shm-default-byte-size",
+    "SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE": "shm-growth-byte-size",
+}
+
+
+def parse_backend_config(option: str) -> tuple[str, str, str]:
+    """One ``--backend-config`` value, in Triton's syntax: ``<backend>,<key>=<value>`` or
+    ``<key>=<value>`` (a global setting, backend ``""``). ValueError says what is wrong."""
+    head, equals, value = option.partition("=")
+    if not equals:
+        raise ValueError(f"'{option}' is not <backend>,<setting>=<value> or <setting>=<value>")
+    backend, comma, key = head.partition(",")
+    if not comma:
+        backend, key = "", head
+    backend, key = backend.strip(), key.strip()
+    if not key or (comma and not backend):
+        raise ValueError(f"'{option}' is not <backend>,<setting>=<value> or <setting>=<value>")
+    return backend, key, value
+
+
+def _backend_config(options: list[str], environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """``--backend-config`` flags (a later one wins for the same key) over the SageMaker
+    variables; the python backend's keys are checked here, so nonsense stops the start."""
+    config: dict[str, dict[str, str]] = {}
+    for variable, key in _SAGEMAKER_PYTHON_VARIABLES.items():
+        value = _variable(environ, variable)
+        if value:
+            if not value.isdigit():
+                raise SettingsError(f"{variable} must be a number of bytes, got '{value}'")
+            config.setdefault("python", {})[key] = value
+    for option in options:
+        try:
+            backend, key, value = parse_backend_config(option)
+        except ValueError as exc:
+            raise SettingsError(f"--backend-config: {exc}") from None
+        config.setdefault(backend, {})[key] = value
+    try:
+        parse_python_settings(config.get("python", {}))
+    except InvalidArgumentError as exc:
+        raise SettingsError(exc.message) from None
+    return config
+
+
 def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     """The settings ``quiver serve``'s parsed flags and ``environ`` describe (see the module
     docstring for the precedence); raises SettingsError naming what makes no sense."""
     if args.allow_log_file_api and not args.log_file_dir:
         raise SettingsError("--allow-log-file-api needs --log-file-dir DIR")
+    if args.http_workers < 0:
+        raise SettingsError(f"--http-workers must be 0 or more, got {args.http_workers}")
+    if args.http_workers > 1 and args.ray:
+        raise SettingsError("--http-workers serves from this process's model side; with --ray, Ray Serve's replicas serve")
     local, remote = _repositories(args.model_repository)
     for flag, specs in (
         ("--http-restricted-api", args.http_restricted_api),
@@ -275,9 +356,28 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         except InvalidArgumentError as exc:
             raise SettingsError(f"{flag}: {exc}") from None
     s3_retry = _s3_retry(args)
+    try:
+        triton = triton_settings(args)
+    except FlagError as exc:
+        raise SettingsError(str(exc)) from None
     gpu_limit = _gpu_limit(args, environ)
     sagemaker = _sagemaker(args, environ)
     ray = _ray(args)
+    try:
+        trace = trace_config.from_args(args, environ)
+        cache_size = parse_cache_config(args.cache_config, args.response_cache_byte_size)
+    except (TraceConfigError, CacheConfigError) as exc:
+        raise SettingsError(str(exc)) from None
+    if ray is not None and trace.level:
+        # Each replica would sample, count and write the same files on its own.
+        raise SettingsError("tracing (--trace-config level=...) is not available with --ray")
+    backend_config = _backend_config(args.backend_config, environ)
+    triton["flag_notes"] = tuple(triton.get("flag_notes", ())) + tuple(
+        f"--backend-config={backend},{key}=... has no effect: Quiver reads no {backend} backend settings"
+        for backend, keys in sorted(backend_config.items())
+        if backend not in ("", "python")
+        for key in sorted(keys)
+    )
     endpoint = args.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
     return Settings(
         model_repositories=local,
@@ -295,6 +395,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         allow_gpu_metrics=args.allow_gpu_metrics,
         metrics_interval_ms=args.metrics_interval_ms,
         http_max_input_size=args.http_max_input_size,
+        http_workers=args.http_workers,
         grpc_max_message_size=args.grpc_max_message_size,
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
@@ -307,10 +408,11 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         model_evict_ahead=args.model_evict_ahead,
         model_load_wait_timeout=args.model_load_wait_timeout,
         repository_poll_secs=args.repository_poll_secs,
-        strict_model_config=args.strict_model_config,
+        strict_model_config=args.strict_model_config or args.disable_auto_complete_config,
         exit_on_error=args.exit_on_error,
         model_load_thread_count=args.model_load_thread_count,
         inline_execution_threshold_us=args.inline_execution_threshold_us,
+        backend_config=backend_config,
         model_cache_dir=args.model_cache_dir.resolve() if args.model_cache_dir else None,
         model_cache_size=args.model_cache_size,
         model_archive_max_bytes=args.model_archive_max_bytes or 0,
@@ -325,5 +427,10 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         log_file=args.log_file,
         log_format=args.log_format,
         log_file_dir=args.log_file_dir if args.allow_log_file_api else None,
+        server_id=args.id or "quiver",
+        allow_client_shm=args.allow_client_shm,
+        **triton,
         ray=ray,
+        trace=trace,
+        response_cache_size=cache_size,
     )

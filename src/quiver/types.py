@@ -146,6 +146,15 @@ class RequestedOutput:
         return int(value) if value else 0
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A tensor in a client's shared-memory region: ``byte_size`` bytes at ``offset``."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
 @dataclass(slots=True)
 class InferenceRequest:
     """One transport-neutral inference request.
@@ -160,6 +169,15 @@ class InferenceRequest:
     outputs: list[RequestedOutput] | None = None
     id: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: The request's trace (a ``quiver.tracing.Trace``) when it is sampled, else None.
+    trace: Any = None
+    #: A raw binary request (HTTP ``Inference-Header-Content-Length: 0``): its one input's
+    #: name, datatype and shape come from the model configuration, outputs default to binary.
+    raw: bool = False
+    #: Inputs whose data is in a shared-memory region, and outputs to be written into one
+    #: (by name); None when the request uses no shared memory.
+    input_placements: dict[str, Placement] | None = None
+    output_placements: dict[str, Placement] | None = None
 
     def input(self, name: str) -> Tensor | None:
         for tensor in self.inputs:
@@ -177,3 +195,5 @@ class InferenceResponse:
     outputs: list[Tensor]
     id: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: Outputs written into shared-memory regions: the response carries only their metadata.
+    shared_memory_outputs: frozenset[str] = frozenset()

@@ -154,6 +154,8 @@ def server(repository: Path) -> Iterator[QuiverServer]:
         repository,
         args=(
             "--exit-on-error=false",
+            # broken models on purpose: ready anyway (Triton's qa does the same)
+            "--strict-readiness=false",
             "--http-max-input-size",
             str(MAX_INPUT_SIZE),
             "--grpc-max-message-size",

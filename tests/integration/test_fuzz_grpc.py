@@ -2,7 +2,7 @@
 real server: random bytes as the serialized request, messages with random field values,
 hostile ModelInferRequests, and streams of them. No example may be answered INTERNAL or
 UNKNOWN (or time out) unless ``support.fuzz`` lists it as deliberate (UNIMPLEMENTED for the
-trace and shared-memory RPCs, UNAVAILABLE for a model that is not loaded); the server must
+shared-memory RPCs, UNAVAILABLE for a model that is not loaded); the server must
 stay up and keep answering the canary. Knobs: tests/support/fuzz.py."""
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from support.hostile_grpc import (
 )
 from support.server import QuiverServer
 
-#: RPCs that answer UNIMPLEMENTED by design (the README: trace and shared memory).
+#: RPCs that answer UNIMPLEMENTED by design (the README: shared memory).
 UNIMPLEMENTED = {
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister", "TraceSetting",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
 }
 LOG_DEFAULTS = {"log_info": True, "log_warning": True, "log_error": True, "log_verbose_level": 0, "log_format": "default"}
 

@@ -77,6 +77,10 @@ ROUTES = [
     ("POST", "/v2/repository/models/{m}/unload"),
     ("GET", "/v2/logging"),
     ("POST", "/v2/logging"),
+    ("GET", "/v2/trace/setting"),
+    ("POST", "/v2/trace/setting"),
+    ("GET", "/v2/models/{m}/trace/setting"),
+    ("POST", "/v2/models/{m}/trace/setting"),
 ]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "FOO"]
 CONTENT_TYPES = [

@@ -147,11 +147,11 @@ def _bad_requests() -> list[tuple[str, Any, str]]:
     cases = []
     r = _request(INPUT0=("INT32", [1, 16]), INPUT1=("INT32", [1, 16]))
     r.raw_input_contents.append(bytes(64))
-    cases.append(("one raw buffer for two inputs", r, "expected 2 raw_input_contents, one per input, but got 1"))
+    cases.append(("one raw buffer for two inputs", r, "unable to find data for input tensor 'INPUT1' for model 'simple' in request."))
     r = _request(INPUT0=("INT32", [1, 16]), INPUT1=("INT32", [1, 16]))
     r.raw_input_contents.extend([bytes(64), bytes(64)])
     r.inputs[1].contents.int_contents.extend(range(16))
-    cases.append(("raw and contents mixed", r, "input 'INPUT1': contents must not be given when raw_input_contents is used"))
+    cases.append(("raw and contents mixed", r, "contents field must not be specified when using raw_input_contents for 'INPUT1' for model 'simple'"))
     r = _request(INPUT0=("FP8", [1]))
     cases.append(("unknown datatype", r, "input 'INPUT0': unknown datatype 'FP8'"))
     r = _request("identity_fp16", INPUT0=("FP16", [2]))
@@ -184,7 +184,12 @@ def _bad_requests() -> list[tuple[str, Any, str]]:
     cases.append(("raw size", r, "input 'INPUT0': shape [2] of FP32 needs 8 bytes but its raw_input_contents has 12"))
     r = _request("identity_fp32", INPUT0=("FP32", [2]))
     r.inputs[0].parameters["shared_memory_region"].string_param = "region0"
-    cases.append(("shared memory", r, "shared memory region 'region0' is not registered"))
+    cases.append((
+        "shared memory",
+        r,
+        "'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter "
+        "for tensor 'INPUT0'",
+    ))
     huge = 1 << 62
     r = _request("identity_int32", INPUT0=("INT32", [0, huge]))
     r.raw_input_contents.append(b"")

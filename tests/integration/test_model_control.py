@@ -212,7 +212,9 @@ def test_none_mode_refuses_load_and_unload(tmp_path: Path) -> None:
         client = httpclient.InferenceServerClient(server.url)
         with pytest.raises(InferenceServerException) as info:
             client.unload_model("simple")
-        assert info.value.status() == "501" and "--model-control-mode=explicit" in info.value.message()
+        # Triton's code and text (503 UNAVAILABLE), with the way out
+        assert info.value.status() == "503" and "--model-control-mode=explicit" in info.value.message()
+        assert "explicit model load / unload is not allowed if polling is enabled" in info.value.message()
         assert client.is_model_ready("simple")
 
 

@@ -180,7 +180,10 @@ def test_a_model_in_use_is_never_evicted(tmp_path: Path) -> None:
     write_python(tmp_path, "busy", SLOW_MODEL.format(init_delay=0, ballast_mb=WEIGHT_MB), SLOW_CONFIG)
     for i in range(3):
         write_onnx(tmp_path, f"h{i}", heavy_model(float(i)), CONFIG.format(name=f"h{i}"))
-    args = ("--model-control-mode=on_demand", "--model-memory-limit", f"{WEIGHT_MB + 12}M")
+    # In-process: the budget is sized for the model's own weights, without a worker process's
+    # interpreter (test_python_worker.py covers how a worker's memory is counted).
+    args = ("--model-control-mode=on_demand", "--model-memory-limit", f"{WEIGHT_MB + 12}M",
+            "--backend-config=python,in-process=true")
     with QuiverServer(tmp_path, args=args) as server:
 
         async def main() -> None:

@@ -231,7 +231,8 @@ def test_an_empty_list_of_strings_is_a_400(client: tuple[Any, Any]) -> None:
         with pytest.raises(InferenceServerException) as info:
             connection.infer(model, [tensor])
         assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
-        assert f"for model '{model}', got 0 (input '{name}')" in info.value.message()
+        assert "inference request batch-size must be <= " in info.value.message()
+        assert f"for '{model}' (got 0, input '{name}')" in info.value.message()
 
 
 def _counts(server: QuiverServer, model: str) -> tuple[int, int]:

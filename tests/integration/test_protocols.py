@@ -369,7 +369,7 @@ ERRORS: dict[str, tuple[Callable[[Clients, str], Result], ErrorCode, str]] = {
     "missing input": (
         lambda c, p: c.infer(p, "simple", simple_tensors()[:1]),
         ErrorCode.INVALID_ARG,
-        "missing required input(s): INPUT1",
+        "but missing required input(s) ['INPUT1']",
     ),
     "unknown output": (
         lambda c, p: c.infer(p, "simple", simple_tensors(), outputs=[("OUTPUT7", 0)]),

@@ -1,7 +1,8 @@
 """Fast Python models that opt in (``EXECUTE_ON_EVENT_LOOP``) move from their own thread to the
 event loop, and only models for which that changes nothing: BLS callers (from any thread),
 models bound to their thread, and models that raise stay on (or go back to) their thread, and
-every answer stays right. Models that do not opt in never move."""
+every answer stays right. Models that do not opt in never move. (In-process only: a worker
+process has no event loop of the server's to move to.)"""
 
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
     ):  # fmt: skip
         write_python(repo, name, source, CONFIG.format(name=name, inline="true"))
     write_python(repo, "stays", WHERE, CONFIG.format(name="stays", inline="false"))
-    with QuiverServer(repo) as running:
+    with QuiverServer(repo, args=("--backend-config=python,in-process=true",)) as running:
         yield running
 
 

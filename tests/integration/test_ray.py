@@ -212,6 +212,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         [str(BIN / "quiver"), "serve", "--ray", "--ray-address", address, "--ray-replicas", "2",
          "--ray-max-ongoing-requests", "16", "--model-repository", str(repo),
          "--http-port", str(free_port()), "--model-memory-limit", f"{MEMORY_LIMIT_MB}M",
+         # the budget is sized for in-process models (a worker process adds its interpreter)
+         "--backend-config=python,in-process=true",
          "--model-cache-dir", str(root / "cache")],
         stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**env, "SAGEMAKER_MULTI_MODEL": "true"},

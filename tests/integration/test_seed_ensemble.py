@@ -134,14 +134,18 @@ def test_binary_invocation_with_top_k_labels(server: QuiverServer, graphdef: byt
     top = result.as_numpy("OUTPUT")
     assert top.shape == (2, 3)
     expected = in_process(IMAGES, graphdef)
+    labels = seed.inception_labels()
     for row, probabilities in zip(top, expected, strict=True):
-        # The seed's ensemble output has no label_filename: "score:index", as Triton answers.
+        # The seed's ensemble output has no label_filename of its own: it has the labels of
+        # the inception step's output that produces it, as Triton completes an ensemble's
+        # labels: "score:index:label".
         # (Random weights give near-uniform scores: compare scores, not the order of ties.)
-        entries = [entry.decode().split(":") for entry in row]
-        assert all(len(e) == 2 for e in entries)
-        scores = np.array([float(score) for score, _ in entries])
+        entries = [entry.decode().split(":", 2) for entry in row]
+        assert all(len(e) == 3 for e in entries)
+        assert [label for _, _, label in entries] == [labels[int(index)] for _, index, _ in entries]
+        scores = np.array([float(score) for score, _, _ in entries])
         assert np.allclose(scores, np.sort(probabilities)[::-1][:3], atol=1e-5)
-        assert np.allclose(probabilities[[int(index) for _, index in entries]], scores, atol=1e-5)
+        assert np.allclose(probabilities[[int(index) for _, index, _ in entries]], scores, atol=1e-5)
 
 
 def test_top_k_labels_of_the_inception_step(server: QuiverServer, graphdef: bytes) -> None:

@@ -199,7 +199,9 @@ DELIBERATE_HTTP = [
     # an S3 store that cannot be reached (the SageMaker server's bogus endpoint): UNAVAILABLE
     (503, re.compile(r"^S3 |cannot fetch '.*' from s3://")),
     # a backend or location Quiver does not support: UNSUPPORTED
-    (501, re.compile(r"backend '.*' is not supported|needs the Python package|only s3:// URLs|not supported")),
+    # ... and Triton's refusal to move the trace file through the trace API: UNSUPPORTED
+    (501, re.compile(r"backend '.*' is not supported|needs the Python package|only s3:// URLs|not supported"
+                     r"|trace file location can not be updated")),
 ]
 DELIBERATE_GRPC = [
     ("UNAVAILABLE", DELIBERATE_HTTP[0][1]),

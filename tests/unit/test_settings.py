@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,16 @@ def test_ray_always_has_the_sagemaker_routes_but_no_listener_of_their_own(tmp_pa
     assert settings(tmp_path, "--ray", "--model-control-mode", "explicit").model_control_mode == "explicit"
 
 
+def test_http_workers_default_off_and_checked(tmp_path: Path) -> None:
+    assert settings(tmp_path).http_workers == 0
+    assert settings(tmp_path, "--http-workers", "3").http_workers == 3
+    assert settings(tmp_path, "--http-thread-count", "8").http_workers == 0  # Triton's flag: accepted, no workers
+    with pytest.raises(SettingsError, match="--http-workers must be 0 or more, got -2"):
+        settings(tmp_path, "--http-workers", "-2")
+    with pytest.raises(SettingsError, match="with --ray, Ray Serve's replicas serve"):
+        settings(tmp_path, "--http-workers", "2", "--ray")
+
+
 def test_s3_endpoint_flag_then_variables(tmp_path: Path) -> None:
     both = {"AWS_ENDPOINT_URL_S3": "http://s3-only", "AWS_ENDPOINT_URL": "http://all"}
     assert settings(tmp_path, "--s3-endpoint-url", "http://flag", env=both).s3_endpoint_url == "http://flag"
@@ -127,3 +138,109 @@ def test_repositories_split_into_local_and_s3(tmp_path: Path) -> None:
 def test_cache_dir_flag_is_resolved_and_the_variable_is_left_to_the_manager(tmp_path: Path) -> None:
     assert settings(tmp_path, "--model-cache-dir", str(tmp_path / "c")).model_cache_dir == (tmp_path / "c").resolve()
     assert settings(tmp_path, env={"QUIVER_CACHE_DIR": str(tmp_path)}).model_cache_dir is None
+
+
+def test_trace_and_cache_flags(tmp_path: Path) -> None:
+    built = settings(
+        tmp_path, "--trace-config", "triton,file=t.json", "--trace-level", "TIMESTAMPS",
+        "--cache-config", "local,size=4096",
+    )  # fmt: skip
+    assert (built.trace.file, built.trace.level, built.response_cache_size) == ("t.json", 1, 4096)
+    assert settings(tmp_path).trace.level == 0 and settings(tmp_path).response_cache_size == 0
+    with pytest.raises(SettingsError, match="not available with --ray"):
+        settings(tmp_path, "--ray", "--trace-config", "level=TIMESTAMPS")
+    with pytest.raises(SettingsError, match="Incompatible flags"):
+        settings(tmp_path, "--cache-config", "local,size=1", "--response-cache-byte-size", "1")
+
+
+def test_tritonserver_flags(tmp_path: Path) -> None:
+    built = settings(tmp_path)
+    assert (built.server_id, built.strict_readiness, built.allow_client_shm) == ("quiver", True, False)
+    assert built.flag_notes == () and built.grpc_options == () and built.grpc_tls is None
+    built = settings(
+        tmp_path,
+        "--id=a",
+        "--strict-readiness=false",
+        "--allow-client-shm",
+        "--disable-auto-complete-config",
+        "--model-load-retry-count=2",
+        "--exit-timeout-secs=7",
+        "--log-warning=false",
+        "--http-header-forward-pattern=^x-",
+        "--grpc-keepalive-time=1000",
+        "--grpc-http2-max-ping-strikes=0",
+        "--grpc-infer-response-compression-level=high",
+        "--model-load-gpu-limit=1:0.5",
+        "--host-policy=a,b=c",
+        "--host-policy=d,e=f",
+        "--rate-limit=off",
+    )
+    assert (built.server_id, built.strict_readiness, built.allow_client_shm) == ("a", False, True)
+    assert built.strict_model_config and built.model_load_retry_count == 2 and built.exit_timeout_secs == 7
+    assert built.log_warning is False and built.http_header_forward_pattern == "^x-"
+    assert built.grpc_options == (("grpc.keepalive_time_ms", 1000), ("grpc.http2.max_ping_strikes", 0))
+    assert built.grpc_compression_level == 3 and built.model_load_gpu_limit == 0.5
+    assert [note.split(" has no effect")[0] for note in built.flag_notes] == ["--rate-limit", "--host-policy"]
+
+
+def test_bad_tritonserver_flag_values(tmp_path: Path) -> None:
+    for flags, message in (
+        (["--grpc-header-forward-pattern=[a"], "--grpc-header-forward-pattern: '[a' is not a regular expression"),
+        (["--grpc-use-ssl-mutual", "--grpc-server-cert=/x", "--grpc-server-key=/y"], "--grpc-server-cert: cannot read '/x'"),
+        (["--grpc-keepalive-timeout=-5"], "--grpc-keepalive-timeout must be at least 0"),
+    ):
+        with pytest.raises(SettingsError, match=re.escape(message)):
+            settings(tmp_path, *flags)
+def test_backend_config_in_tritons_syntax(tmp_path: Path) -> None:
+    built = settings(
+        tmp_path,
+        "--backend-config=python,shm-default-byte-size=2097152",
+        "--backend-config", "python,shm-region-prefix-name=mine_",
+        "--backend-config=onnxruntime,enable-global-threadpool=1",
+        "--backend-config=backend-directory=/opt/x",
+        "--backend-config=python,shm-default-byte-size=4194304",  # a later one wins
+    )  # fmt: skip
+    assert built.backend_config == {
+        "python": {"shm-default-byte-size": "4194304", "shm-region-prefix-name": "mine_"},
+        "onnxruntime": {"enable-global-threadpool": "1"},
+        "": {"backend-directory": "/opt/x"},
+    }
+    assert settings(tmp_path).backend_config == {}
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("--backend-config=python", "--backend-config: 'python' is not"),
+        ("--backend-config=,x=1", "--backend-config: ',x=1' is not"),
+        ("--backend-config=python,shm-default-byte-size=lots", "shm-default-byte-size"),
+        ("--backend-config=python,shm-growth-byte-size=0", "shm-growth-byte-size"),
+        ("--backend-config=python,stub-timeout-seconds=-1", "stub-timeout-seconds"),
+        ("--backend-config=python,shm-region-prefix-name=a/b", "shm-region-prefix-name"),
+        ("--backend-config=python,in-process=maybe", "in-process"),
+    ],
+)
+def test_backend_config_nonsense_names_the_setting(tmp_path: Path, flag: str, named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        settings(tmp_path, flag)
+
+
+def test_sagemaker_shm_variables_reach_the_python_backend_and_flags_win(tmp_path: Path) -> None:
+    env = {"SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE": "16777216", "SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE": "1048576"}
+    built = settings(tmp_path, env=env)
+    assert built.backend_config["python"] == {
+        "shm-default-byte-size": "16777216",
+        "shm-growth-byte-size": "1048576",
+    }
+    flagged = settings(tmp_path, "--backend-config=python,shm-default-byte-size=8388608", env=env)
+    assert flagged.backend_config["python"]["shm-default-byte-size"] == "8388608"
+    with pytest.raises(SettingsError, match="SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE"):
+        settings(tmp_path, env={"SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE": "1M"})
+
+
+def test_backend_config_for_other_backends_is_noted_as_without_effect(tmp_path: Path) -> None:
+    built = settings(tmp_path, "--backend-config=tensorflow,version=2", "--backend-config=python,shm-growth-byte-size=1048576")
+    assert built.backend_config["tensorflow"] == {"version": "2"}
+    assert [n for n in built.flag_notes if "backend-config" in n] == [
+        "--backend-config=tensorflow,version=... has no effect: Quiver reads no tensorflow backend settings"
+    ]

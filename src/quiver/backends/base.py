@@ -14,8 +14,7 @@ import contextlib
 import importlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -23,8 +22,12 @@ from typing import Protocol
 import psutil
 from tritonclient.grpc import model_config_pb2 as pb
 
+from quiver.backends.instance_thread import InstanceThread
 from quiver.config import InstanceGroup, ModelConfig
 from quiver.errors import QuiverError, UnsupportedError
+from quiver.errors import (
+    format_exception as format_exception,  # re-exported: backends import it from here
+)
 from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger(__name__)
@@ -123,7 +126,7 @@ class ThreadedInstance(abc.ABC):
         self.name = name
         self.inline_threshold_ns = INLINE_THRESHOLD_NS
         self.timing = ExecutionTiming()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"quiver-{name}")
+        self._executor = InstanceThread(f"quiver-{name}")
         self._cost_ns = -1  # moving average of execute(); -1 until measured
 
     @abc.abstractmethod
@@ -148,8 +151,7 @@ class ThreadedInstance(abc.ABC):
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
         if self.runs_inline:
             return self._timed(requests)
-        loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._executor, self._timed, requests)
+        running = self._executor.call(self._timed, requests)
         try:
             return await asyncio.shield(running)
         except asyncio.CancelledError:
@@ -174,12 +176,20 @@ class ServerContext:
     """The running server, for backends whose models call other models (Python BLS).
 
     Set by the model repository manager when the server starts: the inference entry
-    (requests go through the normal path: checks, schedulers, statistics) and the event
-    loop it runs on. One per process, as Triton's Python backend has one server.
+    (requests go through the normal path: checks, schedulers, statistics), the event
+    loop it runs on and where instances report their health; by the runner: the backends'
+    settings and cache folder. One per process, as Triton's Python backend has one server.
     """
 
     infer: Callable[[InferenceRequest], Awaitable[InferenceResponse]] | None = None
     loop: asyncio.AbstractEventLoop | None = None
+    #: ``--backend-config``: backend name ("" for global settings) -> key -> value.
+    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: Where backends keep what they make once (Python environments unpacked): the model cache.
+    cache_dir: Path | None = None
+    #: ``health(model, version, instance, reason)``: an instance cannot serve now (``reason``) or
+    #: serves again (None); the manager shows a model whose instances all cannot as UNAVAILABLE.
+    health: Callable[[str, int, str, str | None], None] | None = None
 
 
 SERVER = ServerContext()
@@ -256,7 +266,4 @@ def model_path(config: ModelConfig, files: ModelFiles) -> Path:
     return files.version_dir / config.default_model_filename
 
 
-def format_exception(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 

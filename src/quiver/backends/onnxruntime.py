@@ -25,6 +25,7 @@ from quiver.backends.base import (
     format_exception,
     model_path,
 )
+from quiver.backends.batch import concatenate, requested_names, reshaped, split_rows
 from quiver.config import ModelConfig
 from quiver.config.model_config import DEFAULT_MODEL_FILENAME, TensorConfig
 from quiver.config.sequence import SequenceSettings, sequence_settings
@@ -111,7 +112,9 @@ def _session_options(config: ModelConfig) -> ort.SessionOptions:
 
 def _open_session(path: str, config: ModelConfig, providers: list[Any]) -> ort.InferenceSession:
     try:
-        return ort.InferenceSession(path, sess_options=_session_options(config), providers=providers)
+        return ort.InferenceSession(
+            path, sess_options=_session_options(config), providers=providers
+        )
     except QuiverError:
         raise
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types
@@ -132,9 +135,7 @@ class OnnxInstance(ThreadedInstance):
         self._out_cfg = {o.name: o for o in config.outputs}
         self._in_reshape = {i.name: i.reshape for i in config.inputs if i.reshape is not None}
         self._out_reshape = {o.name: o.dims for o in config.outputs if o.reshape is not None}
-        self._string_inputs = {
-            i.name for i in config.inputs if i.datatype is DataType.BYTES
-        }
+        self._string_inputs = {i.name for i in config.inputs if i.datatype is DataType.BYTES}
         # Sequence batching: state outputs are always fetched (the batcher takes them out).
         self._state_outputs: list[str] = []
         for state in _sequence(config).states:
@@ -168,26 +169,11 @@ class OnnxInstance(ThreadedInstance):
                         f"an element is not: {exc.reason} at byte {exc.start} (model "
                         f"'{self._config.name}')"
                     ) from None
-            reshape = self._in_reshape.get(tensor.name)
-            if reshape is not None:
-                lead = data.shape[:1] if self._batching else ()
-                data = data.reshape(lead + tuple(reshape))
-            feed[tensor.name] = data
+            feed[tensor.name] = reshaped(data, self._in_reshape.get(tensor.name), self._batching)
         return feed
 
     def _names(self, requests: list[InferenceRequest]) -> list[str]:
-        wanted: set[str] = set()
-        for request in requests:
-            if request.outputs is None:
-                if not self._state_outputs:
-                    return self._outputs
-                wanted.update(self._outputs)
-                break
-            wanted.update(o.name for o in request.outputs)
-        names = [name for name in self._outputs if name in wanted]
-        if self._state_outputs:
-            names += [name for name in self._state_outputs if name not in wanted]
-        return names
+        return requested_names(requests, self._outputs, self._state_outputs)
 
     def _session_run(self, names: list[str], feed: dict[str, Any]) -> list[Any]:
         try:
@@ -205,10 +191,7 @@ class OnnxInstance(ThreadedInstance):
                 array = np.array([_to_bytes(v) for v in array.reshape(-1)], dtype=object).reshape(
                     array.shape
                 )
-            dims = self._out_reshape.get(name)
-            if dims is not None:
-                lead = array.shape[:1] if self._batching else ()
-                array = array.reshape(lead + tuple(dims))
+            array = reshaped(array, self._out_reshape.get(name), self._batching)
             tensors.append(Tensor(name, cfg.datatype, array.shape, array))
         return tensors
 
@@ -239,27 +222,17 @@ class OnnxInstance(ThreadedInstance):
                 good = [r for r in requests if r is not request]
                 answers = iter(self.execute(good))
                 return [exc if r is request else next(answers) for r in requests]
-        sizes = [next(iter(f.values())).shape[0] if f else 1 for f in feeds]
         try:
-            feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+            feed, sizes = concatenate(self._config.name, feeds)
             t1 = time.monotonic_ns()
             arrays = self._session_run(names, feed)
             t2 = time.monotonic_ns()
         except QuiverError as exc:
             return [exc for _ in requests]
-        except ValueError as exc:
-            error = InvalidArgumentError(
-                f"model '{self._config.name}': requests cannot be batched together: {exc}"
-            )
-            return [error for _ in requests]
-        results: ExecuteResult = []
-        offset = 0
-        for request, size in zip(requests, sizes, strict=True):
-            parts = [a[offset : offset + size] for a in arrays]
-            offset += size
-            results.append(
-                InferenceResponse(self._config.name, "", self._tensors(names, parts), request.id)
-            )
+        results: ExecuteResult = [
+            InferenceResponse(self._config.name, "", self._tensors(names, parts), request.id)
+            for request, parts in zip(requests, split_rows(arrays, sizes), strict=True)
+        ]
         timing.input_ns = t1 - t0
         timing.infer_ns = t2 - t1
         timing.output_ns = time.monotonic_ns() - t2
@@ -296,15 +269,15 @@ class OnnxRuntimeBackend:
             ) from None
         inputs, outputs = _io_of(session)
         nodes = inputs + outputs
-        batches = bool(nodes) and all(
-            len(n.shape) > 0 and _dims(n.shape)[0] == -1 for n in nodes
-        )
+        batches = bool(nodes) and all(len(n.shape) > 0 and _dims(n.shape)[0] == -1 for n in nodes)
         if config.max_batch_size == 0 and batches and not config.input and not config.output:
             config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
             if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
                 config.dynamic_batching.SetInParent()
             logger.info(
-                "model '%s': auto-completed max_batch_size to %d", config.name, DEFAULT_MAX_BATCH_SIZE
+                "model '%s': auto-completed max_batch_size to %d",
+                config.name,
+                DEFAULT_MAX_BATCH_SIZE,
             )
         skip = 1 if config.max_batch_size > 0 else 0
         # A sequence model's control and state tensors come from the batcher, not the client.
@@ -312,7 +285,9 @@ class OnnxRuntimeBackend:
         injected = {c.name for c in batcher.control_input} | {s.input_name for s in batcher.state}
         state_outputs = {s.output_name for s in batcher.state}
         _complete_io(config, config.input, [n for n in inputs if n.name not in injected], skip)
-        _complete_io(config, config.output, [n for n in outputs if n.name not in state_outputs], skip)
+        _complete_io(
+            config, config.output, [n for n in outputs if n.name not in state_outputs], skip
+        )
 
     def create_instance(
         self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec
@@ -398,7 +373,10 @@ def _check_io(config: ModelConfig, session: ort.InferenceSession) -> None:
                 f"{', '.join(sorted(output_names))}"
             )
     skip = 1 if config.max_batch_size > 0 else 0
-    for kind, configured, nodes in (("input", config.inputs, inputs), ("output", config.outputs, outputs)):
+    for kind, configured, nodes in (
+        ("input", config.inputs, inputs),
+        ("output", config.outputs, outputs),
+    ):
         by_name = {n.name: n for n in nodes}
         for tensor in configured:
             node = by_name.get(tensor.name)

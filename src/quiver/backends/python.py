@@ -1,4 +1,6 @@
-"""Triton's Python backend, in-process: runs a model's ``model.py`` unchanged.
+"""Triton's Python backend: runs a model's ``model.py`` unchanged, by default in a worker
+process per instance (:mod:`quiver.backends.python_worker`), or in the server's process, which
+this module's :class:`PythonInstance` does.
 
 Each instance imports the version folder's model file as a fresh module (a private
 package per instance, so two models whose files are both ``model.py`` do not share
@@ -20,15 +22,20 @@ import concurrent.futures
 import inspect
 import json
 import logging
+import os
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 import triton_python_backend_utils as pb_utils
+from quiver.backends import python_env
 from quiver.backends.base import (
     SERVER,
     ExecuteResult,
@@ -45,8 +52,18 @@ from quiver.backends.python_convert import (
     _pb_error,
     _pb_response,
     _quiver_request,
+    _request_fields,
 )
+from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_loading import _import_model_file, _LoadedModule, _model_class
+from quiver.backends.python_process import start_worker
+from quiver.backends.python_settings import (
+    IN_PROCESS_PARAMETER,
+    PythonSettings,
+    parse_bool,
+    parse_python_settings,
+)
+from quiver.backends.python_worker import WorkerInstance
 from quiver.config import ModelConfig, config_to_json
 from quiver.errors import (
     ConfigError,
@@ -81,22 +98,20 @@ _on_threads: set[PythonInstance] = set()
 _on_loop: list[PythonInstance] = []
 
 
-#: Request parameters Triton turns into request properties instead of passing them on.
-_RESERVED_PARAMETERS = frozenset(
-    {
-        "sequence_id",
-        "sequence_start",
-        "sequence_end",
-        "priority",
-        "timeout",
-        "binary_data_output",
-        "binary_data_size",
-        "classification",
-    }
-)
-
-
 # ------------------------------------------------------------------------ instance
+
+
+def _initialize_args(config: ModelConfig, files: ModelFiles, spec: InstanceSpec) -> dict[str, str]:
+    """``initialize(args)``: what Triton hands a Python model."""
+    return {
+        "model_config": json.dumps(config_to_json(config.proto)),
+        "model_instance_kind": spec.group.kind.removeprefix("KIND_"),
+        "model_instance_name": spec.name,
+        "model_instance_device_id": str(spec.device_id),
+        "model_repository": str(files.model_dir),
+        "model_version": str(files.version),
+        "model_name": config.name,
+    }
 
 
 class PythonInstance(ThreadedInstance):
@@ -166,16 +181,7 @@ class PythonInstance(ThreadedInstance):
             raise
 
     def _initialize_args(self) -> dict[str, str]:
-        kind = self._spec.group.kind
-        return {
-            "model_config": json.dumps(config_to_json(self._config.proto)),
-            "model_instance_kind": kind.removeprefix("KIND_"),
-            "model_instance_name": self._spec.name,
-            "model_instance_device_id": str(self._spec.device_id),
-            "model_repository": str(self._files.model_dir),
-            "model_version": self._version,
-            "model_name": self._config.name,
-        }
+        return _initialize_args(self._config, self._files, self._spec)
 
     def release(self) -> None:
         try:
@@ -303,35 +309,14 @@ class PythonInstance(ThreadedInstance):
             if tuple(array.shape) != tuple(tensor.shape):
                 array = array.reshape(tensor.shape)
             inputs.append(pb_utils.Tensor._wrap(tensor.name, array, tensor.datatype.triton_value))
-        params = request.parameters
-        correlation_id = params.get("sequence_id", 0)
-        if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
-            correlation_id = 0
-        flags = 0
-        if params.get("sequence_start"):
-            flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
-        if params.get("sequence_end"):
-            flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
-        try:
-            timeout = int(params.get("timeout", 0) or 0)
-        except (TypeError, ValueError):
-            timeout = 0
-        passed = {k: v for k, v in params.items() if k not in _RESERVED_PARAMETERS}
-        if request.outputs is None:
-            requested = set(self._all_outputs)
-        else:
-            requested = {output.name for output in request.outputs}
-        return pb_utils.InferenceRequest._from_server(
-            request_id=request.id,
-            correlation_id=correlation_id,
-            inputs=inputs,
-            requested_output_names=requested,
-            model_name=self._config.name,
-            model_version=int(self._files.version),
-            flags=flags,
-            timeout=timeout,
-            parameters_json=json.dumps(passed, default=str),
+        fields = _request_fields(request, self._all_outputs)
+        fields["requested_output_names"] = set(fields["requested_output_names"])
+        fields["model_name"] = self._config.name
+        pb_request = pb_utils.InferenceRequest._from_server(
+            inputs=inputs, model_version=int(self._files.version), **fields
         )
+        pb_request.trace()._server = request.trace  # BLS requests given trace= are traced with it
+        return pb_request
 
     def _responses(self, result: Any, requests: list[InferenceRequest]) -> ExecuteResult:
         count = len(requests)
@@ -396,10 +381,52 @@ class PythonInstance(ThreadedInstance):
 
 
 class PythonBackend:
+    """Triton's Python backend: each instance in a worker process of its own
+    (:mod:`quiver.backends.python_worker`), or in the server's process when the server
+    (``--backend-config=python,in-process=true``) or the model (parameter
+    ``QUIVER_PYTHON_IN_PROCESS``) says so."""
+
     name = "python"
 
+    def __init__(self) -> None:
+        self._settings: tuple[object, PythonSettings] | None = None
+
+    def settings(self) -> PythonSettings:
+        config = SERVER.backend_config.get("python", {})
+        cached = self._settings
+        if cached is None or cached[0] is not config:
+            try:
+                cached = (config, parse_python_settings(config))
+            except QuiverError as exc:
+                raise ConfigError(exc.message) from None
+            self._settings = cached
+        return cached[1]
+
+    def in_process(self, parameters: dict[str, str], name: str) -> bool:
+        value = parameters.get(IN_PROCESS_PARAMETER, "").strip()
+        if not value:
+            return self.settings().in_process
+        try:
+            return parse_bool(value, f"model '{name}': parameter '{IN_PROCESS_PARAMETER}'")
+        except QuiverError as exc:
+            raise ConfigError(exc.message) from None
+
+    @staticmethod
+    def _cache_root() -> Path:
+        if SERVER.cache_dir is not None:
+            return SERVER.cache_dir
+        return Path(tempfile.gettempdir()) / f"quiver-python-{os.getuid()}"
+
+    def _environment(self, parameters: dict[str, str], name: str, model_dir: Path) -> tuple[PythonEnv, str]:
+        """The model's Python and the folder its workers import Quiver's modules from."""
+        env = python_env.resolve(parameters, name, model_dir, self._cache_root())
+        if env is None:
+            return PythonEnv(sys.executable), str(python_env.source_root())
+        return env, str(python_env.worker_tree(self._cache_root()))
+
     def auto_complete(self, config: pb.ModelConfig, files: ModelFiles, strict: bool) -> None:
-        """Call the model's ``auto_complete_config`` and use what it returns.
+        """Call the model's ``auto_complete_config`` and use what it returns (in a short-lived
+        worker, unless the model runs in-process).
 
         Triton skips this when auto-complete is disabled (``--strict-model-config=true``
         or ``--disable-auto-complete-config``); so does Quiver when ``strict``.
@@ -408,14 +435,41 @@ class PythonBackend:
             return
         name = config.name
         where = f"model '{name}' version {files.version}"
+        parameters = {key: value.string_value for key, value in config.parameters.items()}
+        if self.in_process(parameters, name):
+            result = self._auto_complete_here(config, files, where)
+        else:
+            env, tree = self._environment(parameters, name, files.model_dir)
+            model_config = ModelConfig.from_proto(config, "")
+            worker, ready = start_worker(
+                model_config, files, env, tree, self.settings(), None, auto_complete=config_to_json(config)
+            )
+            worker.kill()
+            worker.close()
+            result = ready.get("config")
+        if result is None:
+            return
+        completed = pb.ModelConfig()
+        try:
+            json_format.ParseDict(_json_ready(result), completed)
+        except (json_format.ParseError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{where}: auto_complete_config() returned an invalid configuration: {exc}"
+            ) from None
+        completed.name = config.name
+        completed.backend = config.backend
+        config.CopyFrom(completed)
+
+    @staticmethod
+    def _auto_complete_here(config: pb.ModelConfig, files: ModelFiles, where: str) -> dict[str, Any] | None:
         filename = config.default_model_filename or "model.py"
         path = files.version_dir / filename
-        loaded = _import_model_file(path, files, where, name)
+        loaded = _import_model_file(path, files, where, config.name)
         try:
             cls = _model_class(loaded, path, where)
             method = getattr(cls, "auto_complete_config", None)
             if method is None:
-                return
+                return None
             model_config = pb_utils.ModelConfig(config_to_json(config))
             try:
                 result = method(model_config)
@@ -428,29 +482,32 @@ class PythonBackend:
                     f"{where}: auto_complete_config() must return a pb_utils.ModelConfig "
                     f"object, got {type(result).__name__}"
                 )
-            completed = pb.ModelConfig()
-            try:
-                json_format.ParseDict(_json_ready(result.as_dict()), completed)
-            except (json_format.ParseError, TypeError, ValueError) as exc:
-                raise ConfigError(
-                    f"{where}: auto_complete_config() returned an invalid configuration: {exc}"
-                ) from None
-            completed.name = config.name
-            completed.backend = config.backend
-            config.CopyFrom(completed)
+            return result.as_dict()
         finally:
             loaded.forget()
 
     def create_instance(
         self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec
-    ) -> PythonInstance:
-        instance = PythonInstance(config, files, spec)
-        try:
-            instance._executor.submit(instance._load).result()
-        except BaseException:
-            instance._executor.shutdown(wait=True)
-            raise
-        return instance
+    ) -> PythonInstance | WorkerInstance:
+        parameters = dict(config.parameters)
+        if self.in_process(parameters, config.name):
+            if parameters.get(python_env.ENV_PARAMETER, "").strip():
+                raise ConfigError(
+                    f"model '{config.name}': {python_env.ENV_PARAMETER} needs a worker process; "
+                    f"it cannot run in the server's process ({IN_PROCESS_PARAMETER} or "
+                    "--backend-config=python,in-process=true)"
+                )
+            instance = PythonInstance(config, files, spec)
+            try:
+                instance._executor.submit(instance._load).result()
+            except BaseException:
+                instance._executor.shutdown(wait=True)
+                raise
+            return instance
+        env, tree = self._environment(parameters, config.name, files.model_dir)
+        worker = WorkerInstance(config, files, spec, env, tree, self.settings(), _initialize_args(config, files, spec))
+        worker.start()
+        return worker
 
 
 class _Bls:

@@ -117,6 +117,7 @@ def _quiver_request(request: pb_utils.InferenceRequest) -> InferenceRequest:
     if request.timeout():
         parameters["timeout"] = request.timeout()
     version = request.model_version()
+    parent = request.trace()._server  # the calling request's trace, when it was passed on
     return InferenceRequest(
         model_name=request.model_name(),
         model_version="" if version < 0 else str(version),
@@ -124,7 +125,55 @@ def _quiver_request(request: pb_utils.InferenceRequest) -> InferenceRequest:
         outputs=[RequestedOutput(name) for name in sorted(names)] if names else None,
         id=request.request_id(),
         parameters=parameters,
+        trace=parent.spawn() if parent is not None else None,
     )
+
+
+#: Request parameters Triton turns into request properties instead of passing them on.
+_RESERVED_PARAMETERS = frozenset(
+    {
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "timeout",
+        "binary_data_output",
+        "binary_data_size",
+        "classification",
+    }
+)
+
+
+def _request_fields(request: InferenceRequest, all_outputs: list[str]) -> dict[str, Any]:
+    """What a model sees of a request besides its inputs (``pb_utils.InferenceRequest``'s
+    fields): sequence flags and correlation id, timeout, the parameters passed on, the outputs."""
+    params = request.parameters
+    correlation_id = params.get("sequence_id", 0)
+    if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
+        correlation_id = 0
+    flags = 0
+    if params.get("sequence_start"):
+        flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+    if params.get("sequence_end"):
+        flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+    try:
+        timeout = int(params.get("timeout", 0) or 0)
+    except (TypeError, ValueError):
+        timeout = 0
+    passed = {k: v for k, v in params.items() if k not in _RESERVED_PARAMETERS}
+    if request.outputs is None:
+        requested = list(all_outputs)
+    else:
+        requested = [output.name for output in request.outputs]
+    return {
+        "request_id": request.id,
+        "correlation_id": correlation_id,
+        "requested_output_names": requested,
+        "model_name": request.model_name,
+        "flags": flags,
+        "timeout": timeout,
+        "parameters_json": json.dumps(passed, default=str),
+    }
 
 
 def _pb_response(response: InferenceResponse) -> pb_utils.InferenceResponse:

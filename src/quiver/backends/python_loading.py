@@ -2,6 +2,9 @@
 gets the file as a fresh module in a private package (so two models whose files are both
 ``model.py`` do not share state), imported under a lock (imports change ``sys.path`` and
 ``sys.modules``) and forgotten again on release; and finding its ``TritonPythonModel``.
+
+Imports only worker-safe modules: a model's worker process runs it too (possibly under another
+Python, see :mod:`quiver.backends.python_stub`).
 """
 
 from __future__ import annotations
@@ -15,16 +18,23 @@ import sys
 import threading
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from quiver.backends.base import (
-    ModelFiles,
-    format_exception,
-)
 from quiver.backends.python_convert import _model_error
-from quiver.errors import (
-    InternalError,
-)
+from quiver.errors import InternalError, format_exception
+
+
+class ModelFiles(Protocol):
+    """Where the model is (``quiver.backends.base.ModelFiles`` is one; a worker has its own)."""
+
+    @property
+    def model_dir(self) -> Path: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def version_dir(self) -> Path: ...
 
 #: Serialises imports: they change sys.path and sys.modules.
 _IMPORT_LOCK = threading.Lock()

@@ -54,6 +54,7 @@ from quiver.backends.base import (
     format_exception,
     model_path,
 )
+from quiver.backends.batch import not_batchable, requested_names, reshaped, split_rows
 from quiver.backends.pytorch_loading import (
     _SHARED,
     _check_bytes_dims,
@@ -153,7 +154,9 @@ class TorchInstance(ThreadedInstance):
         self._device = device
         self._settings = settings
         self._shared_key = shared_key
-        self._cache_cleaning = settings.cache_cleaning and device is not None and device.type == "cuda"
+        self._cache_cleaning = (
+            settings.cache_cleaning and device is not None and device.type == "cuda"
+        )
         self._batching = config.max_batch_size > 0
         sequence = _sequence(config)
 
@@ -265,9 +268,7 @@ class TorchInstance(ThreadedInstance):
         _apply_switches(settings)
         if not settings.cudnn:
             torch.backends.cudnn.enabled = False
-        grad_mode = (
-            torch.inference_mode() if settings.inference_mode else torch.no_grad()
-        )
+        grad_mode = torch.inference_mode() if settings.inference_mode else torch.no_grad()
         # Optimized execution is per thread in torch (torch.jit.optimized_execution does this).
         previous = torch._C._get_graph_executor_optimize()
         torch._C._set_graph_executor_optimize(settings.optimized_execution)
@@ -278,17 +279,7 @@ class TorchInstance(ThreadedInstance):
             torch._C._set_graph_executor_optimize(previous)
 
     def _names(self, requests: list[InferenceRequest]) -> list[str]:
-        wanted: set[str] = set()
-        for request in requests:
-            if request.outputs is None:
-                if not self._state_outputs:
-                    return self._outputs
-                wanted.update(self._outputs)
-                break
-            wanted.update(o.name for o in request.outputs)
-        names = [name for name in self._outputs if name in wanted]
-        names += [name for name in self._state_outputs if name not in names]
-        return names
+        return requested_names(requests, self._outputs, self._state_outputs)
 
     def _gather(self, requests: list[InferenceRequest]) -> tuple[dict[str, Any], list[int]]:
         """Each input, the requests' values concatenated along dim 0; and rows per request."""
@@ -297,11 +288,7 @@ class TorchInstance(ThreadedInstance):
         for request in requests:
             rows = 1
             for tensor in request.inputs:
-                data = tensor.data
-                reshape = self._in_reshape.get(tensor.name)
-                if reshape is not None:
-                    lead = data.shape[:1] if self._batching else ()
-                    data = data.reshape(lead + tuple(reshape))
+                data = reshaped(tensor.data, self._in_reshape.get(tensor.name), self._batching)
                 per_name.setdefault(tensor.name, []).append(data)
                 if self._batching and data.ndim:
                     rows = int(data.shape[0])
@@ -320,9 +307,7 @@ class TorchInstance(ThreadedInstance):
                 try:
                     array = np.concatenate(parts)
                 except ValueError as exc:
-                    raise InvalidArgumentError(
-                        f"model '{self._model}': requests cannot be batched together: {exc}"
-                    ) from None
+                    raise not_batchable(self._model, exc) from None
             values[name] = self._to_torch(array, datatype)
         missing = [n for n in self._inputs.positions if n not in values]
         if missing:
@@ -437,10 +422,8 @@ class TorchInstance(ThreadedInstance):
                         f"whose first dimension is not the batch of {total}"
                     )
                     return [error for _ in requests]
-        offset = 0
-        for request, size in zip(requests, sizes, strict=True):
-            parts = arrays if len(requests) == 1 else [a[offset : offset + size] for a in arrays]
-            offset += size
+        per_request = [arrays] if len(requests) == 1 else split_rows(arrays, sizes)
+        for request, parts in zip(requests, per_request, strict=True):
             tensors = [self._tensor(name, part) for name, part in zip(names, parts, strict=True)]
             results.append(InferenceResponse(self._model, "", tensors, request.id))
         timing.input_ns = t1 - t0
@@ -449,10 +432,7 @@ class TorchInstance(ThreadedInstance):
         return results
 
     def _tensor(self, name: str, array: Any) -> Tensor:
-        dims = self._out_reshape.get(name)
-        if dims is not None:
-            lead = array.shape[:1] if self._batching else ()
-            array = array.reshape(lead + tuple(dims))
+        array = reshaped(array, self._out_reshape.get(name), self._batching)
         return Tensor(name, self._out_cfg[name].datatype, tuple(array.shape), array)
 
     def release(self) -> None:

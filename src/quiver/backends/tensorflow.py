@@ -59,6 +59,13 @@ from quiver.backends.base import (
     ThreadedInstance,
     format_exception,
 )
+from quiver.backends.batch import (
+    concatenate,
+    not_batchable,
+    requested_names,
+    reshaped,
+    split_rows,
+)
 from quiver.backends.tensorflow_settings import (
     TFSettings,
     _check_version_variable,
@@ -156,21 +163,12 @@ class TensorFlowInstance(ThreadedInstance):
         self._row_by_row = row_by_row and self._batching
 
     def _names(self, requests: list[InferenceRequest]) -> list[str]:
-        wanted: set[str] = set()
-        for request in requests:
-            if request.outputs is None:
-                return self._outputs
-            wanted.update(o.name for o in request.outputs)
-        return [name for name in self._outputs if name in wanted]
+        return requested_names(requests, self._outputs)
 
     def _feed(self, request: InferenceRequest) -> dict[str, Any]:
         feed: dict[str, Any] = {}
         for tensor in request.inputs:
-            data = tensor.data
-            reshape = self._in_reshape.get(tensor.name)
-            if reshape is not None:
-                lead = data.shape[:1] if self._batching else ()
-                data = data.reshape(lead + tuple(reshape))
+            data = reshaped(tensor.data, self._in_reshape.get(tensor.name), self._batching)
             feed[self._feeds[tensor.name]] = data
         return feed
 
@@ -206,10 +204,7 @@ class TensorFlowInstance(ThreadedInstance):
                     f"model '{self._config.name}': output '{name}' is {array.dtype} in the "
                     f"model but {cfg.datatype.config_name} in the configuration"
                 )
-            dims = self._out_reshape.get(name)
-            if dims is not None:
-                lead = array.shape[:1] if self._batching else ()
-                array = array.reshape(lead + tuple(dims))
+            array = reshaped(array, self._out_reshape.get(name), self._batching)
             tensors.append(Tensor(name, cfg.datatype, tuple(array.shape), array))
         return tensors
 
@@ -220,34 +215,21 @@ class TensorFlowInstance(ThreadedInstance):
         try:
             feeds = [self._feed(r) for r in requests]
             if len(requests) == 1:
-                feed = feeds[0]
-                sizes = [0]
+                feed, sizes = feeds[0], [0]
             else:
-                sizes = [next(iter(f.values())).shape[0] if f else 1 for f in feeds]
-                feed = {k: np.concatenate([f[k] for f in feeds]) for k in feeds[0]}
+                feed, sizes = concatenate(self._config.name, feeds)
             t1 = time.monotonic_ns()
             arrays = self._run(names, feed)
             t2 = time.monotonic_ns()
-            if len(requests) == 1:
-                results: ExecuteResult = [
-                    InferenceResponse(self._config.name, "", self._tensors(names, arrays), requests[0].id)
-                ]
-            else:
-                results = []
-                offset = 0
-                for request, size in zip(requests, sizes, strict=True):
-                    parts = [a[offset : offset + size] for a in arrays]
-                    offset += size
-                    results.append(
-                        InferenceResponse(self._config.name, "", self._tensors(names, parts), request.id)
-                    )
+            per_request = [arrays] if len(requests) == 1 else split_rows(arrays, sizes)
+            results: ExecuteResult = [
+                InferenceResponse(self._config.name, "", self._tensors(names, parts), request.id)
+                for request, parts in zip(requests, per_request, strict=True)
+            ]
         except QuiverError as exc:
             return [exc for _ in requests]
         except ValueError as exc:
-            error = InvalidArgumentError(
-                f"model '{self._config.name}': requests cannot be batched together: {exc}"
-            )
-            return [error for _ in requests]
+            return [not_batchable(self._config.name, exc) for _ in requests]
         timing.input_ns = t1 - t0
         timing.infer_ns = t2 - t1
         timing.output_ns = time.monotonic_ns() - t2
@@ -431,10 +413,15 @@ class TensorFlowBackend:
         return feeds, fetches
 
     @staticmethod
-    def _run_init_ops(config: ModelConfig, files: ModelFiles, session: Any, settings: TFSettings) -> None:
+    def _run_init_ops(
+        config: ModelConfig, files: ModelFiles, session: Any, settings: TFSettings
+    ) -> None:
         if not settings.init_ops_file:
             return
-        candidates = [files.version_dir / settings.init_ops_file, files.model_dir / settings.init_ops_file]
+        candidates = [
+            files.version_dir / settings.init_ops_file,
+            files.model_dir / settings.init_ops_file,
+        ]
         path = next((p for p in candidates if p.is_file()), None)
         if path is None:
             raise ConfigError(

@@ -224,6 +224,17 @@ def _build(proto: pb.ModelConfig, source: str) -> ModelConfig:
     if proto.max_batch_size < 0:
         raise ConfigError(f"{where}: field 'max_batch_size' must be >= 0, got {proto.max_batch_size}")
 
+    if proto.response_cache.enable:  # Triton's checks, whether the server has a cache or not
+        kind = ""
+        if proto.HasField("sequence_batching"):
+            kind = "with sequence batching scheduler"
+        elif proto.model_transaction_policy.decoupled:
+            kind = "with 'decoupled' transaction policy"
+        if kind:
+            raise ConfigError(
+                f"{where}: Response Cache does not currently support model {proto.name} {kind}. "
+                "Please disable the response cache."
+            )
     _check_relative(proto.default_model_filename, "default_model_filename", where)
     inputs = [_tensor(t, "input", where, is_input=True) for t in proto.input]
     outputs = [_tensor(t, "output", where, is_input=False) for t in proto.output]

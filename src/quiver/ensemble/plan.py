@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from quiver.config import ModelConfig, TensorConfig
 from quiver.errors import ConfigError
+from quiver.types import DataType
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,10 @@ class Step:
     model_version: str  # "" for the latest (-1 in the config)
     input_map: tuple[tuple[str, str], ...]  # (model input, ensemble tensor)
     output_map: tuple[tuple[str, str], ...]  # (model output, ensemble tensor)
+    #: whether the composing model batches, and its inputs' configured dims (no batch dim):
+    #: the scheduler converts tensors between batching and non-batching steps by them.
+    batching: bool = False
+    input_dims: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def label(self) -> str:
@@ -44,10 +49,56 @@ class EnsemblePlan:
     outputs: tuple[str, ...]
     #: step index -> indices of steps that consume something it produces
     downstream: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: each output's configured dims (its reshape when it has one), no batch dim
+    output_dims: tuple[tuple[int, ...], ...] = ()
 
     @property
     def composing_models(self) -> list[str]:
         return sorted({s.model_name for s in self.steps})
+
+
+@dataclass(frozen=True, slots=True)
+class _Node:
+    """What one side says an ensemble tensor is (Triton's ``TensorNode``)."""
+
+    model: str
+    datatype: DataType
+    dims: tuple[int, ...]
+    batching: bool
+
+    @property
+    def full_dims(self) -> tuple[int, ...]:
+        return (-1, *self.dims) if self.batching else self.dims
+
+
+def _node(tensor: TensorConfig, model: ModelConfig, *, reshaped: bool = False) -> _Node:
+    dims = tensor.reshape if reshaped and tensor.reshape is not None else tensor.dims
+    return _Node(model.name, tensor.datatype, tuple(dims), model.max_batch_size > 0)
+
+
+def _dims_match(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
+
+
+def _dims_text(dims: tuple[int, ...]) -> str:
+    return "[" + ",".join(str(d) for d in dims) + "]"
+
+
+def _consistency(known: _Node, other: _Node) -> str:
+    """Triton's check of two views of one tensor: the same datatype, and dims that match
+    (-1 matches anything), or full dims that match (a batching model's ``[d...]`` is a
+    non-batching model's ``[-1, d...]``). The reason they are not, or ""."""
+    if known.datatype is not other.datatype:
+        return (
+            f"inconsistent data type: {known.datatype.config_name} is inferred from model "
+            f"{known.model} while {other.datatype.config_name} is inferred from model {other.model}"
+        )
+    if not _dims_match(known.dims, other.dims) and not _dims_match(known.full_dims, other.full_dims):
+        return (
+            f"inconsistent shape: {_dims_text(known.full_dims)} is inferred from model "
+            f"{known.model} while {_dims_text(other.full_dims)} is inferred from model {other.model}"
+        )
+    return ""
 
 
 def composing_models(config: ModelConfig) -> list[str]:
@@ -67,7 +118,7 @@ def build_plan(config: ModelConfig, models: dict[str, ModelConfig]) -> EnsembleP
         raise ConfigError(f"{where}: declares no output")
 
     steps: list[Step] = []
-    producer: dict[str, tuple[Step, TensorConfig]] = {}
+    producer: dict[str, tuple[Step, _Node]] = {}
     for index, raw in enumerate(proto.step):
         label = f"step {index} (model '{raw.model_name}')"
         if not raw.model_name:
@@ -77,6 +128,12 @@ def build_plan(config: ModelConfig, models: dict[str, ModelConfig]) -> EnsembleP
             raise ConfigError(f"{where}: {label}: unknown model '{raw.model_name}'")
         if model.platform == "ensemble" and model.name == config.name:
             raise ConfigError(f"{where}: {label}: an ensemble cannot contain itself")
+        if 0 < model.max_batch_size < config.max_batch_size:
+            raise ConfigError(
+                f"{where}: ensemble {config.name} allows maximum batch size "
+                f"{config.max_batch_size}, but it contains model {model.name} which only allows "
+                f"maximum batch size to be {model.max_batch_size}"
+            )
         version = "" if raw.model_version in (-1, 0) else str(raw.model_version)
         for model_input in raw.input_map:
             if model.input(model_input) is None:
@@ -105,7 +162,7 @@ def build_plan(config: ModelConfig, models: dict[str, ModelConfig]) -> EnsembleP
             if tensor in ensemble_inputs:
                 raise ConfigError(f"{where}: {label}: tensor '{tensor}' is an ensemble input and cannot be produced by a step")
             step_stub = Step(index, raw.model_name, version, (), ())
-            producer[tensor] = (step_stub, _with_batch(out, model))
+            producer[tensor] = (step_stub, _node(out, model))
         steps.append(
             Step(
                 index,
@@ -113,6 +170,8 @@ def build_plan(config: ModelConfig, models: dict[str, ModelConfig]) -> EnsembleP
                 version,
                 tuple(sorted(raw.input_map.items())),
                 tuple(sorted(raw.output_map.items())),
+                batching=model.max_batch_size > 0,
+                input_dims=tuple((t.name, tuple(t.dims)) for t in model.inputs),
             )
         )
 
@@ -120,9 +179,9 @@ def build_plan(config: ModelConfig, models: dict[str, ModelConfig]) -> EnsembleP
     for step in steps:
         model = models[step.model_name]
         for model_input, tensor in step.input_map:
-            consumer = _with_batch(model.input_map[model_input], model)
+            consumer = _node(model.input_map[model_input], model)
             if tensor in ensemble_inputs:
-                source = _with_batch(ensemble_inputs[tensor], config)
+                source = _node(ensemble_inputs[tensor], config, reshaped=True)
                 what = f"ensemble input '{tensor}'"
             elif tensor in producer:
                 source = producer[tensor][1]
@@ -132,15 +191,21 @@ def build_plan(config: ModelConfig, models: dict[str, ModelConfig]) -> EnsembleP
                     f"{where}: {step.label}: consumes tensor '{tensor}', which no step produces "
                     "and which is not an ensemble input"
                 )
-            _check_match(where, step, model_input, consumer, what, source)
+            reason = _consistency(source, consumer)
+            if reason:
+                raise ConfigError(
+                    f"{where}: {step.label}: input '{model_input}' and {what}: ensemble tensor "
+                    f"'{tensor}': {reason}"
+                )
     for name, tensor in ensemble_outputs.items():
         if name not in producer:
             raise ConfigError(f"{where}: ensemble output '{name}' is produced by no step")
         step_stub, source = producer[name]
-        if source.datatype is not tensor.datatype:
+        reason = _consistency(_node(tensor, config, reshaped=True), source)
+        if reason:
             raise ConfigError(
-                f"{where}: ensemble output '{name}' is {tensor.datatype.value} but "
-                f"{step_stub.label} produces {source.datatype.value}"
+                f"{where}: ensemble output '{name}' (from {step_stub.label}): ensemble tensor "
+                f"'{name}': {reason}"
             )
     unused = [name for name in ensemble_inputs if not any(name in s.consumes for s in steps)]
     if unused:
@@ -153,33 +218,17 @@ def build_plan(config: ModelConfig, models: dict[str, ModelConfig]) -> EnsembleP
         for step in steps
     }
     _check_acyclic(where, steps, downstream)
+    output_dims = tuple(
+        tuple(t.reshape if t.reshape is not None else t.dims) for t in ensemble_outputs.values()
+    )
     return EnsemblePlan(
-        config.name, tuple(steps), tuple(ensemble_inputs), tuple(ensemble_outputs), downstream
+        config.name,
+        tuple(steps),
+        tuple(ensemble_inputs),
+        tuple(ensemble_outputs),
+        downstream,
+        output_dims,
     )
-
-
-def _with_batch(tensor: TensorConfig, model: ModelConfig) -> TensorConfig:
-    """The tensor with its full shape (batch dimension as -1 when the model batches)."""
-    return TensorConfig(
-        tensor.name, tensor.datatype, tuple(tensor.full_shape(model.max_batch_size)), tensor.reshape
-    )
-
-
-def _check_match(
-    where: str, step: Step, model_input: str, consumer: TensorConfig, what: str, source: TensorConfig
-) -> None:
-    if consumer.datatype is not source.datatype:
-        raise ConfigError(
-            f"{where}: {step.label}: input '{model_input}' is {consumer.datatype.value} but "
-            f"{what} is {source.datatype.value}"
-        )
-    a, b = consumer.dims, source.dims
-    compatible = len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b, strict=True))
-    if not compatible:
-        raise ConfigError(
-            f"{where}: {step.label}: input '{model_input}' has shape {list(a)} but {what} has "
-            f"shape {list(b)}"
-        )
 
 
 def _check_acyclic(where: str, steps: list[Step], downstream: dict[int, tuple[int, ...]]) -> None:

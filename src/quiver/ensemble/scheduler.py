@@ -41,11 +41,16 @@ class EnsembleScheduler(CoreScheduler):
         self._batching = batching
         self._core = SchedulerCore(f"ensemble '{plan.name}'", stats, clock)
 
-    def _step_request(self, step: Step, request: InferenceRequest, tensors: dict[str, Tensor]) -> InferenceRequest:
+    def _step_request(
+        self, step: Step, request: InferenceRequest, tensors: dict[str, tuple[Tensor, int]]
+    ) -> InferenceRequest:
         inputs = []
+        dims = dict(step.input_dims)
         for model_input, name in step.input_map:
-            tensor = tensors[name]
-            inputs.append(Tensor(model_input, tensor.datatype, tensor.shape, tensor.data))
+            tensor, batch = tensors[name]
+            shape = convert_shape(dims[model_input], step.batching, batch, tensor.shape)
+            data = tensor.data if shape == tensor.shape else tensor.data.reshape(shape)
+            inputs.append(Tensor(model_input, tensor.datatype, shape, data))
         params = {k: request.parameters[k] for k in _PASSED_ON if k in request.parameters}
         return InferenceRequest(
             model_name=step.model_name,
@@ -54,6 +59,7 @@ class EnsembleScheduler(CoreScheduler):
             outputs=[RequestedOutput(model_output) for model_output, _ in step.output_map],
             id=request.id,
             parameters=params,
+            trace=request.trace.spawn() if request.trace is not None else None,
         )
 
     async def enqueue(self, request: InferenceRequest) -> InferenceResponse:
@@ -70,16 +76,23 @@ class EnsembleScheduler(CoreScheduler):
 
     async def _run(self, request: InferenceRequest) -> InferenceResponse:
         plan = self._plan
-        tensors: dict[str, Tensor] = {t.name: t for t in request.inputs}
+        # each tensor with its batch size (0: it comes from a side that does not batch)
+        tensors: dict[str, tuple[Tensor, int]] = {
+            t.name: (t, t.shape[0] if self._batching and t.shape else 0) for t in request.inputs
+        }
         waiting = list(plan.steps)
         running: dict[asyncio.Task[InferenceResponse], Step] = {}
+        task_batch: dict[asyncio.Task[InferenceResponse], int] = {}
 
         def launch() -> None:
             for step in list(waiting):
                 if all(name in tensors for _, name in step.input_map):
                     waiting.remove(step)
-                    task = asyncio.ensure_future(self._infer(self._step_request(step, request, tensors)))
+                    step_request = self._step_request(step, request, tensors)
+                    task = asyncio.ensure_future(self._infer(step_request))
                     running[task] = step
+                    # the batch size of what the step produces (0 when it does not batch)
+                    task_batch[task] = batch_rows(step_request, True) if step.batching else 0
 
         launch()
         try:
@@ -94,6 +107,7 @@ class EnsembleScheduler(CoreScheduler):
                             exc.code, f"ensemble '{plan.name}': {step.label} failed: {exc.message}"
                         ) from None
                     produced = {t.name: t for t in response.outputs}
+                    step_batch = task_batch.pop(task)
                     for model_output, name in step.output_map:
                         tensor = produced.get(model_output)
                         if tensor is None:
@@ -101,7 +115,7 @@ class EnsembleScheduler(CoreScheduler):
                                 f"ensemble '{plan.name}': {step.label} returned no output "
                                 f"'{model_output}'"
                             )
-                        tensors[name] = Tensor(name, tensor.datatype, tensor.shape, tensor.data)
+                        tensors[name] = (Tensor(name, tensor.datatype, tensor.shape, tensor.data), step_batch)
                 launch()
         finally:
             if running:
@@ -112,5 +126,33 @@ class EnsembleScheduler(CoreScheduler):
         missing = [name for name in plan.outputs if name not in tensors]
         if missing:  # pragma: no cover - the plan's validation rules this out
             raise InternalError(f"ensemble '{plan.name}': output(s) {', '.join(missing)} were not produced")
-        outputs = [tensors[name] for name in plan.outputs]
+        outputs = []
+        for name, dims in zip(plan.outputs, plan.output_dims, strict=True):
+            tensor, batch = tensors[name]
+            shape = convert_shape(dims, self._batching, batch, tensor.shape)
+            if shape != tensor.shape:
+                tensor = Tensor(name, tensor.datatype, shape, tensor.data.reshape(shape))
+            outputs.append(tensor)
         return InferenceResponse(plan.name, "", outputs, request.id)
+
+
+def _matches(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    return len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape, strict=True))
+
+
+def convert_shape(
+    dims: tuple[int, ...], batching: bool, batch: int, shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    """A tensor's shape as the side that takes it sees it (Triton's ``ReshapeTensorDims``):
+    ``dims`` are that side's configured dims (no batch dim), ``batching`` whether it batches,
+    ``batch`` the tensor's batch size (0 when it comes from a side that does not batch).
+    Only when one side batches and the other does not: a non-batched tensor that matches
+    ``dims`` gets a batch of 1 first; a batched tensor of batch 1 that does not match loses
+    its batch dim. Anything else goes as it is."""
+    if batching == (batch != 0):
+        return shape
+    if batching:
+        return (1, *shape) if _matches(dims, shape) else shape
+    if batch == 1 and not _matches(dims, shape) and shape:
+        return shape[1:]
+    return shape

@@ -10,7 +10,14 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from quiver import messages
+
+#: Triton's kMaxChunkedChunks: a chunked request body of more non-empty chunks is refused.
+MAX_CHUNKS = 1 << 16
 
 
 class AsgiServer(uvicorn.Server):
@@ -19,6 +26,46 @@ class AsgiServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+class ChunkCountingProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol that refuses a ``Transfer-Encoding: chunked`` body of more
+    than :data:`MAX_CHUNKS` non-empty chunks as Triton does: 400 with Triton's message, then
+    the connection closes (no more of the body is read). Each chunk costs bookkeeping however
+    small it is; the body's size is bounded by the listener's input size limit anyway."""
+
+    _chunks = 0
+    _refused = False
+
+    def on_headers_complete(self) -> None:
+        self._chunks = 0
+        super().on_headers_complete()
+
+    def on_chunk_header(self) -> None:  # httptools calls it for every chunk, the last (empty) one too
+        self._chunks += 1
+
+    def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
+        if self._chunks > MAX_CHUNKS:
+            self._refuse()
+            return
+        super().on_body(body)
+
+    def _refuse(self) -> None:
+        self._refused = True
+        payload = orjson.dumps({"error": messages.too_many_chunks(MAX_CHUNKS)})
+        head = (
+            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n"
+        )
+        cycle = self.cycle
+        if cycle is not None:  # the app sees a client that went away; its answer goes nowhere
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.pause_reading()
+        self.transport.write(head.encode() + payload)
+        self.transport.close()
 
 
 async def serve(app: Any, sock: socket.socket, *, graceful_seconds: float) -> tuple[AsgiServer, asyncio.Task[None]]:
@@ -32,7 +79,7 @@ async def serve(app: Any, sock: socket.socket, *, graceful_seconds: float) -> tu
         log_level="warning",
         access_log=False,
         lifespan="off",
-        http="httptools",
+        http=ChunkCountingProtocol,
         proxy_headers=False,
         server_header=False,
         date_header=False,

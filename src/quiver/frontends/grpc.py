@@ -15,8 +15,8 @@ import contextlib
 import contextvars
 import functools
 import gc
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from time import monotonic_ns as now_ns
 from typing import Any, TypeVar
 
 import grpc
@@ -27,6 +27,12 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from quiver.errors import InvalidArgumentError
+from quiver.frontends.grpc_plumbing import (
+    SERVICE_NAME,
+    GenericHandlersOnly,
+    RestrictionInterceptor,
+)
+from quiver.frontends.headers import HeaderForwarding
 from quiver.frontends.offload import OFFLOAD_NS, PARSE_INLINE_BYTES, in_worker
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import grpc_error
@@ -37,10 +43,10 @@ from quiver.protocol.v2_grpc import (
     encode_infer_response,
 )
 from quiver.service import InferenceService
+from quiver.tracing import Trace
+from quiver.triton_flags import GrpcTls
 from quiver.types import InferenceResponse
 
-#: The service name clients may ask the health service about, besides "" (the server).
-SERVICE_NAME = "inference.GRPCInferenceService"
 DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 #: Requests of one stream decoded and running at once; the reader waits past this.
 STREAM_WINDOW = 64
@@ -105,8 +111,9 @@ def _tensor_metadata(entries: list[dict[str, Any]]) -> list[Any]:
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """Triton's GRPCInferenceService over one :class:`InferenceService`."""
 
-    def __init__(self, service: InferenceService) -> None:
+    def __init__(self, service: InferenceService, header_forward_pattern: str | None = None) -> None:
         self.service = service
+        self.forwarding = HeaderForwarding(header_forward_pattern)
         self._in_flight = 0  # inferences received and not yet answered
         self._idle = asyncio.Event()
         self._idle.set()
@@ -130,7 +137,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:
-        return pb.ServerReadyResponse(ready=self.service.ready)
+        return pb.ServerReadyResponse(ready=self.service.server_ready())
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         metadata = self.service.server_metadata()
@@ -218,6 +225,54 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 entry.string_param = str(setting)
         return response
 
+    @_rpc
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        changes = {key: list(value.value) or None for key, value in request.settings.items()}
+        settings = self.service.trace_settings(request.model_name, changes or None)
+        response = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
+
+    # -- shared-memory extensions -------------------------------------------------------
+
+    @_rpc
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.service.shared_memory.system_status(request.name):
+            response.regions[str(region["name"])].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
+
+    @_rpc
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        shm = self.service.shared_memory
+        await asyncio.to_thread(
+            shm.register_system, request.name, request.key, request.offset, request.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.service.shared_memory.unregister_system(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_rpc
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        self.service.shared_memory.cuda_status(request.name)  # none: no GPU support
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @_rpc
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.service.shared_memory.register_cuda(request.name)
+        return pb.CudaSharedMemoryRegisterResponse()  # pragma: no cover - always refused
+
+    @_rpc
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.service.shared_memory.unregister_cuda(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # -- inference -------------------------------------------------------------------
     #
     # ModelInfer and ModelStreamInfer are served by _RawInferHandler with no (de)serializers:
@@ -226,18 +281,41 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     # one inline, as grpc would have. A message that is not a ModelInferRequest is then
     # INVALID_ARGUMENT rather than grpc's own failure.
 
-    async def _infer(self, data: bytes, serialize: Callable[[InferenceResponse], bytes]) -> bytes:
+    async def _infer(
+        self, data: bytes, serialize: Callable[[InferenceResponse], bytes], context: Any = None
+    ) -> bytes:
         """Parse, decode, infer, encode and serialize one ModelInferRequest."""
+        received = now_ns()
         if len(data) < PARSE_INLINE_BYTES:
             message = _parse_request(data)
         else:
             message = await in_worker(_parse_request, data)
         _call.set((message.model_name, message.id))
+        trace = self.service.start_trace(message.model_name, lambda: _metadata(context))
+        if trace is None:
+            return await self._run(message, serialize, None, context)
+        trace.capture("GRPC_WAITREAD_START", received)
+        trace.capture("GRPC_WAITREAD_END")
+        try:
+            return await self._run(message, serialize, trace, context)
+        finally:
+            trace.capture("GRPC_SEND_END")  # handed to grpc, which sends it
+            trace.release()
+
+    async def _run(
+        self, message: Any, serialize: Callable[[InferenceResponse], bytes], trace: Trace | None, context: Any
+    ) -> bytes:
         if decode_cost(message) < OFFLOAD_NS:
             request = decode_infer_request(message)
         else:
             request = await in_worker(decode_infer_request, message)
+        request.trace = trace
+        if self.forwarding and context is not None:
+            self.forwarding.apply(context.invocation_metadata() or (), request)
         response = await self.service.infer(request)
+        if trace is not None:
+            trace.capture("INFER_RESPONSE_COMPLETE")
+            trace.capture("GRPC_SEND_START")
         if encode_cost(response) < OFFLOAD_NS:
             return serialize(response)
         return await in_worker(serialize, response)
@@ -247,15 +325,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         """ModelInfer: a serialized ModelInferRequest in, a ModelInferResponse out."""
         self._enter()
         try:
-            return await self._infer(data, _serialized_response)
+            return await self._infer(data, _serialized_response, context)
         finally:
             self._leave()
 
-    async def _stream_one(self, data: bytes) -> bytes:
+    async def _stream_one(self, data: bytes, context: Any = None) -> bytes:
         """One request of a stream, in its own task (so with its own ``_call``)."""
         _call.set(("", ""))
         try:
-            return await self._infer(data, _serialized_stream_response)
+            return await self._infer(data, _serialized_stream_response, context)
         except Exception as exc:
             return _stream_error(exc)
 
@@ -273,7 +351,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 async for request in request_iterator:
                     await window.acquire()
                     self._enter()
-                    pending.put_nowait(asyncio.create_task(self._stream_one(request)))
+                    pending.put_nowait(asyncio.create_task(self._stream_one(request, context)))
             finally:
                 pending.put_nowait(None)
 
@@ -295,6 +373,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 if leftover is not None:
                     leftover.cancel()
                     self._leave()
+
+
+def _metadata(context: Any) -> dict[str, str]:
+    """The call's metadata an OpenTelemetry context may come in (W3C trace context)."""
+    if context is None:
+        return {}
+    return {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
 
 
 def _parse_request(data: bytes) -> Any:
@@ -333,151 +418,6 @@ class _RawInferHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
         return self._handlers.get(handler_call_details.method)
 
 
-#: Triton's API group of each RPC, for --grpc-restricted-protocol.
-_RPC_GROUPS = {
-    "ServerLive": "health",
-    "ServerReady": "health",
-    "ModelReady": "health",
-    "ServerMetadata": "metadata",
-    "ModelMetadata": "metadata",
-    "ModelInfer": "inference",
-    "ModelStreamInfer": "inference",
-    "ModelConfig": "model-config",
-    "ModelStatistics": "statistics",
-    "RepositoryIndex": "model-repository",
-    "RepositoryModelLoad": "model-repository",
-    "RepositoryModelUnload": "model-repository",
-    "SystemSharedMemoryStatus": "shared-memory",
-    "SystemSharedMemoryRegister": "shared-memory",
-    "SystemSharedMemoryUnregister": "shared-memory",
-    "CudaSharedMemoryStatus": "shared-memory",
-    "CudaSharedMemoryRegister": "shared-memory",
-    "CudaSharedMemoryUnregister": "shared-memory",
-    "TraceSetting": "trace",
-    "LogSettings": "logging",
-}
-
-
-class _RestrictionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses restricted RPCs whose metadata lacks the required header (PERMISSION_DENIED)."""
-
-    def __init__(self, restrictions: Restrictions) -> None:
-        self.restrictions = restrictions
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        method = details.method.rsplit("/", 1)[-1]
-        group = _RPC_GROUPS.get(method) if details.method.startswith(f"/{SERVICE_NAME}/") else None
-        if group is not None:
-            metadata = {key.lower(): value for key, value in (details.invocation_metadata or ())}
-            denied = self.restrictions.denied(group, metadata)
-            if denied is not None:
-                return _denied_handler(method, denied)
-        return await continuation(details)
-
-
-def _denied_handler(method: str, message: str) -> Any:
-    async def unary(request: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
-
-    async def stream(request_iterator: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
-        yield  # pragma: no cover - makes this an async generator
-
-    if method == "ModelStreamInfer":
-        return grpc.stream_stream_rpc_method_handler(stream)
-    return grpc.unary_unary_rpc_method_handler(unary)
-
-
-class _Malformed:
-    """A request message that did not parse; the method answers INVALID_ARGUMENT for it."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-class _ParsedByUs(grpc.GenericRpcHandler):  # type: ignore[misc]
-    """A generated service's handlers, with request parsing the server's own business.
-
-    grpc calls a method's deserializer before the servicer is reached, and a message that
-    does not parse there is answered UNKNOWN, a server error to the client. Here the
-    deserializer hands back :class:`_Malformed` instead, and the method answers
-    INVALID_ARGUMENT naming the message type (a client's mistake), for every unary and
-    server-streaming method (Triton's service and the health service).
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def service(self, handler_call_details: Any) -> Any:
-        handler = self._inner.service(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
-            return handler
-        parse = handler.request_deserializer
-        method = handler_call_details.method.rsplit("/", 1)[-1]
-
-        def tolerant(data: bytes) -> Any:
-            try:
-                return parse(data)
-            except Exception as exc:  # DecodeError, or what a deserializer raises instead
-                return _Malformed(exc)
-
-        async def refuse(request: _Malformed, context: Any) -> None:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"malformed {method} request message: {request.error}",
-            )
-
-        def unary_like(inner: Any) -> Any:
-            async def unary(request: Any, context: Any) -> Any:
-                if isinstance(request, _Malformed):
-                    await refuse(request, context)
-                return await inner(request, context)
-
-            return unary
-
-        if handler.unary_unary is not None:
-            return handler._replace(
-                request_deserializer=tolerant, unary_unary=unary_like(handler.unary_unary)
-            )
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-            if not inspect.isasyncgenfunction(inner_stream):  # writes with context.write
-                return handler._replace(request_deserializer=tolerant, unary_stream=unary_like(inner_stream))
-
-            async def stream(request: Any, context: Any) -> Any:
-                if isinstance(request, _Malformed):
-                    await refuse(request, context)
-                async for item in inner_stream(request, context):
-                    yield item
-
-            return handler._replace(request_deserializer=tolerant, unary_stream=stream)
-        return handler
-
-
-class _GenericHandlersOnly:
-    """What the generated ``add_*Servicer_to_server`` functions see instead of the server:
-    their generic handler is added, their registered-method handlers are not.
-
-    Behaviour is the same (the generic handler serves every method of the service; an
-    unknown method is UNIMPLEMENTED either way), but ``grpc.aio``'s serving loop keeps one
-    pending request-call future per registered method and waits on all of them
-    (``asyncio.wait``) for every call it accepts: with Triton's 20 methods and the health
-    service's 3 that cost more per RPC than all of Quiver's own conversion code. With the
-    generic handler alone it waits on one future.
-    """
-
-    def __init__(self, server: Any) -> None:
-        self._server = server
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_ParsedByUs(h) for h in handlers))
-
-    def add_registered_method_handlers(self, service: str, handlers: Any) -> None:
-        pass
-
-
 class GrpcFrontend:
     """The ``grpc.aio`` server: the inference service, the health service, start and stop."""
 
@@ -487,32 +427,58 @@ class GrpcFrontend:
         *,
         max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
         restrictions: Restrictions | None = None,
+        header_forward_pattern: str | None = None,
+        tls: GrpcTls | None = None,
+        options: Sequence[tuple[str, int]] = (),
+        compression_level: int = 0,
+        reuse_port: bool = False,
     ) -> None:
         self.service = service
         self.max_message_size = max_message_size
         self.restrictions = restrictions or Restrictions()
-        self.servicer = InferenceServicer(service)
+        self.tls = tls
+        #: keepalive and HTTP/2 ping channel arguments (--grpc-keepalive-* ...).
+        self.options = list(options)
+        self.compression_level = compression_level
+        self.reuse_port = reuse_port
+        self.servicer = InferenceServicer(service, header_forward_pattern)
         self.health = health.aio.HealthServicer()
         self.server: Any = None
 
     async def start(self, address: str, port: int) -> int:
         """Bind and start serving (health NOT_SERVING until :meth:`set_serving`); returns the port."""
+        options: list[tuple[str, int]] = [
+            ("grpc.max_receive_message_length", self.max_message_size),
+            ("grpc.max_send_message_length", self.max_message_size),
+            # a port in use is an error, not a shared listener (unless --reuse-grpc-port)
+            ("grpc.so_reuseport", 1 if self.reuse_port else 0),
+            *self.options,
+        ]
+        compression = None
+        if self.compression_level:  # --grpc-infer-response-compression-level
+            compression = grpc.Compression.Gzip
+            options.append(("grpc.default_compression_level", self.compression_level))
         server = grpc.aio.server(
-            interceptors=[_RestrictionInterceptor(self.restrictions)] if self.restrictions else None,
-            options=[
-                ("grpc.max_receive_message_length", self.max_message_size),
-                ("grpc.max_send_message_length", self.max_message_size),
-                ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared listener
-            ]
+            interceptors=[RestrictionInterceptor(self.restrictions)] if self.restrictions else None,
+            options=options,
+            compression=compression,
         )
         # First: the generated handler's ModelInfer and ModelStreamInfer are never reached.
         server.add_generic_rpc_handlers((_RawInferHandler(self.servicer),))
-        generic_only = _GenericHandlersOnly(server)
+        generic_only = GenericHandlersOnly(server)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, generic_only)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, generic_only)
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
         try:
-            bound = int(server.add_insecure_port(target))
+            if self.tls is None:
+                bound = int(server.add_insecure_port(target))
+            else:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.tls.server_key, self.tls.server_cert)],
+                    root_certificates=self.tls.root_cert,
+                    require_client_auth=self.tls.mutual,
+                )
+                bound = int(server.add_secure_port(target, credentials))
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {target} (gRPC): {exc}") from None
         if bound == 0:

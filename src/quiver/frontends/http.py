@@ -15,6 +15,7 @@ import functools
 import gzip
 import zlib
 from collections.abc import Awaitable
+from time import monotonic_ns as now_ns
 from typing import Any
 
 import orjson
@@ -24,7 +25,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from quiver import messages
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.headers import HeaderForwarding
 from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
 from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import BodyTooLarge, http_error
@@ -36,7 +39,9 @@ from quiver.protocol.v2_json import (
     encode_json,
     encode_response,
 )
+from quiver.raw_input import raw_request
 from quiver.service import InferenceService
+from quiver.tracing import Trace
 from quiver.types import InferenceResponse
 
 JSON = "application/json"
@@ -60,9 +65,11 @@ class HttpFrontend:
         *,
         max_input_size: int = 64 * 1024 * 1024,
         restrictions: Restrictions | None = None,
+        header_forward_pattern: str | None = None,
     ) -> None:
         self.service = service
         self.restrictions = restrictions or Restrictions()
+        self.forwarding = HeaderForwarding(header_forward_pattern, ignore_case=True)
         self.max_input_size = max_input_size
         self._app = Starlette(
             routes=self.routes(),
@@ -95,6 +102,9 @@ class HttpFrontend:
             Route("/v2/repository/models/{model}/load", self.repository_load, methods=["POST"]),
             Route("/v2/repository/models/{model}/unload", self.repository_unload, methods=["POST"]),
             Route("/v2/logging", self.logging, methods=["GET", "POST"]),
+            Route("/v2/trace/setting", self.trace_setting, methods=["GET", "POST"]),
+            Route(model + "/trace/setting", self.trace_setting, methods=["GET", "POST"]),
+            *self._shared_memory_routes(),
             Route(model + "/ready", self.model_ready, methods=["GET"]),
             Route(versioned + "/ready", self.model_ready, methods=["GET"]),
             Route(model + "/config", self.model_config, methods=["GET"]),
@@ -134,7 +144,7 @@ class HttpFrontend:
         return Response(status_code=200)
 
     async def ready(self, request: Request) -> Response:
-        return Response(status_code=200 if self.service.ready else 503)
+        return Response(status_code=200 if self.service.server_ready() else 503)
 
     async def server_metadata(self, request: Request) -> Response:
         return _json(self.service.server_metadata())
@@ -230,6 +240,73 @@ class HttpFrontend:
             return _json(self.service.log_settings())
         return _json(self.service.update_log_settings(await self._json_body(request)))
 
+    async def trace_setting(self, request: Request) -> Response:
+        model = request.path_params.get("model", "")
+        changes = await self._json_body(request) if request.method == "POST" else None
+        return _json(self.service.trace_settings(model, changes))
+
+    # -- shared-memory extensions -----------------------------------------------------------
+
+    def _shared_memory_routes(self) -> list[Route]:
+        routes = []
+        for kind in ("system", "cuda"):
+            base = f"/v2/{kind}sharedmemory"
+            status = functools.partial(self._shm_status, kind)
+            register = functools.partial(self._shm_register, kind)
+            unregister = functools.partial(self._shm_unregister, kind)
+            routes += [
+                Route(base + "/status", status, methods=["GET"]),
+                Route(base + "/region/{region}/status", status, methods=["GET"]),
+                Route(base + "/register", register, methods=["POST"]),
+                Route(base + "/region/{region}/register", register, methods=["POST"]),
+                Route(base + "/unregister", unregister, methods=["POST"]),
+                Route(base + "/region/{region}/unregister", unregister, methods=["POST"]),
+            ]
+        return routes
+
+    async def _shm_status(self, kind: str, request: Request) -> Response:
+        shm = self.service.shared_memory
+        region = request.path_params.get("region", "")
+        return _json(shm.system_status(region) if kind == "system" else shm.cuda_status(region))
+
+    async def _shm_register(self, kind: str, request: Request) -> Response:
+        shm = self.service.shared_memory
+        region = request.path_params.get("region", "")
+        if kind == "cuda":
+            shm.register_cuda(region)
+        shm.check_allowed()
+        if not region:
+            shm.register_system(region, "", 0, 0)  # refused: names the missing region name
+        body = await self._json_body(request)
+        key = body.get("key")
+        if key is None:
+            raise InvalidArgumentError("Shared memory register request has no 'key' field")
+        if not isinstance(key, str):
+            raise InvalidArgumentError("Shared memory register request: 'key' must be a string")
+        offset = body.get("offset", 0)
+        if type(offset) is not int or offset < 0:
+            raise InvalidArgumentError(
+                "Shared memory register request: 'offset' must be a non-negative integer"
+            )
+        if "byte_size" not in body:
+            raise InvalidArgumentError("Shared memory register request has no 'byte_size' field")
+        byte_size = body["byte_size"]
+        if type(byte_size) is not int or byte_size < 0:
+            raise InvalidArgumentError(
+                "Shared memory register request: 'byte_size' must be a non-negative integer"
+            )
+        await asyncio.to_thread(shm.register_system, region, key, offset, byte_size)
+        return Response(status_code=200)
+
+    async def _shm_unregister(self, kind: str, request: Request) -> Response:
+        shm = self.service.shared_memory
+        region = request.path_params.get("region", "")
+        if kind == "system":
+            shm.unregister_system(region)
+        else:
+            shm.unregister_cuda(region)
+        return Response(status_code=200)
+
     # -- inference: a lean ASGI path, no router or request objects -----------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -256,6 +333,21 @@ class HttpFrontend:
             await self._app(scope, receive, send)
 
     async def _infer(self, scope: Scope, receive: Receive, send: Send, model: str, version: str) -> None:
+        received = now_ns()
+        trace = self.service.start_trace(model, lambda: _trace_headers(scope))
+        if trace is None:
+            await self._infer_traced(scope, receive, send, model, version, None)
+            return
+        trace.capture("HTTP_RECV_START", received)
+        try:
+            await self._infer_traced(scope, receive, send, model, version, trace)
+        finally:
+            trace.capture("HTTP_SEND_END")
+            trace.release()
+
+    async def _infer_traced(
+        self, scope: Scope, receive: Receive, send: Send, model: str, version: str, trace: Trace | None
+    ) -> None:
         content_length = raw_length = encoding = accept = None
         for key, value in scope["headers"]:
             if key == b"content-length":
@@ -267,7 +359,17 @@ class HttpFrontend:
             elif key == b"accept-encoding":
                 accept = value
         try:
-            body = await self._read_body(receive, content_length, encoding)
+            try:
+                body = await self._read_body(receive, content_length, encoding)
+            except BodyTooLarge:
+                if raw_length is None or raw_length.strip() != b"0":
+                    raise
+                size = f"more than {self.max_input_size}"
+                if content_length is not None and content_length.isdigit():
+                    size = content_length.decode()
+                raise BodyTooLarge(
+                    self.max_input_size, messages.raw_input_too_large(size, self.max_input_size)
+                ) from None
             header_length = None
             if raw_length is not None:
                 try:
@@ -277,14 +379,26 @@ class HttpFrontend:
                         "Inference-Header-Content-Length must be an integer, got "
                         f"'{raw_length.decode('latin-1')}'"
                     ) from None
-            if decode_cost(body, header_length) < OFFLOAD_NS:
+            if header_length == 0:  # the whole body is the one input (raw binary request)
+                infer_request = raw_request(body, model, version)
+            elif decode_cost(body, header_length) < OFFLOAD_NS:
                 infer_request = decode_request(body, header_length, model, version)
             else:
                 infer_request = await in_worker(decode_request, body, header_length, model, version)
+            if trace is not None:
+                trace.capture("HTTP_RECV_END")
+                infer_request.trace = trace
+            if self.forwarding:
+                self.forwarding.apply(
+                    ((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+                    infer_request,
+                )
             if self.service.queues(model, version):
                 response = await _unless_disconnected(self.service.infer(infer_request), receive)
             else:
                 response = await self.service.infer(infer_request)
+            if trace is not None:
+                trace.capture("INFER_RESPONSE_COMPLETE")
             if encode_cost(response, infer_request) < OFFLOAD_NS:
                 payload, json_length = encode_response(response, infer_request)
             else:
@@ -302,6 +416,8 @@ class HttpFrontend:
             content_type = _BINARY
         if accept is not None:
             payload = await _compress(payload, accept.decode("latin-1"), headers)
+        if trace is not None:
+            trace.capture("HTTP_SEND_START")
         await _send(send, 200, payload, content_type, headers)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None, encoding: bytes | None) -> bytes:
@@ -388,6 +504,15 @@ async def _send(
         all_headers.extend(headers)
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _trace_headers(scope: Scope) -> dict[str, str]:
+    """The headers an OpenTelemetry context may come in (W3C trace context)."""
+    return {
+        k.decode("latin-1"): v.decode("latin-1")
+        for k, v in scope["headers"]
+        if k in (b"traceparent", b"tracestate")
+    }
 
 
 def _parameters(body: dict[str, Any]) -> dict[str, Any]:

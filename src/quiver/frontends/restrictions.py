@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from quiver import messages
 from quiver.errors import InvalidArgumentError
 
 API_GROUPS = (
@@ -48,12 +49,13 @@ class Restrictions:
     def __bool__(self) -> bool:
         return bool(self.required)
 
-    def denied(self, group: str, headers: Mapping[str, str]) -> str | None:
-        """``None`` when allowed, else the message to send; ``headers`` keys are lower case."""
+    def denied(self, group: str, headers: Mapping[str, str], *, grpc: bool = False) -> str | None:
+        """``None`` when allowed, else the message to send (Triton's, which says "protocol"
+        over gRPC); ``headers`` keys are lower case."""
         need = self.required.get(group)
         if need is None or headers.get(need[0]) == need[1]:
             return None
-        return f"This API is restricted, expecting header '{need[0]}'"
+        return messages.restricted(need[0], grpc=grpc)
 
 
 _ACTIONS = {

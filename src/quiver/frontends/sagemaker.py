@@ -35,6 +35,7 @@ import binascii
 import os
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
+from time import monotonic_ns as now_ns
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
@@ -48,7 +49,7 @@ from quiver.errors import (
     QuiverError,
     UnavailableError,
 )
-from quiver.frontends.http import _unless_disconnected, read_body
+from quiver.frontends.http import _trace_headers, _unless_disconnected, read_body
 from quiver.frontends.offload import OFFLOAD_NS, in_worker
 from quiver.frontends.status import http_error, http_status
 from quiver.protocol.limits import check_body_depth
@@ -60,6 +61,7 @@ from quiver.protocol.v2_json import (
     encode_response,
 )
 from quiver.service import CAPACITY_ERRORS, InferenceService, Registration
+from quiver.tracing import Trace
 from quiver.types import InferenceResponse
 
 BINARY_JSON = "application/vnd.sagemaker-triton.binary+json"
@@ -138,6 +140,7 @@ class _Reply:
     body: bytes = b""
     content_type: str = "application/json"
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    trace: Trace | None = None  # a traced invocation's trace, released once the reply is sent
 
 
 def _error(status: int, message: str) -> _Reply:
@@ -231,8 +234,16 @@ class SageMakerFrontend:
             (b"content-length", str(len(reply.body)).encode()),
             *reply.headers,
         ]
-        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-        await send({"type": "http.response.body", "body": reply.body})
+        trace = reply.trace
+        if trace is not None:
+            trace.capture("HTTP_SEND_START")
+        try:
+            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+            await send({"type": "http.response.body", "body": reply.body})
+        finally:
+            if trace is not None:
+                trace.capture("HTTP_SEND_END")
+                trace.release()
 
     async def _route(self, method: str, path: str, scope: Scope, receive: Receive) -> _Reply | None:
         if path == "/ping":
@@ -322,6 +333,21 @@ class SageMakerFrontend:
         return await self._infer(self.service.resolve_target(name), scope, receive)
 
     async def _infer(self, model: str, scope: Scope, receive: Receive) -> _Reply | None:
+        received = now_ns()
+        trace = self.service.start_trace(model, lambda: _trace_headers(scope))
+        if trace is None:
+            return await self._infer_traced(model, scope, receive, None)
+        trace.capture("HTTP_RECV_START", received)
+        try:
+            reply = await self._infer_traced(model, scope, receive, trace)
+        except BaseException:
+            trace.release()
+            raise
+        if reply is not None:
+            reply.trace = trace
+        return reply
+
+    async def _infer_traced(self, model: str, scope: Scope, receive: Receive, trace: Trace | None) -> _Reply | None:
         content_length = content_type = encoding = raw_length = None
         for key, value in scope["headers"]:
             if key == b"content-length":
@@ -348,11 +374,16 @@ class SageMakerFrontend:
             request = decode_request(body, header_length, model, "")
         else:
             request = await in_worker(decode_request, body, header_length, model, "")
+        if trace is not None:
+            trace.capture("HTTP_RECV_END")
+            request.trace = trace
         response: InferenceResponse
         if self.service.queues(model):
             response = await _unless_disconnected(self.service.infer(request), receive)
         else:
             response = await self.service.infer(request)
+        if trace is not None:
+            trace.capture("INFER_RESPONSE_COMPLETE")
         if encode_cost(response, request) < OFFLOAD_NS:
             payload, json_length = encode_response(response, request)
         else:

@@ -57,8 +57,10 @@ _GRPC: dict[ErrorCode, grpc.StatusCode] = {
 class BodyTooLarge(Exception):
     """An HTTP body past ``--http-max-input-size``: 413 on every HTTP listener."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"request body is larger than the limit of {limit} bytes (--http-max-input-size)")
+    def __init__(self, limit: int, message: str | None = None) -> None:
+        super().__init__(
+            message or f"request body is larger than the limit of {limit} bytes (--http-max-input-size)"
+        )
 
 
 def _quiver_http_status(exc: QuiverError) -> int:

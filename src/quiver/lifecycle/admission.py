@@ -325,7 +325,9 @@ class AdmissionControl:
                 outcome, footprint = await self._pool.run(
                     functools.partial(self._meter.measure, load), discard=lambda r: discard(r[0])
                 )
-                measured = footprint.host_bytes
+                # A Python model's workers are processes of their own: their memory is not the
+                # server's RSS growth but their own unique set size.
+                measured = footprint.host_bytes + sum(m.process_memory_bytes() or 0 for m in outcome.models)
                 if outcome.models:
                     self._remember_gpu(identity, footprint.gpu_bytes)
             load_seconds = seconds(self._clock) - started

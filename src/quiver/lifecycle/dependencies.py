@@ -29,7 +29,7 @@ from quiver.config import parse_model_config
 from quiver.errors import InvalidArgumentError, QuiverError
 from quiver.lifecycle.configs import ConfigCache
 from quiver.lifecycle.loader import read_proto
-from quiver.repository.local import CONFIG_FILENAME, ModelSource
+from quiver.repository.local import CONFIG_FILENAME, ModelSource, config_file
 
 __all__ = [
     "DependencyGraph",
@@ -64,8 +64,9 @@ def folder_steps(folder: Path) -> set[str] | None:
     folder's repository uses them); None when it is not an ensemble or cannot be read (its
     load reports why)."""
     try:
-        text = (folder / CONFIG_FILENAME).read_text(encoding="utf-8")
-        proto = parse_model_config(text, folder / CONFIG_FILENAME, folder.name, name_must_match=False)
+        path = config_file(folder)
+        text = path.read_text(encoding="utf-8")
+        proto = parse_model_config(text, path, folder.name, name_must_match=False)
     except (OSError, UnicodeDecodeError, QuiverError):
         return None
     return ensemble_steps(proto)

@@ -73,8 +73,11 @@ class ModelLifeCycle:
         strict: bool = False,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
         reload_failed_composing: bool = False,
+        load_retries: int = 0,
     ) -> None:
         self._table = table
+        #: --model-load-retry-count: a model whose load failed is tried this many times more.
+        self._load_retries = max(0, load_retries)
         self._graph = graph
         self._locks = locks
         self._pins = pins
@@ -156,6 +159,14 @@ class ModelLifeCycle:
         started = seconds(self._clock)
         try:
             failures = await self._load_inner(source, override, visiting)
+            for attempt in range(1, self._load_retries + 1):
+                if not failures or self.closed:
+                    break
+                logger.warning(
+                    "loading model '%s' failed (%s); retry %d of %d (--model-load-retry-count)",
+                    name, "; ".join(failures.values()), attempt, self._load_retries,
+                )  # fmt: skip
+                failures = await self._load_inner(source, override, visiting)
             if self._table.serving(name) and name not in failures:
                 self._stats.loading_time_us.observe((seconds(self._clock) - started) * 1e6)
             else:

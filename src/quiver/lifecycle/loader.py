@@ -23,7 +23,7 @@ from quiver.backends.base import (
 )
 from quiver.config import ModelConfig, parse_model_config
 from quiver.config.model_config import resolve_backend
-from quiver.ensemble.plan import build_plan
+from quiver.ensemble.plan import EnsemblePlan, build_plan
 from quiver.ensemble.scheduler import EnsembleScheduler, InferFn
 from quiver.errors import ConfigError, QuiverError
 from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
@@ -269,13 +269,61 @@ def _read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[str]]:
             continue
         path = model_dir / output.label_filename
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            raw = path.read_bytes()
+        except OSError as exc:
             raise ConfigError(
                 f"{config.source}: output '{output.name}': cannot read label_filename "
                 f"'{output.label_filename}': {exc}"
             ) from None
-        labels[output.name] = text.splitlines()
+        labels[output.name] = parse_labels(raw)
+    return labels
+
+
+def parse_labels(raw: bytes) -> list[str]:
+    """A label file's labels, one per line, as Triton reads them (line ``i`` is class ``i``;
+    lines end at ``\n`` only, so no other character shifts the classes), and whatever the
+    file's form: Windows line endings (``\r\n``) and old Mac ones (``\r`` alone, when the
+    file has no ``\n``), a UTF-8 byte-order mark, UTF-16 with its mark, or bytes that are
+    not UTF-8 (read as Latin-1). An empty line is a class without a label."""
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        text = raw.decode("utf-16")
+    else:
+        raw = raw.removeprefix(b"\xef\xbb\xbf")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = raw.decode("latin-1")
+    if "\n" not in text and "\r" in text:
+        text = text.replace("\r", "\n")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    return [line.removesuffix("\r") for line in lines]
+
+
+def _ensemble_labels(
+    config: ModelConfig, plan: EnsemblePlan, composing: dict[str, ModelConfig]
+) -> dict[str, list[str]]:
+    """Labels for an ensemble's outputs that have no label file of their own: those of the
+    composing model's output that produces it, as Triton completes an ensemble's labels."""
+    labels: dict[str, list[str]] = {}
+    for output in config.outputs:
+        if output.label_filename:
+            continue
+        for step in plan.steps:
+            for model_output, tensor in step.output_map:
+                if tensor != output.name:
+                    continue
+                model = composing.get(step.model_name)
+                spec = model.output(model_output) if model is not None else None
+                if model is None or spec is None or not spec.label_filename:
+                    continue
+                try:
+                    found = _read_labels(model, Path(model.source).parent)
+                except ConfigError:
+                    continue  # the composing model loaded without them: nothing to inherit
+                if model_output in found:
+                    labels[output.name] = found[model_output]
     return labels
 
 
@@ -320,7 +368,7 @@ def load_ensemble(
             raise ConfigError(
                 f"model '{source.name}': version policy selects none of the versions on disk"
             )
-        labels = _read_labels(config, source.path)
+        labels = {**_ensemble_labels(config, plan, composing), **_read_labels(config, source.path)}
     except QuiverError as exc:
         logger.error("failed to load ensemble '%s': %s", source.name, exc)
         return LoadOutcome(None, [], {}, str(exc))

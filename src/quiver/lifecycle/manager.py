@@ -35,6 +35,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as pb
 
+from quiver import messages
 from quiver.backends.base import INLINE_THRESHOLD_NS, SERVER
 from quiver.config import parse_model_config_json
 from quiver.ensemble.scheduler import InferFn
@@ -91,6 +92,7 @@ class ModelRepositoryManager:
         startup_models: Iterable[str] = (),
         strict_config: bool = False,
         load_threads: int = 4,
+        load_retries: int = 0,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
         memory_limit_bytes: int = 0,
         eviction_policy: str = DEFAULT_POLICY,
@@ -167,6 +169,7 @@ class ModelRepositoryManager:
             strict=strict_config,
             inline_threshold_ns=inline_threshold_ns,
             reload_failed_composing=control_mode in _API_MODES,
+            load_retries=load_retries,
         )
         self._flights = SingleFlight(self._lifecycle.spawn, clock)
         self._poll_task: asyncio.Task[None] | None = None
@@ -193,6 +196,7 @@ class ModelRepositoryManager:
     async def start(self, poll_seconds: float = 0.0) -> dict[str, str]:
         """Load what the control mode loads at start; returns name -> reason for failures."""
         SERVER.loop = asyncio.get_running_loop()
+        SERVER.health = self._table.set_health
         sources, clashes = await self._sources.scan()
         failures = dict(clashes)
         for name, reason in clashes.items():
@@ -262,9 +266,10 @@ class ModelRepositoryManager:
 
     def _check_api(self, what: str, name: str) -> None:
         if self.control_mode not in _API_MODES:
-            raise UnsupportedError(
-                f"failed to {what} '{name}': explicit model load / unload is not allowed in "
-                f"model control mode '{self.control_mode}' (start with --model-control-mode=explicit)"
+            raise UnavailableError(  # Triton's code and text (in 'none' mode too)
+                messages.LOAD_UNLOAD_NOT_ALLOWED
+                + f" (failed to {what} '{name}': model control mode '{self.control_mode}'; start "
+                "with --model-control-mode=explicit)"
             )
         check_model_name(name)
 

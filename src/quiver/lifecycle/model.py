@@ -71,6 +71,14 @@ class Model:
     def version_str(self) -> str:
         return str(self.version)
 
+    def process_memory_bytes(self) -> int | None:
+        """Host memory of the processes this version's instances run in (a Python model's
+        workers: their unique set size, read now), or None when they run in the server's."""
+        sizes = [
+            read() for instance in self.instances if (read := getattr(instance, "process_memory_bytes", None)) is not None
+        ]
+        return sum(sizes) if sizes else None
+
 
 @dataclass(slots=True)
 class VersionStatus:

@@ -160,14 +160,14 @@ class ModelSources:
         and folders. NotFoundError when none may hold it."""
         if is_namespaced(name):
             raise NotFoundError(
-                f"unknown model: '{name}' (a model of an archive is served only while the "
+                f"Request for unknown model: '{name}' is not found (a model of an archive is served only while the "
                 "archive's own model is loaded)"
             )
         check_key_name(name)
         archive = is_archive_key(name)
         stores = [s for s in self._stores if archive or not isinstance(s, LocalStorage)]
         if not stores:
-            raise NotFoundError(f"unknown model: '{name}' (no such model in the model repository)")
+            raise NotFoundError(f"Request for unknown model: '{name}' is not found (no such model in the model repository)")
         return stores
 
     async def store_for_url(self, url: str) -> tuple[Storage, str]:
@@ -260,7 +260,7 @@ class ModelSources:
             except NotFoundError:
                 continue
         where = ", ".join(s.location for s in stores)
-        raise NotFoundError(f"unknown model: '{served}' (no archive or folder '{key}' in {where})")
+        raise NotFoundError(f"Request for unknown model: '{served}' is not found (no archive or folder '{key}' in {where})")
 
     async def _disk_cache(self) -> DiskCache:
         """The model cache, started on first use. When the default folder is held by another

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from quiver import messages
 from quiver.errors import NotFoundError, UnavailableError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.loader import LoadOutcome
@@ -32,6 +33,8 @@ class ModelTable:
         #: Called with a model each time a request looks it up by name (the eviction
         #: policy's use count; None when the policy does not care).
         self.on_use: Callable[[Model], None] | None = None
+        #: (name, version) -> instance -> why it cannot serve (a worker that cannot start)
+        self._down: dict[tuple[str, int], dict[str, str]] = {}
 
     # -- reading -----------------------------------------------------------------------
 
@@ -44,6 +47,8 @@ class ModelTable:
         if number is None:
             model = self._latest.get(name)
             if model is not None:
+                if self._down:
+                    self._check_health(model)
                 model.last_used = seconds(self._clock)
                 if self.on_use is not None:
                     self.on_use(model)
@@ -51,6 +56,8 @@ class ModelTable:
             raise self._missing(name, "")
         found = self._ready.get(name, {}).get(number)
         if found is not None:
+            if self._down:
+                self._check_health(found)
             found.last_used = seconds(self._clock)
             return found
         raise self._missing(name, str(number))
@@ -92,12 +99,52 @@ class ModelTable:
 
     def index(self) -> list[VersionStatus]:
         """Every model version known, with its state and reason."""
-        return [s for name in sorted(self._status) for s in self._status[name]]
+        statuses = [s for name in sorted(self._status) for s in self._status[name]]
+        if self._down:
+            statuses = [self._health_status(s) for s in statuses]
+        return statuses
+
+    # -- instance health (a Python model's workers that cannot start) -------------------
+
+    def set_health(self, name: str, version: int, instance: str, reason: str | None) -> None:
+        """An instance of ``name`` cannot serve now (``reason``) or serves again (None).
+        While every instance of a version cannot, it is UNAVAILABLE with the reason."""
+        key = (name, version)
+        if reason is None:
+            down = self._down.get(key)
+            if down is not None:
+                down.pop(instance, None)
+                if not down:
+                    del self._down[key]
+        else:
+            self._down.setdefault(key, {})[instance] = reason
+
+    def _unhealthy(self, model: Model) -> str | None:
+        down = self._down.get((model.name, model.version))
+        if not down or len(down) < max(1, len(model.instances)):
+            return None
+        return next(iter(down.values()))
+
+    def _check_health(self, model: Model) -> None:
+        reason = self._unhealthy(model)
+        if reason is not None:
+            raise UnavailableError(
+                f"model '{model.name}' version {model.version} is not ready (UNAVAILABLE): {reason}"
+            )
+
+    def _health_status(self, status: VersionStatus) -> VersionStatus:
+        if status.state is not ModelState.READY:
+            return status
+        model = self._ready.get(status.name, {}).get(int(status.version)) if status.version else None
+        reason = self._unhealthy(model) if model is not None else None
+        if reason is None:
+            return status
+        return VersionStatus(status.name, status.version, ModelState.UNAVAILABLE, reason)
 
     def _missing(self, name: str, version: str) -> Exception:
         statuses = self._status.get(name)
         if statuses is None:
-            return NotFoundError(f"unknown model: '{name}'")
+            return NotFoundError(messages.unknown_model(name))
         specific = bool(version)
         what = f"model '{name}'" + (f" version {version}" if specific else "")
         if specific:
@@ -153,6 +200,8 @@ class ModelTable:
 
     def take(self, name: str) -> list[Model]:
         """Take ``name`` out of service (new requests find it not ready); its versions."""
+        for key in [k for k in self._down if k[0] == name]:
+            del self._down[key]
         versions = self._ready.pop(name, None)
         self._latest.pop(name, None)
         if versions:

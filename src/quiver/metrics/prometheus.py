@@ -27,6 +27,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from quiver.metrics.cache import CacheView, cache_metrics
 from quiver.metrics.statistics import (
     LATENCY_BUCKETS_US,
     Histogram,
@@ -125,8 +126,10 @@ class TritonCollector(Collector):
         gpu: bool = True,
         interval_ms: int = 2000,
         clock: Callable[[], float] = time.monotonic,
+        response_cache: CacheView | None = None,
     ) -> None:
         self._models = models
+        self._response_cache = response_cache
         self._multi_model = multi_model
         self._interval = max(interval_ms, 0) / 1000
         self._clock = clock
@@ -141,6 +144,7 @@ class TritonCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         models = sorted(self._models(), key=lambda m: (m.name, int(m.version_str)))
         yield from _model_metrics(models)
+        yield from cache_metrics(models, self._response_cache)
         view = self._multi_model() if self._multi_model is not None else None
         if view is not None:
             yield from _multi_model_metrics(view)
@@ -339,6 +343,18 @@ def _model_metrics(models: list[ModelLike]) -> Iterator[Metric]:
     yield pending
     yield load
     yield latency
+    processes = GaugeMetricFamily(
+        "quiver_model_process_memory_bytes",
+        "Host memory of the worker processes a model version runs in (their unique set size)",
+        labels=_MODEL_LABELS,
+    )
+    for key, model in zip(keys, models, strict=True):
+        measure = getattr(model, "process_memory_bytes", None)
+        size = measure() if measure is not None else None
+        if size is not None:
+            processes.add_metric(key, size)
+    if processes.samples:
+        yield processes
 
 
 class _CpuReader:

@@ -49,6 +49,8 @@ class ModelStatistics:
 
     __slots__ = (
         "batches",
+        "cache_hit",
+        "cache_miss",
         "compute_infer",
         "compute_input",
         "compute_output",
@@ -79,6 +81,8 @@ class ModelStatistics:
         self.latency_buckets = [0] * (len(LATENCY_BUCKETS_US) + 1)
         self.latency_sum_us = 0.0
         self.pending = 0  # requests accepted and not yet answered
+        self.cache_hit = Duration()  # response cache: answered from it, and the lookup time
+        self.cache_miss = Duration()  # ... not found: the lookup and insertion time
 
     # -- recording (request path) ------------------------------------------------------
 
@@ -101,6 +105,21 @@ class ModelStatistics:
         self.fail_reasons[reason] = self.fail_reasons.get(reason, 0) + 1
         self.last_inference_ms = time.time_ns() // 1_000_000
         self._latency(request_ns)
+
+    def record_cache_hit(self, request_ns: int, rows: int) -> None:
+        """A request answered from the response cache in ``request_ns`` (Triton counts it a
+        success, not an inference or an execution)."""
+        self.success.add(request_ns)
+        self.queue.add(0)
+        self.cache_hit.add(request_ns)
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        self._latency(request_ns)
+
+    def record_cache_miss(self, cache_ns: int) -> None:
+        """A request not in the response cache: ``cache_ns`` spent looking it up and inserting
+        its answer (added to the request's duration, as Triton adds it)."""
+        self.cache_miss.add(cache_ns)
+        self.success.ns += cache_ns
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         self.execution_count += 1
@@ -133,8 +152,8 @@ class ModelStatistics:
                 "compute_input": self.compute_input.to_json(),
                 "compute_infer": self.compute_infer.to_json(),
                 "compute_output": self.compute_output.to_json(),
-                "cache_hit": {"count": 0, "ns": 0},
-                "cache_miss": {"count": 0, "ns": 0},
+                "cache_hit": self.cache_hit.to_json(),
+                "cache_miss": self.cache_miss.to_json(),
             },
             "batch_stats": [
                 {

@@ -19,14 +19,18 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
+from quiver import messages
 from quiver.errors import InvalidArgumentError
-from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.protocol.bytes_codec import serialize_bytes
 from quiver.protocol.limits import MAX_RANK, element_count
+from quiver.protocol.raw import array_from_raw
+from quiver.shared_memory import placement
 from quiver.types import (
     HAVE_BF16,
     DataType,
     InferenceRequest,
     InferenceResponse,
+    Placement,
     RequestedOutput,
     Tensor,
 )
@@ -64,6 +68,8 @@ CONTENTS_FIELD: dict[DataType, str | None] = {
 _NARROW = frozenset({DataType.INT8, DataType.INT16, DataType.UINT8, DataType.UINT16})
 
 _INT64_MAX = (1 << 63) - 1
+#: An input's data until the service reads it from its shared-memory region.
+_EMPTY: np.ndarray[Any, Any] = np.empty(0, dtype=np.uint8)
 #: Element counts up to this need no more checks (2**40 elements of 8 bytes fit an array).
 _SMALL_COUNT = 1 << 40
 
@@ -122,22 +128,12 @@ def _checked(shape: tuple[int, ...], name: str, datatype: DataType) -> int:
 def _from_raw(buffer: bytes, datatype: DataType, shape: tuple[int, ...], name: str) -> np.ndarray[Any, Any]:
     count = _checked(shape, name, datatype)
     size = len(buffer)
-    if datatype is DataType.BYTES:
-        if count * 4 > size:  # every element has at least its 4-byte length
-            raise _bad(
-                f"input '{name}': shape {list(shape)} of BYTES needs at least {count * 4} bytes "
-                f"but its raw_input_contents has {size}"
-            )
-        return deserialize_bytes(buffer, count, name).reshape(shape)
-    expected = count * datatype.itemsize
-    if size != expected:
+    if datatype is DataType.BYTES and count * 4 > size:  # each element has a 4-byte length
         raise _bad(
-            f"input '{name}': shape {list(shape)} of {datatype.value} needs {expected} bytes "
+            f"input '{name}': shape {list(shape)} of BYTES needs at least {count * 4} bytes "
             f"but its raw_input_contents has {size}"
         )
-    if datatype is DataType.BF16 and not HAVE_BF16:
-        raise _bad(f"input '{name}': BF16 needs the ml_dtypes package on the server")
-    return np.frombuffer(buffer, dtype=datatype.numpy_dtype).reshape(shape)
+    return array_from_raw(buffer, datatype, shape, count, name, "its raw_input_contents has")
 
 
 def _from_contents(
@@ -186,30 +182,19 @@ def _from_contents(
     return np.fromiter(values, dtype=dtype, count=count).reshape(shape)
 
 
-def _no_shared_memory(params: dict[str, Any], what: str) -> None:
-    if "shared_memory_region" in params:
-        raise _bad(
-            f"{what}: shared memory region '{params['shared_memory_region']}' is not "
-            "registered (shared memory is not supported yet)"
-        )
-
-
 def decode_infer_request(message: Any) -> InferenceRequest:
     """``ModelInferRequest`` -> :class:`InferenceRequest`, checking the message is well formed."""
     model = message.model_name
     raw = message.raw_input_contents
     raw_count = len(raw)
     tensors = message.inputs
-    if raw_count and raw_count != len(tensors):
-        raise _bad(
-            f"expected {len(tensors)} raw_input_contents, one per input, but got {raw_count} "
-            f"for model '{model}'"
-        )
     inputs: list[Tensor] = []
     append = inputs.append
+    input_placements: dict[str, Placement] | None = None
+    raw_index = 0
     # This loop is on every gRPC request: the common case (raw fixed-size tensors, no
     # parameters) is inlined; the checks and their messages are _shape's and _from_raw's.
-    for index, tensor in enumerate(tensors):
+    for tensor in tensors:
         name = tensor.name
         decode = _DECODE.get(tensor.datatype)
         if decode is None:
@@ -220,15 +205,22 @@ def decode_infer_request(message: Any) -> InferenceRequest:
         params: dict[str, Any] = {}
         if tensor.parameters:
             params = parameters_to_dict(tensor.parameters)
-            if params:
-                _no_shared_memory(params, f"input '{name}'")
+            where = placement(params, name, grpc=True) if params else None
+            if where is not None:
+                if tensor.HasField("contents"):
+                    raise _bad(messages.shm_input_with_contents(name, model))
+                if input_placements is None:
+                    input_placements = {}
+                input_placements[name] = where
+                append(Tensor(name, datatype, shape, _EMPTY, params))
+                continue
         if raw_count:
             if tensor.HasField("contents"):
-                raise _bad(
-                    f"input '{name}': contents must not be given when raw_input_contents is "
-                    f"used (model '{model}')"
-                )
-            buffer = raw[index]
+                raise _bad(messages.grpc_contents_with_raw(name, model))
+            if raw_index >= raw_count:
+                raise _bad(messages.grpc_input_data_missing(name, model))
+            buffer = raw[raw_index]
+            raw_index += 1
             if itemsize and len(buffer) == count * itemsize:
                 data = np.frombuffer(buffer, dtype=dtype).reshape(shape)
             else:  # BYTES, or a size that is wrong: _from_raw says what is wrong
@@ -237,14 +229,26 @@ def decode_infer_request(message: Any) -> InferenceRequest:
             contents = tensor.contents if tensor.HasField("contents") else None
             data = _from_contents(contents, datatype, shape, name)
         append(Tensor(name, datatype, shape, data, params))
+    if raw_index != raw_count:
+        raise _bad(
+            f"expected {raw_index} raw_input_contents, one per input not in shared memory, but "
+            f"got {raw_count} for model '{model}'"
+        )
 
     outputs: list[RequestedOutput] | None = None
+    output_placements: dict[str, Placement] | None = None
     if message.outputs:
         outputs = []
         for requested in message.outputs:
             out_params = parameters_to_dict(requested.parameters)
             if out_params:
-                _no_shared_memory(out_params, f"output '{requested.name}'")
+                where = placement(out_params, requested.name, grpc=True)
+                if where is not None:
+                    if "classification" in out_params:
+                        raise _bad(messages.shm_with_classification(grpc=True))
+                    if output_placements is None:
+                        output_placements = {}
+                    output_placements[requested.name] = where
             outputs.append(RequestedOutput(requested.name, out_params))
     return InferenceRequest(
         model_name=model,
@@ -253,6 +257,8 @@ def decode_infer_request(message: Any) -> InferenceRequest:
         outputs=outputs,
         id=message.id,
         parameters=parameters_to_dict(message.parameters) if message.parameters else {},
+        input_placements=input_placements,
+        output_placements=output_placements,
     )
 
 
@@ -335,13 +341,16 @@ def encode_infer_response(response: InferenceResponse) -> Any:
         set_parameters(message.parameters, response.parameters)
     add = message.outputs.add
     buffers: list[bytes] = []
+    in_regions = response.shared_memory_outputs
     for tensor in response.outputs:
         datatype = tensor.datatype
         entry = add(name=tensor.name, datatype=datatype.value, shape=tensor.shape)
         if tensor.parameters:
             set_parameters(entry.parameters, tensor.parameters)
         data = tensor.data
-        if datatype is not DataType.BYTES and type(data) is np.ndarray:
+        if in_regions and tensor.name in in_regions:
+            buffers.append(b"")  # written into the client's region; Triton sends it empty
+        elif datatype is not DataType.BYTES and type(data) is np.ndarray:
             buffers.append(data.tobytes())  # C order whatever the layout (as _raw_bytes)
         else:
             buffers.append(_raw_bytes(tensor))

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 import orjson
 
+from quiver import messages
 from quiver.errors import InvalidArgumentError
-from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.protocol.bytes_codec import serialize_bytes
 from quiver.protocol.limits import (
     MAX_JSON_DEPTH,
     MAX_RANK,
@@ -27,12 +28,15 @@ from quiver.protocol.limits import (
     element_count,
     may_nest_too_deep,
 )
+from quiver.protocol.raw import array_from_raw
+from quiver.shared_memory import REGION, placement
 from quiver.types import (
     BY_WIRE_NAME,
     HAVE_BF16,
     DataType,
     InferenceRequest,
     InferenceResponse,
+    Placement,
     RequestedOutput,
     Tensor,
 )
@@ -42,6 +46,8 @@ _DEPTH_SCAN_BYTES = 2 * MAX_JSON_DEPTH
 #: Element counts up to this need no more checks (2**40 elements of 8 bytes fit an array).
 _SMALL_COUNT = 1 << 40
 _INT_KINDS = frozenset("iu")
+#: An input's data until the service reads it from its shared-memory region.
+_EMPTY: np.ndarray[Any, Any] = np.empty(0, dtype=np.uint8)
 _NUMBER_KINDS = frozenset("iuf")
 
 
@@ -204,6 +210,8 @@ def decode_request(
     view = memoryview(body)
     offset = header_length
     inputs: list[Tensor] = []
+    input_placements: dict[str, Placement] | None = None
+    output_placements: dict[str, Placement] | None = None
     for raw in raw_inputs:
         if not isinstance(raw, dict):
             raise _bad("each of 'inputs' must be a JSON object")
@@ -217,11 +225,18 @@ def decode_request(
         shape, count = _shape(raw.get("shape"), name, datatype)
         params = _parameters(raw.get("parameters"), f"input '{name}'")
         binary_size = params.get("binary_data_size")
-        if binary_size is not None:
+        where = placement(params, name, grpc=False) if params and REGION in params else None
+        has_data = "data" in raw
+        if has_data + (binary_size is not None) + (where is not None) != 1:
+            raise _bad(messages.input_data_fields(has_data, binary_size is not None, where is not None))
+        if where is not None:
+            if input_placements is None:
+                input_placements = {}
+            input_placements[name] = where
+            data = _EMPTY  # read from the region by the service
+        elif binary_size is not None:
             if type(binary_size) is not int or binary_size < 0:
                 raise _bad(f"input '{name}': 'binary_data_size' must be a non-negative integer")
-            if "data" in raw:
-                raise _bad(f"input '{name}': has both 'data' and 'binary_data_size'")
             end = offset + binary_size
             if end > size:
                 raise _bad(
@@ -230,21 +245,8 @@ def decode_request(
                 )
             chunk = view[offset:end]
             offset = end
-            if datatype is DataType.BYTES:
-                data = deserialize_bytes(chunk, count, name).reshape(shape)
-            else:
-                expected = count * datatype.itemsize
-                if binary_size != expected:
-                    raise _bad(
-                        f"input '{name}': shape {list(shape)} of {datatype.value} needs "
-                        f"{expected} bytes but binary_data_size is {binary_size}"
-                    )
-                if datatype is DataType.BF16 and not HAVE_BF16:
-                    raise _bad(f"input '{name}': BF16 needs the ml_dtypes package on the server")
-                data = np.frombuffer(chunk, dtype=datatype.numpy_dtype).reshape(shape)
+            data = array_from_raw(chunk, datatype, shape, count, name, "binary_data_size is")
         else:
-            if "data" not in raw:
-                raise _bad(f"input '{name}': has neither 'data' nor 'binary_data_size'")
             data = _json_array(raw["data"], datatype, shape, count, name)
         inputs.append(Tensor(name, datatype, shape, data, params))
     if offset != size:
@@ -264,9 +266,19 @@ def decode_request(
         for raw in raw_outputs:
             if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
                 raise _bad("each of 'outputs' must be an object with a 'name'")
-            outputs.append(
-                RequestedOutput(raw["name"], _parameters(raw.get("parameters"), f"output '{raw['name']}'"))
-            )
+            out_name = raw["name"]
+            out_params = _parameters(raw.get("parameters"), f"output '{out_name}'")
+            if out_params and REGION in out_params:
+                if "classification" in out_params:
+                    raise _bad(messages.shm_with_classification())
+                if out_params.get("binary_data") is True:
+                    raise _bad(messages.SHM_WITH_BINARY_DATA)
+                where = placement(out_params, out_name, grpc=False)
+                if where is not None:
+                    if output_placements is None:
+                        output_placements = {}
+                    output_placements[out_name] = where
+            outputs.append(RequestedOutput(out_name, out_params))
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
         raise _bad("'id' must be a string")
@@ -277,6 +289,8 @@ def decode_request(
         outputs=outputs,
         id=request_id,
         parameters=_parameters(header.get("parameters"), "inference request"),
+        input_placements=input_placements,
+        output_placements=output_placements,
     )
 
 
@@ -344,7 +358,7 @@ def _binary_data(tensor: Tensor) -> bytes:
 
 def _binary_outputs(request: InferenceRequest) -> tuple[bool, dict[str, bool]]:
     """Whether outputs go binary by default, and for the outputs the request names."""
-    binary_default = bool(request.parameters.get("binary_data_output", False))
+    binary_default = request.raw or bool(request.parameters.get("binary_data_output", False))
     wanted: dict[str, bool] = {}
     if request.outputs is not None:
         for requested in request.outputs:
@@ -409,13 +423,16 @@ def encode_response(
     binary_default, wanted = _binary_outputs(request)
     outputs: list[dict[str, Any]] = []
     buffers: list[bytes] = []
+    in_regions = response.shared_memory_outputs
     for tensor in response.outputs:
         entry: dict[str, Any] = {
             "name": tensor.name,
             "datatype": tensor.datatype.value,
             "shape": list(tensor.shape),
         }
-        if wanted.get(tensor.name, binary_default):
+        if in_regions and tensor.name in in_regions:
+            pass  # written into the client's shared-memory region: metadata only
+        elif wanted.get(tensor.name, binary_default):
             raw = _binary_data(tensor)
             entry["parameters"] = {"binary_data_size": len(raw)}
             buffers.append(raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,33 @@ from pathlib import Path
 from quiver.errors import InvalidArgumentError
 
 CONFIG_FILENAME = "config.pbtxt"
+#: What ``--model-config-name`` may be: a file name's stem (Triton: no spaces).
+_CONFIG_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+#: ``--model-config-name``: a model folder's ``configs/NAME.pbtxt``, when it has one, is its
+#: configuration instead of config.pbtxt (Triton's custom model configurations). Set at start.
+_custom_config_name = ""
+
+
+def use_custom_config(name: str) -> None:
+    """Make ``configs/NAME.pbtxt`` the configuration of the model folders that have one
+    (``""``: config.pbtxt everywhere). InvalidArgumentError for a name that is not a plain
+    file name's stem."""
+    global _custom_config_name
+    if name and not _CONFIG_NAME.fullmatch(name):
+        raise InvalidArgumentError(
+            f"--model-config-name '{name}' must be a plain name (letters, digits, '_', '.', '-')"
+        )
+    _custom_config_name = name
+
+
+def config_file(folder: Path) -> Path:
+    """The configuration file of a model folder: ``configs/NAME.pbtxt`` when
+    ``--model-config-name`` is NAME and the folder has it, else ``config.pbtxt``."""
+    if _custom_config_name:
+        custom = folder / "configs" / f"{_custom_config_name}.pbtxt"
+        if custom.is_file():
+            return custom
+    return folder / CONFIG_FILENAME
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +58,7 @@ class ModelSource:
 
     @property
     def config_path(self) -> Path:
-        return self.path / CONFIG_FILENAME
+        return config_file(self.path)
 
     def versions(self) -> list[int]:
         """Numeric version folders, ascending. Other entries are ignored, as Triton does, and

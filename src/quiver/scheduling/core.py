@@ -369,6 +369,10 @@ class Execution:
         results = await instance.run(requests)
         execution = cls(stats, dispatched, clock.now(), results, instance)
         stats.record_execution(rows, execution.input_ns, execution.infer_ns, execution.output_ns)
+        for request, result in zip(requests, results, strict=False):
+            if request.trace is not None:  # a sampled request: Triton's compute timestamps
+                outputs = result.outputs if isinstance(result, InferenceResponse) else ()
+                request.trace.compute(dispatched, execution.input_ns, execution.output_ns, execution.done, outputs)
         return execution
 
     def outcome(self, result: InferenceResponse | QuiverError, enqueued: int, rows: int = 1) -> InferenceResponse:

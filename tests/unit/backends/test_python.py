@@ -1,4 +1,5 @@
-"""The Python backend runs Triton model.py files unchanged, in-process."""
+"""The Python backend runs Triton model.py files unchanged, in-process (these tests drive
+:class:`PythonInstance` directly; tests/unit/backends/test_python_worker.py covers workers)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as pb
 
 import triton_python_backend_utils as pb_utils
-from quiver.backends.base import InstanceSpec, ModelFiles
+from quiver.backends.base import SERVER, InstanceSpec, ModelFiles
 from quiver.backends.python import BACKEND
 from quiver.config import ModelConfig, parse_model_config
 from quiver.errors import (
@@ -28,6 +29,13 @@ from quiver.errors import (
 from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 # --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True)
+def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every model here runs in the test's process (--backend-config=python,in-process=true)."""
+    monkeypatch.setattr(SERVER, "backend_config", {"python": {"in-process": "true"}})
+
 
 FP32_4 = """
 input [

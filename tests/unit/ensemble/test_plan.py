@@ -91,7 +91,12 @@ def test_datatype_mismatch_between_steps() -> None:
         """,
         "net",
     )
-    with pytest.raises(ConfigError, match=r"step 1 \(model 'net'\): input 'INPUT' is FP16 but tensor 'pixels' \(from step 0 \(model 'pre'\)\) is FP32"):
+    with pytest.raises(
+        ConfigError,
+        match=r"step 1 \(model 'net'\): input 'INPUT' and tensor 'pixels' \(from step 0 \(model 'pre'\)\): "
+        r"ensemble tensor 'pixels': inconsistent data type: TYPE_FP32 is inferred from model pre while "
+        r"TYPE_FP16 is inferred from model net",
+    ):
         build_plan(ensemble(), {"pre": PRE, "net": net})
 
 
@@ -105,7 +110,12 @@ def test_shape_mismatch_between_steps() -> None:
         """,
         "net",
     )
-    with pytest.raises(ConfigError, match=r"input 'INPUT' has shape \[-1, 3, 8, 8\] but tensor 'pixels'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"input 'INPUT' and tensor 'pixels' \(from step 0 \(model 'pre'\)\): ensemble tensor 'pixels': "
+        r"inconsistent shape: \[-1,3,4,4\] is inferred from model pre while \[-1,3,8,8\] is inferred "
+        r"from model net",
+    ):
         build_plan(ensemble(), {"pre": PRE, "net": net})
 
 
@@ -136,3 +146,72 @@ def test_tensor_produced_twice() -> None:
     text = ENSEMBLE.replace('output_map {{ key: "{logits}" value: "SCORES" }}', 'output_map {{ key: "{logits}" value: "pixels" }}')
     with pytest.raises(ConfigError, match="tensor 'pixels' is already produced by step 0"):
         build_plan(config(text.format(pre="pre", image="IMAGE", net_in="INPUT", pixels="pixels", logits="LOGITS"), "pipeline"), MODELS)
+
+
+BATCHING_IDENTITY = config(
+    """
+    backend: "identity"
+    max_batch_size: 8
+    input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+    output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+    """,
+    "batcher",
+)
+
+
+def test_a_non_batching_ensemble_over_batching_models() -> None:
+    """Triton's rule: dims match ([16] and [-1]), so the full dims ([16] and [-1, -1]) need not."""
+    text = """
+    platform: "ensemble"
+    max_batch_size: 0
+    input [ { name: "IN" data_type: TYPE_FP32 dims: [ 16 ] } ]
+    output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 16 ] } ]
+    ensemble_scheduling { step [
+      { model_name: "batcher" input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "mid" } },
+      { model_name: "batcher" input_map { key: "INPUT0" value: "mid" } output_map { key: "OUTPUT0" value: "OUT" } }
+    ] }
+    """
+    plan = build_plan(config(text, "flat"), {"batcher": BATCHING_IDENTITY})
+    assert plan.steps[0].batching and plan.steps[0].input_dims == (("INPUT0", (-1,)),)
+    assert plan.output_dims == ((16,),)
+
+
+def test_ensemble_output_shapes_are_checked_too() -> None:
+    text = """
+    platform: "ensemble"
+    max_batch_size: 0
+    input [ { name: "IN" data_type: TYPE_FP32 dims: [ 16 ] } ]
+    output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2, 2, 4 ] } ]
+    ensemble_scheduling { step [
+      { model_name: "batcher" input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "OUT" } }
+    ] }
+    """
+    with pytest.raises(ConfigError, match=r"inconsistent shape: \[2,2,4\] is inferred from model flat while \[-1,-1\]"):
+        build_plan(config(text, "flat"), {"batcher": BATCHING_IDENTITY})
+    reshaped = text.replace("dims: [ 2, 2, 4 ] }", "dims: [ 2, 2, 4 ] reshape: { shape: [ 16 ] } }")
+    build_plan(config(reshaped, "flat"), {"batcher": BATCHING_IDENTITY})  # the reshape is what counts
+
+
+def test_a_composing_model_may_not_batch_less_than_the_ensemble() -> None:
+    text = ENSEMBLE.format(pre="pre", image="IMAGE", net_in="INPUT", pixels="pixels", logits="LOGITS")
+    with pytest.raises(
+        ConfigError,
+        match="ensemble pipeline allows maximum batch size 16, but it contains model pre which only "
+        "allows maximum batch size to be 8",
+    ):
+        build_plan(config(text.replace("max_batch_size: 8", "max_batch_size: 16"), "pipeline"), MODELS)
+
+
+def test_convert_shape_between_batching_and_non_batching_sides() -> None:
+    from quiver.ensemble.scheduler import convert_shape
+
+    # a non-batched tensor to a batching model: a batch of 1 first, when it matches the dims
+    assert convert_shape((-1,), True, 0, (16,)) == (1, 16)
+    assert convert_shape((4,), True, 0, (2, 4)) == (2, 4)  # already batched: as it is
+    # a batched tensor to a non-batching side: the batch dim goes when it is 1 and does not fit
+    assert convert_shape((16,), False, 1, (1, 16)) == (16,)
+    assert convert_shape((-1, 16), False, 1, (1, 16)) == (1, 16)  # it fits: as it is
+    assert convert_shape((16,), False, 2, (2, 16)) == (2, 16)
+    # both sides agree: nothing to do
+    assert convert_shape((16,), True, 3, (3, 16)) == (3, 16)
+    assert convert_shape((16,), False, 0, (16,)) == (16,)

@@ -38,6 +38,9 @@ def test_unexpected_errors_are_logged_once_and_name_the_model(caplog: pytest.Log
 class _Service:
     ready = True
 
+    def start_trace(self, model: str, headers: Any = None) -> None:
+        return None  # not traced
+
     def model_metadata(self, name: str, version: str) -> dict[str, Any]:
         raise NotFoundError(f"unknown model: '{name}'")
 

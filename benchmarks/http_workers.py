@@ -1,0 +1,105 @@
+"""HTTP frontend workers (``quiver serve --http-workers N``): requests/s, p99 and server CPU per
+request for N = 0 (HTTP in the one server process) and N workers over the one model side.
+
+Run: ``.venv/bin/python -m benchmarks.http_workers`` from the repository root; ``--help``.
+
+The ``tiny`` workload (``benchmarks/peers/tiny.py``: FP32 [1, 16] -> x * 2, no batching) as
+Triton's Python model unchanged and as ONNX, over HTTP with binary tensors (``--encodings``),
+at ``--concurrency`` levels; the configurations alternate round by round (``--repeat``), so a
+busy moment on a shared machine hits all of them. Server CPU is the server process with its
+children (the workers, and Python model processes where there are any) over the measured
+window, per answered request: the slope a machine with more cores would give is
+(requests/s per core of the model side) = 1e6 / (its share of that CPU).
+
+Writes ``benchmarks/results/http_workers.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common, loadgen
+from benchmarks.common import ROOT
+from benchmarks.peers import tiny
+from benchmarks.peers.quiver import QuiverServer
+from benchmarks.request_cpu import PAYLOAD, write_repository
+
+
+def log(message: str) -> None:
+    print(f"[http_workers {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", default="0,2", help="worker counts to compare (default: 0,2)")
+    parser.add_argument("--backends", default="onnx,python")
+    parser.add_argument("--encodings", default="binary")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--duration", type=float, default=3.0)
+    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.workers.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    backends = args.backends.split(",")
+    encodings = args.encodings.split(",")
+    work = Path(tempfile.mkdtemp(prefix="http_workers-"))
+    repositories = {b: write_repository(work, b) for b in backends}
+    samples: dict[tuple[str, str, int, int], list[dict[str, float]]] = {}
+    for round_ in range(args.repeat):
+        for backend in backends:
+            for count in counts:
+                folder = work / f"{backend}-{count}-{round_}"
+                folder.mkdir()
+                flags = ["--http-workers", str(count)]
+                with QuiverServer(repositories[backend], flags, log=folder / "server.log", cwd=folder,
+                                  ready_path=f"/v2/models/{tiny.MODEL}/ready", name=f"workers={count}") as server:
+                    endpoints = server.endpoints
+                    for encoding in encodings:
+                        loadgen.sanity_check(*endpoints.address(encoding), encoding, PAYLOAD)
+                        for c in levels:
+                            res = loadgen.run_trial(*endpoints.address(encoding), encoding, c, args.warmup,
+                                                    args.duration, PAYLOAD, endpoints.pid, 50, progress=None)
+                            if res.errors or not res.requests or res.server_cpu_s is None:
+                                raise SystemExit(f"{backend} workers={count} {encoding} c={c}: {res.errors} errors, {res.first_error}")
+                            got = {"req_per_s": res.req_per_s, "p99_ms": res.p99_ms or 0.0,
+                                   "server_us": 1e6 * res.server_cpu_s / res.requests,
+                                   "server_cpu_pct": res.server_cpu_pct or 0.0, "client_cpu_pct": res.client_cpu_pct}
+                            samples.setdefault((backend, encoding, count, c), []).append(got)
+                            log(f"round {round_ + 1} {backend} workers={count} {encoding} c={c}: {got}")
+    lines = [
+        "| model | encoding | HTTP workers | c | req/s | p99 ms | server CPU us/request | server CPU % | client CPU % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows: list[dict[str, Any]] = []
+    for (backend, encoding, count, c), got in samples.items():
+        med = {k: statistics.median(s[k] for s in got) for k in got[0]}
+        lines.append(
+            f"| {backend} | {encoding} | {count} | {c} | {med['req_per_s']:,.0f} | {med['p99_ms']:.2f} | "
+            f"{med['server_us']:.0f} | {med['server_cpu_pct']:.0f} | {med['client_cpu_pct']:.0f} |"
+        )
+        rows.append({"model": backend, "encoding": encoding, "workers": count, "concurrency": c, "median": med, "samples": got})
+    markdown = "\n".join(lines)
+    print(markdown)
+    header = (
+        "# HTTP frontend workers\n\n"
+        f"`{common.command_line()}`\n\n{args.duration:g} s per trial after {args.warmup:g} s, "
+        f"{args.repeat} rounds alternating; medians. Load average at the end: "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.\n\n"
+    )
+    report = {"command": common.command_line(), "environment": common.environment(("quiver", "uvicorn", "onnxruntime")),
+              "rows": rows}
+    print(common.write_results(args.output_dir, "http_workers", header + markdown, report), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

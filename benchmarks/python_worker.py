@@ -1,0 +1,241 @@
+"""What a Python model's worker process costs: the ``tiny`` Python model (``peers/tiny.py``) round
+trip in a worker (Quiver's default), in the server's process (``--backend-config=python,
+in-process=true``, the model's ``EXECUTE_ON_EVENT_LOOP`` fast path) and in Triton's Python backend
+(its stub process; the real ``tritonserver`` of ``peers/triton.py``), all in one run.
+
+Two measurements:
+
+- **over the wire**: ``benchmarks/loadgen.py`` trials (HTTP with the binary extension, gRPC) at
+  each concurrency, against each server started in turn; latency percentiles and throughput;
+- **the hop alone**: the backend's ``run()`` called in this process for one request, in a
+  worker vs in-process, without HTTP; what the process boundary adds (shared-memory write, two
+  control messages, copy out).
+
+Run: ``python -m benchmarks.python_worker`` (``--help``); writes ``results/python_worker.md`` and
+``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks import common, loadgen
+from benchmarks.peers import WORK as PEERS_HOME
+from benchmarks.peers import PeerError, tiny
+from benchmarks.peers.quiver import QuiverServer
+
+RESULTS = Path(__file__).parent / "results"
+IN_PROCESS = "--backend-config=python,in-process=true"
+
+
+def log(message: str) -> None:
+    print(f"[python_worker] {message}", file=sys.stderr, flush=True)
+
+
+def _repository(folder: Path) -> Path:
+    repository = folder / "repository"
+    version = repository / tiny.MODEL / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (repository / tiny.MODEL / "config.pbtxt").write_text(tiny.PYTHON_CONFIG)
+    (version / "model.py").write_text(tiny.PYTHON_MODEL)
+    return repository
+
+
+def _payload() -> loadgen.Payload:
+    x = np.arange(16, dtype=np.float32).reshape(tiny.SHAPE) / 4 - 1
+    return loadgen.Payload(tiny.MODEL, {tiny.INPUT: x}, expected={tiny.OUTPUT: x * 2})
+
+
+def _trials(name: str, endpoints: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    payload = _payload()
+    rows = []
+    for encoding in args.encodings:
+        loadgen.sanity_check(*endpoints.address(encoding), encoding, payload)
+        for concurrency in args.concurrency:
+            result = loadgen.run_trial(
+                *endpoints.address(encoding), encoding, concurrency, args.warmup, args.duration, payload,
+                server_pid=endpoints.pid, progress=None,
+            )
+            row = {"server": name, **result.to_dict()}
+            rows.append(row)
+            log(f"{name} {encoding} c={concurrency}: {result.req_per_s:.0f} req/s, p50 {result.p50_ms:.3f} ms, "
+                f"errors {result.errors}")
+    return rows
+
+
+def _quiver(name: str, flags: tuple[str, ...], args: argparse.Namespace) -> list[dict[str, Any]]:
+    folder = PEERS_HOME / "python_worker" / name.replace(" ", "_")
+    folder.mkdir(parents=True, exist_ok=True)
+    server = QuiverServer(_repository(folder), flags, log=folder / "server.log", cwd=folder,
+                          ready_path=f"/v2/models/{tiny.MODEL}/ready", name=name)
+    with server:
+        return _trials(name, server.endpoints, args)
+
+
+def _triton(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    from benchmarks.peers.triton import TritonPeer
+
+    peer = TritonPeer()
+    try:
+        peer.setup()
+        endpoints = peer.start(tiny.MODEL)
+    except PeerError as exc:
+        peer.stop()
+        return [], str(exc)
+    try:
+        return _trials("triton (python backend stub)", endpoints, args), ""
+    finally:
+        peer.stop()
+
+
+def _hop(calls: int) -> dict[str, Any]:
+    """``run()`` of one request in a worker vs in-process, in this process, no HTTP."""
+    from quiver.backends.base import SERVER, InstanceSpec, ModelFiles
+    from quiver.backends.python import BACKEND
+    from quiver.config import ModelConfig, parse_model_config
+    from quiver.types import DataType, InferenceRequest, Tensor
+
+    folder = Path(tempfile.mkdtemp(prefix="quiver-hop-"))
+    repository = _repository(folder)
+    path = repository / tiny.MODEL / "config.pbtxt"
+    proto = parse_model_config(path.read_text(), path, tiny.MODEL)
+    config = ModelConfig.from_proto(proto, str(path))
+    files = ModelFiles(repository=repository, model_dir=repository / tiny.MODEL, version=1)
+    spec = InstanceSpec(group=config.instance_groups[0], index=0)
+    data = np.ones(tiny.SHAPE, dtype=np.float32)
+    request = InferenceRequest(tiny.MODEL, "", [Tensor(tiny.INPUT, DataType.FP32, tiny.SHAPE, data)])
+    out: dict[str, Any] = {}
+    for mode, in_process in (("worker", "false"), ("in-process", "true")):
+        SERVER.backend_config = {"python": {"in-process": in_process}}
+        instance = BACKEND.create_instance(config, files, spec)
+
+        async def measure(instance: Any = instance) -> list[float]:
+            for _ in range(200):
+                await instance.run([request])
+            samples = []
+            for _ in range(calls):
+                began = time.perf_counter_ns()
+                await instance.run([request])
+                samples.append((time.perf_counter_ns() - began) / 1000)
+            return samples
+
+        samples = asyncio.run(measure())
+        instance.unload()
+        samples.sort()
+        out[mode] = {
+            "calls": calls,
+            "p50_us": round(statistics.median(samples), 1),
+            "p99_us": round(samples[int(len(samples) * 0.99) - 1], 1),
+            "mean_us": round(statistics.fmean(samples), 1),
+        }
+        log(f"hop {mode}: p50 {out[mode]['p50_us']} us")
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [
+        "# Python model round trip: worker process vs in-process vs Triton's stub",
+        "",
+        f"`{report['command']}`, {env['date']}, {env['nproc']} cores ({env['cpu_model']}), "
+        f"Python {env.get('python', '')}. The `tiny` model (`OUTPUT0 = INPUT0 * 2`, FP32 [1, 16]); "
+        f"each trial {report['settings']['warmup']} s warm-up then {report['settings']['duration']} s "
+        "measured, `benchmarks/loadgen.py` (binary = HTTP with the binary tensor extension).",
+        "",
+        "| server | encoding | concurrency | req/s | p50 ms | p99 ms | errors |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in report["trials"]:
+        lines.append(
+            f"| {row['server']} | {row['encoding']} | {row['concurrency']} | {row['req_per_s']:.0f} | "
+            f"{common.dash(row['p50_ms'], '.3f')} | {common.dash(row['p99_ms'], '.3f')} | {row['errors']} |"
+        )
+    if report.get("triton_error"):
+        lines += ["", f"Triton did not run: {report['triton_error']}"]
+    ratios = report.get("ratios") or []
+    if ratios:
+        lines += ["", "p50 latency, Quiver's worker over Triton's stub (same run; below 1 is faster):", ""]
+        lines += ["| encoding | concurrency | quiver worker / triton | quiver worker / quiver in-process |",
+                  "|---|---:|---:|---:|"]
+        for r in ratios:
+            lines.append(f"| {r['encoding']} | {r['concurrency']} | {common.dash(r['vs_triton'], '.2f')} | "
+                         f"{common.dash(r['vs_in_process'], '.2f')} |")
+    hop = report.get("hop")
+    if hop:
+        lines += [
+            "", "The process boundary alone (`run()` of one request in this process, no HTTP):", "",
+            "| mode | p50 us | p99 us | mean us |", "|---|---:|---:|---:|",
+        ]
+        for mode, row in hop.items():
+            lines.append(f"| {mode} | {row['p50_us']} | {row['p99_us']} | {row['mean_us']} |")
+    return "\n".join(lines)
+
+
+def _ratios(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def p50(server: str, encoding: str, concurrency: int) -> float | None:
+        for row in trials:
+            if row["server"].startswith(server) and row["encoding"] == encoding and row["concurrency"] == concurrency:
+                return row["p50_ms"]  # type: ignore[no-any-return]
+        return None
+
+    out = []
+    for row in trials:
+        if row["server"] != "quiver worker":
+            continue
+        key = (row["encoding"], row["concurrency"])
+        triton, inproc = p50("triton", *key), p50("quiver in-process", *key)
+        out.append({
+            "encoding": key[0], "concurrency": key[1],
+            "vs_triton": row["p50_ms"] / triton if triton and row["p50_ms"] else None,
+            "vs_in_process": row["p50_ms"] / inproc if inproc and row["p50_ms"] else None,
+        })
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.python_worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per trial (default 10)")
+    parser.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds per trial (default 2)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="default: 1 8")
+    parser.add_argument("--encodings", nargs="+", default=["binary", "grpc"], choices=loadgen.ENCODINGS)
+    parser.add_argument("--hop-calls", type=int, default=3000, help="calls of the hop measurement (default 3000)")
+    parser.add_argument("--no-triton", action="store_true", help="skip Triton (no download)")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    trials = _quiver("quiver worker", (), args)
+    trials += _quiver("quiver in-process", (IN_PROCESS,), args)
+    triton_error = "skipped (--no-triton)"
+    if not args.no_triton:
+        rows, triton_error = _triton(args)
+        trials += rows
+    report = {
+        "command": common.command_line(),
+        "environment": common.environment(["numpy", "tritonclient"]),
+        "settings": {"duration": args.duration, "warmup": args.warmup, "concurrency": args.concurrency,
+                     "encodings": args.encodings},
+        "trials": trials,
+        "triton_error": triton_error,
+        "ratios": _ratios(trials),
+        "hop": _hop(args.hop_calls),
+    }
+    text = markdown(report)
+    print(text)
+    log(common.write_results(args.output_dir, "python_worker", text, report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

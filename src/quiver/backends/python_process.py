@@ -1,0 +1,271 @@
+"""A Python model's worker process, as the server starts and stops it: the command (the model's
+Python, a bootstrap that puts the worker's modules first and reports a missing numpy), the
+``init``/``ready`` handshake within ``stub-timeout-seconds``, its shared-memory pools, its exit
+cause, its memory (USS), and the guarantees that it never outlives the server
+(``PR_SET_PDEATHSIG`` from a spawning thread that lives as long as the process, an exit hook,
+and at start the removal of pools left by servers that were killed). Used by
+:mod:`quiver.backends.python_worker` (serving) and :mod:`quiver.backends.python` (auto-complete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from quiver.backends.base import ModelFiles
+from quiver.backends.python_env import PythonEnv
+from quiver.backends.python_settings import PythonSettings
+from quiver.config import ModelConfig
+from quiver.errors import ErrorCode, InternalError, UnavailableError, error_for_code
+from quiver.ipc import messages as msg
+from quiver.ipc.channel import AsyncChannel, Channel, ChannelError
+from quiver.ipc.shm import SHM_DIR, Arena, Mapper, unlink, unlink_prefixed
+
+logger = logging.getLogger("quiver.backends.python_worker")
+
+_model_logger = logging.getLogger("quiver.python_model")
+
+#: Workers are started from this one thread, which lives as long as the process: the kernel
+#: sends PR_SET_PDEATHSIG when the *thread* that forked a worker ends, not only the process.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quiver-python-spawner")
+_worker_ids = itertools.count(1)
+_live: set[subprocess.Popen[bytes]] = set()
+_live_lock = threading.Lock()
+#: Blocks of a worker's pool the server has read are given back with the next batch, or in a
+#: message of their own once this many wait.
+_RELEASE_BATCH = 64
+
+_BOOTSTRAP = """\
+import os, sys
+sys.path.insert(0, {tree!r})
+try:
+    import numpy
+except ImportError as exc:
+    import socket
+    from quiver.ipc.channel import Channel
+    sock = socket.socket(fileno=int(os.environ["QUIVER_WORKER_FD"]))
+    Channel(sock).send({{"op": "init_error", "code": "NUMPY", "message": str(exc)}})
+    raise SystemExit(3)
+from quiver.backends.python_stub import main
+main()
+"""
+
+
+@atexit.register
+def _stop_all() -> None:
+    """No worker outlives a server that exits normally (SIGKILL is PR_SET_PDEATHSIG's)."""
+    with _live_lock:
+        processes = list(_live)
+    for process in processes:
+        with contextlib.suppress(OSError):
+            process.kill()
+
+
+def exit_cause(returncode: int | None) -> str:
+    if returncode is None:
+        return "stopped answering"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
+
+
+def uss_bytes(pid: int) -> int:
+    """The unique set size of ``pid`` (its private pages; ``/proc/<pid>/smaps_rollup``),
+    else its RSS; 0 when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as file:
+            total = 0
+            for line in file:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+            return total
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"/proc/{pid}/statm") as file:
+            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Worker:
+    """One started worker process: its channel, the pool the server writes into, the worker's."""
+
+    def __init__(self, process: subprocess.Popen[bytes], channel: Channel, arena: Arena, mapper: Mapper, tag: str) -> None:
+        self.process = process
+        self.channel = channel
+        self.arena = arena
+        self.mapper = mapper
+        self.tag = tag
+        self.achannel: AsyncChannel | None = None
+        self.reader: asyncio.Task[None] | None = None
+        #: blocks of the worker's pool read and not yet given back (sent with the next batch)
+        self.releases: list[list[Any]] = []
+
+    def release(self, blocks: list[list[Any]]) -> None:
+        self.releases.extend(blocks)
+        if len(self.releases) >= _RELEASE_BATCH and self.achannel is not None:
+            self.achannel.send({"op": msg.RELEASE, "blocks": self.releases})
+            self.releases = []
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.kill()
+
+    def close(self) -> None:
+        """After the process ended: unmap and unlink both pools."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+        with _live_lock:
+            _live.discard(self.process)
+        if self.achannel is not None:
+            self.achannel.close()
+        else:
+            self.channel.close()
+        self.mapper.close()
+        self.arena.close()
+        unlink_prefixed(self.tag)
+
+
+def start_worker(
+    config: ModelConfig, files: ModelFiles, env: PythonEnv, tree: str, settings: PythonSettings,
+    init_args: dict[str, str] | None, auto_complete: dict[str, Any] | None = None,
+) -> tuple[Worker, dict[str, Any]]:
+    """Start a worker and wait (blocking) for its ``ready``; the worker and that message.
+    QuiverError names the model and what went wrong."""
+    where = f"model '{config.name}' version {files.version}"
+    _sweep(settings.shm_region_prefix_name)
+    tag = f"{settings.shm_region_prefix_name}{os.getpid()}_{next(_worker_ids)}_"
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    environ = env.environ(dict(os.environ))
+    environ["QUIVER_WORKER_FD"] = str(theirs.fileno())
+    environ["QUIVER_WORKER_PARENT"] = str(os.getpid())
+    command = [env.python, *(["-I"] if env.isolated else []), "-c", _BOOTSTRAP.format(tree=tree)]
+
+    def spawn() -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=environ, cwd=str(files.version_dir))
+        with _live_lock:
+            _live.add(process)
+        return process
+
+    try:
+        process = _SPAWNER.submit(spawn).result()
+    except OSError as exc:
+        ours.close()
+        raise UnavailableError(f"{where}: starting its Python worker ({env.python}) failed: {exc}") from None
+    finally:
+        theirs.close()
+    channel = Channel(ours)
+    arena = Arena(tag + "s", settings.shm_default_byte_size, settings.shm_growth_byte_size, settings.shm_max_byte_size)
+    worker = Worker(process, channel, arena, Mapper(tag + "w"), tag)
+    try:
+        channel.send(
+            {
+                "op": msg.INIT,
+                "args": init_args or {},
+                "auto_complete": auto_complete,
+                "model_name": config.name,
+                "model_version": files.version,
+                "model_dir": str(files.model_dir),
+                "filename": config.default_model_filename,
+                "shm": {
+                    "prefix": tag + "w",
+                    "server_prefix": tag + "s",
+                    "default": settings.shm_default_byte_size,
+                    "growth": settings.shm_growth_byte_size,
+                    "max": settings.shm_max_byte_size,
+                },
+            }
+        )
+        ours.settimeout(settings.stub_timeout_seconds)
+        while True:
+            try:
+                answer = channel.recv()
+            except TimeoutError:
+                raise UnavailableError(
+                    f"{where}: its Python worker did not finish loading and initialize() within "
+                    f"{settings.stub_timeout_seconds:g} s (--backend-config=python,stub-timeout-seconds)"
+                ) from None
+            if answer is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(5)
+                raise UnavailableError(f"{where}: its Python worker {exit_cause(process.poll())} while loading")
+            if answer["op"] == msg.LOG:
+                log_message(answer)
+                continue
+            break
+        if answer["op"] == msg.INIT_ERROR:
+            code, message = str(answer.get("code")), str(answer.get("message"))
+            if code == "NUMPY":
+                raise UnavailableError(
+                    f"{where}: the Python environment '{env.root}' ({env.python}) has no numpy "
+                    f"({message}); Triton's Python backend needs numpy in EXECUTION_ENV_PATH's "
+                    "environment: install it there before packing it"
+                )
+            raise error_for_code(ErrorCode[code] if code in ErrorCode.__members__ else ErrorCode.INTERNAL, message)
+        if answer["op"] != msg.READY:
+            raise InternalError(f"{where}: its Python worker answered '{answer['op']}' instead of 'ready'")
+        ours.settimeout(None)
+        return worker, answer
+    except (OSError, ChannelError) as exc:
+        worker.kill()
+        worker.close()
+        raise UnavailableError(f"{where}: talking to its Python worker failed: {exc}") from None
+    except BaseException:
+        worker.kill()
+        worker.close()
+        raise
+
+
+def log_message(message: dict[str, Any]) -> None:
+    """A ``log`` message of a worker, into the server's log."""
+    level = message.get("level", logging.INFO)
+    _model_logger.log(level if isinstance(level, int) else logging.INFO, "%s", message.get("message", ""))
+
+
+def wait(process: subprocess.Popen[bytes]) -> int | None:
+    try:
+        return process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+_swept: set[str] = set()
+
+
+def _sweep(prefix: str) -> None:
+    """Remove the pools (``<prefix><pid>_...``) of servers that are gone (killed: nobody unlinked
+    them), once per prefix and process."""
+    if prefix in _swept:
+        return
+    _swept.add(prefix)
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid = name[len(prefix) :].partition("_")[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            unlink(name)
+        except PermissionError:  # another user's server, alive
+            pass

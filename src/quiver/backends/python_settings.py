@@ -1,0 +1,110 @@
+"""The Python backend's server-wide settings: Triton's ``--backend-config=python,KEY=VALUE``
+keys (plus Quiver's ``in-process``), checked once when the server starts.
+
+Triton's keys, with Triton's defaults:
+
+- ``shm-default-byte-size``: the shared-memory pool each worker starts with (1 MiB);
+- ``shm-growth-byte-size``: how much the pool grows by when a request needs more (1 MiB);
+- ``shm-region-prefix-name``: the prefix of the pool's shared-memory names
+  (``triton_python_backend_shm_region_``), so several servers on one machine can be told apart;
+- ``stub-timeout-seconds``: how long a worker may take to start and run ``initialize`` (30).
+
+Quiver's own:
+
+- ``shm-max-byte-size``: how large one worker's pool may grow (1 GiB); a request or response
+  that needs more gets a clear error instead of exhausting ``/dev/shm``;
+- ``in-process``: ``true`` runs Python models in the server's process unless their
+  configuration says otherwise (the per-model parameter ``QUIVER_PYTHON_IN_PROCESS``);
+- ``restart-backoff-seconds`` / ``restart-backoff-max-seconds``: waits before restarting a
+  worker that died, doubling each time it dies again without serving (1, 30).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from quiver.errors import InvalidArgumentError
+
+#: The config.pbtxt parameter that picks the process model of one Python model.
+IN_PROCESS_PARAMETER = "QUIVER_PYTHON_IN_PROCESS"
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class PythonSettings:
+    shm_default_byte_size: int = 1 << 20
+    shm_growth_byte_size: int = 1 << 20
+    shm_max_byte_size: int = 1 << 30
+    shm_region_prefix_name: str = "triton_python_backend_shm_region_"
+    stub_timeout_seconds: float = 30.0
+    in_process: bool = False
+    restart_backoff_seconds: float = 1.0
+    restart_backoff_max_seconds: float = 30.0
+
+
+def parse_bool(value: str, what: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise InvalidArgumentError(f"{what} must be true or false, got '{value}'")
+
+
+def _size(value: str, key: str, least: int) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        number = -1
+    if number < least:
+        raise InvalidArgumentError(
+            f"--backend-config=python,{key}: expected a number of bytes of at least {least}, "
+            f"got '{value}'"
+        )
+    return number
+
+
+def _seconds(value: str, key: str) -> float:
+    try:
+        number = float(value.strip())
+    except ValueError:
+        number = -1.0
+    if not 0 < number < float("inf"):
+        raise InvalidArgumentError(
+            f"--backend-config=python,{key}: expected a positive number of seconds, got '{value}'"
+        )
+    return number
+
+
+def parse_python_settings(config: Mapping[str, str]) -> PythonSettings:
+    """The settings ``config`` (the ``python`` backend's ``--backend-config`` keys) gives;
+    InvalidArgumentError names a key whose value makes no sense. Keys Quiver does not use are
+    ignored, as Triton ignores keys a backend does not read."""
+    defaults = PythonSettings()
+    prefix = config.get("shm-region-prefix-name", defaults.shm_region_prefix_name).strip()
+    if not prefix or "/" in prefix or len(prefix) > 200 or not prefix.isprintable():
+        raise InvalidArgumentError(
+            "--backend-config=python,shm-region-prefix-name: expected a name without '/' "
+            f"(at most 200 characters), got '{prefix}'"
+        )
+    default_size = _size(config.get("shm-default-byte-size", str(defaults.shm_default_byte_size)),
+                         "shm-default-byte-size", 4096)  # fmt: skip
+    growth = _size(config.get("shm-growth-byte-size", str(defaults.shm_growth_byte_size)),
+                   "shm-growth-byte-size", 1)  # fmt: skip
+    largest = _size(config.get("shm-max-byte-size", str(max(defaults.shm_max_byte_size, default_size))),
+                    "shm-max-byte-size", default_size)  # fmt: skip
+    backoff = _seconds(config.get("restart-backoff-seconds", "1"), "restart-backoff-seconds")
+    backoff_max = _seconds(config.get("restart-backoff-max-seconds", "30"), "restart-backoff-max-seconds")
+    return PythonSettings(
+        shm_default_byte_size=default_size,
+        shm_growth_byte_size=growth,
+        shm_max_byte_size=largest,
+        shm_region_prefix_name=prefix,
+        stub_timeout_seconds=_seconds(config.get("stub-timeout-seconds", "30"), "stub-timeout-seconds"),
+        in_process=parse_bool(config.get("in-process", "false"), "--backend-config=python,in-process"),
+        restart_backoff_seconds=backoff,
+        restart_backoff_max_seconds=max(backoff, backoff_max),
+    )

@@ -1,0 +1,458 @@
+"""The worker process of one Python model instance (Triton's "stub"): ``python -m`` free.
+
+Started by :mod:`quiver.backends.python_worker` with the model's Python (the server's, or the
+one of the model's ``EXECUTION_ENV_PATH``), it imports only the standard library, numpy and
+Quiver's worker-safe modules. It reads ``init`` from the control channel (its descriptor in
+``QUIVER_WORKER_FD``), imports ``model.py``, runs ``auto_complete_config`` or ``initialize`` and
+answers ``ready``; then it runs each ``execute`` message's batch on its main thread and answers
+one ``response`` per request and a ``done``, while a reader thread handles the messages that
+arrive meanwhile (BLS answers, cancellations, releases of response blocks).
+
+It never outlives the server: ``PR_SET_PDEATHSIG`` kills it with SIGKILL when the server's
+thread that started it ends (the server exits, however it exits), and the reader thread exits
+the process when the channel reaches its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import inspect
+import itertools
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+from quiver.backends.python_convert import _error_code, _json_ready, _output_tensor
+from quiver.backends.python_loading import _import_model_file, _model_class
+from quiver.errors import format_exception
+from quiver.ipc import messages as msg
+from quiver.ipc import tensors
+from quiver.ipc.channel import Channel
+from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError
+from quiver.types import DataType
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Files:
+    model_dir: Path
+    version: int
+
+    @property
+    def version_dir(self) -> Path:
+        return self.model_dir / str(self.version)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL when the server goes; and leave now if it is gone already."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux: the EOF watchdog remains
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class _ChannelLogHandler(logging.Handler):
+    """``pb_utils.Logger`` records, sent to the server's log."""
+
+    def __init__(self, channel: Channel) -> None:
+        super().__init__()
+        self._channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(OSError):
+            self._channel.send({"op": msg.LOG, "level": record.levelno, "message": record.getMessage()})
+
+
+def _tensor_wire(tensor: Any) -> tuple[str, str, Any]:
+    """A pb_utils.Tensor as (name, datatype, numpy array) for the pool; ValueError when its
+    array has no Triton datatype."""
+    converted = _output_tensor(tensor)
+    return converted.name, converted.datatype.value, converted.data
+
+
+class Worker:
+    def __init__(self, channel: Channel, init: dict[str, Any]) -> None:
+        self.channel = channel
+        shm = init["shm"]
+        self.arena = Arena(shm["prefix"], shm["default"], shm["growth"], shm["max"])
+        self.mapper = Mapper(shm["server_prefix"])
+        self.name: str = init["model_name"]
+        self.version = int(init["model_version"])
+        self.where = f"model '{self.name}' version {self.version}"
+        self.files = _Files(Path(init["model_dir"]), self.version)
+        self.filename: str = init["filename"]
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.jobs: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self.cancelled: set[str] = set()
+        self.waiting: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
+        self.bls_ids = itertools.count(1)
+        self.model: Any = None
+        self.outbox: list[dict[str, Any]] | None = None  # a batch's responses, sent with its done
+
+    # ---- messages from the server
+
+    def handle(self, message: dict[str, Any]) -> None:
+        """A message that is not a batch: BLS answers, releases, cancellations."""
+        op = message["op"]
+        if op == msg.BLS_RESPONSE:
+            future = self.waiting.pop(int(message["id"]), None)
+            if future is not None:
+                future.set_result(message["response"])
+        elif op == msg.RELEASE:
+            for segment, offset in message["blocks"]:
+                self.arena.free(segment, offset)
+        elif op == msg.CANCEL:
+            self.cancelled.update(str(i) for i in message["ids"])
+        elif op == msg.EXECUTE or op == msg.FINALIZE:
+            self.jobs.put(message)
+
+    def read_forever(self) -> None:
+        """The reader thread: hands batches to the main thread, handles the rest itself; at
+        the channel's end (the server is gone or dropped this worker) the process exits."""
+        try:
+            while True:
+                message = self.channel.recv()
+                if message is None:
+                    break
+                self.handle(message)
+        except Exception as exc:  # a broken channel: nothing more can be done
+            sys.stderr.write(f"quiver worker for {self.where}: control channel failed: {exc}\n")
+        finally:
+            self.arena.close()
+            os._exit(0)
+
+    # ---- model life
+
+    def load(self, init: dict[str, Any]) -> dict[str, Any]:
+        path = self.files.version_dir / self.filename
+        loaded = _import_model_file(path, self.files, self.where, self.name)
+        cls = _model_class(loaded, path, self.where)
+        if init.get("auto_complete") is not None:
+            return {"config": self.auto_complete(cls, init["auto_complete"])}
+        try:
+            self.model = cls()
+        except (Exception, SystemExit) as exc:
+            raise _Failure(exc, f"{self.where}: creating TritonPythonModel failed: {format_exception(exc)}") from exc
+        initialize = getattr(self.model, "initialize", None)
+        if initialize is not None:
+            try:
+                result = initialize(init["args"])
+                if inspect.isawaitable(result):
+                    self.loop.run_until_complete(result)
+            except (Exception, SystemExit) as exc:
+                raise _Failure(exc, f"{self.where}: initialize() failed: {format_exception(exc)}") from exc
+        return {}
+
+    def auto_complete(self, cls: Any, config: dict[str, Any]) -> dict[str, Any] | None:
+        method = getattr(cls, "auto_complete_config", None)
+        if method is None:
+            return None
+        try:
+            result = method(pb_utils.ModelConfig(config))
+        except Exception as exc:
+            raise _Failure(exc, f"{self.where}: auto_complete_config() failed: {format_exception(exc)}") from exc
+        if not isinstance(result, pb_utils.ModelConfig):
+            raise _Failure(
+                None,
+                f"{self.where}: auto_complete_config() must return a pb_utils.ModelConfig object, "
+                f"got {type(result).__name__}",
+            )
+        ready: dict[str, Any] = _json_ready(result.as_dict())
+        return ready
+
+    def serve(self) -> None:
+        while True:
+            job = self.jobs.get()
+            for segment, offset in job.get("release", ()):
+                self.arena.free(segment, offset)
+            if job["op"] == msg.FINALIZE:
+                self.finalize()
+                return
+            self.execute(job)
+
+    def finalize(self) -> None:
+        finalize = getattr(self.model, "finalize", None)
+        if finalize is not None:
+            try:
+                result = finalize()
+                if inspect.isawaitable(result):
+                    self.loop.run_until_complete(result)
+            except (Exception, SystemExit) as exc:
+                pb_utils.Logger.log_error(f"{self.where}: finalize() failed: {format_exception(exc)}")
+        self.channel.send({"op": msg.FINALIZED})
+
+    # ---- execute
+
+    def execute(self, job: dict[str, Any]) -> None:
+        batch = job["batch"]
+        items = job["requests"]
+        ids = [str(item["id"]) for item in items]
+        self.outbox = []
+        try:
+            requests = [self._request(item) for item in items]
+        except Exception as exc:
+            self._fail(ids, "INTERNAL", f"{self.where}: reading the requests failed: {format_exception(exc)}")
+            self._flush(batch)
+            return
+        try:
+            model_execute = getattr(self.model, "execute", None)
+            if model_execute is None:
+                self._fail(ids, "INTERNAL", f"{self.where}: TritonPythonModel does not implement 'execute'")
+                return
+            try:
+                result = model_execute(requests)
+                if inspect.isawaitable(result):
+                    result = self.loop.run_until_complete(result)
+            except (Exception, SystemExit) as exc:
+                self._fail(ids, _error_code(exc).name, f"{self.where}: execute() raised {format_exception(exc)}")
+                return
+            self._respond(ids, result)
+        finally:
+            self._flush(batch)
+            for request_id in ids:
+                self.cancelled.discard(request_id)
+
+    def _flush(self, batch: int) -> None:
+        """The batch's responses and its ``done``, in one write."""
+        outbox, self.outbox = self.outbox or [], None
+        outbox.append({"op": msg.DONE, "batch": batch})
+        self.channel.send_many(outbox)
+
+    def _request(self, item: dict[str, Any]) -> pb_utils.InferenceRequest:
+        inputs = []
+        for descriptor in item["tensors"]:
+            name, datatype, _, array = tensors.read(self.mapper, descriptor)
+            inputs.append(pb_utils.Tensor._wrap(name, array, DataType(datatype).triton_value))
+        fields = item["fields"]
+        request = pb_utils.InferenceRequest._from_server(
+            request_id=fields["request_id"],
+            correlation_id=fields["correlation_id"],
+            inputs=inputs,
+            requested_output_names=set(fields["requested_output_names"]),
+            model_name=self.name,
+            model_version=self.version,
+            flags=fields["flags"],
+            timeout=fields["timeout"],
+            parameters_json=fields["parameters_json"],
+        )
+        request_id = str(item["id"])
+        request._cancelled = lambda: request_id in self.cancelled
+        return request
+
+    def _fail(self, ids: list[str], code: str, message: str) -> None:
+        for request_id in ids:
+            self._send_response(request_id, {"error": [code, message]})
+
+    def _send_response(self, request_id: str, response: dict[str, Any]) -> None:
+        message = {"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL}
+        if self.outbox is not None:
+            self.outbox.append(message)
+        else:
+            self.channel.send(message)
+
+    def _respond(self, ids: list[str], result: Any) -> None:
+        count = len(ids)
+        expected = (
+            f"a model that is not decoupled must return a list with one "
+            f"pb_utils.InferenceResponse per request ({count} requests)"
+        )
+        if result is None:
+            self._fail(ids, "INTERNAL", f"{self.where}: execute() returned None; {expected}")
+        elif not isinstance(result, list):
+            self._fail(ids, "INTERNAL", f"{self.where}: execute() returned a {type(result).__name__}; {expected}")
+        elif len(result) != count:
+            self._fail(
+                ids,
+                "INTERNAL",
+                f"{self.where}: execute() returned {len(result)} responses for {count} requests; {expected}",
+            )
+        else:
+            for index, (request_id, item) in enumerate(zip(ids, result, strict=True)):
+                self._send_response(request_id, self._response(item, index))
+
+    def _response(self, item: Any, index: int) -> dict[str, Any]:
+        if not isinstance(item, pb_utils.InferenceResponse):
+            return {
+                "error": [
+                    "INTERNAL",
+                    f"{self.where}: execute() returned a {type(item).__name__} for request {index}, "
+                    "expected a pb_utils.InferenceResponse",
+                ]
+            }
+        if item.has_error():
+            error = item.error()
+            assert error is not None
+            return {"error": [error.code().name, error.message()]}
+        blocks: list[Block] = []
+        descriptors = []
+        try:
+            for tensor in item.output_tensors():
+                name, datatype, array = _tensor_wire(tensor)
+                try:
+                    descriptors.append(tensors.write(self.arena, name, datatype, array, blocks))
+                except PoolFullError as exc:
+                    raise ValueError(f"output '{name}' does not fit: {exc}") from None
+        except ValueError as exc:
+            for block in blocks:
+                self.arena.free(block.segment, block.offset)
+            return {"error": ["INTERNAL", f"{self.where}: response to request {index}: {exc}"]}
+        return {"tensors": descriptors, "parameters": item.parameters()}
+
+    # ---- BLS
+
+    def bls(self, request: pb_utils.InferenceRequest) -> concurrent.futures.Future[dict[str, Any]]:
+        blocks: list[Block] = []
+        descriptors = []
+        try:
+            for tensor in request.inputs():
+                name, datatype, array = _tensor_wire(tensor)
+                descriptors.append(tensors.write(self.arena, name, datatype, array, blocks))
+        except (ValueError, PoolFullError) as exc:
+            for block in blocks:
+                self.arena.free(block.segment, block.offset)
+            raise pb_utils.TritonModelException(f"BLS request to model '{request.model_name()}': {exc}") from None
+        number = next(self.bls_ids)
+        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self.waiting[number] = future
+
+        def free(_: object) -> None:
+            for block in blocks:
+                self.arena.free(block.segment, block.offset)
+
+        future.add_done_callback(free)
+        self.channel.send(
+            {
+                "op": msg.BLS,
+                "id": number,
+                "request": {
+                    "model_name": request.model_name(),
+                    "model_version": request.model_version(),
+                    "tensors": descriptors,
+                    "requested_output_names": sorted(request.requested_output_names()),
+                    "request_id": request.request_id(),
+                    "correlation_id": request.correlation_id(),
+                    "flags": request.flags(),
+                    "timeout": request.timeout(),
+                    "parameters": request.parameters(),
+                },
+            }
+        )
+        return future
+
+    def bls_result(self, response: dict[str, Any]) -> pb_utils.InferenceResponse:
+        """The server's answer as a pb_utils response; its tensors are copied out of the
+        pool and the blocks released at once."""
+        error = response.get("error")
+        if error is not None:
+            code, message = error
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code, pb_utils.TritonError.INTERNAL))
+            )
+        descriptors = response.get("tensors", [])
+        outputs = []
+        try:
+            for descriptor in descriptors:
+                name, _, _, array = tensors.read(self.mapper, descriptor, copy=True)
+                outputs.append(pb_utils.Tensor(name, array))
+        finally:
+            blocks = tensors.blocks_of(descriptors)
+            if blocks:
+                self.channel.send({"op": msg.RELEASE, "blocks": blocks})
+        return pb_utils.InferenceResponse(outputs)
+
+
+class _Failure(Exception):
+    """A load failure to report: the Triton error code of ``cause`` and a message."""
+
+    def __init__(self, cause: BaseException | None, message: str) -> None:
+        super().__init__(message)
+        self.code = _error_code(cause).name if cause is not None else "INTERNAL"
+        self.message = message
+
+
+class _WorkerBls:
+    """``InferenceRequest.exec`` / ``async_exec`` in a worker: the request goes to the server
+    over the control channel and through its normal inference path."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    def exec(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        future = self._worker.bls(request)
+        timeout = request.timeout() / 1e6 if request.timeout() else None
+        try:
+            answer = future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(
+                    f"BLS request to model '{request.model_name()}' timed out", pb_utils.TritonError.UNAVAILABLE
+                )
+            )
+        return self._worker.bls_result(answer)
+
+    async def _await(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
+        answer = await asyncio.wrap_future(self._worker.bls(request))
+        return self._worker.bls_result(answer)
+
+    def async_exec(self, request: pb_utils.InferenceRequest) -> Any:
+        return self._await(request)
+
+
+def main() -> None:
+    parent = int(os.environ["QUIVER_WORKER_PARENT"])
+    _die_with_parent(parent)
+    # Ctrl-C and a SIGTERM to the process group are the server's to handle: it finalizes its
+    # workers as it stops (and PR_SET_PDEATHSIG ends them if it cannot)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(os.environ["QUIVER_WORKER_FD"]))
+    channel = Channel(sock, buffered=True)
+    init = channel.recv()
+    if init is None:
+        return
+    handler = _ChannelLogHandler(channel)
+    model_logger = logging.getLogger("quiver.python_model")
+    model_logger.addHandler(handler)
+    model_logger.setLevel(logging.DEBUG)
+    model_logger.propagate = False
+    worker = Worker(channel, init)
+    pb_utils._set_bls_executor(_WorkerBls(worker))
+    reader = threading.Thread(target=worker.read_forever, name="quiver-worker-reader", daemon=True)
+    try:
+        extra = worker.load(init)
+    except _Failure as exc:
+        channel.send({"op": msg.INIT_ERROR, "code": exc.code, "message": exc.message})
+        return
+    except Exception as exc:  # the model import's own errors (QuiverError from the loader)
+        code = getattr(getattr(exc, "code", None), "name", "INTERNAL")
+        channel.send({"op": msg.INIT_ERROR, "code": code, "message": str(exc)})
+        return
+    channel.send({"op": msg.READY, "pid": os.getpid(), **extra})
+    if init.get("auto_complete") is not None:
+        return
+    reader.start()
+    worker.serve()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    worker.arena.close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""Python model instances in worker processes of their own (the default; Triton's stub).
+
+:class:`WorkerInstance` is the server's side of one worker (:mod:`quiver.backends.python_stub`
+is the other; :mod:`quiver.backends.python_process` starts and stops the process): it sends each
+batch as one ``execute`` message whose input tensors are in the worker's shared-memory pool, and
+turns the ``response`` messages (tensors in the worker's own pool, copied out and released) into
+Quiver responses, checked against the configuration. BLS requests from the model arrive as
+``bls`` messages and go through the server's normal inference path.
+
+Faults: a worker that exits or is killed fails the requests it was running with an error naming
+the model and the exit cause (exit code or signal), and is started again (at once the first
+time, then with a backoff that doubles while it keeps failing); while it cannot start, the
+model reports UNAVAILABLE with the reason (``ServerContext.health``) and its requests get that
+reason; other models never notice. A batch whose requests carry a ``timeout`` and that the model
+does not answer in time fails with a timeout error, and the stuck worker is killed and
+restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+from typing import Any
+
+import numpy as np
+
+from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
+from quiver.backends.python_convert import _request_fields
+from quiver.backends.python_env import PythonEnv
+from quiver.backends.python_process import (
+    Worker,
+    exit_cause,
+    log_message,
+    start_worker,
+    uss_bytes,
+    wait,
+)
+from quiver.backends.python_settings import PythonSettings
+from quiver.config import ModelConfig
+from quiver.errors import ErrorCode, InternalError, QuiverError, UnavailableError, error_for_code
+from quiver.ipc import messages as msg
+from quiver.ipc import tensors
+from quiver.ipc.channel import AsyncChannel, ChannelError
+from quiver.ipc.shm import Block, PoolFullError
+from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerInstance:
+    """A :class:`~quiver.backends.base.ModelInstance` whose model runs in a worker process."""
+
+    def __init__(
+        self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec, env: PythonEnv, tree: str,
+        settings: PythonSettings, init_args: dict[str, str],
+    ) -> None:
+        self.name = spec.name
+        self.timing = ExecutionTiming()
+        self._config = config
+        self._files = files
+        self._env = env
+        self._tree = tree
+        self._settings = settings
+        self._init_args = init_args
+        self._where = f"model '{config.name}' version {files.version}"
+        self._all_outputs = [tensor.name for tensor in config.outputs]
+        self._outputs = {tensor.name: tensor for tensor in config.outputs}
+        self._worker: Worker | None = None
+        self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
+        self._batches: dict[int, asyncio.Future[None]] = {}
+        self._batch_ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
+        self._restarting: asyncio.Task[None] | None = None
+        self._down_reason = ""
+        self._served = False  # the current worker answered a batch
+        self._failures = 0  # starts in a row that failed or died before serving
+        self._closed = False
+        self._bls_tasks: set[asyncio.Task[None]] = set()
+
+    # ---- start / stop
+
+    def start(self) -> None:
+        """Start the worker and wait for its ``ready`` (blocking; on a load thread)."""
+        self._worker, _ = start_worker(self._config, self._files, self._env, self._tree, self._settings, self._init_args)
+
+    @property
+    def pid(self) -> int | None:
+        worker = self._worker
+        return worker.process.pid if worker is not None and worker.process.poll() is None else None
+
+    def process_memory_bytes(self) -> int:
+        """The worker's unique set size now (0 while none runs)."""
+        pid = self.pid
+        return uss_bytes(pid) if pid is not None else 0
+
+    def unload(self) -> None:
+        """``finalize()`` in the worker (bounded by stub-timeout-seconds), then the process ends."""
+        self._closed = True
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        try:
+            if running is not None:
+                pass  # on the event loop itself: finalize() could not be awaited; just stop it
+            elif worker.achannel is None and worker.process.poll() is None:
+                worker.channel.sock.settimeout(self._settings.stub_timeout_seconds)
+                worker.channel.send({"op": msg.FINALIZE})
+                while (answer := worker.channel.recv()) is not None and answer["op"] != msg.FINALIZED:
+                    if answer["op"] == msg.LOG:
+                        log_message(answer)
+            elif worker.achannel is not None and SERVER.loop is not None and not SERVER.loop.is_closed():
+                asyncio.run_coroutine_threadsafe(self._finalize(worker), SERVER.loop).result(
+                    self._settings.stub_timeout_seconds + 1
+                )
+        except Exception as exc:
+            logger.warning("%s: finalize() in its worker did not complete: %s", self._where, exc)
+        finally:
+            worker.kill()
+            worker.close()
+
+    async def _finalize(self, worker: Worker) -> None:
+        assert worker.achannel is not None
+        done = asyncio.get_running_loop().create_future()
+        self._batches[0] = done
+        worker.achannel.send({"op": msg.FINALIZE})
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(done, self._settings.stub_timeout_seconds)
+        if worker.reader is not None:
+            worker.reader.cancel()
+
+    # ---- execute
+
+    async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        home = SERVER.loop
+        if home is not None and home.is_running() and asyncio.get_running_loop() is not home:
+            # Another loop (a warmup's, on a load thread): the worker's channel lives on the
+            # server's loop, so the batch runs there.
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._run(requests), home))
+        return await self._run(requests)
+
+    async def _run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        worker = await self._ready_worker()
+        if isinstance(worker, QuiverError):
+            return [worker for _ in requests]
+        loop = asyncio.get_running_loop()
+        blocks: list[Block] = []
+        items, results = [], []
+        futures: list[asyncio.Future[InferenceResponse | QuiverError]] = []
+        for request in requests:
+            request_id = str(next(self._request_ids))
+            try:
+                descriptors = [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in request.inputs]
+            except PoolFullError as exc:
+                failed: asyncio.Future[InferenceResponse | QuiverError] = loop.create_future()
+                failed.set_result(UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}"))
+                futures.append(failed)
+                continue
+            future: asyncio.Future[InferenceResponse | QuiverError] = loop.create_future()
+            self._pending[request_id] = future
+            futures.append(future)
+            items.append({"id": request_id, "tensors": descriptors, "fields": _request_fields(request, self._all_outputs)})
+        if items:
+            await self._execute(worker, items, requests)
+        for block in blocks:
+            worker.arena.free(block.segment, block.offset)
+        for future in futures:
+            results.append(future.result() if future.done() else InternalError(f"{self._where}: no response"))
+        return results
+
+    async def _execute(self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> None:
+        assert worker.achannel is not None
+        batch = next(self._batch_ids)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._batches[batch] = done
+        message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
+        if worker.releases:
+            message["release"], worker.releases = worker.releases, []
+        worker.achannel.send(message)
+        timeouts = [int(r.parameters.get("timeout", 0) or 0) for r in requests if str(r.parameters.get("timeout", "0")).isdigit()]
+        limit = min((t for t in timeouts if t > 0), default=0) / 1e6
+        try:
+            await asyncio.wait_for(asyncio.shield(done), limit or None)
+        except TimeoutError:
+            self._fail_pending(
+                [item["id"] for item in items],
+                UnavailableError(
+                    f"{self._where}: execute() did not return within the request timeout of "
+                    f"{limit * 1000:g} ms; its worker is stopped and restarted"
+                ),
+            )
+            worker.kill()  # the reader sees the end of the channel and restarts it
+        except asyncio.CancelledError:
+            worker.achannel.send({"op": msg.CANCEL, "ids": [item["id"] for item in items]})
+            with contextlib.suppress(Exception):
+                await done
+            raise
+        finally:
+            self._batches.pop(batch, None)
+
+    async def _ready_worker(self) -> Worker | QuiverError:
+        if self._restarting is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._restarting), self._settings.stub_timeout_seconds)
+        worker = self._worker
+        if worker is None or self._closed:
+            return UnavailableError(f"{self._where} is not available: {self._down_reason or 'its worker is not running'}")
+        if worker.achannel is None:
+            worker.achannel = await AsyncChannel.open(worker.channel.sock)
+            worker.reader = asyncio.create_task(self._read(worker), name=f"quiver-worker-{self.name}")
+        return worker
+
+    # ---- messages from the worker
+
+    async def _read(self, worker: Worker) -> None:
+        assert worker.achannel is not None
+        try:
+            while (message := await worker.achannel.recv()) is not None:
+                op = message["op"]
+                if op == msg.RESPONSE:
+                    self._on_response(worker, message)
+                elif op == msg.DONE:
+                    self._served = True
+                    self._failures = 0
+                    done = self._batches.get(int(message["batch"]))
+                    if done is not None and not done.done():
+                        done.set_result(None)
+                elif op == msg.BLS:
+                    task = asyncio.create_task(self._bls(worker, message))
+                    self._bls_tasks.add(task)
+                    task.add_done_callback(self._bls_tasks.discard)
+                elif op == msg.RELEASE:
+                    for segment, offset in message["blocks"]:
+                        worker.arena.free(segment, offset)
+                elif op == msg.LOG:
+                    log_message(message)
+                elif op == msg.FINALIZED:
+                    done = self._batches.get(0)
+                    if done is not None and not done.done():
+                        done.set_result(None)
+                    return
+        except (ChannelError, KeyError, TypeError, ValueError) as exc:
+            logger.error("%s: its worker sent a malformed message (%s); stopping it", self._where, exc)
+            worker.kill()
+        if self._closed or worker is not self._worker:
+            return
+        await self._on_exit(worker)
+
+    def _on_response(self, worker: Worker, message: dict[str, Any]) -> None:
+        future = self._pending.pop(str(message["id"]), None)
+        response = message["response"]
+        descriptors = response.get("tensors") or []
+        result: InferenceResponse | QuiverError
+        try:
+            error = response.get("error")
+            if error is not None:
+                code, text = error
+                result = error_for_code(ErrorCode[code] if code in ErrorCode.__members__ else ErrorCode.INTERNAL, str(text))
+            else:
+                outputs = []
+                for descriptor in descriptors:
+                    name, datatype, shape, array = tensors.read(worker.mapper, descriptor, copy=True)
+                    outputs.append(Tensor(name, DataType(datatype), shape, array))
+                try:
+                    parameters = json.loads(response.get("parameters") or "{}")
+                except ValueError:
+                    parameters = {}
+                wrong = self._check_outputs(outputs)
+                if wrong:
+                    raise ValueError(wrong)
+                result = InferenceResponse(
+                    model_name=self._config.name,
+                    model_version=str(self._files.version),
+                    outputs=outputs,
+                    parameters=parameters if isinstance(parameters, dict) else {},
+                )
+        except (ValueError, KeyError) as exc:
+            result = InternalError(f"{self._where}: {exc}")
+        finally:
+            blocks = tensors.blocks_of(descriptors)
+            if blocks:
+                worker.release(blocks)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def _check_outputs(self, outputs: list[Tensor]) -> str:
+        """What is wrong with the outputs' datatypes or shapes against the configuration ("" if
+        nothing), as Triton checks a backend's outputs."""
+        batching = self._config.max_batch_size > 0
+        for tensor in outputs:
+            spec = self._outputs.get(tensor.name)
+            if spec is None:
+                continue
+            if tensor.datatype is not spec.datatype:
+                return (
+                    f"unexpected datatype {tensor.datatype.value} for output '{tensor.name}', "
+                    f"the model configuration says {spec.datatype.value}"
+                )
+            if spec.reshape is not None:
+                continue
+            shape = list(tensor.shape[1:] if batching else tensor.shape)
+            dims = list(spec.dims)
+            if (batching and not tensor.shape) or len(shape) != len(dims) or any(
+                d != -1 and d != s for d, s in zip(dims, shape, strict=True)
+            ):
+                return (
+                    f"unexpected shape {list(tensor.shape)} for output '{tensor.name}', the model "
+                    f"configuration says {spec.full_shape(self._config.max_batch_size)}"
+                )
+        return ""
+
+    async def _bls(self, worker: Worker, message: dict[str, Any]) -> None:
+        """Run a BLS request from the model through the server; answer with the response."""
+        number = message["id"]
+        answer: dict[str, Any]
+        try:
+            request = self._bls_request(worker, message["request"])
+            infer = SERVER.infer
+            if infer is None:
+                raise UnavailableError("BLS requests can only run inside a running Quiver server")
+            response = await infer(request)
+            blocks: list[Block] = []
+            try:
+                descriptors = [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs]
+            except PoolFullError as exc:
+                for block in blocks:
+                    worker.arena.free(block.segment, block.offset)
+                raise UnavailableError(f"BLS response from model '{request.model_name}' does not fit the shared-memory pool: {exc}") from None
+            answer = {"tensors": descriptors}
+        except QuiverError as exc:
+            answer = {"error": [exc.code.name, exc.message]}
+        except (ValueError, KeyError, TypeError) as exc:
+            answer = {"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}
+        if worker.achannel is not None:
+            worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": answer})
+
+    @staticmethod
+    def _bls_request(worker: Worker, fields: dict[str, Any]) -> InferenceRequest:
+        inputs = []
+        for descriptor in fields["tensors"]:
+            name, datatype, shape, array = tensors.read(worker.mapper, descriptor)
+            if datatype != "BYTES":
+                array = np.array(array)  # the worker may reuse its block once answered
+            inputs.append(Tensor(name, DataType(datatype), shape, array))
+        parameters: dict[str, Any] = json.loads(fields.get("parameters") or "{}")
+        correlation_id = fields.get("correlation_id") or 0
+        if correlation_id:
+            parameters["sequence_id"] = correlation_id
+            parameters["sequence_start"] = bool(fields["flags"] & 1)
+            parameters["sequence_end"] = bool(fields["flags"] & 2)
+        if fields.get("timeout"):
+            parameters["timeout"] = int(fields["timeout"])
+        version = int(fields.get("model_version", -1))
+        names = fields.get("requested_output_names") or []
+        return InferenceRequest(
+            model_name=str(fields["model_name"]),
+            model_version="" if version < 0 else str(version),
+            inputs=inputs,
+            outputs=[RequestedOutput(str(n)) for n in names] if names else None,
+            id=str(fields.get("request_id", "")),
+            parameters=parameters,
+        )
+
+    # ---- faults
+
+    def _fail_pending(self, ids: list[str], error: QuiverError) -> None:
+        for request_id in ids:
+            future = self._pending.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_result(error)
+
+    async def _on_exit(self, worker: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        returncode = await loop.run_in_executor(None, wait, worker.process)
+        cause = exit_cause(returncode)
+        error = InternalError(
+            f"{self._where}: its Python worker (pid {worker.process.pid}) {cause} while running the request; "
+            "the worker is restarted"
+        )
+        logger.error("%s: Python worker (pid %d) %s; restarting it", self._where, worker.process.pid, cause)
+        self._fail_pending(list(self._pending), error)
+        for done in self._batches.values():
+            if not done.done():
+                done.set_result(None)
+        self._worker = None
+        self._down_reason = f"its Python worker {cause}"
+        await loop.run_in_executor(None, worker.close)
+        if not self._served:
+            self._failures += 1
+        self._served = False
+        self._restarting = asyncio.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        loop = asyncio.get_running_loop()
+        settings = self._settings
+        while not self._closed:
+            delay = 0.0 if self._failures == 0 else min(
+                settings.restart_backoff_max_seconds, settings.restart_backoff_seconds * 2 ** (self._failures - 1)
+            )
+            if delay:
+                await asyncio.sleep(delay)
+            if self._closed:
+                return
+            try:
+                worker, _ = await loop.run_in_executor(
+                    None,
+                    lambda: start_worker(self._config, self._files, self._env, self._tree, self._settings, self._init_args),
+                )
+            except QuiverError as exc:
+                self._failures += 1
+                self._down_reason = exc.message
+                logger.error("%s: restarting its Python worker failed: %s", self._where, exc.message)
+                _report_health(self._config.name, self._files.version, self.name, exc.message)
+                continue
+            if self._closed:
+                worker.kill()
+                await loop.run_in_executor(None, worker.close)
+                return
+            self._worker = worker
+            self._down_reason = ""
+            _report_health(self._config.name, self._files.version, self.name, None)
+            logger.info("%s: Python worker restarted (pid %d)", self._where, worker.process.pid)
+            self._restarting = None
+            return
+
+
+def _report_health(model: str, version: int, instance: str, reason: str | None) -> None:
+    report = SERVER.health
+    if report is not None:
+        try:
+            report(model, version, instance, reason)
+        except Exception:  # pragma: no cover - defensive
+            logger.exception("reporting the health of model '%s'", model)

@@ -1,0 +1,94 @@
+"""The link between an HTTP frontend worker process and the model side: framed messages over
+a Unix socket pair the model side made.
+
+A frame is a 4-byte little-endian length and a pickled tuple whose first item names the
+message. Pickle is safe here, unlike in the Python-model transport (:mod:`quiver.ipc`): both
+ends are the server's own processes, started from the same installation by the model side,
+and no client or model code writes to this socket; what a client sent arrives as the values
+the worker decoded (arrays, strings), never as something that is unpickled.
+
+Worker -> model side: ``("ready", pid)``, ``("infer", id, InferenceRequest)``,
+``("cancel", id)``, ``("forward", id, scope, body)`` (an HTTP request that is not an
+inference, for the model side's own application).
+Model side -> worker: ``("ok", id, InferenceResponse, queues)``, ``("error", id, code,
+message)`` (an :class:`~quiver.errors.ErrorCode` name), ``("http", id, status, headers,
+body)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import struct
+from collections.abc import Callable
+from typing import Any
+
+_LENGTH = struct.Struct("<I")
+#: A frame past this is a broken peer (inference bodies are bounded by --http-max-input-size).
+MAX_FRAME = 1 << 31
+
+
+class Link(asyncio.Protocol):
+    """One end: ``send(message)``; ``on_message(message)`` for each frame received;
+    ``on_lost()`` once when the other end is gone.
+
+    Frames sent in one turn of the event loop go out together at its end (one ``writev``):
+    with many requests in flight, one system call and one wake-up of the other end carry
+    several of them."""
+
+    def __init__(self, on_message: Callable[[tuple[Any, ...]], None], on_lost: Callable[[], None]) -> None:
+        self.on_message = on_message
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._outgoing: list[bytes] = []
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return
+        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing += (_LENGTH.pack(len(body)), body)
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, []
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(outgoing)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        offset = 0
+        size = len(buffer)
+        while size - offset >= 4:
+            (length,) = _LENGTH.unpack_from(buffer, offset)
+            if length > MAX_FRAME:
+                self.close()
+                return
+            end = offset + 4 + length
+            if end > size:
+                break
+            message = pickle.loads(buffer[offset + 4 : end])
+            offset = end
+            self.on_message(message)
+        if offset:
+            del buffer[:offset]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.on_lost()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            if self._outgoing:
+                self._flush()
+            self.transport.close()
+
+
+__all__ = ["Link"]

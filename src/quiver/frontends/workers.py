@@ -1,0 +1,258 @@
+"""The model side of ``--http-workers N``: N HTTP frontend worker processes
+(:mod:`quiver.frontends.http_worker`) accept on the one HTTP listening socket this process
+bound; each hands decoded inference requests to this process over its link
+(:mod:`quiver.frontends.worker_link`), where they go through ``InferenceService.infer`` as
+any request does, and every other HTTP request to the v2 application here.
+
+A worker that dies is started again (its clients' connections break, as with any crashed
+server; the others are untouched); one that keeps dying right after its start is retried at
+most every few seconds. Stopping: SIGTERM to every worker, each stops accepting and finishes
+its requests in flight, then this side stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from quiver.errors import ErrorCode, QuiverError
+from quiver.frontends.status import http_error
+from quiver.frontends.worker_link import Link
+from quiver.service import InferenceService
+from quiver.types import InferenceRequest
+
+logger = logging.getLogger(__name__)
+
+#: A worker is not restarted more often than this (seconds), so one that cannot start does
+#: not spin.
+RESTART_BACKOFF = 2.0
+#: How long a worker may take to say it is ready.
+READY_TIMEOUT = 60.0
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: asyncio.subprocess.Process
+    link: Link
+    ready: asyncio.Future[int]
+    started: float
+    tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+
+
+class HttpWorkers:
+    """``count`` worker processes serving ``sock`` for ``service`` and ``app`` (the v2 HTTP
+    application of this process, which answers what is not an inference)."""
+
+    name = "HTTP"
+
+    def __init__(
+        self,
+        service: InferenceService,
+        app: Any,
+        sock: socket.socket,
+        count: int,
+        *,
+        max_input_size: int,
+        restricted_api: list[str],
+        graceful_seconds: float = 30.0,
+        log_verbose: int = 0,
+        header_forward_pattern: str | None = None,
+    ) -> None:
+        self.service = service
+        self.app = app
+        self.socket = sock
+        self.count = count
+        self.max_input_size = max_input_size
+        self.restricted_api = restricted_api
+        self.graceful_seconds = graceful_seconds
+        self.log_verbose = log_verbose
+        self.header_forward_pattern = header_forward_pattern
+        self.workers: dict[int, _Worker] = {}
+        self._stopping = False
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers.values()]
+
+    async def start(self) -> None:
+        """Start every worker and wait until each accepts connections."""
+        for index in range(self.count):
+            await self._spawn(index)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.ready for w in self.workers.values())), READY_TIMEOUT)
+        except (TimeoutError, OSError) as exc:
+            raise OSError(f"the HTTP workers did not start: {exc or 'timed out'}") from None
+
+    async def _spawn(self, index: int) -> _Worker:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "quiver.frontends.http_worker",
+                "--listen-fd", str(self.socket.fileno()),
+                "--link-fd", str(theirs.fileno()),
+                "--max-input-size", str(self.max_input_size),
+                "--restricted-api", json.dumps(self.restricted_api),
+                "--graceful-seconds", str(self.graceful_seconds),
+                "--log-verbose", str(self.log_verbose),
+                *(("--http-header-forward-pattern", self.header_forward_pattern) if self.header_forward_pattern else ()),
+                pass_fds=(self.socket.fileno(), theirs.fileno()),
+                stdin=asyncio.subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        ready: asyncio.Future[int] = loop.create_future()
+        holder: list[_Worker] = []
+        _, link = await loop.create_unix_connection(
+            lambda: Link(lambda m: self._on_message(holder[0], m), lambda: self._on_lost(holder[0])), sock=ours
+        )
+        worker = _Worker(index, process, link, ready, time.monotonic())
+        holder.append(worker)
+        self.workers[index] = worker
+        watcher = asyncio.create_task(self._watch(worker), name=f"quiver-http-worker-{index}")
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        return worker
+
+    async def _watch(self, worker: _Worker) -> None:
+        code = await worker.process.wait()
+        worker.link.close()
+        if not worker.ready.done():
+            worker.ready.set_exception(OSError(f"HTTP worker {worker.index} exited with {code} at start"))
+            worker.ready.exception()  # seen: start() raises it; for a restart this log line says it
+        if self._stopping:
+            return
+        logger.warning("HTTP worker %d (pid %d) exited with %s; starting it again", worker.index, worker.process.pid, code)
+        started = worker.started
+        while not self._stopping:
+            wait = started + RESTART_BACKOFF - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if self._stopping:
+                return
+            started = time.monotonic()
+            try:
+                await self._spawn(worker.index)  # its own watcher takes over from here
+                return
+            except OSError as exc:
+                logger.error("HTTP worker %d could not be started again: %s; retrying", worker.index, exc)
+
+    # -- the links -------------------------------------------------------------------
+
+    def _on_message(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "infer":
+            ident = message[1]
+            worker.tasks[ident] = asyncio.create_task(self._infer(worker, ident, message[2]))
+        elif kind == "cancel":
+            task = worker.tasks.get(message[1])
+            if task is not None:
+                task.cancel()
+        elif kind == "forward":
+            ident = message[1]
+            worker.tasks[ident] = asyncio.create_task(self._forward(worker, ident, message[2], message[3]))
+        elif kind == "ready" and not worker.ready.done():
+            worker.ready.set_result(message[1])
+
+    def _on_lost(self, worker: _Worker) -> None:
+        for task in worker.tasks.values():
+            task.cancel()  # nobody to answer: queued requests leave their queues
+
+    async def _infer(self, worker: _Worker, ident: int, request: InferenceRequest) -> None:
+        # Traces are sampled here, where the trace settings live: a worker's request is traced
+        # from its arrival on the model side (no HTTP_* timestamps of the worker's).
+        trace = self.service.start_trace(request.model_name)
+        request.trace = trace
+        try:
+            response = await self.service.infer(request)
+            if trace is not None:
+                trace.capture("INFER_RESPONSE_COMPLETE")
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            code = exc.code if isinstance(exc, QuiverError) else ErrorCode.INTERNAL
+            _, message = http_error(exc, model=request.model_name, where=f"inference on model '{request.model_name}'")
+            worker.link.send(("error", ident, code.name, message))
+        else:
+            queues = self.service.queues(request.model_name, request.model_version)
+            worker.link.send(("ok", ident, response, queues))
+        finally:
+            worker.tasks.pop(ident, None)
+            if trace is not None:
+                trace.release()
+
+    async def _forward(self, worker: _Worker, ident: int, scope: dict[str, Any], body: bytes) -> None:
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if sent:
+                await asyncio.Event().wait()  # no more body; a disconnect never comes
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        status = 500
+        headers: list[tuple[bytes, bytes]] = []
+        chunks: list[bytes] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status, headers
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            return
+        except Exception:  # the application answered it already (its exception handler)
+            logger.debug("forwarded %s %s raised after answering", scope.get("method"), scope.get("path"), exc_info=True)
+        finally:
+            worker.tasks.pop(ident, None)
+        worker.link.send(("http", ident, status, headers, b"".join(chunks)))
+
+    # -- stopping ----------------------------------------------------------------------
+
+    async def begin_stop(self) -> None:
+        """Every worker stops taking connections and finishes what it has."""
+        self._stopping = True
+        for worker in self.workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGTERM)
+
+    async def close(self) -> None:
+        await self.begin_stop()
+        processes = [w.process for w in self.workers.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in processes)), self.graceful_seconds + 5)
+        except TimeoutError:
+            for process in processes:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+            await asyncio.gather(*(p.wait() for p in processes))
+        for worker in self.workers.values():
+            if worker.process.returncode != 0:
+                logger.warning(
+                    "HTTP worker %d (pid %d) exited with %s while stopping",
+                    worker.index, worker.process.pid, worker.process.returncode,
+                )
+        for watcher in list(self._watchers):
+            watcher.cancel()
+        for worker in self.workers.values():
+            worker.link.close()
+        self.socket.close()
+
+
+__all__ = ["HttpWorkers"]

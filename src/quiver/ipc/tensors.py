@@ -1,0 +1,77 @@
+"""Tensors into a shared-memory pool and back out as numpy views.
+
+A tensor crosses as a descriptor ``[name, datatype, shape, segment, offset, nbytes]`` (Triton
+datatype names, ``"FP32"``); the bytes are in the pool. Fixed-size datatypes are read back as a
+numpy array over the shared memory itself (no copy); BYTES tensors are written in Triton's
+length-prefixed encoding and decoded into an object array of ``bytes`` (a copy, as every BYTES
+path in Quiver makes). An empty tensor has no block (segment ``""``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from quiver.ipc.shm import Arena, Block, Mapper
+from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
+from quiver.types import DataType
+
+Descriptor = list[Any]
+
+
+def numpy_dtype(datatype: str) -> np.dtype[Any]:
+    return DataType[datatype].numpy_dtype
+
+
+def write(arena: Arena, name: str, datatype: str, array: np.ndarray[Any, Any], blocks: list[Block]) -> Descriptor:
+    """Copy ``array`` into ``arena``; the block is appended to ``blocks`` (free them when the
+    reader is done). Raises PoolFullError when it does not fit."""
+    shape = [int(d) for d in array.shape]
+    if datatype == "BYTES":
+        encoded = serialize_bytes(array)
+        if not encoded:
+            return [name, datatype, shape, "", 0, 0]
+        block, view = arena.alloc(len(encoded))
+        view[:] = encoded
+    else:
+        data = np.ascontiguousarray(array)
+        nbytes = data.nbytes
+        if nbytes == 0:
+            return [name, datatype, shape, "", 0, 0]
+        block, view = arena.alloc(nbytes)
+        np.frombuffer(view, dtype=np.uint8, count=nbytes)[:] = data.reshape(-1).view(np.uint8)
+    blocks.append(block)
+    return [name, datatype, shape, block.segment, block.offset, block.size]
+
+
+def read(mapper: Mapper, descriptor: Descriptor, *, copy: bool = False) -> tuple[str, str, tuple[int, ...], np.ndarray[Any, Any]]:
+    """``(name, datatype, shape, array)``: a view of the shared memory (``copy`` for an array
+    of its own). ValueError for a descriptor that does not add up."""
+    name, datatype, shape, segment, offset, nbytes = descriptor
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"tensor '{name}' has a negative dimension in shape {list(dims)}")
+    count = 1
+    for d in dims:
+        count *= d
+    if datatype == "BYTES":
+        data = bytes(mapper.view(segment, offset, nbytes)) if nbytes else b""
+        array = deserialize_bytes(data, count, name).reshape(dims)
+        return name, datatype, dims, array
+    dtype = numpy_dtype(datatype)
+    if count * dtype.itemsize != nbytes:
+        raise ValueError(
+            f"tensor '{name}': {nbytes} bytes do not hold shape {list(dims)} of {datatype}"
+        )
+    if nbytes == 0:
+        return name, datatype, dims, np.empty(dims, dtype=dtype)
+    array = np.frombuffer(mapper.view(segment, offset, nbytes), dtype=dtype, count=count).reshape(dims)
+    if copy:
+        array = array.copy()
+    return name, datatype, dims, array
+
+
+def blocks_of(descriptors: list[Descriptor]) -> list[list[Any]]:
+    """The ``[segment, offset]`` pairs to release once ``descriptors`` are read."""
+    return [[d[3], d[4]] for d in descriptors if d[3]]

@@ -1,0 +1,119 @@
+"""quiver.ipc: shared-memory pools (allocation, growth, limits, names), tensors through them
+(numpy views, BYTES), and the control channel's framing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+
+import numpy as np
+import pytest
+
+from quiver.ipc import tensors
+from quiver.ipc.channel import MAX_FRAME, AsyncChannel, Channel, ChannelError, encode
+from quiver.ipc.shm import SHM_DIR, Arena, Block, Mapper, PoolFullError, unlink_prefixed
+
+
+@pytest.fixture
+def prefix() -> str:
+    tag = f"quiver_unit_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+    yield tag
+    unlink_prefixed(tag)
+
+
+def test_an_arena_reuses_freed_blocks_and_grows_by_segments(prefix: str) -> None:
+    arena = Arena(prefix + "a", 4096, 8192, 64 * 1024)
+    first, view = arena.alloc(1000)
+    view[:3] = b"abc"
+    second, _ = arena.alloc(3000)
+    assert first.segment == second.segment and arena.total_bytes == 4096
+    third, _ = arena.alloc(5000)  # does not fit the first segment: a second one, >= growth
+    assert third.segment != first.segment and arena.total_bytes == 4096 + 8192
+    arena.free(first.segment, first.offset)
+    arena.free(second.segment, second.offset)
+    again, _ = arena.alloc(4000)  # the freed neighbours were merged
+    assert (again.segment, again.offset) == (first.segment, 0)
+    assert sorted(os.listdir(SHM_DIR)).count(first.segment) == 1
+    arena.close()
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+
+
+def test_a_full_pool_names_its_sizes_and_the_setting(prefix: str) -> None:
+    arena = Arena(prefix + "a", 4096, 4096, 8192)
+    arena.alloc(4096)
+    arena.alloc(4096)
+    with pytest.raises(PoolFullError, match=r"needs 64 more bytes but holds 8192 of at most 8192 bytes.*shm-max-byte-size"):
+        arena.alloc(10)
+    arena.close()
+
+
+@pytest.mark.parametrize(
+    ("datatype", "array"),
+    [
+        ("FP32", np.arange(12, dtype=np.float32).reshape(3, 4)),
+        ("INT64", np.array([], dtype=np.int64).reshape(0, 2)),
+        ("BOOL", np.array([True, False])),
+        ("BYTES", np.array([b"a", b"", "\u00e9".encode()], dtype=object).reshape(1, 3)),
+    ],
+)
+def test_tensors_cross_as_views_of_the_pool(prefix: str, datatype: str, array: np.ndarray) -> None:  # type: ignore[type-arg]
+    arena = Arena(prefix + "s", 4096, 4096, 1 << 20)
+    blocks: list[Block] = []
+    descriptor = tensors.write(arena, "T", datatype, array, blocks)
+    mapper = Mapper(prefix + "s")
+    name, got_type, shape, got = tensors.read(mapper, descriptor)
+    assert (name, got_type, shape) == ("T", datatype, array.shape)
+    assert got.tolist() == array.tolist()
+    if datatype == "FP32":
+        assert not got.flags.owndata  # a view of the shared memory, no copy
+        arena_view = mapper.view(descriptor[3], descriptor[4], descriptor[5])
+        np.frombuffer(arena_view, dtype=np.float32)[0] = 99  # both sides see one memory
+        assert got[0, 0] == 99
+    assert tensors.blocks_of([descriptor]) == ([[b.segment, b.offset] for b in blocks])
+    mapper.close()
+    arena.close()
+
+
+def test_a_mapper_refuses_other_names_and_blocks_outside_a_segment(prefix: str) -> None:
+    arena = Arena(prefix + "s", 4096, 4096, 1 << 20)
+    block, _ = arena.alloc(10)
+    mapper = Mapper(prefix + "s")
+    with pytest.raises(ValueError, match="not one of this channel's"):
+        mapper.view("some_other_segment", 0, 1)
+    with pytest.raises(ValueError, match="outside segment"):
+        mapper.view(block.segment, 4000, 200)
+    with pytest.raises(ValueError, match="do not hold shape"):
+        tensors.read(mapper, ["T", "FP32", [4], block.segment, 0, 10])
+    mapper.close()
+    arena.close()
+
+
+def test_the_channel_frames_json_messages_both_ways() -> None:
+    left, right = socket.socketpair()
+    sender, receiver = Channel(left), Channel(right)
+    sender.send({"op": "response", "id": "7", "flags": 1})
+    sender.send({"op": "log", "message": "x" * 100_000})
+    assert receiver.recv() == {"op": "response", "id": "7", "flags": 1}
+    assert receiver.recv()["message"] == "x" * 100_000  # type: ignore[index]
+
+    async def over_asyncio() -> None:
+        channel = await AsyncChannel.open(right)
+        sender.send({"op": "done", "batch": 1})
+        assert await channel.recv() == {"op": "done", "batch": 1}
+        channel.send({"op": "cancel", "ids": ["1"]})
+        await asyncio.sleep(0)
+        assert sender.recv() == {"op": "cancel", "ids": ["1"]}
+        left.sendall(b"\x05\x00\x00\x00[1,2]")
+        with pytest.raises(ChannelError, match="not an object"):
+            await channel.recv()
+        left.sendall((MAX_FRAME + 1).to_bytes(4, "little"))
+        with pytest.raises(ChannelError, match="a frame of"):
+            await channel.recv()
+        left.close()
+        assert await channel.recv() is None
+        channel.close()
+
+    asyncio.run(over_asyncio())
+    assert encode({"op": "x"})[:4] == (len(b'{"op":"x"}')).to_bytes(4, "little")
