@@ -40,6 +40,7 @@ bench-batching: $(STAMP)
 	$(PY) -m benchmarks.batching $(ARGS)
 
 bench-multi-model: $(STAMP)
+	$(PY) -m benchmarks.eviction
 	$(PY) -m benchmarks.multi_model $(ARGS)
 
 bench-ray: $(STAMP)

@@ -108,6 +108,38 @@ def archive(i: int) -> bytes:
     return buffer.getvalue()
 
 
+class RssSampler:
+    """The RSS of process ``pid`` every ``interval`` seconds, in a thread, while in the ``with``."""
+
+    def __init__(self, pid: int, interval: float = 0.02) -> None:
+        import threading
+
+        self.pid, self.interval = pid, interval
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def read(self) -> int:
+        with open(f"/proc/{self.pid}/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.samples.append(self.read())
+            except OSError:
+                return
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def log(message: str) -> None:
     print(f"[multi-model {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -122,6 +154,7 @@ def post(url: str, body: bytes) -> dict[str, object]:
 
 
 SAMPLES = (
+    "quiver_model_memory_used_bytes",
     "quiver_model_cache_miss_total",
     "quiver_loaded_model_count",
     "quiver_model_evictions_total",
@@ -200,7 +233,19 @@ def serve_and_replay(
     log(" ".join(server.argv))
     with server:
         endpoints = server.endpoints
-        run = replay(str(endpoints.http), f"http://{endpoints.metrics}/metrics", trace, value_of)
+        metrics_url = f"http://{endpoints.metrics}/metrics"
+        sampler = RssSampler(server.pid)
+        baseline = sampler.read()
+        with sampler:
+            run = replay(str(endpoints.http), metrics_url, trace, value_of)
+        frameworks = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in urllib.request.urlopen(metrics_url, timeout=30).read().decode().splitlines()
+            if line.startswith("quiver_model_framework_bytes{")
+        )
+        # the models' share of the RSS: minus the server when ready and the frameworks' one-time bytes
+        run["max_model_rss_bytes"] = max((x - baseline - frameworks for x in sampler.samples), default=0)
+        run["rss_samples"] = len(sampler.samples)
     return run, server.exit_code
 
 
@@ -221,6 +266,7 @@ def replay(
     load_ms: list[float] = []
     before = metrics(metrics_url)
     most_loaded = 0
+    most_ledger = 0.0
     started = time.monotonic()
     for index, name in enumerate(trace):
         t0 = time.perf_counter()
@@ -258,6 +304,7 @@ def replay(
             )
         )
         most_loaded = max(most_loaded, int(now["quiver_loaded_model_count"]))
+        most_ledger = max(most_ledger, now["quiver_model_memory_used_bytes"])
         before = now
         if index % 500 == 0:
             log(
@@ -270,6 +317,7 @@ def replay(
         "load_ms": load_ms,
         "wall_s": time.monotonic() - started,
         "most_loaded": most_loaded,
+        "max_ledger_bytes": most_ledger,
         "evictions": before["quiver_model_evictions_total"],
     }
 
@@ -341,6 +389,11 @@ def main() -> int:
         "--zipf", type=float, default=1.0, help="Zipf exponent of the mix (default: 1.0)"
     )
     parser.add_argument("--seed", type=int, default=1, help="trace seed (default: 1)")
+    parser.add_argument(
+        "--eviction-policy",
+        default="",
+        help="the server's --model-eviction-policy (default: the server's default)",
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     parser.add_argument(
         "--plot-from",
@@ -359,6 +412,10 @@ def main() -> int:
         simulate,
         zipf_trace,
     )
+    from quiver.lifecycle.policies import DEFAULT_POLICY
+    from quiver.lifecycle.tinylfu import WTinyLFUPolicy
+
+    policy = args.eviction_policy or DEFAULT_POLICY
 
     ranks = [
         int(name.split("_")[1])
@@ -377,6 +434,8 @@ def main() -> int:
         # into the first model loaded), so the budget holds `resident` models after it
         limit = per_model * args.resident + 16 * MB
         flags = ["--model-control-mode", "on_demand", "--model-memory-limit", str(limit)]
+        if args.eviction_policy:
+            flags += ["--model-eviction-policy", args.eviction_policy]
         if not s3_mode:
             repo = tmp / "models"
             repo.mkdir()
@@ -431,6 +490,7 @@ def main() -> int:
     sizes = dict.fromkeys(set(trace), 1)
     lru = simulate(LRUPolicy(), trace, sizes, capacity)
     gds = simulate(GreedyDualSizePolicy(), trace, sizes, capacity)
+    tiny = simulate(WTinyLFUPolicy(), trace, sizes, capacity)
     best = belady(trace, sizes, capacity)
     lru_seq = lru_per_request(trace, capacity)
     best_seq = belady_per_request(trace, capacity)
@@ -464,6 +524,16 @@ def main() -> int:
         "server_hit_rate": served_hit_rate,
         "lru_simulated_hit_rate": lru.hit_rate,
         "gds_simulated_hit_rate": gds.hit_rate,
+        "tinylfu_simulated_hit_rate": tiny.hit_rate,
+        "eviction_policy": policy,
+        "server_hit_rate_to_belady": served_hit_rate / best.hit_rate,
+        "miss_minus_hit_ms": {
+            "p50": percentile(misses, 50) - percentile(hits, 50),
+            "p99": percentile(misses, 99) - percentile(hits, 50),
+        },
+        "max_model_rss_bytes": run["max_model_rss_bytes"],
+        "max_ledger_bytes": run["max_ledger_bytes"],
+        "rss_samples": run["rss_samples"],
         "belady_hit_rate": best.hit_rate,
         "loads": len(misses),
         "evictions": run["evictions"],
@@ -515,19 +585,23 @@ def main() -> int:
         "| measure | value |",
         "|---|---:|",
         f"| most models loaded at once (the room the simulations get) | {capacity} |",
-        f"| hit rate, Quiver (LRU) | {served_hit_rate:.3f} |",
-        f"| hit rate, LRU simulated on the same trace | {lru.hit_rate:.3f} |",
-        f"| hit rate, GreedyDual-Size simulated on the same trace | {gds.hit_rate:.3f} |",
+        f"| hit rate, Quiver ({policy}) (x Belady) | {served_hit_rate:.3f} ({served_hit_rate / best.hit_rate:.3f}) |",
+        f"| hit rate, W-TinyLFU simulated on the same trace (x Belady) | {tiny.hit_rate:.3f} ({tiny.hit_rate / best.hit_rate:.3f}) |",
+        f"| hit rate, LRU simulated on the same trace (x Belady) | {lru.hit_rate:.3f} ({lru.hit_rate / best.hit_rate:.3f}) |",
+        f"| hit rate, GreedyDual-Size simulated on the same trace (x Belady) | {gds.hit_rate:.3f} ({gds.hit_rate / best.hit_rate:.3f}) |",
         f"| hit rate, offline optimum (Belady MIN) | {best.hit_rate:.3f} |",
         f"| loads (misses) / evictions | {len(misses)} / {int(run['evictions'])} |",
         f"| loads per second | {result['loads_per_second']:.1f} |",
         f"| requests per second (one at a time) | {result['requests_per_second']:.1f} |",
         f"| hit latency p50 / p99 ms | {percentile(hits, 50):.2f} / {percentile(hits, 99):.2f} |",
     ]
+    extra = result["miss_minus_hit_ms"]
     if not s3_mode:
         rows += [
             f"| miss latency p50 / p99 ms (time to first inference of a cold model) | {percentile(misses, 50):.2f} / {percentile(misses, 99):.2f} |",
             f"| floor: same session created and run once in-process, p50 ms | {floor['session_ms']:.2f} |",
+            f"| what a miss adds (miss - hit p50), p50 / p99 ms (x floor) | {extra['p50']:.2f} ({extra['p50'] / floor['session_ms']:.1f}x) / "
+            f"{extra['p99']:.2f} ({extra['p99'] / floor['session_ms']:.1f}x) |",
         ]
     else:
         c, d = result["cold_miss_ms"], result["disk_cache_miss_ms"]
@@ -539,8 +613,16 @@ def main() -> int:
             f"| disk-cache miss p50 split: load / rest ms | {d['load_p50']:.2f} / {d['rest_p50']:.2f} |",
             f"| floor, in-process p50 ms: boto3 GET / extract / session + run = total | "
             f"{floor['download_ms']:.2f} / {floor['extract_ms']:.2f} / {floor['session_ms']:.2f} = {floor['total_ms']:.2f} |",
+            f"| what a disk-cache miss adds (p50 - hit p50) ms (x floor: extract + session) | {d['p50'] - percentile(hits, 50):.2f} "
+            f"({(d['p50'] - percentile(hits, 50)) / (floor['extract_ms'] + floor['session_ms']):.1f}x) |",
+            f"| what a cold miss adds (p50 - hit p50) ms (x floor: GET + extract + session) | {c['p50'] - percentile(hits, 50):.2f} "
+            f"({(c['p50'] - percentile(hits, 50)) / floor['total_ms']:.1f}x) |",
         ]
-    rows.append("")
+    rows += [
+        f"| most model memory: sampled RSS (minus the server when ready and the frameworks) / ledger / limit MiB | "
+        f"{run['max_model_rss_bytes'] / MB:.1f} / {run['max_ledger_bytes'] / MB:.1f} / {limit / MB:.1f} |",
+        "",
+    ]
     table = "\n".join(rows)
     (args.output_dir / f"{stem}.md").write_text(table)
     print(table)

@@ -87,7 +87,7 @@ def multi_model(data: dict[str, Any], png: Path) -> None:
     window = max(10, min(250, len(per["kinds"]) // 10))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True)
     for label, seq, style in (
-        ("Quiver (LRU)", [k == "H" for k in per["kinds"]], "-"),
+        (f"Quiver ({data.get('eviction_policy', 'lru')})", [k == "H" for k in per["kinds"]], "-"),
         ("LRU simulated", [k == "H" for k in per["lru_simulated"]], "--"),
         ("Belady MIN (offline optimum)", [k == "H" for k in per["belady"]], ":"),
     ):
@@ -124,6 +124,28 @@ def multi_model(data: dict[str, Any], png: Path) -> None:
     bottom.set_xlabel("request in the trace")
     bottom.legend(loc="upper right", fontsize=8, markerscale=3)
     bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def eviction(data: dict[str, Any], png: Path) -> None:
+    """Hit rate per policy per trace, bars, with Belady's as a marker on each trace."""
+    plt = _pyplot()
+    rows = data["rows"]
+    policies = list(data["policies"])
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(policies)
+    for k, name in enumerate(policies):
+        xs = [i + (k - (len(policies) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [r[name] for r in rows], width, label=data["policies"][name])
+    ax.scatter(range(len(rows)), [r["belady"] for r in rows], marker="_", s=900, color="black", zorder=3, label="Belady (offline)")
+    ax.set_xticks(range(len(rows)), [r["trace"] for r in rows])
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0, 1)
+    ax.grid(axis="y", alpha=0.3)
+    s = data["settings"]
+    ax.set_title(f"{s['models']} models, room for {s['room']}, {s['requests']} requests per trace", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -230,7 +252,7 @@ def soak(report: dict[str, Any], png: Path) -> None:
 
 PLOTS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "batching": batching, "http_throughput": http_throughput, "multi_model": multi_model,
-    "compare": compare, "soak": soak,
+    "compare": compare, "soak": soak, "eviction": eviction,
 }
 
 

@@ -200,12 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_argument(
         "--model-eviction-policy",
-        choices=["lru", "gds", "none"],
-        default="lru",
-        help="which models go first under --model-memory-limit: least recently used, or "
-        "GreedyDual-Size (favours keeping small, often used models); 'none' unloads nothing: "
-        "a load that does not fit fails at once (507 on SageMaker, whose platform then "
-        "unloads models and retries) (default: lru)",
+        choices=["tinylfu", "lru", "gds", "none"],
+        default="tinylfu",
+        help="which models go first under --model-memory-limit: tinylfu (W-TinyLFU: keeps "
+        "models by how often they are used as well as how recently, per byte, so one-off "
+        "requests and scans do not flush often used models), lru (least recently used), "
+        "gds (GreedyDual-Size: favours keeping small models), or none (unload nothing: a load "
+        "that does not fit fails at once, 507 on SageMaker, whose platform then unloads "
+        "models and retries) (default: tinylfu)",
+    )
+    models.add_argument(
+        "--model-evict-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="under --model-memory-limit, after each load unload the eviction policy's "
+        "victims in the background until the free bytes would hold another model like it, "
+        "so a miss finds its room free instead of waiting for an unload (default: on)",
     )
     _flag(
         models,

@@ -100,6 +100,7 @@ def assemble(settings: Settings) -> Parts:
         memory_limit_bytes=settings.model_memory_limit,
         gpu_limit=settings.model_load_gpu_limit,
         eviction_policy=settings.model_eviction_policy,
+        evict_ahead=settings.model_evict_ahead,
         load_wait_timeout=settings.model_load_wait_timeout,
         startup_models=list(settings.load_models),
         strict_config=settings.strict_model_config,

@@ -44,6 +44,7 @@ from quiver.frontends.sagemaker import (
     parse_port_range,
 )
 from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
+from quiver.lifecycle.policies import DEFAULT_POLICY
 from quiver.repository.archive import DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO
 from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT
 from quiver.repository.storage import RetryPolicy
@@ -128,7 +129,8 @@ class Settings:
     load_models: tuple[str, ...] = ()
     model_memory_limit: int = 0
     model_load_gpu_limit: float = 0.0  # fraction of each GPU's memory; 0: no limit
-    model_eviction_policy: str = "lru"
+    model_eviction_policy: str = DEFAULT_POLICY
+    model_evict_ahead: bool = True
     model_load_wait_timeout: float = 60.0
     repository_poll_secs: float = 15.0
     strict_model_config: bool = False
@@ -449,6 +451,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         model_memory_limit=args.model_memory_limit or 0,
         model_load_gpu_limit=gpu_limit,
         model_eviction_policy=args.model_eviction_policy,
+        model_evict_ahead=args.model_evict_ahead,
         model_load_wait_timeout=args.model_load_wait_timeout,
         repository_poll_secs=args.repository_poll_secs,
         strict_model_config=args.strict_model_config or args.disable_auto_complete_config,

@@ -1,4 +1,4 @@
-"""On-demand loading under a memory budget: single flight, LRU eviction, pins, failures."""
+"""On-demand loading under a memory budget: single flight, eviction, pins, failures."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_skewed_load_over_more_models_than_fit(repository: Path) -> None:
     """A Zipf-like mix over 12 models with memory for about 3: every answer right, never more
-    models resident than fit, each model loaded once per miss and evicted least recently used."""
+    models resident than fit, each model loaded once per miss and evicted by the policy."""
     args = ("--model-control-mode=on_demand", "--model-memory-limit", f"{3 * WEIGHT_MB + 20}M")
     with QuiverServer(repository, args=args) as server:
         client = httpclient.InferenceServerClient(server.url)
@@ -148,9 +148,16 @@ def test_skewed_load_over_more_models_than_fit(repository: Path) -> None:
         limit = (3 * WEIGHT_MB + 20) * MB
         assert most < 12 and sum(sizes[m] for m in ready(client)) <= limit
         assert min(sizes.values()) > WEIGHT_MB * MB // 2  # the footprint was really measured
-        loads = len(re.findall(r"loaded model 'm\d\d' version", server.log))
-        evictions = len(re.findall(r"evicted to make room", server.log))
-        assert loads == evictions + len(ready(client))  # every resident or evicted model loaded once per miss
+        def counts() -> tuple[int, int, int]:
+            loads = len(re.findall(r"loaded model 'm\d\d' version", server.log))
+            evictions = len(re.findall(r"evicted to make room", server.log))
+            return loads, evictions, len(ready(client))
+
+        deadline = time.monotonic() + 10  # an eviction ahead of need may still be unloading
+        while (c := counts())[0] != c[1] + c[2] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        loads, evictions, resident = counts()
+        assert loads == evictions + resident  # every resident or evicted model loaded once per miss
         assert evictions > 0
         index = {e["name"]: e for e in client.get_model_repository_index()}
         assert any(e.get("reason", "").startswith("evicted to make room") for e in index.values())

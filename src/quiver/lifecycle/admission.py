@@ -33,8 +33,9 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
+from quiver.lifecycle.configs import ConfigCache
 from quiver.lifecycle.dependencies import DependencyGraph
-from quiver.lifecycle.eviction import Candidate, EvictionPolicy, GreedyDualSizePolicy, LRUPolicy
+from quiver.lifecycle.eviction import Candidate, EvictionPolicy, LRUPolicy
 from quiver.lifecycle.frameworks import prime
 from quiver.lifecycle.loader import LoadOutcome, backend_name
 from quiver.lifecycle.locks import ModelLocks
@@ -47,11 +48,16 @@ from quiver.lifecycle.memory import (
 )
 from quiver.lifecycle.model import Model
 from quiver.lifecycle.pins import Pins
+from quiver.lifecycle.policies import DEFAULT_POLICY, make_policy
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.table import ModelTable
 from quiver.repository.local import ModelSource
 
-__all__ = ["AdmissionControl", "Unloader"]
+__all__ = ["AHEAD", "AdmissionControl", "Unloader"]
+
+#: The reservation evictions ahead of need are made under: not a model name (model names are
+#: checked and cannot hold a NUL), so it never meets a model's reservation or claims.
+AHEAD = "\0ahead"
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +83,14 @@ class AdmissionControl:
         pool: LoadPool,
         clock: Clock,
         memory_limit_bytes: int = 0,
-        eviction_policy: str = "lru",
+        eviction_policy: str = DEFAULT_POLICY,
         load_wait_timeout: float = 60.0,
         strict: bool = False,
         gpu_limit: float = 0.0,
         gpu_reader: Callable[[], Mapping[int, tuple[int, int]] | None] | None = None,
         meter: MemoryMeter | None = None,
         predictor: SizePredictor | None = None,
+        evict_ahead: bool = True,
     ) -> None:
         self._table = table
         self._graph = graph
@@ -101,13 +108,16 @@ class AdmissionControl:
         if self.budget is not None:
             fix_mmap_threshold()  # RSS deltas that belong to one load (lifecycle.memory)
         self._frameworks: dict[str, int] = {}  # framework -> its one-time bytes, measured once
+        #: Configurations read and prepared once per version of a model's files (the loads share it).
+        self.configs = ConfigCache()
+        self.evict_ahead = evict_ahead and eviction_policy != "none"  # none: nothing unloads
+        self._ahead_running = False
+        self._last_size = 0  # bytes of the last model loaded: what the next miss likely needs
         self._prime_lock = asyncio.Lock()
-        self.policy: EvictionPolicy = (
-            GreedyDualSizePolicy() if eviction_policy in ("gds", "greedy-dual-size") else LRUPolicy()
-        )
         #: ``none``: a load that does not fit fails at once (OutOfMemoryError; 507 on the
         #: SageMaker routes) instead of unloading other models: the platform decides.
         self.evicts = eviction_policy != "none"
+        self.policy: EvictionPolicy = make_policy(eviction_policy if self.evicts else "lru")
         self._meter = meter or MemoryMeter(clock=clock)
         self._predictor = predictor or SizePredictor()
         # --model-load-gpu-limit: on only when a GPU can be read; loaded name -> GPU bytes per device.
@@ -301,7 +311,7 @@ class AdmissionControl:
             if outcome.models:
                 self._remember_gpu(identity, footprint.gpu_bytes)
             return outcome
-        await self._prime_framework(source, override)
+        await self._prime_framework(source, override, identity.fingerprint)
         prediction = self._predictor.predict(identity, source.path)
         timeout = self.load_wait_timeout
         admission = await self.gate.reserve(
@@ -358,6 +368,7 @@ class AdmissionControl:
             model.last_used = now
         self.policy.touch(name, size, now, load_cost_s=load_seconds)
         budget.commit(name, size)
+        self._last_size = size
         logger.info(
             "model '%s' takes %d bytes of host memory (%s %d, predicted %d from %s); "
             "%d of %d bytes in use",
@@ -406,18 +417,54 @@ class AdmissionControl:
                 f"bytes predicted, and the excess does not fit: {exc.message}"
             ) from None
 
+    async def make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
+        """Evict ahead of need, off any request's path: after ``loaded`` loaded, when fewer
+        bytes are free than it took (what the next miss likely needs), reserve that many under
+        :data:`AHEAD` (the policy picks victims among models not in use, never ``loaded``),
+        unload the victims, then give the reservation back, so the next miss finds its room
+        free instead of waiting for an unload. The ledger stays honest throughout: a victim
+        counts until its unload has finished. One at a time; nothing when the budget is off,
+        when ``evict_ahead`` is off, or when nothing but models in use could go."""
+        budget = self.budget
+        want = self._last_size
+        if budget is None or not self.evict_ahead or self._ahead_running or budget.available >= want:
+            return
+        self._ahead_running = True
+        try:
+            candidates = [c for c in self.candidates(loaded) if c.name != AHEAD]
+            decision = budget.admit(AHEAD, want, self.policy, candidates)
+            if not isinstance(decision, Admission):
+                return  # only models in use or loads under way stand in the way: the next miss waits as usual
+            try:
+                await self._evict(decision, AHEAD, unloader)
+            finally:
+                budget.cancel(AHEAD)
+        except OutOfMemoryError:
+            return
+        finally:
+            self._ahead_running = False
+
     async def _evict(self, admission: Admission, loading: str, unloader: Unloader) -> None:
         """Unload the models the admission claimed for ``loading`` (ensembles that need them
         first); their bytes come to its reservation as each unload finishes."""
         for victim in admission.victims:
             await unloader.evict(victim, loading, claimed=True)
 
-    async def _prime_framework(self, source: ModelSource, override: pb.ModelConfig | None) -> None:
+    async def _prime_framework(
+        self, source: ModelSource, override: pb.ModelConfig | None, fingerprint: str
+    ) -> None:
         """Pay the model's framework's one-time process cost (import, first session) once, in
         a measured section of its own, so no model's measured size includes it. Reported,
         not counted in the budget (see :mod:`quiver.lifecycle.memory`)."""
         backend = await self._pool.run(
-            functools.partial(backend_name, source, strict=self._strict, override=override)
+            functools.partial(
+                backend_name,
+                source,
+                strict=self._strict,
+                override=override,
+                configs=self.configs,
+                fingerprint=fingerprint,
+            )
         )
         if not backend or backend in self._frameworks:
             return

@@ -27,6 +27,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.config import parse_model_config
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.lifecycle.configs import ConfigCache
 from quiver.lifecycle.loader import read_proto
 from quiver.repository.local import CONFIG_FILENAME, ModelSource, config_file
 
@@ -72,13 +73,18 @@ def folder_steps(folder: Path) -> set[str] | None:
 
 
 def composing_of(
-    source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None
+    source: ModelSource,
+    *,
+    strict: bool,
+    override: pb.ModelConfig | None = None,
+    configs: ConfigCache | None = None,
+    fingerprint: str = "",
 ) -> list[str] | None:
     """The models the ensemble at ``source`` is composed of, sorted (the names it is served
     with: an archive's steps are namespaced); None when it is not an ensemble or its config
     cannot be read (errors are left for the load to report)."""
     try:
-        proto = read_proto(source, strict=strict, override=override)
+        proto = read_proto(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
     except QuiverError:
         return None
     steps = ensemble_steps(proto)

@@ -40,6 +40,10 @@ __all__ = [
     "LRUPolicy",
     "SimulationResult",
     "belady",
+    "fits_at_all",
+    "mixed_sizes",
+    "scan_trace",
+    "shifting_trace",
     "simulate",
     "zipf_trace",
 ]
@@ -90,7 +94,7 @@ class EvictionPolicy(Protocol):
         ...
 
 
-def _fits_at_all(candidates: Sequence[Candidate], need_bytes: int, free_bytes: int) -> bool:
+def fits_at_all(candidates: Sequence[Candidate], need_bytes: int, free_bytes: int) -> bool:
     evictable = sum(c.size_bytes for c in candidates if not c.pinned)
     return free_bytes + evictable >= need_bytes
 
@@ -125,7 +129,7 @@ class LRUPolicy:
     def victims(
         self, candidates: Sequence[Candidate], need_bytes: int, free_bytes: int
     ) -> list[str]:
-        if need_bytes <= free_bytes or not _fits_at_all(candidates, need_bytes, free_bytes):
+        if need_bytes <= free_bytes or not fits_at_all(candidates, need_bytes, free_bytes):
             return []
         ordered = sorted(
             (c for c in candidates if not c.pinned), key=lambda c: (c.last_used, c.name)
@@ -189,7 +193,7 @@ class GreedyDualSizePolicy:
     def victims(
         self, candidates: Sequence[Candidate], need_bytes: int, free_bytes: int
     ) -> list[str]:
-        if need_bytes <= free_bytes or not _fits_at_all(candidates, need_bytes, free_bytes):
+        if need_bytes <= free_bytes or not fits_at_all(candidates, need_bytes, free_bytes):
             return []
         ordered = sorted(
             (c for c in candidates if not c.pinned),
@@ -241,6 +245,9 @@ def simulate(
     The clock is the request index. Nothing is pinned (requests are served one at a time).
     A miss loads the model (evicting the policy's victims first); ``load_costs`` gives
     cost-aware policies a load time per model (seconds).
+
+    As in the server, a model is touched when its load finishes and again when the request
+    that asked for it is served (so a miss touches it twice, a hit once).
     """
     resident: dict[str, Candidate] = {}
     used = hits = misses = loads = evictions = rejected = 0
@@ -267,6 +274,7 @@ def simulate(
         used += size
         loads += 1
         policy.touch(name, size, float(now), load_cost_s=cost)
+        policy.touch(name, size, float(now))
     return _result(hits, misses, loads, evictions, rejected)
 
 
@@ -339,3 +347,53 @@ def zipf_trace(n_models: int, n_requests: int, s: float, seed: int) -> list[str]
     rng = random.Random(seed)
     picks = [bisect.bisect_left(cumulative, rng.random() * total) for _ in range(n_requests)]
     return [names[min(p, n_models - 1)] for p in picks]
+
+
+def shifting_trace(
+    n_models: int, n_requests: int, s: float, seed: int, *, period: int
+) -> list[str]:
+    """A Zipf(``s``) trace whose popularity shifts every ``period`` requests: at each shift the
+    ranks are dealt to the models afresh (a seeded shuffle), so yesterday's hot models turn
+    cold and cold ones hot."""
+    if period <= 0:
+        raise ValueError("period must be positive")
+    base = zipf_trace(n_models, n_requests, s, seed)
+    width = max(5, len(str(n_models - 1)))
+    names = [f"model_{k:0{width}d}" for k in range(n_models)]
+    rng = random.Random(seed + 1)
+    trace: list[str] = []
+    for start in range(0, n_requests, period):
+        shuffled = names[:]
+        rng.shuffle(shuffled)
+        rank = dict(zip(names, shuffled, strict=True))
+        trace.extend(rank[name] for name in base[start : start + period])
+    return trace
+
+
+def scan_trace(
+    n_models: int, n_requests: int, s: float, seed: int, *, scans: int = 2
+) -> list[str]:
+    """A Zipf(``s``) trace with ``scans`` batch jobs mixed in: each touches every model once
+    (in a seeded random order), inserted at evenly spaced points of the trace."""
+    base = zipf_trace(n_models, n_requests, s, seed)
+    width = max(5, len(str(n_models - 1)))
+    names = [f"model_{k:0{width}d}" for k in range(n_models)]
+    rng = random.Random(seed + 2)
+    trace: list[str] = []
+    step = n_requests // (scans + 1) if scans else n_requests
+    for index in range(scans + 1):
+        trace.extend(base[index * step : (index + 1) * step if index < scans else n_requests])
+        if index < scans:
+            batch = names[:]
+            rng.shuffle(batch)
+            trace.extend(batch)
+    return trace
+
+
+def mixed_sizes(names: Sequence[str], unit: int, spread: float, seed: int) -> dict[str, int]:
+    """Sizes for ``names`` spread log-uniformly over ``[unit, spread * unit]`` (seeded,
+    independent of popularity)."""
+    if spread < 1:
+        raise ValueError("spread must be at least 1")
+    rng = random.Random(seed + 3)
+    return {name: max(1, round(unit * spread ** rng.random())) for name in sorted(set(names))}

@@ -40,7 +40,7 @@ from quiver.errors import (
     QuiverError,
     UnavailableError,
 )
-from quiver.lifecycle.admission import AdmissionControl
+from quiver.lifecycle.admission import AHEAD, AdmissionControl
 from quiver.lifecycle.archives import archive_layout, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph, Namespace, composing_of
@@ -200,8 +200,16 @@ class ModelLifeCycle:
         if not serving:
             self._table.mark(name, ModelState.LOADING)
         fingerprint = await self._sources.fingerprint(source)
+        configs = self._admission.configs
         composing = await self._pool.run(
-            functools.partial(composing_of, source, strict=self._strict, override=override)
+            functools.partial(
+                composing_of,
+                source,
+                strict=self._strict,
+                override=override,
+                configs=configs,
+                fingerprint=fingerprint,
+            )
         )
         if composing is not None:
             outcome = await self._load_ensemble(source, composing, override, visiting | {name})
@@ -213,6 +221,8 @@ class ModelLifeCycle:
                 config_override=override,
                 inline_threshold_ns=self._inline_threshold_ns,
                 clock=self._clock,
+                configs=configs,
+                fingerprint=fingerprint,
             )
             outcome = await self._admission.load(
                 source, load, override=override, fingerprint=fingerprint, unloader=self
@@ -230,6 +240,8 @@ class ModelLifeCycle:
             return failures
         old = self._table.loaded(name)
         self._table.install(name, outcome)
+        if outcome.models and self._admission.evict_ahead and self._admission.budget is not None:
+            self.spawn(self._admission.make_room_ahead(name, self), name="quiver-evict-ahead")
         if outcome.models and composing is not None:
             self._graph.set_composing(name, composing)
         if old:
@@ -496,7 +508,12 @@ class ModelLifeCycle:
             if loaded is not None:
                 self._stats.evictions += 1
                 self._stats.eviction_age_s.observe(max(0.0, seconds(self._clock) - loaded.loaded_at))
-            await self.unload_locked(victim, f"evicted to make room for model '{loading}'")
+            reason = (
+                "evicted to make room for the next load"
+                if loading == AHEAD
+                else f"evicted to make room for model '{loading}'"
+            )
+            await self.unload_locked(victim, reason)
 
     # -- stopping ----------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from quiver.ensemble.plan import EnsemblePlan, build_plan
 from quiver.ensemble.scheduler import EnsembleScheduler, InferFn
 from quiver.errors import ConfigError, QuiverError
 from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
+from quiver.lifecycle.configs import ConfigCache, PreparedConfig
 from quiver.lifecycle.model import Model
 from quiver.lifecycle.warmup import build_warmup_samples, run_warmup
 from quiver.metrics.statistics import ModelStatistics
@@ -66,9 +67,29 @@ def read_config(
 
 
 def read_proto(
-    source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None
+    source: ModelSource,
+    *,
+    strict: bool,
+    override: pb.ModelConfig | None = None,
+    configs: ConfigCache | None = None,
+    fingerprint: str = "",
 ) -> pb.ModelConfig:
-    """:func:`read_config` without the backend: the framework is not imported."""
+    """:func:`read_config` without the backend: the framework is not imported. With
+    ``configs`` and the files' ``fingerprint`` (and no override), read once per fingerprint:
+    the proto returned is then shared, not to be changed."""
+    cached = configs is not None and bool(fingerprint) and override is None
+    if cached:
+        assert configs is not None
+        found = configs.read(source, fingerprint, strict)
+        if found is not None:
+            return found
+        proto = _read_proto(source, strict=strict, override=None)
+        configs.remember_read(source, fingerprint, strict, proto)
+        return proto
+    return _read_proto(source, strict=strict, override=override)
+
+
+def _read_proto(source: ModelSource, *, strict: bool, override: pb.ModelConfig | None) -> pb.ModelConfig:
     path = source.config_path
     if override is not None:
         proto = pb.ModelConfig()
@@ -127,28 +148,23 @@ def load_model(
     inline_threshold_ns: int = INLINE_THRESHOLD_NS,
     config_override: pb.ModelConfig | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    configs: ConfigCache | None = None,
+    fingerprint: str = "",
 ) -> LoadOutcome:
-    """Load every version the version policy selects; failures are reported, not raised."""
+    """Load every version the version policy selects; failures are reported, not raised.
+    With ``configs`` and the files' ``fingerprint``, the configuration is prepared (read,
+    auto-completed, validated, labels read) once per fingerprint."""
     started = seconds(clock)
     try:
-        proto, backend = read_config(source, strict=strict, override=config_override)
-        versions = source.versions()
-        if not versions:
-            raise ConfigError(f"model '{source.name}': no version folder in {source.path}")
-        if backend is None:
-            raise ConfigError(
-                f"model '{source.name}': platform '{proto.platform}' is not supported yet"
-            )
-        files = ModelFiles(source.repository, source.path, versions[-1])
-        backend.auto_complete(proto, files, strict)
-        config = ModelConfig.from_proto(proto, str(source.config_path))
-        selected = config.version_policy.select(versions)
+        prepared = _prepare(source, strict, config_override, configs, fingerprint)
+        config, labels = prepared.config, prepared.labels
+        backend = get_backend(prepared.proto.backend)
+        selected = config.version_policy.select(list(prepared.versions))
         if not selected:
             raise ConfigError(
                 f"model '{source.name}': version policy selects none of the versions on disk "
-                f"({', '.join(map(str, versions)) or 'none'})"
+                f"({', '.join(map(str, prepared.versions)) or 'none'})"
             )
-        labels = _read_labels(config, source.path)
     except QuiverError as exc:
         logger.error("failed to load model '%s': %s", source.name, exc)
         return LoadOutcome(None, [], {}, str(exc))
@@ -178,6 +194,39 @@ def load_model(
             elapsed,
         )
     return LoadOutcome(config, models, failures)
+
+
+def _prepare(
+    source: ModelSource,
+    strict: bool,
+    override: pb.ModelConfig | None,
+    configs: ConfigCache | None,
+    fingerprint: str,
+) -> PreparedConfig:
+    """The configuration to load ``source`` with: from ``configs`` when these files were
+    prepared before, else read, completed and validated (and remembered)."""
+    cached = configs is not None and bool(fingerprint) and override is None
+    if cached:
+        assert configs is not None
+        found = configs.prepared(source, fingerprint, strict)
+        if found is not None:
+            return found
+    read = read_proto(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
+    proto = pb.ModelConfig()
+    proto.CopyFrom(read)  # auto-complete writes to it; the one read may be shared
+    backend = get_backend(proto.backend) if proto.backend else None
+    versions = source.versions()
+    if not versions:
+        raise ConfigError(f"model '{source.name}': no version folder in {source.path}")
+    if backend is None:
+        raise ConfigError(f"model '{source.name}': platform '{proto.platform}' is not supported yet")
+    backend.auto_complete(proto, ModelFiles(source.repository, source.path, versions[-1]), strict)
+    config = ModelConfig.from_proto(proto, str(source.config_path))
+    prepared = PreparedConfig(proto, config, _read_labels(config, source.path), tuple(versions))
+    if cached:
+        assert configs is not None
+        configs.remember_prepared(source, fingerprint, strict, prepared)
+    return prepared
 
 
 def _load_version(
@@ -278,12 +327,20 @@ def _ensemble_labels(
     return labels
 
 
-def backend_name(source: ModelSource, *, strict: bool, override: pb.ModelConfig | None = None) -> str:
+def backend_name(
+    source: ModelSource,
+    *,
+    strict: bool,
+    override: pb.ModelConfig | None = None,
+    configs: ConfigCache | None = None,
+    fingerprint: str = "",
+) -> str:
     """The backend the model's config names (``onnxruntime``, ``pytorch``, ``python``...),
     without importing it; ``""`` when the config does not say or cannot be read (the load
     reports why)."""
     try:
-        return str(read_proto(source, strict=strict, override=override).backend)
+        proto = read_proto(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
+        return str(proto.backend)
     except QuiverError:
         return ""
 

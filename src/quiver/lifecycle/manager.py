@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import logging
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
@@ -55,6 +56,7 @@ from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import MemoryMeter, SizePredictor
 from quiver.lifecycle.model import Model, ModelState, VersionStatus
 from quiver.lifecycle.pins import Pins
+from quiver.lifecycle.policies import DEFAULT_POLICY
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.sources import DEFAULT_CACHE_BYTES, ModelSources
 from quiver.lifecycle.table import ModelTable
@@ -77,6 +79,10 @@ CONTROL_MODES = ("none", "explicit", "poll", "on_demand")
 _API_MODES = ("explicit", "on_demand")
 
 
+def _index_order(status: VersionStatus) -> tuple[str, int]:
+    return status.name, int(status.version) if status.version else -1
+
+
 class ModelRepositoryManager:
     def __init__(
         self,
@@ -89,7 +95,7 @@ class ModelRepositoryManager:
         load_retries: int = 0,
         inline_threshold_ns: int = INLINE_THRESHOLD_NS,
         memory_limit_bytes: int = 0,
-        eviction_policy: str = "lru",
+        eviction_policy: str = DEFAULT_POLICY,
         load_wait_timeout: float = 60.0,
         remote_repositories: Iterable[str] = (),
         s3_options: dict[str, Any] | None = None,
@@ -103,6 +109,7 @@ class ModelRepositoryManager:
         meter: MemoryMeter | None = None,
         predictor: SizePredictor | None = None,
         namespacing: bool = True,
+        evict_ahead: bool = True,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -144,6 +151,7 @@ class ModelRepositoryManager:
             gpu_reader=gpu_reader,
             meter=meter,
             predictor=predictor,
+            evict_ahead=evict_ahead,
         )
         # A model no longer pinned, or no longer loading or unloading: loads waiting for room look again.
         self._locks.on_release = self._pins.on_release = self.admission.notify
@@ -426,16 +434,14 @@ class ModelRepositoryManager:
         """Like :meth:`index`, plus models in the repositories never loaded (no state): model
         folders and, in on-demand mode, the keys it would load: archives in the local
         repositories, archives and folders in the S3 ones (an S3 repository that cannot be
-        listed is left out, with a warning)."""
-        sources, _ = await self._sources.scan()
-        names = set(sources)
-        if self.on_demand:
-            names |= await self._sources.stored_keys()
-        known = {s.name for s in self.index()}
-        entries = self.index() + [
-            VersionStatus(name, "", ModelState.UNKNOWN) for name in names if name not in known
-        ]
-        return sorted(entries, key=lambda s: (s.name, int(s.version) if s.version else -1))
+        listed is left out, with a warning). The listings are incremental
+        (:meth:`ModelSources.index_names`): with nothing changed, the index of 10,000 models
+        lists nothing."""
+        names = await self._sources.index_names(keys=self.on_demand)
+        known = sorted(self.index(), key=_index_order)  # nearly sorted already: cheap
+        seen = {s.name for s in known}
+        unknown = (VersionStatus(name, "", ModelState.UNKNOWN) for name in names if name not in seen)
+        return list(heapq.merge(known, unknown, key=_index_order))
 
     def request_done(self, model: Model) -> None:
         """A request on ``model`` finished (its pin may be released): loads waiting for room

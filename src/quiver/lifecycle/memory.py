@@ -23,9 +23,10 @@ never alongside a measured load (an unload freeing 100 MB during a measured load
 that load look 100 MB smaller). Inference in other threads still allocates while a load is
 measured; it is the remaining noise, small next to model weights. Second, glibc keeps freed
 memory in its heap: a load that parses a protobuf into temporary buffers shows those buffers
-in RSS until ``malloc_trim`` returns them. The meter collects garbage and trims (glibc only;
-elsewhere a no-op) before and after each measured load, which turns a noisy transient into
-the retained footprint. Third, glibc's moving mmap threshold lets a freed model's blocks stay
+in RSS until ``malloc_trim`` returns them. The meter trims (glibc only; elsewhere a no-op)
+before and after each measured load, which turns a noisy transient into the retained
+footprint (no full garbage collection: see :func:`release_free_memory`). Third, glibc's
+moving mmap threshold lets a freed model's blocks stay
 in the heap and be reused by the next load (measured as 0, then as 2 models): under a budget
 the manager fixes the threshold (:func:`fix_mmap_threshold`). Measured on this machine (2
 cores, onnxruntime 1.31 CPU, MatMul chains of 1024x1024 FP32 weights, several models loaded
@@ -67,7 +68,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import gc
 import logging
 import os
 import sys
@@ -157,18 +157,20 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 
 def release_free_memory() -> None:
-    """Collect garbage and hand the C heap's free pages back to the OS (glibc ``malloc_trim``).
-
-    Call it after unloading a model too: otherwise the freed weights may stay in RSS and the
-    machine does not get them back until the allocator happens to reuse them.
-    """
-    gc.collect()
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``, outside the GIL).
+    No garbage collection: a full one stops every thread for tens of milliseconds (69 ms with
+    onnxruntime and tritonclient imported); backends free their objects by reference count."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
 
+_PROCESS: list[psutil.Process] = []  # this process, kept (psutil.Process() reads /proc)
+
+
 def _process_rss() -> int:
-    return int(psutil.Process().memory_info().rss)
+    if not _PROCESS or _PROCESS[0].pid != os.getpid():
+        _PROCESS[:] = [psutil.Process()]
+    return int(_PROCESS[0].memory_info().rss)
 
 
 _NVML_STATE: dict[str, Any] = {}  # "module" -> pynvml once initialized, "failed" -> True
@@ -322,8 +324,8 @@ class MemoryMeter:
     Loads of models whose size is already known may use :meth:`shared`, which lets them run
     in parallel with each other while still keeping them out of measured sections.
 
-    ``rss``, ``gpu`` and ``clock`` are injectable for tests; ``trim`` (default on) collects
-    garbage and calls ``malloc_trim`` before and after, so the delta is retained memory, not
+    ``rss``, ``gpu`` and ``clock`` are injectable for tests; ``trim`` (default on) calls
+    ``malloc_trim`` before and after, so the delta is retained memory, not
     the allocator's leftovers from parsing (see the module notes for measurements).
     """
 

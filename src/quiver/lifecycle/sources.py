@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ from quiver.repository.storage import (
 __all__ = ["DEFAULT_CACHE_BYTES", "ModelSources", "default_cache_dir", "fingerprint"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds an S3 store's listing serves the repository index before it is listed again.
+LISTING_TTL_S = 30.0
 
 #: ``--model-cache-size`` when none is given.
 DEFAULT_CACHE_BYTES = 20 << 30
@@ -101,6 +105,9 @@ class ModelSources:
         self._cache_lock = asyncio.Lock()
         self._fingerprints: dict[str, str] = {}
         self._overrides: dict[str, Path] = {}  # models loaded from request-supplied files
+        self._listings: dict[str, tuple[float, list[str]]] = {}  # S3 store -> (when, keys)
+        self._local_listings: dict[str, tuple[int, list[str]]] = {}  # local store -> (mtime_ns, archives)
+        self._index_names: tuple[tuple[frozenset[str], frozenset[str]], list[str]] | None = None
 
     # -- model folders -----------------------------------------------------------------
 
@@ -144,10 +151,8 @@ class ModelSources:
         than a local model folder: no local model folder (nor request-supplied files) has it."""
         if name in self._overrides:
             return False
-        if await self._pool.run(self._repository.find, name) is not None:
-            return False
-        sources, clashes = await self.scan()
-        return name not in sources and name not in clashes
+        # one stat per repository: no listing of the repositories per miss
+        return not await self._pool.run(self._repository.has, name)
 
     def key_stores(self, name: str) -> list[Storage]:
         """The stores in which ``name``, not a local model folder, is looked up as a key:
@@ -201,13 +206,48 @@ class ModelSources:
             local_store = self._url_stores[folder] = LocalStorage(target.parent)
         return local_store, target.name
 
-    async def stored_keys(self) -> set[str]:
+    async def stored_keys(self, *, refresh: bool = False) -> set[str]:
         """The keys every store serves: archives next to local model folders, archives and
-        folders under S3 prefixes (a store that cannot be listed is left out, with a warning)."""
+        folders under S3 prefixes (a store that cannot be listed is left out, with a warning).
+
+        An S3 store's listing (paginated, 1,000 keys a page) is kept for
+        :data:`LISTING_TTL_S` seconds and listed again after, or at once with ``refresh``:
+        the index of 10,000 archives is not 10 requests to S3 each time. A miss never needs
+        the listing (it asks the store for its key)."""
         names: set[str] = set()
         for store in self._stores:
-            names.update(await self._pool.run(_stored_keys, store))
+            if isinstance(store, LocalStorage):
+                names.update(await self._pool.run(self._local_keys, store))
+                continue
+            cached = self._listings.get(store.location)
+            now = time.monotonic()
+            if refresh or cached is None or now - cached[0] > LISTING_TTL_S:
+                keys = await self._pool.run(_stored_keys, store)
+                cached = self._listings[store.location] = (now, keys)
+            names.update(cached[1])
         return names
+
+    def _local_keys(self, store: LocalStorage) -> list[str]:
+        """:func:`_stored_keys` of a local repository, listed again only when the folder's
+        modification time changed (blocking)."""
+        try:
+            mtime = os.stat(store.root).st_mtime_ns
+        except OSError:
+            return []
+        cached = self._local_listings.get(store.location)
+        if cached is None or cached[0] != mtime:
+            cached = self._local_listings[store.location] = (mtime, _stored_keys(store))
+        return cached[1]
+
+    async def index_names(self, *, keys: bool) -> list[str]:
+        """Every model folder's name (and with ``keys`` every stored key), sorted; the sorted
+        list is kept while the listings it came from are unchanged."""
+        sources, _ = await self.scan()
+        stored = await self.stored_keys() if keys else set()
+        token = (frozenset(sources), frozenset(stored))
+        if self._index_names is None or self._index_names[0] != token:
+            self._index_names = (token, sorted(set(sources) | stored))
+        return self._index_names[1]
 
     # -- the disk cache ----------------------------------------------------------------
 

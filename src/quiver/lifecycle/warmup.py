@@ -62,6 +62,8 @@ def build_warmup_samples(config: ModelConfig, model_dir: Path, *, seed: int | No
 
     Raises :class:`InvalidArgumentError` naming the model, the sample and the input.
     """
+    if not config.proto.model_warmup:
+        return []  # seeding a generator from the OS costs more than the rest of a small load
     rng = np.random.default_rng(seed)
     samples: list[WarmupSample] = []
     for index, warmup in enumerate(config.proto.model_warmup):

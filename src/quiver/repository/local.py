@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,13 +74,46 @@ class ModelSource:
 
 
 class LocalRepository:
-    """Lists the models in a set of local repository folders."""
+    """Lists the models in a set of local repository folders.
+
+    The listing is incremental: each repository folder's entries are kept with the folder's
+    modification time, and listed again only when that changed (adding, removing or renaming
+    a model folder changes it), so an index of 10,000 models costs one ``stat`` per
+    repository, not 10,000. What changes inside a model folder is the fingerprint's business
+    (:func:`quiver.lifecycle.sources.fingerprint`), not the listing's.
+    """
 
     def __init__(self, roots: list[Path]) -> None:
         for root in roots:
             if not root.is_dir():
                 raise InvalidArgumentError(f"model repository '{root}' is not a directory")
         self.roots = roots
+        self._listings: dict[Path, tuple[int, list[str]]] = {}  # root -> (mtime_ns, folder names)
+        self._lock = threading.Lock()
+        self._scanned: tuple[list[list[str]], dict[str, ModelSource], dict[str, str]] | None = None
+
+    def has(self, name: str) -> bool:
+        """Whether any repository has a model folder ``name`` (one ``stat`` per repository)."""
+        return not name.startswith(".") and any((root / name).is_dir() for root in self.roots)
+
+    def _folders(self, root: Path) -> list[str]:
+        """The model folder names in ``root``, sorted: listed again only when ``root``'s
+        modification time changed since the last listing."""
+        try:
+            mtime = os.stat(root).st_mtime_ns
+        except OSError:
+            return []
+        with self._lock:
+            cached = self._listings.get(root)
+        if cached is not None and cached[0] == mtime:
+            return cached[1]
+        with os.scandir(root) as entries:
+            names = sorted(
+                e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=True)
+            )
+        with self._lock:
+            self._listings[root] = (mtime, names)
+        return names
 
     def find(self, name: str) -> ModelSource | None:
         """The model folder ``name`` when exactly one repository has it (one ``stat`` per
@@ -89,20 +124,32 @@ class LocalRepository:
         return ModelSource(name, found[0], found[0] / name)
 
     def scan(self) -> tuple[dict[str, ModelSource], dict[str, str]]:
-        """Every model folder by name, and the names that clash between repositories."""
+        """Every model folder by name, and the names that clash between repositories (built
+        again only when a repository's listing changed; the dicts returned are the caller's)."""
+        listings = [self._folders(root) for root in self.roots]
+        with self._lock:
+            cached = self._scanned
+        if cached is not None and len(cached[0]) == len(listings) and all(
+            a is b for a, b in zip(cached[0], listings, strict=True)
+        ):
+            return dict(cached[1]), dict(cached[2])
+        models, clashes = self._build(listings)
+        with self._lock:
+            self._scanned = (listings, models, clashes)
+        return dict(models), dict(clashes)
+
+    def _build(self, listings: list[list[str]]) -> tuple[dict[str, ModelSource], dict[str, str]]:
         models: dict[str, ModelSource] = {}
         clashes: dict[str, str] = {}
-        for root in self.roots:
-            for entry in sorted(root.iterdir()):
-                if not entry.is_dir() or entry.name.startswith("."):
-                    continue
-                if entry.name in models:
-                    clashes[entry.name] = (
-                        f"model '{entry.name}' is in more than one repository: "
-                        f"{models[entry.name].repository} and {root}"
+        for root, names in zip(self.roots, listings, strict=True):
+            for name in names:
+                if name in models:
+                    clashes[name] = (
+                        f"model '{name}' is in more than one repository: "
+                        f"{models[name].repository} and {root}"
                     )
                     continue
-                models[entry.name] = ModelSource(entry.name, root, entry)
+                models[name] = ModelSource(name, root, root / name)
         for name in clashes:
             models.pop(name, None)
         return models, clashes

@@ -200,7 +200,11 @@ async def serving(
 ) -> AsyncIterator[tuple[InferenceService, ModelRepositoryManager]]:
     """The real manager (on-demand, a memory budget of ``limit`` bytes unless 0) and service
     over the fake backend; at the end, the ledger is checked and the manager stopped, and no
-    task it started is left."""
+    task it started is left. The eviction policy is LRU unless ``eviction_policy`` names
+    another, and nothing is evicted ahead of need unless ``evict_ahead=True``: the scenarios
+    name their victims by recency, and which are resident when."""
+    options.setdefault("eviction_policy", "lru")
+    options.setdefault("evict_ahead", False)
     for name, size in sizes.items():
         write_model(tmp_path, name, size)
     manager = ModelRepositoryManager(
@@ -223,6 +227,8 @@ async def serving(
         yield service, manager
         budget = manager.admission.budget
         if budget is not None:
+            # evictions ahead of need still under way finish first (they hold a reservation)
+            await until(lambda: not any(t.get_name() == "quiver-evict-ahead" for t in asyncio.all_tasks()))
             assert budget.peak <= limit
             assert budget.reserved == {} and budget.releasing == frozenset()
             assert budget.resident == {m.name: m.size_bytes for m in manager.ready_models if m.instances}

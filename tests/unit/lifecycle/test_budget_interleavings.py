@@ -38,9 +38,11 @@ def world(monkeypatch: pytest.MonkeyPatch) -> World:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-@pytest.mark.parametrize("policy", ["lru", "gds"])
+@pytest.mark.parametrize(
+    ("policy", "ahead"), [("lru", False), ("gds", False), ("tinylfu", False), ("tinylfu", True)]
+)
 def test_random_loads_unloads_and_evictions_hold_the_budget(
-    tmp_path: Path, world: World, seed: int, policy: str
+    tmp_path: Path, world: World, seed: int, policy: str, ahead: bool
 ) -> None:
     """About 2.6 of 6 models fit; 24 clients on a uniform mix of them and of an ensemble of
     two, loads of random length, and a client unloading random models through the repository
@@ -54,7 +56,9 @@ def test_random_loads_unloads_and_evictions_hold_the_budget(
     names = [*sizes, "e"]
 
     async def main() -> None:
-        async with serving(tmp_path, world, 26_000, sizes, eviction_policy=policy) as (service, manager):
+        async with serving(
+            tmp_path, world, 26_000, sizes, eviction_policy=policy, evict_ahead=ahead
+        ) as (service, manager):
             stop = asyncio.Event()
 
             async def client(k: int) -> int:
@@ -222,6 +226,72 @@ def test_a_model_measuring_larger_than_predicted(tmp_path: Path, world: World) -
             assert not manager.is_ready("huge") and budget.resident == {"c": 9_000} and world.bytes == 9_000
             with pytest.raises(OutOfMemoryError, match="needs about 40000 bytes"):
                 await answer(service, "huge")  # predicted at its measured size now: at once
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+def test_a_model_measuring_larger_than_predicted_with_eviction_ahead(
+    tmp_path: Path, world: World, policy: str
+) -> None:
+    """Unloads run in the background while models that measure larger than predicted load
+    one after another: a model's excess is reserved before it is READY (the world checks at
+    every allocation that what models really hold is within the ledger, and the ledger within
+    the limit), and a model whose excess can never fit is refused and unloaded. (Loads of
+    such models at the same time would each hold their excess while seeking it: the ledger's
+    documented caveat.)"""
+    sizes = {f"m{i}": 4_000 for i in range(6)} | {"huge": 5_000}
+    world.actual.update({f"m{i}": 6_000 for i in range(0, 6, 2)} | {"huge": 40_000})
+    world.overrun.update({"m0", "m2", "m4", "huge"})
+
+    async def main() -> None:
+        async with serving(
+            tmp_path, world, 20_000, sizes, eviction_policy=policy, evict_ahead=True
+        ) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            rng = random.Random(5)
+            for _ in range(24):
+                assert await answer(service, f"m{rng.randrange(6)}", 2.0) == 2.0
+                assert budget.used <= 20_000
+            with pytest.raises(OutOfMemoryError, match="measured 40000 bytes when loaded"):
+                await answer(service, "huge")
+            assert not manager.is_ready("huge")
+            await until(lambda: not any(t.get_name() == "quiver-evict-ahead" for t in asyncio.all_tasks()))
+            assert world.bytes == sum(budget.resident.values()) <= 20_000
+
+    asyncio.run(main())
+    assert world.peak <= 20_000 + 40_000 - 5_000  # only the refused model's excess, while it was sought
+
+
+def test_eviction_ahead_frees_room_for_the_next_miss_off_its_path(tmp_path: Path, world: World) -> None:
+    """Room for two: after the second load, the first is unloaded in the background (the
+    next miss finds its room free and evicts nothing); a model in use is never taken."""
+
+    async def main() -> None:
+        sizes = {"a": 8_000, "b": 8_000, "c": 8_000}
+        async with serving(tmp_path, world, 17_000, sizes, evict_ahead=True) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            await answer(service, "a")
+            assert manager.is_ready("a")  # nothing else to evict: a stays
+            world.holds["a"] = asyncio.Event()
+            busy = asyncio.ensure_future(answer(service, "a"))  # in flight: a is in use
+            await asyncio.sleep(0.01)
+            await answer(service, "b")
+            await asyncio.sleep(0.05)
+            assert manager.is_ready("a") and manager.is_ready("b")  # a in use: not evicted ahead
+            world.holds["a"].set()
+            await busy
+            await answer(service, "c")  # evicts a on its path (nothing was free)
+            # ...then b goes ahead of the next miss (its bytes free once its unload finished)
+            await until(lambda: budget.available >= 8_000)
+            assert not manager.is_ready("b") and manager.is_ready("c")
+            unloads = len(world.unloads)
+            await answer(service, "a")  # finds its room free
+            assert world.unloads[unloads:] in ([], ["c"])  # only an eviction ahead, after it loaded
+            assert "evicted to make room for the next load" in {s.reason for s in manager.index()}
+            await until(lambda: not any(t.get_name() == "quiver-evict-ahead" for t in asyncio.all_tasks()))
 
     asyncio.run(main())
 

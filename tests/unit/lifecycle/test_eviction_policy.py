@@ -20,12 +20,18 @@ from quiver.lifecycle.eviction import (
     simulate,
     zipf_trace,
 )
+from quiver.lifecycle.tinylfu import WTinyLFUPolicy
 
 MB = 1 << 20
 
 
 def policies() -> list[EvictionPolicy]:
-    return [LRUPolicy(), GreedyDualSizePolicy("uniform"), GreedyDualSizePolicy("load_time")]
+    return [
+        LRUPolicy(),
+        GreedyDualSizePolicy("uniform"),
+        GreedyDualSizePolicy("load_time"),
+        WTinyLFUPolicy(),
+    ]
 
 
 # -- LRU --------------------------------------------------------------------------------------
