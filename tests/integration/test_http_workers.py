@@ -89,7 +89,14 @@ def workers(repository: Path) -> Iterator[QuiverServer]:
 
 def _worker_pids(server: QuiverServer) -> list[int]:
     assert server.process is not None
-    return [p.pid for p in psutil.Process(server.process.pid).children() if "http_worker" in " ".join(p.cmdline())]
+    pids = []
+    for child in psutil.Process(server.process.pid).children():
+        try:
+            if "http_worker" in " ".join(child.cmdline()):
+                pids.append(child.pid)
+        except psutil.Error:  # a worker just killed and not yet reaped (a zombie) or gone
+            continue
+    return pids
 
 
 def _request(server: QuiverServer, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple[int, bytes]:

@@ -48,8 +48,9 @@ def payload() -> bytes:
     return pair * (COUNT // 2)
 
 
-def live_while(server: QuiverServer, work: Callable[[], bytes]) -> tuple[bytes, list[float]]:
-    """Run ``work`` while polling ``/v2/health/live``; its result and the poll latencies."""
+def live_while(server: QuiverServer, work: Callable[[], bytes]) -> tuple[bytes, list[float], float]:
+    """Run ``work`` while polling ``/v2/health/live``; its result, the poll latencies and
+    how long the work took."""
     latencies: list[float] = []
     done = threading.Event()
 
@@ -69,16 +70,22 @@ def live_while(server: QuiverServer, work: Callable[[], bytes]) -> tuple[bytes, 
     poller.start()
     try:
         time.sleep(0.1)
+        started = time.perf_counter()
         result = work()
+        duration = time.perf_counter() - started
     finally:
         done.set()
         poller.join()
-    return result, latencies
+    return result, latencies, duration
 
 
-def check_live(latencies: list[float]) -> None:
+def check_live(latencies: list[float], duration: float) -> None:
+    """The health checks were answered while the request ran: none waited for a decode or an
+    encode on the event loop, which took most of the request's time before. On a busy machine
+    everything slows down together, so the bound grows with the request's own time."""
     assert len(latencies) >= 5, latencies  # the request took a while: polls happened during it
-    assert max(latencies) < LIVE_BOUND_S, f"slowest /v2/health/live: {max(latencies):.2f} s"
+    bound = max(LIVE_BOUND_S, duration / 4)
+    assert max(latencies) < bound, f"slowest /v2/health/live: {max(latencies):.2f} s of {duration:.2f} s"
 
 
 def test_http_binary_bytes(server: QuiverServer) -> None:
@@ -107,9 +114,9 @@ def test_http_binary_bytes(server: QuiverServer) -> None:
         finally:
             conn.close()
 
-    answer, latencies = live_while(server, work)
+    answer, latencies, duration = live_while(server, work)
     assert answer == data
-    check_live(latencies)
+    check_live(latencies, duration)
 
 
 def test_grpc_raw_bytes(server: QuiverServer) -> None:
@@ -126,9 +133,9 @@ def test_grpc_raw_bytes(server: QuiverServer) -> None:
         answer: bytes = response.raw_output_contents[0]
         return answer
 
-    answer, latencies = live_while(server, work)
+    answer, latencies, duration = live_while(server, work)
     assert answer == data
-    check_live(latencies)
+    check_live(latencies, duration)
 
 
 def test_http_json_strings(server: QuiverServer) -> None:
@@ -146,9 +153,9 @@ def test_http_json_strings(server: QuiverServer) -> None:
         finally:
             conn.close()
 
-    answer, latencies = live_while(server, work)
+    answer, latencies, duration = live_while(server, work)
     assert json.loads(answer)["outputs"][0]["data"] == words
-    check_live(latencies)
+    check_live(latencies, duration)
 
 
 def test_small_requests_still_answer_inline(server: QuiverServer, tmp_path: Path) -> None:

@@ -238,4 +238,4 @@ def test_errors_stay_errors_and_the_model_keeps_serving(server: QuiverServer) ->
     out, thread = infer(server, "picky", np.ones(4, dtype=np.float32))
     np.testing.assert_array_equal(out, np.full(4, 2.0, dtype=np.float32))
     assert thread.startswith("quiver-")  # it raised on the loop once: back on its thread for good
-    assert "model 'picky' version 1 runs on its own thread from now on" in server.log
+    assert server.wait_for_log("model 'picky' version 1 runs on its own thread from now on"), server.log

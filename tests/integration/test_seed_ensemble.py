@@ -31,6 +31,9 @@ PREFIX = "triton-mme-gpu-ensemble"
 TARGET = "X-Amzn-SageMaker-Target-Model"
 CHW_ARCHIVE = "model_tf_dali_chw.tar.gz"
 IMAGES = [dm.jpeg(500, 375, 7), dm.jpeg(299, 299, 8)]
+#: The first invocation downloads the archive and loads TensorFlow and DALI cold: on a busy
+#: 2-core machine that has taken over two minutes, past the suite's default timeout.
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")

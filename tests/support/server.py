@@ -58,6 +58,16 @@ class QuiverServer:
     def log(self) -> str:
         return "\n".join(self.lines)
 
+    def wait_for_log(self, text: str, timeout: float = 15.0) -> bool:
+        """Whether ``text`` shows up in the server's output within ``timeout`` seconds (its
+        lines are read by a thread, so a line logged just before an answer may come after it)."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
