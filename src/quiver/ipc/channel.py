@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import math
 import socket
 import struct
 import threading
@@ -26,8 +27,9 @@ except ImportError:  # pragma: no cover - depends on the interpreter
 
 MAX_FRAME = 64 << 20
 _LENGTH = struct.Struct("<I")
-#: Set in a frame's length word when its JSON holds what orjson would not read back exactly
-#: (integers over 64 bits): the reader then uses the standard library's json.
+#: Set in a frame's length word when its JSON holds what orjson would not carry exactly
+#: (integers over 64 bits, NaN and infinities): the reader then uses the standard library's
+#: json, which reads them back as they were.
 _EXACT = 1 << 31
 
 
@@ -39,11 +41,24 @@ def encode(message: dict[str, Any]) -> bytes:
     if _orjson is not None:
         try:
             body: bytes = _orjson.dumps(message)
-            return _LENGTH.pack(len(body)) + body
         except TypeError:  # what orjson does not take (integers over 64 bits): the exact way
             pass
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        else:
+            # orjson writes a non-finite float as null: such a message goes the exact way
+            if b"null" not in body or not _non_finite(message):
+                return _LENGTH.pack(len(body)) + body
+    body = json.dumps(message, separators=(",", ":")).encode("utf-8")
     return _LENGTH.pack(len(body) | _EXACT) + body
+
+
+def _non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(item) for item in value)
+    return False
 
 
 def _length(head: bytes) -> tuple[int, bool]:

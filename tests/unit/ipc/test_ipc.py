@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import uuid
@@ -127,14 +128,18 @@ def test_frames_read_the_same_with_or_without_orjson(monkeypatch: pytest.MonkeyP
     if not with_orjson:
         monkeypatch.setattr(channel_module, "_orjson", None)
     message = {"op": "execute", "batch": 3, "text": "héllo \u2603", "nested": [{"a": 1.5}, None]}
-    huge = {"op": "execute", "value": 123456789012345678901234567, "u64": (1 << 64) - 1}
+    huge = {"op": "execute", "value": 123456789012345678901234567, "u64": (1 << 64) - 1, "none": None}
+    nonfinite = {"op": "execute", "parameters": {"x": float("inf"), "y": [float("-inf"), None]}, "z": None}
     left, right = socket.socketpair()
     try:
         sender, receiver = Channel(left), Channel(right, buffered=True)
-        sender.send_many([message, huge])
+        sender.send_many([message, huge, nonfinite, {"op": "nan", "v": float("nan")}])
         assert receiver.recv() == message
         got = receiver.recv()
         assert got == huge and isinstance(got["value"], int)  # not a float on the way
+        assert receiver.recv() == nonfinite  # not null on the way
+        got = receiver.recv()
+        assert got is not None and math.isnan(got["v"])
     finally:
         left.close()
         right.close()
