@@ -1,7 +1,8 @@
 """The control channel: length-prefixed JSON messages over a connected Unix socket.
 
 A frame is a 4-byte little-endian length and that many bytes of UTF-8 JSON (an object with an
-``op`` key, :mod:`quiver.ipc.messages`). Frames larger than ``MAX_FRAME`` are refused: tensors
+``op`` key, :mod:`quiver.ipc.messages`), written and read with orjson where it is installed
+(else the standard library's json: a worker may run under a Python without it). Frames larger than ``MAX_FRAME`` are refused: tensors
 never travel here, so a huge frame is a broken or hostile peer. :class:`Channel` is the blocking
 end (a worker; the server's start-up handshake); :class:`AsyncChannel` reads and writes on an
 asyncio loop (the server once a worker serves).
@@ -10,14 +11,26 @@ asyncio loop (the server once a worker serves).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
+import math
 import socket
 import struct
 import threading
 from typing import Any
 
+_orjson: Any
+try:  # faster where installed; a worker under a foreign Python may not have it (then json)
+    _orjson = importlib.import_module("orjson")
+except ImportError:  # pragma: no cover - depends on the interpreter
+    _orjson = None
+
 MAX_FRAME = 64 << 20
 _LENGTH = struct.Struct("<I")
+#: Set in a frame's length word when its JSON holds what orjson would not carry exactly
+#: (integers over 64 bits, NaN and infinities): the reader then uses the standard library's
+#: json, which reads them back as they were.
+_EXACT = 1 << 31
 
 
 class ChannelError(Exception):
@@ -25,13 +38,41 @@ class ChannelError(Exception):
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    return _LENGTH.pack(len(body)) + body
+    if _orjson is not None:
+        try:
+            body: bytes = _orjson.dumps(message)
+        except TypeError:  # what orjson does not take (integers over 64 bits): the exact way
+            pass
+        else:
+            # orjson writes a non-finite float as null: such a message goes the exact way
+            if b"null" not in body or not _non_finite(message):
+                return _LENGTH.pack(len(body)) + body
+    body = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    return _LENGTH.pack(len(body) | _EXACT) + body
 
 
-def decode(body: bytes) -> dict[str, Any]:
+def _non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(item) for item in value)
+    return False
+
+
+def _length(head: bytes) -> tuple[int, bool]:
+    """A frame's body length and whether it must be read with the standard library's json."""
+    (word,) = _LENGTH.unpack(head)
+    length = word & ~_EXACT
+    if length > MAX_FRAME:
+        raise ChannelError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+    return length, bool(word & _EXACT)
+
+
+def decode(body: bytes, exact: bool = False) -> dict[str, Any]:
     try:
-        message = json.loads(body)
+        message = _orjson.loads(body) if _orjson is not None and not exact else json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChannelError(f"a message that is not JSON: {exc}") from None
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
@@ -66,11 +107,9 @@ class Channel:
         head = self._read(4)
         if head is None:
             return None
-        (length,) = _LENGTH.unpack(head)
-        if length > MAX_FRAME:
-            raise ChannelError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+        length, exact = _length(head)
         body = self._read(length)
-        return None if body is None else decode(body)
+        return None if body is None else decode(body, exact)
 
     def _read(self, size: int) -> bytes | None:
         """Exactly ``size`` bytes; None at the end of the stream."""
@@ -127,13 +166,11 @@ class AsyncChannel:
     async def recv(self) -> dict[str, Any] | None:
         try:
             head = await self._reader.readexactly(4)
-            (length,) = _LENGTH.unpack(head)
-            if length > MAX_FRAME:
-                raise ChannelError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+            length, exact = _length(head)
             body = await self._reader.readexactly(length)
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
-        return decode(body)
+        return decode(body, exact)
 
     def close(self) -> None:
         """Close from any thread (on the channel's loop when it still runs)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import uuid
@@ -117,3 +118,32 @@ def test_the_channel_frames_json_messages_both_ways() -> None:
 
     asyncio.run(over_asyncio())
     assert encode({"op": "x"})[:4] == (len(b'{"op":"x"}')).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("with_orjson", [True, False], ids=["orjson", "json"])
+def test_frames_read_the_same_with_or_without_orjson(monkeypatch: pytest.MonkeyPatch, with_orjson: bool) -> None:
+    """A worker under a Python without orjson speaks the same frames as the server with it."""
+    from quiver.ipc import channel as channel_module
+
+    if not with_orjson:
+        monkeypatch.setattr(channel_module, "_orjson", None)
+    message = {"op": "execute", "batch": 3, "text": "héllo \u2603", "nested": [{"a": 1.5}, None]}
+    huge = {"op": "execute", "value": 123456789012345678901234567, "u64": (1 << 64) - 1, "none": None}
+    nonfinite = {"op": "execute", "parameters": {"x": float("inf"), "y": [float("-inf"), None]}, "z": None}
+    left, right = socket.socketpair()
+    try:
+        sender, receiver = Channel(left), Channel(right, buffered=True)
+        sender.send_many([message, huge, nonfinite, {"op": "nan", "v": float("nan")}])
+        assert receiver.recv() == message
+        got = receiver.recv()
+        assert got == huge and isinstance(got["value"], int)  # not a float on the way
+        assert receiver.recv() == nonfinite  # not null on the way
+        got = receiver.recv()
+        assert got is not None and math.isnan(got["v"])
+    finally:
+        left.close()
+        right.close()
+    with pytest.raises(ChannelError, match="not JSON"):
+        channel_module.decode(b"{broken")
+    with pytest.raises(ChannelError, match="'op'"):
+        channel_module.decode(b"[1]")
