@@ -22,9 +22,7 @@ from build_repository import (
 from support.models import (
     ONNX_TYPES,
     add_constant_onnx,
-    config_type,
-    identity_onnx,
-    write_config,
+    write_identities,
     write_onnx,
     write_python,
 )
@@ -64,28 +62,7 @@ MAX_INPUT_SIZE = 1 << 20
 def build_repository(root: Path) -> Path:
     repo = root / "models"
     repo.mkdir()
-    for datatype in ONNX_TYPES:
-        name = f"identity_{datatype.lower()}"
-        write_onnx(
-            repo,
-            name,
-            identity_onnx(datatype, [-1]),
-            f"""
-            name: "{name}"
-            platform: "onnxruntime_onnx"
-            input [ {{ name: "INPUT0" data_type: {config_type(datatype)} dims: [ -1 ] }} ]
-            output [ {{ name: "OUTPUT0" data_type: {config_type(datatype)} dims: [ -1 ] }} ]
-            """,
-        )
-    write_config(
-        repo,
-        "identity_bf16",
-        """
-        backend: "identity"
-        input [ { name: "INPUT0" data_type: TYPE_BF16 dims: [ -1 ] } ]
-        output [ { name: "OUTPUT0" data_type: TYPE_BF16 dims: [ -1 ] } ]
-        """,
-    )
+    write_identities(repo, ONNX_TYPES)
     write_onnx(repo, "simple", simple_onnx(), SIMPLE_CONFIG)
     folder = write_onnx(repo, "classifier", classifier_onnx(), CLASSIFIER_CONFIG)
     (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")

@@ -49,10 +49,10 @@ from hypothesis import seed as hypothesis_seed
 from support.hostile import In, ModelSpec, Req, TensorSpec, numpy_dtype
 from support.models import (
     add_constant_onnx,
-    config_type,
     identity_onnx,
     make_model,
     write_config,
+    write_identities,
     write_onnx,
     write_python,
 )
@@ -500,28 +500,7 @@ def build_repository(repo: Path, *, full: bool = True) -> Path:
     if full:
         folder = write_onnx(repo, "classifier", classifier_onnx(), CLASSIFIER_CONFIG)
         (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
-        for datatype in IDENTITY_TYPES:
-            name = f"identity_{datatype.lower()}"
-            write_onnx(
-                repo,
-                name,
-                identity_onnx(datatype, [-1]),
-                f"""
-                name: "{name}"
-                platform: "onnxruntime_onnx"
-                input [ {{ name: "INPUT0" data_type: {config_type(datatype)} dims: [ -1 ] }} ]
-                output [ {{ name: "OUTPUT0" data_type: {config_type(datatype)} dims: [ -1 ] }} ]
-                """,
-            )
-        write_config(
-            repo,
-            "identity_bf16",
-            """
-            backend: "identity"
-            input [ { name: "INPUT0" data_type: TYPE_BF16 dims: [ -1 ] } ]
-            output [ { name: "OUTPUT0" data_type: TYPE_BF16 dims: [ -1 ] } ]
-            """,
-        )
+        write_identities(repo, IDENTITY_TYPES)
         write_onnx(
             repo,
             "identity_2d_fp32",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterable
 from pathlib import Path
 
 import onnx
@@ -87,3 +88,30 @@ def write_config(repo: Path, name: str, config: str, versions: tuple[int, ...] =
         (folder / str(version)).mkdir(parents=True, exist_ok=True)
     (folder / "config.pbtxt").write_text(textwrap.dedent(config))
     return folder
+
+
+def write_identities(repo: Path, datatypes: Iterable[str]) -> None:
+    """``identity_<type>`` ONNX Identity models of dims [-1] for each datatype, and
+    ``identity_bf16`` on the identity backend (onnxruntime has no BF16 Identity on the CPU)."""
+    for datatype in datatypes:
+        name = f"identity_{datatype.lower()}"
+        write_onnx(
+            repo,
+            name,
+            identity_onnx(datatype, [-1]),
+            f"""
+            name: "{name}"
+            platform: "onnxruntime_onnx"
+            input [ {{ name: "INPUT0" data_type: {config_type(datatype)} dims: [ -1 ] }} ]
+            output [ {{ name: "OUTPUT0" data_type: {config_type(datatype)} dims: [ -1 ] }} ]
+            """,
+        )
+    write_config(
+        repo,
+        "identity_bf16",
+        """
+        backend: "identity"
+        input [ { name: "INPUT0" data_type: TYPE_BF16 dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_BF16 dims: [ -1 ] } ]
+        """,
+    )

@@ -44,7 +44,6 @@ from quiver.protocol.v2_grpc import (
     encode_infer_response,
 )
 from quiver.service import InferenceService
-from quiver.tracing import Trace
 from quiver.triton_flags import GrpcTls
 from quiver.types import InferenceRequest, InferenceResponse
 
@@ -275,40 +274,20 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         self, data: bytes, serialize: Callable[[InferenceResponse], bytes], context: Any = None
     ) -> bytes:
         """Parse, decode, infer, encode and serialize one ModelInferRequest."""
-        received = now_ns()
-        if len(data) < PARSE_INLINE_BYTES:
-            message = _parse_request(data)
-        else:
-            message = await in_worker(_parse_request, data)
-        _call.set((message.model_name, message.id))
-        trace = self.service.start_trace(message.model_name, lambda: _metadata(context))
-        if trace is None:
-            return await self._run(message, serialize, None, context)
-        trace.capture("GRPC_WAITREAD_START", received)
-        trace.capture("GRPC_WAITREAD_END")
+        request = await self.decode(data, context)
+        trace = request.trace
         try:
-            return await self._run(message, serialize, trace, context)
+            response = await self.service.infer(request, decoupled_error=DECOUPLED_ERROR)
+            if trace is not None:
+                trace.capture("INFER_RESPONSE_COMPLETE")
+                trace.capture("GRPC_SEND_START")
+            if encode_cost(response) < OFFLOAD_NS:
+                return serialize(response)
+            return await in_worker(serialize, response)
         finally:
-            trace.capture("GRPC_SEND_END")  # handed to grpc, which sends it
-            trace.release()
-
-    async def _run(
-        self, message: Any, serialize: Callable[[InferenceResponse], bytes], trace: Trace | None, context: Any
-    ) -> bytes:
-        if decode_cost(message) < OFFLOAD_NS:
-            request = decode_infer_request(message)
-        else:
-            request = await in_worker(decode_infer_request, message)
-        request.trace = trace
-        if self.forwarding and context is not None:
-            self.forwarding.apply(context.invocation_metadata() or (), request)
-        response = await self.service.infer(request, decoupled_error=DECOUPLED_ERROR)
-        if trace is not None:
-            trace.capture("INFER_RESPONSE_COMPLETE")
-            trace.capture("GRPC_SEND_START")
-        if encode_cost(response) < OFFLOAD_NS:
-            return serialize(response)
-        return await in_worker(serialize, response)
+            if trace is not None:
+                trace.capture("GRPC_SEND_END")  # handed to grpc, which sends it
+                trace.release()
 
     @_rpc
     async def model_infer_bytes(self, data: bytes, context: Any) -> bytes:
@@ -320,14 +299,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             self._leave()
 
     async def decode(self, data: bytes, context: Any = None) -> InferenceRequest:
-        """A serialized ModelInferRequest of a stream -> the request (large ones on a codec
-        thread), with its forwarded headers and its trace when sampled (released by the
-        stream once answered)."""
+        """A serialized ModelInferRequest -> the request (large ones on a codec thread), with
+        its forwarded headers and its trace when sampled (the caller releases it once the
+        request is answered)."""
         received = now_ns()
         if len(data) < PARSE_INLINE_BYTES:
             message = _parse_request(data)
         else:
             message = await in_worker(_parse_request, data)
+        _call.set((message.model_name, message.id))
         if decode_cost(message) < OFFLOAD_NS:
             request = decode_infer_request(message)
         else:
