@@ -244,6 +244,9 @@ FLAGS = (
     "--backend-config=python,shm-growth-byte-size=1048576",
     "--backend-config=python,shm-max-byte-size=4194304",
     "--backend-config=python,shm-region-prefix-name=quiver_test_",
+    # the workers spin before they sleep, and the idle server spins for their answers (the
+    # other test modules run Python workers with the default, no spinning)
+    "--backend-config=python,spin-microseconds=200",
 )
 
 

@@ -43,8 +43,9 @@ class PythonSettings:
     in_process: bool = False
     restart_backoff_seconds: float = 1.0
     restart_backoff_max_seconds: float = 30.0
-    #: How long a worker waiting for its next batch reads without sleeping (0: it sleeps at once).
-    spin_microseconds: int = 100
+    #: How long a worker waiting for its next batch reads without sleeping, and the server's
+    #: idle loop waits for a quick worker's answer (0, the default: both sleep at once).
+    spin_microseconds: int = 0
 
 
 def parse_bool(value: str, what: str) -> bool:

@@ -10,9 +10,9 @@ from quiver.errors import InvalidArgumentError
 
 def test_defaults_and_values() -> None:
     assert parse_python_settings({}) == PythonSettings()
-    assert parse_python_settings({}).spin_microseconds == 100
-    settings = parse_python_settings({"spin-microseconds": "0", "stub-timeout-seconds": "5", "in-process": "true"})
-    assert (settings.spin_microseconds, settings.stub_timeout_seconds, settings.in_process) == (0, 5.0, True)
+    assert parse_python_settings({}).spin_microseconds == 0
+    settings = parse_python_settings({"spin-microseconds": "100", "stub-timeout-seconds": "5", "in-process": "true"})
+    assert (settings.spin_microseconds, settings.stub_timeout_seconds, settings.in_process) == (100, 5.0, True)
     assert parse_python_settings({"spin-microseconds": " 250 "}).spin_microseconds == 250
 
 
