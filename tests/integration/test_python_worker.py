@@ -7,6 +7,7 @@ clear errors; no worker outlives the server, SIGKILL included."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -34,7 +35,7 @@ output [ {{ name: "PID", data_type: TYPE_INT64, dims: [ 1 ] }} ]
 """
 
 # Echoes INPUT0 (and its pid); -1 exits, -2 segfaults, -3 hangs, -4 returns no response,
-# -5 returns INT32, -6 a PID of the wrong shape; a marker file makes initialize() exit (a worker that cannot start).
+# -5 returns INT32, -6 a PID of the wrong shape, -8 exits after half a second; a marker file makes initialize() exit (a worker that cannot start).
 POISON = """
 import ctypes
 import os
@@ -55,6 +56,9 @@ class TritonPythonModel:
             data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
             first = float(data[0]) if data.size else 0.0
             if first == -1:
+                os._exit(1)
+            if first == -8:
+                time.sleep(0.5)
                 os._exit(1)
             if first == -2:
                 ctypes.string_at(0)
@@ -240,6 +244,9 @@ FLAGS = (
     "--backend-config=python,shm-growth-byte-size=1048576",
     "--backend-config=python,shm-max-byte-size=4194304",
     "--backend-config=python,shm-region-prefix-name=quiver_test_",
+    # the workers spin before they sleep, and the idle server spins for their answers (the
+    # other test modules run Python workers with the default, no spinning)
+    "--backend-config=python,spin-microseconds=200",
 )
 
 
@@ -318,6 +325,23 @@ def test_a_worker_that_dies_fails_its_request_and_comes_back(server: QuiverServe
     after = int(infer(server, "poison", [1.0]).as_numpy("PID")[0])
     assert after != before and not alive(before)
     assert server.process is not None and server.process.poll() is None
+
+
+def test_a_request_queued_behind_a_crash_runs_on_the_restarted_worker(server: QuiverServer) -> None:
+    """A worker instance takes a second request while it runs one (its ``slots``); when the
+    worker dies running the first, the second, which it never started, is not failed with it
+    but sent to the new worker."""
+    before = int(infer(server, "poison", [1.0]).as_numpy("PID")[0])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        crash = pool.submit(infer, server, "poison", [-8.0])
+        time.sleep(0.2)  # the worker is inside the first request's execute()
+        queued = pool.submit(infer, server, "poison", [1.0, 2.0])
+        with pytest.raises(InferenceServerException, match="exited with code 1"):
+            crash.result(60)
+        result = queued.result(60)
+    assert result.as_numpy("OUTPUT0").tolist() == [1.0, 2.0]
+    after = int(result.as_numpy("PID")[0])
+    assert after != before and not alive(before)
 
 
 def test_a_worker_that_cannot_start_makes_its_model_unavailable_with_the_reason(server: QuiverServer, repo: Path) -> None:

@@ -45,6 +45,7 @@ WORKER_MODULES = (
     "quiver/protocol/bytes_codec.py",
     "quiver/ipc/__init__.py",
     "quiver/ipc/channel.py",
+    "quiver/ipc/inbox.py",
     "quiver/ipc/messages.py",
     "quiver/ipc/shm.py",
     "quiver/ipc/tensors.py",

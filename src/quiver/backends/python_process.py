@@ -9,7 +9,6 @@ and at start the removal of pools left by servers that were killed). Used by
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import itertools
@@ -19,6 +18,7 @@ import signal
 import socket
 import subprocess
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -112,7 +112,9 @@ class Worker:
         self.mapper = mapper
         self.tag = tag
         self.achannel: AsyncChannel | None = None
-        self.reader: asyncio.Task[None] | None = None
+        self.finalized = False  # it answered ``finalize``: its channel's end is expected
+        #: batches sent and not answered ``done``, in the order the worker runs them
+        self.inflight: deque[int] = deque()
         #: blocks of the worker's pool read and not yet given back (sent with the next batch)
         self.releases: list[list[Any]] = []
 
@@ -182,6 +184,7 @@ def start_worker(
                 "model_version": files.version,
                 "model_dir": str(files.model_dir),
                 "filename": config.default_model_filename,
+                "spin_us": settings.spin_microseconds,
                 "shm": {
                     "prefix": tag + "w",
                     "server_prefix": tag + "s",

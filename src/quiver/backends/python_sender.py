@@ -189,8 +189,9 @@ class BackgroundLoop:
 class ResponseIterator:
     """The responses of one decoupled BLS call."""
 
-    def __init__(self, cancel: Callable[[], None]) -> None:
+    def __init__(self, cancel: Callable[[], None], wait: Callable[[Callable[[], bool]], object] | None = None) -> None:
         self._cancel = cancel
+        self._wait = wait  # a worker's: reads its channel until a response is there
         self._incoming: queue.SimpleQueue[tuple[pb_utils.InferenceResponse, bool]] = queue.SimpleQueue()
         self._seen: list[pb_utils.InferenceResponse] = []
         self._finished = False
@@ -213,6 +214,8 @@ class ResponseIterator:
                 self._index += 1
                 return self._seen[self._index - 1]
             raise StopIteration
+        if self._wait is not None:
+            self._wait(lambda: not self._incoming.empty())
         response, last = self._incoming.get()
         self._seen.append(response)
         if last:

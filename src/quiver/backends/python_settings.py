@@ -43,6 +43,9 @@ class PythonSettings:
     in_process: bool = False
     restart_backoff_seconds: float = 1.0
     restart_backoff_max_seconds: float = 30.0
+    #: How long a worker waiting for its next batch reads without sleeping, and the server's
+    #: idle loop waits for a quick worker's answer (0, the default: both sleep at once).
+    spin_microseconds: int = 0
 
 
 def parse_bool(value: str, what: str) -> bool:
@@ -98,7 +101,14 @@ def parse_python_settings(config: Mapping[str, str]) -> PythonSettings:
                     "shm-max-byte-size", default_size)  # fmt: skip
     backoff = _seconds(config.get("restart-backoff-seconds", "1"), "restart-backoff-seconds")
     backoff_max = _seconds(config.get("restart-backoff-max-seconds", "30"), "restart-backoff-max-seconds")
+    spin = config.get("spin-microseconds", str(defaults.spin_microseconds)).strip()
+    if not spin.isdigit() or int(spin) > 1_000_000:
+        raise InvalidArgumentError(
+            f"--backend-config=python,spin-microseconds: expected a whole number of microseconds from 0 "
+            f"to 1000000, got '{spin}'"
+        )
     return PythonSettings(
+        spin_microseconds=int(spin),
         shm_default_byte_size=default_size,
         shm_growth_byte_size=growth,
         shm_max_byte_size=largest,

@@ -5,12 +5,15 @@ one of the model's ``EXECUTION_ENV_PATH``), it imports only the standard library
 Quiver's worker-safe modules. It reads ``init`` from the control channel (its descriptor in
 ``QUIVER_WORKER_FD``), imports ``model.py``, runs ``auto_complete_config`` or ``initialize`` and
 answers ``ready``; then it runs each ``execute`` message's batch on its main thread and answers
-one ``response`` per request and a ``done``, while a reader thread handles the messages that
-arrive meanwhile (BLS answers, cancellations, releases of response blocks).
+one ``response`` per request and a ``done``. There is no reader thread: the thread that waits for
+a message reads the channel (:class:`~quiver.ipc.inbox.Inbox`), so the main thread reads its
+own batches (spinning for ``spin-microseconds`` before it sleeps), a thread waiting for a BLS
+answer reads while the main thread runs a batch, and ``is_cancelled()`` reads the cancellations
+that arrived.
 
 It never outlives the server: ``PR_SET_PDEATHSIG`` kills it with SIGKILL when the server's
-thread that started it ends (the server exits, however it exits), and the reader thread exits
-the process when the channel reaches its end.
+thread that started it ends (the server exits, however it exits), and the thread that reads the
+channel's end exits the process.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ import itertools
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +47,7 @@ from quiver.errors import format_exception
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import Channel
+from quiver.ipc.inbox import Inbox
 from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError
 from quiver.types import DataType
 
@@ -103,7 +107,10 @@ class Worker:
         self.filename: str = init["filename"]
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
-        self.jobs: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self.jobs: deque[dict[str, Any]] = deque()
+        self.inbox = Inbox(channel, self.handle, self.channel_ended)
+        #: Seconds the main thread reads without sleeping before it blocks for its next batch.
+        self.spin = max(0, int(init.get("spin_us", 0))) / 1e6
         self.cancelled: set[str] = set()
         self.waiting: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self.bls_ids = itertools.count(1)
@@ -143,22 +150,21 @@ class Worker:
         elif op == msg.CANCEL:
             self.cancelled.update(str(i) for i in message["ids"])
         elif op == msg.EXECUTE or op == msg.FINALIZE:
-            self.jobs.put(message)
+            self.jobs.append(message)
 
-    def read_forever(self) -> None:
-        """The reader thread: hands batches to the main thread, handles the rest itself; at
-        the channel's end (the server is gone or dropped this worker) the process exits."""
-        try:
-            while True:
-                message = self.channel.recv()
-                if message is None:
-                    break
-                self.handle(message)
-        except Exception as exc:  # a broken channel: nothing more can be done
-            sys.stderr.write(f"quiver worker for {self.where}: control channel failed: {exc}\n")
-        finally:
-            self.arena.close()
-            os._exit(0)
+    def channel_ended(self) -> None:
+        """The server is gone or dropped this worker: the process ends."""
+        self.arena.close()
+        os._exit(0)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        """Whether the server cancelled the request (reading the cancellations that arrived)."""
+        self.inbox.drain()
+        return request_id in self.cancelled
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Wait until ``ready()``, reading the channel meanwhile if no other thread does."""
+        return self.inbox.wait(ready, timeout)
 
     def is_ready(self, number: int) -> None:
         """Answer the server's readiness check with the model's own ``is_ready()``."""
@@ -216,8 +222,11 @@ class Worker:
         return ready
 
     def serve(self) -> None:
+        jobs = self.jobs
         while True:
-            job = self.jobs.get()
+            if not jobs:
+                self.inbox.wait(lambda: bool(jobs), spin=self.spin)
+            job = jobs.popleft()
             for segment, offset in job.get("release", ()):
                 self.arena.free(segment, offset)
             if job["op"] == msg.FINALIZE:
@@ -306,7 +315,7 @@ class Worker:
             timeout=fields["timeout"],
             parameters_json=fields["parameters_json"],
             sender_factory=sender_factory,
-            cancelled=lambda: request_id in self.cancelled,
+            cancelled=lambda: self.is_cancelled(request_id),
         )
         if item.get("traced"):
             request.trace()._server = request_id  # the server finds the trace by this id
@@ -464,7 +473,8 @@ class _WorkerBls:
         future = self._worker.waiting[self._worker.bls(request)]
         timeout = request.timeout() / 1e6 if request.timeout() else None
         try:
-            answer = future.result(timeout)
+            self._worker.wait_for(future.done, timeout)
+            answer = future.result(0)
         except concurrent.futures.TimeoutError:
             return pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(
@@ -474,8 +484,15 @@ class _WorkerBls:
         return self._worker.bls_result(answer)
 
     async def _await(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        answer = await asyncio.wrap_future(self._worker.waiting[self._worker.bls(request)])
-        return self._worker.bls_result(answer)
+        future = self._worker.waiting[self._worker.bls(request)]
+        await self._arrival(future)
+        return self._worker.bls_result(future.result(0))
+
+    async def _arrival(self, future: concurrent.futures.Future[Any]) -> None:
+        """Until ``future`` is done, a thread of the default executor reads the channel (this
+        loop's thread cannot block in it)."""
+        if not future.done():
+            await asyncio.get_running_loop().run_in_executor(None, self._worker.wait_for, future.done)
 
     def async_exec(self, request: pb_utils.InferenceRequest) -> Any:
         return self._await(request)
@@ -488,7 +505,7 @@ class _WorkerBls:
         def cancel() -> None:
             worker.send({"op": msg.BLS_CANCEL, "id": number})
 
-        iterator = ResponseIterator(cancel)
+        iterator = ResponseIterator(cancel, worker.wait_for)
 
         def sink(response: dict[str, Any] | None, final: bool) -> None:
             iterator._put(pb_utils.InferenceResponse([]) if response is None else worker.bls_result(response), final)
@@ -497,7 +514,7 @@ class _WorkerBls:
         return iterator
 
     async def _first(self, iterator: ResponseIterator) -> ResponseIterator:
-        await asyncio.wrap_future(iterator.first)
+        await self._arrival(iterator.first)
         return iterator
 
     def async_exec_decoupled(self, request: pb_utils.InferenceRequest) -> Any:
@@ -523,7 +540,6 @@ def main() -> None:
     model_logger.propagate = False
     worker = Worker(channel, init)
     pb_utils._set_bls_executor(_WorkerBls(worker))
-    reader = threading.Thread(target=worker.read_forever, name="quiver-worker-reader", daemon=True)
     try:
         extra = worker.load(init)
     except _Failure as exc:
@@ -537,8 +553,8 @@ def main() -> None:
     channel.send({"op": msg.READY, "pid": os.getpid(), "has_is_ready": has_is_ready, **extra})
     if init.get("auto_complete") is not None:
         return
-    reader.start()
-    worker.serve()
+    with contextlib.suppress(EOFError):  # channel_ended() exits first
+        worker.serve()
     sys.stdout.flush()
     sys.stderr.flush()
     worker.arena.close()

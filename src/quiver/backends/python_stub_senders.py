@@ -28,6 +28,8 @@ class _Worker(Protocol):
 
     def send(self, message: dict[str, Any]) -> None: ...
 
+    def is_cancelled(self, request_id: str) -> bool: ...
+
     def _response(self, item: Any, index: int) -> dict[str, Any]: ...
 
     def _respond(self, ids: list[str], result: Any) -> None: ...
@@ -48,7 +50,7 @@ class WorkerSenders:
             if sender is None:
                 request_id = self._ids[index]
                 sender = self.senders[index] = InferenceResponseSender(
-                    self.decoupled, self._deliver(index), lambda: request_id in self._worker.cancelled
+                    self.decoupled, self._deliver(index), lambda: self._worker.is_cancelled(request_id)
                 )
             return sender
 

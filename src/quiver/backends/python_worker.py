@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import json
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -53,16 +54,27 @@ from quiver.errors import (
 )
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
-from quiver.ipc.channel import AsyncChannel, ChannelError
+from quiver.ipc.channel import AsyncChannel
 from quiver.ipc.shm import Block, PoolFullError
 from quiver.streaming import StreamedResponse
 from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 logger = logging.getLogger(__name__)
 
+#: A batch sent this long after the previous one finished finds the loop idle (spinning for its
+#: answer then costs no other request anything).
+_IDLE_GAP_S = 50e-6
+#: After a spin that timed out, how long until the next try.
+_SPIN_RETRY_S = 1.0
+
 
 class WorkerInstance(WorkerStreamsMixin):
     """A :class:`~quiver.backends.base.ModelInstance` whose model runs in a worker process."""
+
+    #: Requests the direct scheduler may hand this instance at once
+    #: (:class:`~quiver.scheduling.core.InstancePool`): the worker runs them one at a time, and
+    #: finds the next one waiting when it finishes one.
+    slots = 2
 
     def __init__(
         self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec, env: PythonEnv, tree: str,
@@ -82,12 +94,16 @@ class WorkerInstance(WorkerStreamsMixin):
         self._worker: Worker | None = None
         self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
+        if self._decoupled:
+            self.slots = 1  # its requests stream: one at a time, as Triton sends them
         self._streams = WorkerStreams()  # a decoupled model's open requests
         self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
         self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
         self._ready_answers = WorkerReadiness()
         self._batches: dict[int, asyncio.Future[None]] = {}
         self._batch_ids = itertools.count(1)
+        self._batch_items: dict[int, list[str]] = {}  # the request ids of each batch in flight
+        self._unstarted: set[int] = set()  # batches the worker died before starting
         self._request_ids = itertools.count(1)
         self._restarting: asyncio.Task[None] | None = None
         self._down_reason = ""
@@ -97,6 +113,12 @@ class WorkerInstance(WorkerStreamsMixin):
         self._bls_tasks: set[asyncio.Task[None]] = set()
         #: The traces of sampled requests in flight, by the id the worker knows them by.
         self._traces: dict[str, Any] = {}
+        #: Seconds to wait for a batch's answer without sleeping when the loop is idle (a
+        #: sleeping loop's wake-up costs more than a small model's whole execute).
+        self._spin = settings.spin_microseconds / 1e6
+        self._round_trip = 0.0  # recent round trips of spun batches (seconds, smoothed)
+        self._slow_since = 0.0
+        self._last_done = 0.0
 
     # ---- start / stop
 
@@ -154,8 +176,6 @@ class WorkerInstance(WorkerStreamsMixin):
         worker.achannel.send({"op": msg.FINALIZE})
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done, self._settings.stub_timeout_seconds)
-        if worker.reader is not None:
-            worker.reader.cancel()
 
     # ---- execute
 
@@ -168,6 +188,14 @@ class WorkerInstance(WorkerStreamsMixin):
         return await self._run(requests)
 
     async def _run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        while True:
+            results = await self._run_once(requests)
+            if results is not None:
+                return results
+            # the worker died before it started this batch (it was queued behind the one that
+            # was running): it runs on the restarted worker
+
+    async def _run_once(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
         worker = await self._ready_worker()
         if isinstance(worker, QuiverError):
             return [worker for _ in requests]
@@ -198,8 +226,10 @@ class WorkerInstance(WorkerStreamsMixin):
                 self._traces[request_id] = request.trace
             items.append(item)
         try:
-            if items:
-                await self._execute(worker, items, requests)
+            if items and not await self._execute(worker, items, requests):
+                for item in items:
+                    self._pending.pop(item["id"], None)
+                return None
             for block in blocks:
                 worker.arena.free(block.segment, block.offset)
             for future in futures:
@@ -210,15 +240,20 @@ class WorkerInstance(WorkerStreamsMixin):
                 self._traces.pop(item["id"], None)
         return results
 
-    async def _execute(self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> None:
+    async def _execute(self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> bool:
+        """Run the batch; False if the worker died before it started it."""
         assert worker.achannel is not None
         batch = next(self._batch_ids)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._batches[batch] = done
+        self._batch_items[batch] = [item["id"] for item in items]
+        worker.inflight.append(batch)
         message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
         if worker.releases:
             message["release"], worker.releases = worker.releases, []
         worker.achannel.send(message)
+        if self._spin and self._should_spin():
+            self._spin_for(worker.achannel, done)
         timeouts = [int(r.parameters.get("timeout", 0) or 0) for r in requests if str(r.parameters.get("timeout", "0")).isdigit()]
         limit = min((t for t in timeouts if t > 0), default=0) / 1e6
         try:
@@ -239,6 +274,38 @@ class WorkerInstance(WorkerStreamsMixin):
             raise
         finally:
             self._batches.pop(batch, None)
+            self._batch_items.pop(batch, None)
+            self._last_done = time.perf_counter()
+        if batch in self._unstarted:
+            self._unstarted.discard(batch)
+            return False
+        return True
+
+    def _should_spin(self) -> bool:
+        """Whether to wait for this batch's answer without sleeping: when the worker answers
+        quickly (its recent round trips fit the spin) and the loop has been idle between
+        batches (one caller at a time: a busy loop would rather serve others meanwhile)."""
+        now = time.perf_counter()
+        if now - self._last_done <= _IDLE_GAP_S:
+            return False
+        if self._round_trip >= self._spin:
+            if now - self._slow_since < _SPIN_RETRY_S:
+                return False
+            self._round_trip = 0.0  # try again: the model may be quick now
+        return True
+
+    def _spin_for(self, channel: AsyncChannel, done: asyncio.Future[None]) -> None:
+        began = time.perf_counter()
+        until = began + self._spin
+        poll = channel.poll
+        while not done.done():
+            now = time.perf_counter()
+            if now >= until:
+                self._round_trip = self._spin * 2  # too slow to wait for: stop until it is quick again
+                self._slow_since = now
+                return
+            poll()
+        self._round_trip = (self._round_trip + time.perf_counter() - began) / 2
 
     async def _ready_worker(self) -> Worker | QuiverError:
         if self._restarting is not None:
@@ -248,49 +315,59 @@ class WorkerInstance(WorkerStreamsMixin):
         if worker is None or self._closed:
             return UnavailableError(f"{self._where} is not available: {self._down_reason or 'its worker is not running'}")
         if worker.achannel is None:
-            worker.achannel = await AsyncChannel.open(worker.channel.sock)
-            worker.reader = asyncio.create_task(self._read(worker), name=f"quiver-worker-{self.name}")
+            worker.achannel = await AsyncChannel.open(
+                worker.channel.sock,
+                lambda message: self._on_message(worker, message),
+                lambda error: self._on_end(worker, error),
+            )
         return worker
 
     # ---- messages from the worker
 
-    async def _read(self, worker: Worker) -> None:
-        assert worker.achannel is not None
-        try:
-            while (message := await worker.achannel.recv()) is not None:
-                op = message["op"]
-                if op == msg.RESPONSE:
-                    self._on_response(worker, message)
-                elif op == msg.DONE:
-                    self._served = True
-                    self._failures = 0
-                    done = self._batches.get(int(message["batch"]))
-                    if done is not None and not done.done():
-                        done.set_result(None)
-                elif op == msg.BLS:
-                    task = asyncio.create_task(self._bls(worker, message))
-                    self._bls_tasks.add(task)
-                    task.add_done_callback(self._bls_tasks.discard)
-                elif op == msg.RELEASE:
-                    for segment, offset in message["blocks"]:
-                        worker.arena.free(segment, offset)
-                elif op == msg.IS_READY_RESULT:
-                    self._ready_answers.answered(message)
-                elif op == msg.BLS_CANCEL:
-                    self._bls_streams.cancel(int(message["id"]))
-                elif op == msg.LOG:
-                    log_message(message)
-                elif op == msg.FINALIZED:
-                    done = self._batches.get(0)
-                    if done is not None and not done.done():
-                        done.set_result(None)
-                    return
-        except (ChannelError, KeyError, TypeError, ValueError) as exc:
-            logger.error("%s: its worker sent a malformed message (%s); stopping it", self._where, exc)
+    def _on_message(self, worker: Worker, message: dict[str, Any]) -> None:
+        """One message from the worker, on the loop as soon as it is read."""
+        op = message["op"]
+        if op == msg.RESPONSE:
+            self._on_response(worker, message)
+        elif op == msg.DONE:
+            self._served = True
+            self._failures = 0
+            batch = int(message["batch"])
+            with contextlib.suppress(ValueError):
+                worker.inflight.remove(batch)
+            done = self._batches.get(batch)
+            if done is not None and not done.done():
+                done.set_result(None)
+        elif op == msg.BLS:
+            task = asyncio.create_task(self._bls(worker, message))
+            self._bls_tasks.add(task)
+            task.add_done_callback(self._bls_tasks.discard)
+        elif op == msg.RELEASE:
+            for segment, offset in message["blocks"]:
+                worker.arena.free(segment, offset)
+        elif op == msg.IS_READY_RESULT:
+            self._ready_answers.answered(message)
+        elif op == msg.BLS_CANCEL:
+            self._bls_streams.cancel(int(message["id"]))
+        elif op == msg.LOG:
+            log_message(message)
+        elif op == msg.FINALIZED:
+            worker.finalized = True
+            done = self._batches.get(0)
+            if done is not None and not done.done():
+                done.set_result(None)
+
+    def _on_end(self, worker: Worker, error: Exception | None) -> None:
+        """The channel ended: the worker exited (or sent something that is not a message, and
+        is stopped); unless it was finalized or replaced, its requests fail and it restarts."""
+        if error is not None:
+            logger.error("%s: its worker sent a malformed message (%s); stopping it", self._where, error)
             worker.kill()
-        if self._closed or worker is not self._worker:
+        if worker.finalized or self._closed or worker is not self._worker:
             return
-        await self._on_exit(worker)
+        task = asyncio.get_running_loop().create_task(self._on_exit(worker), name=f"quiver-worker-{self.name}-exit")
+        self._bls_tasks.add(task)
+        task.add_done_callback(self._bls_tasks.discard)
 
     def _on_response(self, worker: Worker, message: dict[str, Any]) -> None:
         request_id = str(message["id"])
@@ -439,21 +516,27 @@ class WorkerInstance(WorkerStreamsMixin):
             "the worker is restarted"
         )
         logger.error("%s: Python worker (pid %d) %s; restarting it", self._where, worker.process.pid, cause)
-        self._fail_pending(list(self._pending), error)
+        # The worker runs its batches in order: those behind the first never started, and are
+        # sent again to the restarted worker rather than failed.
+        waiting = list(worker.inflight)[1:] if not self._decoupled else []
+        self._unstarted.update(waiting)
+        again = {request_id for batch in waiting for request_id in self._batch_items.get(batch, ())}
+        self._fail_pending([request_id for request_id in self._pending if request_id not in again], error)
         self._streams.fail_all(error)
         for done in self._batches.values():
             if not done.done():
                 done.set_result(None)
         self._worker = None
         self._down_reason = f"its Python worker {cause}"
-        await loop.run_in_executor(None, worker.close)
         if not self._served:
             self._failures += 1
         self._served = False
-        self._restarting = asyncio.create_task(self._restart())
+        # at once, so that a batch sent again waits for the new worker
+        self._restarting = asyncio.create_task(self._restart(worker))
 
-    async def _restart(self) -> None:
+    async def _restart(self, old: Worker) -> None:
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, old.close)
         settings = self._settings
         while not self._closed:
             delay = 0.0 if self._failures == 0 else min(

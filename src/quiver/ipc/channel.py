@@ -14,10 +14,12 @@ import asyncio
 import importlib
 import json
 import math
+import select
 import socket
 import struct
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final, cast
 
 _orjson: Any
 try:  # faster where installed; a worker under a foreign Python may not have it (then json)
@@ -35,6 +37,15 @@ _EXACT = 1 << 31
 
 class ChannelError(Exception):
     """The peer sent something that is not a message."""
+
+
+class _Empty:
+    def __repr__(self) -> str:
+        return "EMPTY"
+
+
+#: What :meth:`Channel.receive` answers when no whole message arrived in time.
+EMPTY: Final = _Empty()
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -61,7 +72,7 @@ def _non_finite(value: Any) -> bool:
     return False
 
 
-def _length(head: bytes) -> tuple[int, bool]:
+def _length(head: bytes | bytearray) -> tuple[int, bool]:
     """A frame's body length and whether it must be read with the standard library's json."""
     (word,) = _LENGTH.unpack(head)
     length = word & ~_EXACT
@@ -90,6 +101,7 @@ class Channel:
         self._send_lock = threading.Lock()
         self._buffered = buffered
         self._buffer = bytearray()
+        self._poller: select.poll | None = None
 
     def send(self, message: dict[str, Any]) -> None:
         frame = encode(message)
@@ -104,6 +116,10 @@ class Channel:
 
     def recv(self) -> dict[str, Any] | None:
         """The next message; None when the peer closed the channel."""
+        if self._buffered:
+            message = self.receive(None)
+            assert not isinstance(message, _Empty)
+            return message
         head = self._read(4)
         if head is None:
             return None
@@ -111,21 +127,40 @@ class Channel:
         body = self._read(length)
         return None if body is None else decode(body, exact)
 
+    def receive(self, timeout: float | None) -> dict[str, Any] | _Empty | None:
+        """The next message of a buffered channel, waiting at most ``timeout`` seconds (0: only
+        what has arrived; None: as long as it takes): :data:`EMPTY` when no whole message came
+        in time, None when the peer closed the channel."""
+        assert self._buffered, "receive() reads ahead: a buffered channel only"
+        buffer = self._buffer
+        while True:
+            if len(buffer) >= 4:
+                length, exact = _length(bytes(buffer[:4]))
+                if len(buffer) >= 4 + length:
+                    body = bytes(buffer[4 : 4 + length])
+                    del buffer[: 4 + length]
+                    return decode(body, exact)
+            flags = 0
+            if timeout is not None:
+                flags = socket.MSG_DONTWAIT
+                if timeout > 0:
+                    if self._poller is None:
+                        self._poller = select.poll()
+                        self._poller.register(self.sock.fileno(), select.POLLIN)
+                    if not self._poller.poll(timeout * 1000):
+                        return EMPTY
+            try:
+                chunk = self.sock.recv(1 << 16, flags)
+            except BlockingIOError:
+                return EMPTY
+            except ConnectionError:
+                return None
+            if not chunk:
+                return None
+            buffer += chunk
+
     def _read(self, size: int) -> bytes | None:
-        """Exactly ``size`` bytes; None at the end of the stream."""
-        if self._buffered:
-            buffer = self._buffer
-            while len(buffer) < size:
-                try:
-                    chunk = self.sock.recv(max(1 << 16, size - len(buffer)))
-                except ConnectionError:
-                    return None
-                if not chunk:
-                    return None
-                buffer += chunk
-            data = bytes(buffer[:size])
-            del buffer[:size]
-            return data
+        """Exactly ``size`` bytes; None at the end of the stream (an unbuffered channel)."""
         buffer = bytearray(size)
         view = memoryview(buffer)
         got = 0
@@ -143,34 +178,82 @@ class Channel:
         self.sock.close()
 
 
-class AsyncChannel:
-    """Messages over ``sock`` on the running asyncio loop."""
+class AsyncChannel(asyncio.Protocol):
+    """Messages over ``sock`` on the running asyncio loop: each message that arrives is handed to
+    ``deliver`` on the loop, in order, as soon as its bytes are read (no task per message);
+    ``ended(error)`` runs once when the channel ends (None: the peer closed it; else what was
+    wrong with what the peer sent: nothing more is delivered). :meth:`poll` reads what has
+    arrived without waiting for the loop, for a caller that expects an answer any moment."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sock: socket.socket) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._sock = sock
+    def __init__(self, deliver: Callable[[dict[str, Any]], None], ended: Callable[[Exception | None], None]) -> None:
+        self._deliver = deliver
+        self._ended: Callable[[Exception | None], None] | None = ended
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._sock: socket.socket | None = None
         self._loop = asyncio.get_running_loop()
 
     @classmethod
-    async def open(cls, sock: socket.socket) -> AsyncChannel:
+    async def open(
+        cls, sock: socket.socket, deliver: Callable[[dict[str, Any]], None], ended: Callable[[Exception | None], None]
+    ) -> AsyncChannel:
         sock.setblocking(False)
-        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_FRAME + 4)
-        return cls(reader, writer, sock)
+        loop = asyncio.get_running_loop()
+        _, channel = await loop.create_unix_connection(lambda: cls(deliver, ended), sock=sock)
+        channel._sock = sock
+        return channel
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        try:
+            while self._ended is not None and len(buffer) - start >= 4:
+                length, exact = _length(buffer[start : start + 4])
+                end = start + 4 + length
+                if len(buffer) < end:
+                    break
+                body = bytes(buffer[start + 4 : end])
+                start = end
+                self._deliver(decode(body, exact))
+        except (ChannelError, KeyError, TypeError, ValueError) as exc:
+            del buffer[:]
+            self._end(exc)
+            if self._transport is not None:
+                self._transport.abort()
+            return
+        del buffer[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(None)
+
+    def _end(self, error: Exception | None) -> None:
+        ended, self._ended = self._ended, None
+        if ended is not None:
+            ended(error)
+
+    def poll(self) -> None:
+        """Read and deliver what has arrived, now (on the loop's thread; never waits)."""
+        sock = self._sock
+        if sock is None or self._ended is None:
+            return
+        try:
+            data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return  # the transport sees it too, and ends the channel
+        if data:
+            self.data_received(data)
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue ``message`` (the loop writes it; never blocks)."""
-        if not self._writer.is_closing():
-            self._writer.write(encode(message))
-
-    async def recv(self) -> dict[str, Any] | None:
-        try:
-            head = await self._reader.readexactly(4)
-            length, exact = _length(head)
-            body = await self._reader.readexactly(length)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        return decode(body, exact)
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(encode(message))
 
     def close(self) -> None:
         """Close from any thread (on the channel's loop when it still runs)."""
@@ -178,15 +261,19 @@ class AsyncChannel:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        if running is self._loop:
-            self._writer.close()
+        transport = self._transport
+        if transport is None:
+            self._close_socket()
+        elif running is self._loop:
+            transport.close()
         elif not self._loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(self._writer.close)
+                self._loop.call_soon_threadsafe(transport.close)
             except RuntimeError:  # closed meanwhile
                 self._close_socket()
         else:
             self._close_socket()
 
     def _close_socket(self) -> None:
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()

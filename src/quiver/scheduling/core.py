@@ -308,10 +308,15 @@ class CoreScheduler:
 
 class InstancePool:
     """Instances lent one request at a time: the next free one, else the first to come back,
-    to waiters in arrival order."""
+    to waiters in arrival order. An instance with ``slots`` > 1 (one whose batches run in a
+    worker process that queues them, :class:`quiver.backends.python_worker.WorkerInstance`) is
+    lent that many times at once: its next request is already there when the worker finishes
+    one, instead of a round trip through the loop later; it still runs them one at a time."""
 
     def __init__(self, instances: list[ModelInstance]) -> None:
-        self._free: deque[ModelInstance] = deque(instances)
+        self._free: deque[ModelInstance] = deque(
+            instance for _ in range(max(_slots(i) for i in instances)) for instance in instances if _slots(instance) > _
+        )
         self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
 
     async def acquire(self) -> ModelInstance:
@@ -333,6 +338,10 @@ class InstancePool:
                 waiter.set_result(instance)
                 return
         self._free.append(instance)
+
+
+def _slots(instance: ModelInstance) -> int:
+    return max(1, int(getattr(instance, "slots", 1)))
 
 
 class Execution:

@@ -7,6 +7,7 @@ import asyncio
 import math
 import os
 import socket
+import time
 import uuid
 
 import numpy as np
@@ -100,23 +101,57 @@ def test_the_channel_frames_json_messages_both_ways() -> None:
     assert receiver.recv()["message"] == "x" * 100_000  # type: ignore[index]
 
     async def over_asyncio() -> None:
-        channel = await AsyncChannel.open(right)
+        got: asyncio.Queue[dict[str, object]] = asyncio.Queue()
+        ends: list[Exception | None] = []
+        channel = await AsyncChannel.open(right, got.put_nowait, ends.append)
         sender.send({"op": "done", "batch": 1})
-        assert await channel.recv() == {"op": "done", "batch": 1}
+        assert await asyncio.wait_for(got.get(), 5) == {"op": "done", "batch": 1}
         channel.send({"op": "cancel", "ids": ["1"]})
         await asyncio.sleep(0)
         assert sender.recv() == {"op": "cancel", "ids": ["1"]}
-        left.sendall(b"\x05\x00\x00\x00[1,2]")
-        with pytest.raises(ChannelError, match="not an object"):
-            await channel.recv()
-        left.sendall((MAX_FRAME + 1).to_bytes(4, "little"))
-        with pytest.raises(ChannelError, match="a frame of"):
-            await channel.recv()
-        left.close()
-        assert await channel.recv() is None
+        # poll() delivers what has arrived at once, without a turn of the loop
+        sender.send({"op": "response", "id": "2"})
+        deadline = time.monotonic() + 5
+        while got.empty() and time.monotonic() < deadline:
+            channel.poll()
+        assert got.get_nowait() == {"op": "response", "id": "2"}
+        assert not ends
+        left.sendall(b"\x05\x00\x00\x00[1,2]")  # not a message: the channel ends, naming why
+        while not ends and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert isinstance(ends[0], ChannelError) and "not an object" in str(ends[0])
+        assert got.empty() and len(ends) == 1
         channel.close()
+        await asyncio.sleep(0)
+        right.close()
+
+    async def oversized_and_closed() -> None:
+        a, b = socket.socketpair()
+        ends: list[Exception | None] = []
+        first = await AsyncChannel.open(b, lambda message: None, ends.append)
+        a.sendall((MAX_FRAME + 1).to_bytes(4, "little"))
+        deadline = time.monotonic() + 5
+        while not ends and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert isinstance(ends[0], ChannelError) and "a frame of" in str(ends[0])
+        a.close()
+        c, d = socket.socketpair()
+        closed: list[Exception | None] = []
+        second = await AsyncChannel.open(d, lambda message: None, closed.append)
+        c.close()  # the peer went away: ended(None), once
+        while not closed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert closed == [None]
+        for channel in (first, second):
+            channel.close()
+        await asyncio.sleep(0)
+        for end in (b, d):
+            end.close()
 
     asyncio.run(over_asyncio())
+    asyncio.run(oversized_and_closed())
+    left.close()
     assert encode({"op": "x"})[:4] == (len(b'{"op":"x"}')).to_bytes(4, "little")
 
 

@@ -399,6 +399,24 @@ def test_instance_pool_lends_in_arrival_order_and_skips_callers_that_left() -> N
     run(main)
 
 
+def test_an_instance_with_two_slots_is_lent_twice_after_every_instance_once() -> None:
+    clock = FakeClock()
+    single, double = Echo(clock, "single"), Echo(clock, "double")
+    double.slots = 2  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        pool = InstancePool([double, single])
+        lent = [await pool.acquire() for _ in range(3)]
+        assert lent == [double, single, double]
+        waiter = asyncio.ensure_future(pool.acquire())
+        await settle()
+        assert not waiter.done()  # every slot is out
+        pool.release(double)
+        assert await waiter is double
+
+    run(main)
+
+
 def test_execution_records_backend_timing_when_it_has_one() -> None:
     clock = FakeClock()
     instance = Echo(clock, cost=50)

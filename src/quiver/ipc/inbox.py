@@ -1,0 +1,119 @@
+"""Reading one channel from several threads, without a reader thread.
+
+Whichever thread waits for something (the worker's main thread for its next batch, a model's
+thread for the answer to its BLS call) takes the reader's role if no other thread holds it,
+reads messages and dispatches each one, until what it waits for has happened; then it hands
+the role back and wakes the others, one of whom takes it if it still waits (leader/followers).
+A message meant for another thread reaches it through :meth:`Inbox.dispatch`'s effects (a job
+queued, a future completed) and a notification.
+
+A batch is therefore read and run by the same thread: no hand-over from a reader thread, whose
+wake-up costs more than the rest of a small call on a virtual machine. A thread waiting for its
+next batch may also spin for a moment (read without sleeping) before it blocks: a peer that
+answers back and forth, as a server does under load, then finds this end awake.
+
+Worker-safe: the standard library only (see :mod:`quiver.ipc`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from quiver.ipc.channel import EMPTY, Channel
+
+
+class Inbox:
+    """The messages of ``channel``, read by the threads that wait for them.
+
+    ``dispatch`` handles one message on the reading thread (it must not wait for another
+    message); ``closed`` runs on the thread that reads the channel's end (and should not
+    return: the peer is gone; if it does, the waiting thread gets EOFError).
+    """
+
+    def __init__(
+        self, channel: Channel, dispatch: Callable[[dict[str, Any]], None], closed: Callable[[], None]
+    ) -> None:
+        self._channel = channel
+        self._dispatch = dispatch
+        self._closed = closed
+        self._cond = threading.Condition(threading.Lock())
+        self._reading = False
+        self._waiters = 0
+
+    def wait(self, ready: Callable[[], bool], timeout: float | None = None, spin: float = 0.0) -> bool:
+        """Until ``ready()`` (True) or ``timeout`` seconds pass (False), reading and dispatching
+        messages whenever no other thread does. ``spin``: seconds to read without sleeping
+        before blocking, each time this thread starts to read."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                while not ready():
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._waiters += 1
+                    try:
+                        self._cond.wait(remaining)
+                    finally:
+                        self._waiters -= 1
+                else:
+                    return True
+            try:
+                if self._read_until(ready, deadline, spin):
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return ready()
+            finally:
+                with self._cond:
+                    self._reading = False
+                    if self._waiters:
+                        self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Dispatch what has arrived, without waiting (nothing when another thread reads)."""
+        with self._cond:
+            if self._reading:
+                return
+            self._reading = True
+        try:
+            while (message := self._channel.receive(0)) is not EMPTY:
+                self._handle(message)
+        finally:
+            with self._cond:
+                self._reading = False
+                if self._waiters:
+                    self._cond.notify_all()
+
+    def _read_until(self, ready: Callable[[], bool], deadline: float | None, spin: float) -> bool:
+        channel = self._channel
+        while not ready():
+            message: Any = EMPTY
+            if spin > 0:
+                until = time.monotonic() + spin
+                while (message := channel.receive(0)) is EMPTY and time.monotonic() < until:
+                    pass
+            if message is EMPTY:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                message = channel.receive(timeout)
+                if message is EMPTY:
+                    return False  # the deadline passed
+            self._handle(message)
+        return True
+
+    def _handle(self, message: Any) -> None:
+        if message is None:
+            self._closed()
+            raise EOFError("the channel's peer closed it")
+        self._dispatch(message)
+        if self._waiters:  # what another thread waits for may have happened
+            with self._cond:
+                self._cond.notify_all()
+
+
+__all__ = ["Inbox"]

@@ -1,0 +1,124 @@
+"""The inbox: whichever thread waits reads the channel, and what it reads for others reaches them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import pytest
+
+from quiver.ipc.channel import EMPTY, Channel
+from quiver.ipc.inbox import Inbox
+
+
+class _End:
+    """A buffered channel over a socket pair, its inbox, and what its dispatch saw."""
+
+    def __init__(self) -> None:
+        self.ours, self.peer_sock = socket.socketpair()
+        self.channel = Channel(self.ours, buffered=True)
+        self.peer = Channel(self.peer_sock)
+        self.jobs: deque[dict[str, Any]] = deque()
+        self.answers: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
+        self.readers: list[str] = []
+        self.ended = threading.Event()
+        self.inbox = Inbox(self.channel, self.dispatch, self.ended.set)
+
+    def dispatch(self, message: dict[str, Any]) -> None:
+        self.readers.append(threading.current_thread().name)
+        if message["op"] == "execute":
+            self.jobs.append(message)
+        elif message["op"] == "answer":
+            self.answers[message["id"]].set_result(message)
+
+    def close(self) -> None:
+        self.ours.close()
+        self.peer_sock.close()
+
+
+@pytest.fixture
+def end() -> Any:
+    end = _End()
+    yield end
+    end.close()
+
+
+def test_the_waiting_thread_reads_its_own_message(end: _End) -> None:
+    end.peer.send({"op": "execute", "batch": 1})
+    assert end.inbox.wait(lambda: bool(end.jobs), timeout=5)
+    assert end.jobs.popleft()["batch"] == 1
+    assert end.readers == [threading.current_thread().name]  # no other thread involved
+
+
+def test_a_message_for_another_thread_reaches_it(end: _End) -> None:
+    """The main thread blocks reading for its next batch; a model thread waits for a BLS
+    answer: the main thread reads the answer and wakes the model thread."""
+    future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+    end.answers[7] = future
+    main = threading.Thread(target=lambda: end.inbox.wait(lambda: bool(end.jobs), timeout=10), name="main")
+    main.start()
+    time.sleep(0.05)  # main holds the reader's role, blocked in the channel
+    got: list[bool] = []
+    model = threading.Thread(target=lambda: got.append(end.inbox.wait(future.done, timeout=10)), name="model")
+    model.start()
+    time.sleep(0.05)
+    end.peer.send({"op": "answer", "id": 7})
+    model.join(5)
+    assert got == [True] and future.result(0)["id"] == 7
+    assert end.readers == ["main"]
+    end.peer.send({"op": "execute", "batch": 2})
+    main.join(5)
+    assert not main.is_alive() and end.jobs[0]["batch"] == 2
+
+
+def test_a_waiter_takes_over_reading_when_the_reader_stops(end: _End) -> None:
+    """While the main thread runs a batch (not reading), a model thread reads for itself."""
+    future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+    end.answers[1] = future
+    end.peer.send({"op": "answer", "id": 1})
+    assert end.inbox.wait(future.done, timeout=5)
+    assert future.result(0)["id"] == 1
+
+
+def test_wait_times_out_and_spins_then_sleeps(end: _End) -> None:
+    began = time.monotonic()
+    assert not end.inbox.wait(lambda: bool(end.jobs), timeout=0.1, spin=0.02)
+    assert 0.09 < time.monotonic() - began < 2
+    # the role was given back: another wait can read
+    end.peer.send({"op": "execute", "batch": 3})
+    assert end.inbox.wait(lambda: bool(end.jobs), timeout=5, spin=0.001)
+
+
+def test_drain_dispatches_what_arrived_without_waiting(end: _End) -> None:
+    end.inbox.drain()
+    assert not end.jobs
+    end.peer.send_many([{"op": "execute", "batch": 1}, {"op": "execute", "batch": 2}])
+    deadline = time.monotonic() + 5
+    while len(end.jobs) < 2 and time.monotonic() < deadline:
+        end.inbox.drain()
+    assert [job["batch"] for job in end.jobs] == [1, 2]
+
+
+def test_the_channels_end_is_reported_once_and_raises(end: _End) -> None:
+    end.peer_sock.close()
+    with pytest.raises(EOFError):
+        end.inbox.wait(lambda: False, timeout=5)
+    assert end.ended.is_set()
+
+
+def test_receive_waits_at_most_its_timeout() -> None:
+    ours, theirs = socket.socketpair()
+    channel = Channel(ours, buffered=True)
+    assert channel.receive(0) is EMPTY
+    began = time.monotonic()
+    assert channel.receive(0.05) is EMPTY
+    assert time.monotonic() - began >= 0.04
+    Channel(theirs).send({"op": "x", "n": 1})
+    assert channel.receive(5) == {"op": "x", "n": 1}
+    theirs.close()
+    assert channel.receive(5) is None
+    ours.close()
