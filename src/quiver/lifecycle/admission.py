@@ -26,7 +26,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2 as pb
@@ -34,7 +34,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
-from quiver.lifecycle.dependencies import DependencyGraph
+from quiver.lifecycle.dependencies import DependencyGraph, composing_of
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, LRUPolicy
 from quiver.lifecycle.frameworks import prime
 from quiver.lifecycle.loader import LoadOutcome, backend_name
@@ -50,16 +50,30 @@ from quiver.lifecycle.model import Model
 from quiver.lifecycle.pins import Pins
 from quiver.lifecycle.policies import DEFAULT_POLICY, make_policy
 from quiver.lifecycle.pool import LoadPool
+from quiver.lifecycle.sources import fingerprint as folder_fingerprint
 from quiver.lifecycle.table import ModelTable
 from quiver.repository.local import ModelSource
 
-__all__ = ["AHEAD", "AdmissionControl", "Unloader"]
+__all__ = ["AHEAD", "AdmissionControl", "Inspection", "Unloader"]
 
 #: The reservation evictions ahead of need are made under: not a model name (model names are
 #: checked and cannot hold a NUL), so it never meets a model's reservation or claims.
 AHEAD = "\0ahead"
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Inspection:
+    """What a load needs to know of a model's files before it is admitted, read in one trip to
+    a load thread (:meth:`AdmissionControl.inspect`): their fingerprint, the composing models
+    when it is an ensemble, the backend its config names (``""`` when it cannot be read: the
+    load says why) and the size predicted from the files (``None``: no files)."""
+
+    fingerprint: str
+    composing: list[str] | None
+    backend: str
+    from_files: int | None
 
 
 class Unloader(Protocol):
@@ -221,26 +235,38 @@ class AdmissionControl:
 
     # -- loading -----------------------------------------------------------------------
 
+    def inspect(self, source: ModelSource, override: pb.ModelConfig | None) -> Inspection:
+        """Blocking (a load thread): the :class:`Inspection` of ``source``'s files; the config
+        is read once per fingerprint (:attr:`configs`)."""
+        fingerprint = folder_fingerprint(source.path)
+        strict, configs = self._strict, self.configs
+        composing = composing_of(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
+        backend = ""
+        if composing is None:
+            backend = backend_name(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
+        from_files = self._predictor.from_files(source.path) if self.budget is not None else None
+        return Inspection(fingerprint, composing, backend, from_files)
+
     async def load(
         self,
         source: ModelSource,
         load: Callable[[], LoadOutcome],
         *,
         override: pb.ModelConfig | None,
-        fingerprint: str,
+        inspection: Inspection,
         unloader: Unloader,
     ) -> LoadOutcome:
         """Run ``load`` (a model's blocking load) once it is admitted (see the module notes);
-        ``fingerprint`` is its files' (measured sizes belong to one)."""
+        ``inspection`` is its files' (measured sizes belong to their fingerprint)."""
         name = source.name
-        identity = ModelIdentity(name, "", fingerprint)
+        identity = ModelIdentity(name, "", inspection.fingerprint)
         gpu = self._gpu
         if gpu is None:
-            return await self._load_host(source, identity, load, override, unloader)
+            return await self._load_host(source, identity, load, inspection, unloader)
         predicted = gpu.predict(identity)
         await self._admit_gpu(name, predicted, unloader)
         try:
-            outcome = await self._load_host(source, identity, load, override, unloader)
+            outcome = await self._load_host(source, identity, load, inspection, unloader)
         finally:
             gpu.settle(name)
             self.gate.notify()
@@ -289,7 +315,7 @@ class AdmissionControl:
         source: ModelSource,
         identity: ModelIdentity,
         load: Callable[[], LoadOutcome],
-        override: pb.ModelConfig | None,
+        inspection: Inspection,
         unloader: Unloader,
     ) -> LoadOutcome:
         """Load under the memory budget (see :mod:`quiver.lifecycle.budget` for the rules):
@@ -311,8 +337,8 @@ class AdmissionControl:
             if outcome.models:
                 self._remember_gpu(identity, footprint.gpu_bytes)
             return outcome
-        await self._prime_framework(source, override, identity.fingerprint)
-        prediction = self._predictor.predict(identity, source.path)
+        await self._prime_framework(inspection.backend)
+        prediction = self._predictor.predict(identity, estimate=inspection.from_files)
         timeout = self.load_wait_timeout
         admission = await self.gate.reserve(
             name,
@@ -353,8 +379,7 @@ class AdmissionControl:
         else:
             # RSS growth undercounts when the load reuses memory an eviction just freed (the
             # heap does not always shrink): a model never counts for less than its files suggest.
-            from_files = await self._pool.run(self._predictor.from_files, source.path)
-            size = max(measured, int((from_files or 0) / self._predictor.file_factor))
+            size = max(measured, int((inspection.from_files or 0) / self._predictor.file_factor))
             self._predictor.record(identity, size)
         try:
             await self._cover_overrun(name, size, unloader)
@@ -450,22 +475,10 @@ class AdmissionControl:
         for victim in admission.victims:
             await unloader.evict(victim, loading, claimed=True)
 
-    async def _prime_framework(
-        self, source: ModelSource, override: pb.ModelConfig | None, fingerprint: str
-    ) -> None:
+    async def _prime_framework(self, backend: str) -> None:
         """Pay the model's framework's one-time process cost (import, first session) once, in
         a measured section of its own, so no model's measured size includes it. Reported,
         not counted in the budget (see :mod:`quiver.lifecycle.memory`)."""
-        backend = await self._pool.run(
-            functools.partial(
-                backend_name,
-                source,
-                strict=self._strict,
-                override=override,
-                configs=self.configs,
-                fingerprint=fingerprint,
-            )
-        )
         if not backend or backend in self._frameworks:
             return
         async with self._prime_lock:

@@ -43,7 +43,7 @@ from quiver.errors import (
 from quiver.lifecycle.admission import AHEAD, AdmissionControl
 from quiver.lifecycle.archives import archive_layout, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
-from quiver.lifecycle.dependencies import DependencyGraph, Namespace, composing_of
+from quiver.lifecycle.dependencies import DependencyGraph, Namespace
 from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instance
 from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import release_free_memory
@@ -199,18 +199,12 @@ class ModelLifeCycle:
         serving = self._table.serving(name)
         if not serving:
             self._table.mark(name, ModelState.LOADING)
-        fingerprint = await self._sources.fingerprint(source)
+        # One trip to a load thread: the files' fingerprint, the config (an ensemble? which
+        # framework?) and their size, read once per version of the files.
+        inspection = await self._pool.run(self._admission.inspect, source, override)
+        fingerprint, composing = inspection.fingerprint, inspection.composing
+        self._sources.remember_fingerprint(name, fingerprint)
         configs = self._admission.configs
-        composing = await self._pool.run(
-            functools.partial(
-                composing_of,
-                source,
-                strict=self._strict,
-                override=override,
-                configs=configs,
-                fingerprint=fingerprint,
-            )
-        )
         if composing is not None:
             outcome = await self._load_ensemble(source, composing, override, visiting | {name})
         else:
@@ -224,9 +218,7 @@ class ModelLifeCycle:
                 configs=configs,
                 fingerprint=fingerprint,
             )
-            outcome = await self._admission.load(
-                source, load, override=override, fingerprint=fingerprint, unloader=self
-            )
+            outcome = await self._admission.load(source, load, override=override, inspection=inspection, unloader=self)
         failures: dict[str, str] = {}
         if outcome.error:
             failures[name] = outcome.error

@@ -129,6 +129,10 @@ class ModelSources:
         current = self._fingerprints[source.name] = await self._pool.run(fingerprint, source.path)
         return current
 
+    def remember_fingerprint(self, name: str, value: str) -> None:
+        """``value`` (:func:`fingerprint` of its folder, taken on a load thread) is the loaded one."""
+        self._fingerprints[name] = value
+
     async def changed(self, source: ModelSource) -> bool:
         """Whether ``source``'s files differ from those last loaded (or it never loaded)."""
         return self._fingerprints.get(source.name) != await self._pool.run(fingerprint, source.path)
