@@ -60,6 +60,10 @@ __all__ = ["AHEAD", "AdmissionControl", "Inspection", "Unloader"]
 #: checked and cannot hold a NUL), so it never meets a model's reservation or claims.
 AHEAD = "\0ahead"
 
+#: How long an eviction ahead of need waits, at most, for the requests that waited for the
+#: load that set it off to be answered (a model in steady use would otherwise hold it back).
+AHEAD_DELAY_S = 0.1
+
 logger = logging.getLogger(__name__)
 
 
@@ -443,19 +447,28 @@ class AdmissionControl:
             ) from None
 
     async def make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
-        """Evict ahead of need, off any request's path: after ``loaded`` loaded, when fewer
-        bytes are free than it took (what the next miss likely needs), reserve that many under
-        :data:`AHEAD` (the policy picks victims among models not in use, never ``loaded``),
-        unload the victims, then give the reservation back, so the next miss finds its room
-        free instead of waiting for an unload. The ledger stays honest throughout: a victim
+        """Evict ahead of need, off any request's path: after ``loaded`` loaded and the
+        requests that waited for it are answered (at most :data:`AHEAD_DELAY_S` later), when
+        fewer bytes are free than it took (what the next miss likely needs), reserve that many
+        under :data:`AHEAD` (the policy picks victims among models not in use, never
+        ``loaded``), unload the victims, then give the reservation back, so the next miss
+        finds its room free instead of waiting for an unload. The ledger stays honest throughout: a victim
         counts until its unload has finished. One at a time; nothing when the budget is off,
         when ``evict_ahead`` is off, or when nothing but models in use could go."""
         budget = self.budget
-        want = self._last_size
-        if budget is None or not self.evict_ahead or self._ahead_running or budget.available >= want:
+        if budget is None or not self.evict_ahead or self._ahead_running or budget.available >= self._last_size:
             return
         self._ahead_running = True
         try:
+            # The requests that waited for the load are answered first: their first inference
+            # and their responses do not share the event loop and the cores with the unloads.
+            deadline = seconds(self._clock) + AHEAD_DELAY_S
+            while self._pins.pinned(loaded) or any(m.scheduler.inflight for m in self._table.loaded(loaded)):
+                if not await self.gate.wait(deadline):
+                    break
+            want = self._last_size
+            if budget.available >= want:
+                return
             candidates = [c for c in self.candidates(loaded) if c.name != AHEAD]
             decision = budget.admit(AHEAD, want, self.policy, candidates)
             if not isinstance(decision, Admission):
