@@ -253,6 +253,12 @@ class OnnxInstance(ThreadedInstance):
     def release(self) -> None:
         del self._session
 
+    def unload(self) -> None:
+        """Once the instance's thread has finished what it was given, free the session here:
+        onnxruntime sessions may be freed from any thread, so no trip to the instance's own."""
+        self._executor.shutdown(wait=True)
+        self.release()
+
 
 def _to_str(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)

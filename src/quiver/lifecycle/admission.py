@@ -63,6 +63,9 @@ AHEAD = "\0ahead"
 #: How long an eviction ahead of need waits, at most, for the requests that waited for the
 #: load that set it off to be answered (a model in steady use would otherwise hold it back).
 AHEAD_DELAY_S = 0.1
+#: Misses evictions ahead of need keep room for (when that is at most AHEAD_SHARE of the limit).
+AHEAD_LOADS = 2
+AHEAD_SHARE = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +133,7 @@ class AdmissionControl:
         self.configs = ConfigCache()
         self.evict_ahead = evict_ahead and eviction_policy != "none"  # none: nothing unloads
         self._ahead_running = False
+        self._ahead_again: str | None = None  # a load finished while evictions ahead ran
         self._last_size = 0  # bytes of the last model loaded: what the next miss likely needs
         self._prime_lock = asyncio.Lock()
         #: ``none``: a load that does not fit fails at once (OutOfMemoryError; 507 on the
@@ -446,41 +450,67 @@ class AdmissionControl:
                 f"bytes predicted, and the excess does not fit: {exc.message}"
             ) from None
 
+    def ahead_bytes(self) -> int:
+        """The free bytes evictions ahead of need keep: room for the next :data:`AHEAD_LOADS`
+        misses (the size of the last model loaded each), so that a miss arriving while the
+        previous one's victims still unload finds room too, as long as that is at most
+        :data:`AHEAD_SHARE` of the limit; else room for one."""
+        budget = self.budget
+        if budget is None:
+            return 0
+        size = self._last_size
+        return size * AHEAD_LOADS if size * AHEAD_LOADS <= budget.limit_bytes * AHEAD_SHARE else size
+
     async def make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
         """Evict ahead of need, off any request's path: after ``loaded`` loaded and the
         requests that waited for it are answered (at most :data:`AHEAD_DELAY_S` later), when
-        fewer bytes are free than it took (what the next miss likely needs), reserve that many
-        under :data:`AHEAD` (the policy picks victims among models not in use, never
-        ``loaded``), unload the victims, then give the reservation back, so the next miss
-        finds its room free instead of waiting for an unload. The ledger stays honest throughout: a victim
-        counts until its unload has finished. One at a time; nothing when the budget is off,
-        when ``evict_ahead`` is off, or when nothing but models in use could go."""
+        fewer bytes are free than :meth:`ahead_bytes`, reserve that many under :data:`AHEAD`
+        (the policy picks victims among models not in use, never ``loaded``), unload the
+        victims, then give the reservation back, so the next misses find their room free
+        instead of waiting for an unload. The ledger stays honest throughout: a victim counts
+        until its unload has finished. One at a time (a load that finishes meanwhile has the
+        running one look again when done); nothing when the budget is off, when
+        ``evict_ahead`` is off, or when nothing but models in use could go."""
         budget = self.budget
-        if budget is None or not self.evict_ahead or self._ahead_running or budget.available >= self._last_size:
+        if budget is None or not self.evict_ahead or budget.available >= self.ahead_bytes():
+            return
+        if self._ahead_running:
+            self._ahead_again = loaded
             return
         self._ahead_running = True
         try:
-            # The requests that waited for the load are answered first: their first inference
-            # and their responses do not share the event loop and the cores with the unloads.
-            deadline = seconds(self._clock) + AHEAD_DELAY_S
-            while self._pins.pinned(loaded) or any(m.scheduler.inflight for m in self._table.loaded(loaded)):
-                if not await self.gate.wait(deadline):
-                    break
-            want = self._last_size
-            if budget.available >= want:
-                return
-            candidates = [c for c in self.candidates(loaded) if c.name != AHEAD]
-            decision = budget.admit(AHEAD, want, self.policy, candidates)
-            if not isinstance(decision, Admission):
-                return  # only models in use or loads under way stand in the way: the next miss waits as usual
-            try:
-                await self._evict(decision, AHEAD, unloader)
-            finally:
-                budget.cancel(AHEAD)
-        except OutOfMemoryError:
-            return
+            while True:
+                await self._make_room_ahead(loaded, unloader)
+                again, self._ahead_again = self._ahead_again, None
+                if again is None or budget.available >= self.ahead_bytes():
+                    return
+                loaded = again
         finally:
             self._ahead_running = False
+
+    async def _make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
+        budget = self.budget
+        assert budget is not None
+        # The requests that waited for the load are answered first: their first inference
+        # and their responses do not share the event loop and the cores with the unloads.
+        deadline = seconds(self._clock) + AHEAD_DELAY_S
+        while self._pins.pinned(loaded) or any(m.scheduler.inflight for m in self._table.loaded(loaded)):
+            if not await self.gate.wait(deadline):
+                break
+        want = self.ahead_bytes()
+        if budget.available >= want:
+            return
+        try:
+            candidates = [c for c in self.candidates(loaded) if c.name != AHEAD]
+            decision = budget.admit(AHEAD, want, self.policy, candidates)
+        except OutOfMemoryError:
+            return
+        if not isinstance(decision, Admission):
+            return  # only models in use or loads under way stand in the way: the next miss waits as usual
+        try:
+            await self._evict(decision, AHEAD, unloader)
+        finally:
+            budget.cancel(AHEAD)
 
     async def _evict(self, admission: Admission, loading: str, unloader: Unloader) -> None:
         """Unload the models the admission claimed for ``loading`` (ensembles that need them

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.backends.base import INLINE_THRESHOLD_NS
+from quiver.backends.base import INLINE_THRESHOLD_NS, ModelInstance
 from quiver.config import ModelConfig
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
@@ -469,14 +469,17 @@ class ModelLifeCycle:
         under a budget, give the freed heap back to the OS before the bytes count as free."""
         await asyncio.gather(*(m.scheduler.stop() for m in models))
         meter = self._admission.meter
+        instances = [(m.name, instance) for m in models for instance in m.instances]
+        trim = self._admission.budget is not None
+        if not instances:
+            return
+        if len(instances) == 1:  # the usual: one trip to a load thread frees it and trims
+            await self._pool.run(meter.shared, functools.partial(_unload_instances, instances, trim=trim))
+            return
         await asyncio.gather(
-            *(
-                self._pool.run(meter.shared, functools.partial(unload_instance, m.name, instance))
-                for m in models
-                for instance in m.instances
-            )
+            *(self._pool.run(meter.shared, functools.partial(_unload_instances, [one], trim=False)) for one in instances)
         )
-        if self._admission.budget is not None and any(m.instances for m in models):
+        if trim:
             await self._pool.run(meter.shared, release_free_memory)
 
     async def evict(self, victim: str, loading: str, *, claimed: bool) -> None:
@@ -529,3 +532,11 @@ class ModelLifeCycle:
         for namespace in self._graph.pop_namespaces():
             if namespace.release is not None:
                 namespace.release()
+
+
+def _unload_instances(instances: list[tuple[str, ModelInstance]], *, trim: bool) -> None:
+    """Blocking: unload each (model name, instance), then give the freed heap back if ``trim``."""
+    for name, instance in instances:
+        unload_instance(name, instance)
+    if trim:
+        release_free_memory()
