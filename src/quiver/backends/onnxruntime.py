@@ -251,7 +251,7 @@ class OnnxInstance(ThreadedInstance):
         return results
 
     def release(self) -> None:
-        del self._session
+        self.__dict__.pop("_session", None)  # freed once; a second unload finds nothing
 
     def unload(self) -> None:
         """Once the instance's thread has finished what it was given, free the session here:
