@@ -40,7 +40,7 @@ from quiver.errors import (
     QuiverError,
     UnavailableError,
 )
-from quiver.lifecycle.admission import AHEAD, AdmissionControl
+from quiver.lifecycle.admission import AHEAD, AdmissionControl, Inspection
 from quiver.lifecycle.archives import archive_layout, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph, Namespace
@@ -146,27 +146,33 @@ class ModelLifeCycle:
         async with self._locks.hold(source.name):
             return await self.load_locked(source, override, visiting)
 
-    async def load_missing(self, source: ModelSource, visiting: frozenset[str] = frozenset()) -> dict[str, str]:
+    async def load_missing(
+        self, source: ModelSource, visiting: frozenset[str] = frozenset(), *, inspection: Inspection | None = None
+    ) -> dict[str, str]:
         """Load a model on demand (a request's, or an ensemble's composing model) unless a
         load that held its lock meanwhile loaded it: loading it again would be a reload,
         wasted, and under a full budget one that needs room for a second copy while its
-        first is pinned (two such reloads would wait for each other). Returns failures."""
+        first is pinned (two such reloads would wait for each other). ``inspection``: its
+        files inspected already (:meth:`AdmissionControl.inspect`). Returns failures."""
         async with self._locks.hold(source.name):
             if self._table.serving(source.name):
                 return {}
-            return await self.load_locked(source, None, visiting)
+            return await self.load_locked(source, None, visiting, inspection=inspection)
 
     async def load_locked(
         self,
         source: ModelSource,
         override: pb.ModelConfig | None,
         visiting: frozenset[str] = frozenset(),
+        *,
+        inspection: Inspection | None = None,
     ) -> dict[str, str]:
-        """:meth:`load` for a caller that holds the model's lock."""
+        """:meth:`load` for a caller that holds the model's lock (``inspection``: its files'
+        without ``override``, taken already, for the first attempt)."""
         name = source.name
         started = seconds(self._clock)
         try:
-            failures = await self._load_inner(source, override, visiting)
+            failures = await self._load_inner(source, override, visiting, inspection)
             for attempt in range(1, self._load_retries + 1):
                 if not failures or self.closed:
                     break
@@ -193,15 +199,20 @@ class ModelLifeCycle:
             return {name: reason}
 
     async def _load_inner(
-        self, source: ModelSource, override: pb.ModelConfig | None, visiting: frozenset[str]
+        self,
+        source: ModelSource,
+        override: pb.ModelConfig | None,
+        visiting: frozenset[str],
+        inspection: Inspection | None = None,
     ) -> dict[str, str]:
         name = source.name
         serving = self._table.serving(name)
         if not serving:
             self._table.mark(name, ModelState.LOADING)
-        # One trip to a load thread: the files' fingerprint, the config (an ensemble? which
-        # framework?) and their size, read once per version of the files.
-        inspection = await self._pool.run(self._admission.inspect, source, override)
+        if inspection is None or override is not None:
+            # One trip to a load thread: the files' fingerprint, the config (an ensemble? which
+            # framework?) and their size, read once per version of the files.
+            inspection = await self._pool.run(self._admission.inspect, source, override)
         fingerprint, composing = inspection.fingerprint, inspection.composing
         self._sources.remember_fingerprint(name, fingerprint)
         configs = self._admission.configs
