@@ -31,6 +31,7 @@ from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2 as pb
 
+from quiver.errors import UnavailableError
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
@@ -495,8 +496,11 @@ class AdmissionControl:
         # and their responses do not share the event loop and the cores with the unloads.
         deadline = seconds(self._clock) + AHEAD_DELAY_S
         while self._pins.pinned(loaded) or any(m.scheduler.inflight for m in self._table.loaded(loaded)):
-            if not await self.gate.wait(deadline):
-                break
+            try:
+                if not await self.gate.wait(deadline):
+                    break
+            except UnavailableError:
+                return  # the server stops
         want = self.ahead_bytes()
         if budget.available >= want:
             return
