@@ -33,6 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from quiver.backends.onnxruntime_threads import GLOBAL_THREADPOOL as ONNXRUNTIME_GLOBAL_THREADPOOL
+from quiver.backends.onnxruntime_threads import KEYS as ONNXRUNTIME_KEYS
+from quiver.backends.onnxruntime_threads import check_settings as check_onnxruntime_settings
 from quiver.backends.python_settings import parse_python_settings
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.restrictions import Restrictions
@@ -379,6 +382,10 @@ def _backend_config(options: list[str], environ: Mapping[str, str]) -> dict[str,
         parse_python_settings(config.get("python", {}))
     except InvalidArgumentError as exc:
         raise SettingsError(exc.message) from None
+    try:
+        check_onnxruntime_settings(config.get("onnxruntime", {}))
+    except ValueError as exc:
+        raise SettingsError(f"--backend-config: {exc}") from None
     return config
 
 
@@ -418,12 +425,18 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         raise SettingsError("tracing (--trace-config level=...) is not available with --ray")
     backend_config = _backend_config(args.backend_config, environ)
     triton["flag_notes"] = tuple(triton.get("flag_notes", ())) + tuple(
-        f"--backend-config={backend},{key}=... has no effect: Quiver reads no {backend} backend settings"
+        f"--backend-config={backend},{key}=... has no effect: Quiver reads no such {backend} backend setting"
         for backend, keys in sorted(backend_config.items())
         if backend not in ("", "python")
         for key in sorted(keys)
         if (backend, key) != ("tensorflow", "version")  # checked: TensorFlow 2 serves 1 and 2
+        and not (backend == "onnxruntime" and key in ONNXRUNTIME_KEYS)
     )
+    control_mode = args.model_control_mode or ("on_demand" if args.ray else "none")
+    if control_mode == "on_demand":
+        # The multi-model endpoint: hundreds of sessions share the process's thread pools
+        # rather than each making its own (backends/onnxruntime_threads.py); the flag wins.
+        backend_config.setdefault("onnxruntime", {}).setdefault(ONNXRUNTIME_GLOBAL_THREADPOOL, "1")
     endpoint = args.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
     return Settings(
         model_repositories=local,
@@ -446,7 +459,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
         **sagemaker,  # type: ignore[arg-type]
-        model_control_mode=args.model_control_mode or ("on_demand" if args.ray else "none"),
+        model_control_mode=control_mode,
         load_models=tuple(args.load_model),
         model_memory_limit=args.model_memory_limit or 0,
         model_load_gpu_limit=gpu_limit,

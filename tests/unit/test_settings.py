@@ -248,5 +248,34 @@ def test_backend_config_for_other_backends_is_noted_as_without_effect(tmp_path: 
     assert built.backend_config["onnxruntime"] == {"default-max-batch-size": "4"}
     assert [n for n in built.flag_notes if "backend-config" in n] == [
         "--backend-config=onnxruntime,default-max-batch-size=... has no effect: "
-        "Quiver reads no onnxruntime backend settings"
+        "Quiver reads no such onnxruntime backend setting"
     ]
+
+
+def test_onnxruntime_thread_pool_settings_are_read_and_checked(tmp_path: Path) -> None:
+    """Triton's global thread pool keys are read (not noted as without effect); the
+    multi-model endpoint (on_demand) shares the pools unless told otherwise."""
+    built = settings(
+        tmp_path,
+        "--backend-config=onnxruntime,enable-global-threadpool=1",
+        "--backend-config=onnxruntime,intra_op_thread_count=2",
+        "--backend-config=onnxruntime,inter_op_thread_count=0",
+    )
+    assert built.backend_config["onnxruntime"] == {
+        "enable-global-threadpool": "1",
+        "intra_op_thread_count": "2",
+        "inter_op_thread_count": "0",
+    }
+    assert not [n for n in built.flag_notes if "backend-config" in n]
+    assert "onnxruntime" not in settings(tmp_path).backend_config  # none mode: Triton's default
+    on_demand = settings(tmp_path, "--model-control-mode=on_demand")
+    assert on_demand.backend_config["onnxruntime"] == {"enable-global-threadpool": "1"}
+    told = settings(tmp_path, "--model-control-mode=on_demand", "--backend-config=onnxruntime,enable-global-threadpool=0")
+    assert told.backend_config["onnxruntime"] == {"enable-global-threadpool": "0"}
+    for flag, named in (
+        ("onnxruntime,enable-global-threadpool=maybe", "enable-global-threadpool=maybe"),
+        ("onnxruntime,intra_op_thread_count=-1", "intra_op_thread_count=-1"),
+        ("onnxruntime,inter_op_thread_count=many", "inter_op_thread_count=many"),
+    ):
+        with pytest.raises(SettingsError, match=re.escape(named)):
+            settings(tmp_path, f"--backend-config={flag}")

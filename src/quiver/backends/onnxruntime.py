@@ -4,7 +4,8 @@ One ``InferenceSession`` per instance, each on its own thread. Parameters as Tri
 onnxruntime backend reads them: ``intra_op_thread_count``, ``inter_op_thread_count``,
 ``execution_mode`` (0 sequential, 1 parallel), ``enable_mem_arena``; the graph optimization
 level from ``optimization { graph { level } }``. KIND_GPU uses the CUDA execution provider
-when onnxruntime has it and falls back to the CPU with a log line when it does not.
+when onnxruntime has it and falls back to the CPU with a log line when it does not. Sessions
+have thread pools of their own, or share the process's (:mod:`.onnxruntime_threads`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from quiver.backends.base import (
     model_path,
 )
 from quiver.backends.batch import concatenate, requested_names, reshaped, split_rows
+from quiver.backends.onnxruntime_threads import metadata_options, shares_thread_pools
 from quiver.config import ModelConfig
 from quiver.config.model_config import DEFAULT_MODEL_FILENAME, TensorConfig
 from quiver.config.sequence import SequenceSettings, sequence_settings
@@ -89,11 +91,21 @@ def _session_options(config: ModelConfig) -> ort.SessionOptions:
             ) from None
 
     intra = int_param("intra_op_thread_count")
-    if intra is not None:
-        options.intra_op_num_threads = intra
     inter = int_param("inter_op_thread_count")
-    if inter is not None:
-        options.inter_op_num_threads = inter
+    if shares_thread_pools():
+        options.use_per_session_threads = False
+        if intra or inter:
+            logger.info(
+                "model '%s': its intra_op_thread_count / inter_op_thread_count do not apply: "
+                "onnxruntime sessions share the process's thread pools "
+                "(--backend-config=onnxruntime,enable-global-threadpool)",
+                config.name,
+            )
+    else:
+        if intra is not None:
+            options.intra_op_num_threads = intra
+        if inter is not None:
+            options.inter_op_num_threads = inter
     mode = int_param("execution_mode")
     if mode is not None:
         options.execution_mode = (
@@ -239,7 +251,13 @@ class OnnxInstance(ThreadedInstance):
         return results
 
     def release(self) -> None:
-        del self._session
+        self.__dict__.pop("_session", None)  # freed once; a second unload finds nothing
+
+    def unload(self) -> None:
+        """Once the instance's thread has finished what it was given, free the session here:
+        onnxruntime sessions may be freed from any thread, so no trip to the instance's own."""
+        self._executor.shutdown(wait=True)
+        self.release()
 
 
 def _to_str(value: Any) -> str:
@@ -257,12 +275,16 @@ class OnnxRuntimeBackend:
         """Fill inputs, outputs and max_batch_size from the model, as Triton does."""
         if strict:
             return
+        if _complete(config):
+            return  # nothing to fill in: no session opened (as Triton skips it)
         filename = config.default_model_filename or DEFAULT_MODEL_FILENAME["onnxruntime"]
         path = files.version_dir / filename
         if not path.exists():
             return  # the load reports the missing file
         try:
-            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(
+                str(path), sess_options=metadata_options(), providers=["CPUExecutionProvider"]
+            )
         except Exception as exc:
             raise InternalError(
                 f"model '{config.name}': onnxruntime could not load {path}: {format_exception(exc)}"
@@ -311,6 +333,20 @@ class OnnxRuntimeBackend:
         session = _open_session(str(path), config, providers)
         _check_io(config, session)
         return OnnxInstance(config, session, f"{config.name}_{files.version}_{spec.name}")
+
+
+def _complete(config: pb.ModelConfig) -> bool:
+    """Whether auto-complete has nothing to fill in: inputs and outputs are configured, each
+    with its datatype and dims (or a reshape). ``max_batch_size`` is only ever completed for
+    a configuration without tensors."""
+
+    def whole(entries: Any) -> bool:
+        return len(entries) > 0 and all(
+            e.data_type != pb.TYPE_INVALID and (len(e.dims) > 0 or e.HasField("reshape"))
+            for e in entries
+        )
+
+    return whole(config.input) and whole(config.output)
 
 
 def _complete_io(config: pb.ModelConfig, entries: Any, nodes: list[Any], skip: int) -> None:
@@ -411,3 +447,20 @@ def _check_io(config: ModelConfig, session: ort.InferenceSession) -> None:
 
 
 BACKEND = OnnxRuntimeBackend()
+
+
+#: ``y = Identity(x)``, x and y FP32 [1], opset 13: the smallest model ONNX Runtime will open.
+_IDENTITY_ONNX = (
+    b'\x08\x08\x12\x00:;\n\x10\n\x01x\x12\x01y"\x08Identity\x12\x05primeZ\x0f\n\x01x\x12\n\n'
+    b"\x08\x08\x01\x12\x04\n\x02\x08\x01b\x0f\n\x01y\x12\n\n\x08\x08\x01\x12\x04\n\x02\x08\x01B"
+    b"\x04\n\x00\x10\r"
+)
+
+
+def prime() -> None:
+    """Pay onnxruntime's one-time process cost (its environment, the shared thread pools when
+    they are on, kernel registries): open a tiny session and run it once."""
+    session = ort.InferenceSession(
+        _IDENTITY_ONNX, sess_options=metadata_options(), providers=["CPUExecutionProvider"]
+    )
+    session.run(None, {"x": np.ones(1, np.float32)})

@@ -26,15 +26,16 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2 as pb
 
+from quiver.errors import UnavailableError
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
-from quiver.lifecycle.dependencies import DependencyGraph
+from quiver.lifecycle.dependencies import DependencyGraph, composing_of
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, LRUPolicy
 from quiver.lifecycle.frameworks import prime
 from quiver.lifecycle.loader import LoadOutcome, backend_name
@@ -50,16 +51,37 @@ from quiver.lifecycle.model import Model
 from quiver.lifecycle.pins import Pins
 from quiver.lifecycle.policies import DEFAULT_POLICY, make_policy
 from quiver.lifecycle.pool import LoadPool
+from quiver.lifecycle.sources import fingerprint as folder_fingerprint
 from quiver.lifecycle.table import ModelTable
 from quiver.repository.local import ModelSource
 
-__all__ = ["AHEAD", "AdmissionControl", "Unloader"]
+__all__ = ["AHEAD", "AdmissionControl", "Inspection", "Unloader"]
 
 #: The reservation evictions ahead of need are made under: not a model name (model names are
 #: checked and cannot hold a NUL), so it never meets a model's reservation or claims.
 AHEAD = "\0ahead"
 
+#: How long an eviction ahead of need waits, at most, for the requests that waited for the
+#: load that set it off to be answered (a model in steady use would otherwise hold it back).
+AHEAD_DELAY_S = 0.1
+#: Misses evictions ahead of need keep room for (when that is at most AHEAD_SHARE of the limit).
+AHEAD_LOADS = 2
+AHEAD_SHARE = 0.1
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Inspection:
+    """What a load needs to know of a model's files before it is admitted, read in one trip to
+    a load thread (:meth:`AdmissionControl.inspect`): their fingerprint, the composing models
+    when it is an ensemble, the backend its config names (``""`` when it cannot be read: the
+    load says why) and the size predicted from the files (``None``: no files)."""
+
+    fingerprint: str
+    composing: list[str] | None
+    backend: str
+    from_files: int | None
 
 
 class Unloader(Protocol):
@@ -112,6 +134,7 @@ class AdmissionControl:
         self.configs = ConfigCache()
         self.evict_ahead = evict_ahead and eviction_policy != "none"  # none: nothing unloads
         self._ahead_running = False
+        self._ahead_again: str | None = None  # a load finished while evictions ahead ran
         self._last_size = 0  # bytes of the last model loaded: what the next miss likely needs
         self._prime_lock = asyncio.Lock()
         #: ``none``: a load that does not fit fails at once (OutOfMemoryError; 507 on the
@@ -221,26 +244,38 @@ class AdmissionControl:
 
     # -- loading -----------------------------------------------------------------------
 
+    def inspect(self, source: ModelSource, override: pb.ModelConfig | None) -> Inspection:
+        """Blocking (a load thread): the :class:`Inspection` of ``source``'s files; the config
+        is read once per fingerprint (:attr:`configs`)."""
+        fingerprint = folder_fingerprint(source.path)
+        strict, configs = self._strict, self.configs
+        composing = composing_of(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
+        backend = ""
+        if composing is None:
+            backend = backend_name(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
+        from_files = self._predictor.from_files(source.path) if self.budget is not None else None
+        return Inspection(fingerprint, composing, backend, from_files)
+
     async def load(
         self,
         source: ModelSource,
         load: Callable[[], LoadOutcome],
         *,
         override: pb.ModelConfig | None,
-        fingerprint: str,
+        inspection: Inspection,
         unloader: Unloader,
     ) -> LoadOutcome:
         """Run ``load`` (a model's blocking load) once it is admitted (see the module notes);
-        ``fingerprint`` is its files' (measured sizes belong to one)."""
+        ``inspection`` is its files' (measured sizes belong to their fingerprint)."""
         name = source.name
-        identity = ModelIdentity(name, "", fingerprint)
+        identity = ModelIdentity(name, "", inspection.fingerprint)
         gpu = self._gpu
         if gpu is None:
-            return await self._load_host(source, identity, load, override, unloader)
+            return await self._load_host(source, identity, load, inspection, unloader)
         predicted = gpu.predict(identity)
         await self._admit_gpu(name, predicted, unloader)
         try:
-            outcome = await self._load_host(source, identity, load, override, unloader)
+            outcome = await self._load_host(source, identity, load, inspection, unloader)
         finally:
             gpu.settle(name)
             self.gate.notify()
@@ -289,7 +324,7 @@ class AdmissionControl:
         source: ModelSource,
         identity: ModelIdentity,
         load: Callable[[], LoadOutcome],
-        override: pb.ModelConfig | None,
+        inspection: Inspection,
         unloader: Unloader,
     ) -> LoadOutcome:
         """Load under the memory budget (see :mod:`quiver.lifecycle.budget` for the rules):
@@ -311,8 +346,8 @@ class AdmissionControl:
             if outcome.models:
                 self._remember_gpu(identity, footprint.gpu_bytes)
             return outcome
-        await self._prime_framework(source, override, identity.fingerprint)
-        prediction = self._predictor.predict(identity, source.path)
+        await self._prime_framework(inspection.backend)
+        prediction = self._predictor.predict(identity, estimate=inspection.from_files)
         timeout = self.load_wait_timeout
         admission = await self.gate.reserve(
             name,
@@ -353,8 +388,7 @@ class AdmissionControl:
         else:
             # RSS growth undercounts when the load reuses memory an eviction just freed (the
             # heap does not always shrink): a model never counts for less than its files suggest.
-            from_files = await self._pool.run(self._predictor.from_files, source.path)
-            size = max(measured, int((from_files or 0) / self._predictor.file_factor))
+            size = max(measured, int((inspection.from_files or 0) / self._predictor.file_factor))
             self._predictor.record(identity, size)
         try:
             await self._cover_overrun(name, size, unloader)
@@ -417,32 +451,70 @@ class AdmissionControl:
                 f"bytes predicted, and the excess does not fit: {exc.message}"
             ) from None
 
-    async def make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
-        """Evict ahead of need, off any request's path: after ``loaded`` loaded, when fewer
-        bytes are free than it took (what the next miss likely needs), reserve that many under
-        :data:`AHEAD` (the policy picks victims among models not in use, never ``loaded``),
-        unload the victims, then give the reservation back, so the next miss finds its room
-        free instead of waiting for an unload. The ledger stays honest throughout: a victim
-        counts until its unload has finished. One at a time; nothing when the budget is off,
-        when ``evict_ahead`` is off, or when nothing but models in use could go."""
+    def ahead_bytes(self) -> int:
+        """The free bytes evictions ahead of need keep: room for the next :data:`AHEAD_LOADS`
+        misses (the size of the last model loaded each), so that a miss arriving while the
+        previous one's victims still unload finds room too, as long as that is at most
+        :data:`AHEAD_SHARE` of the limit; else room for one."""
         budget = self.budget
-        want = self._last_size
-        if budget is None or not self.evict_ahead or self._ahead_running or budget.available >= want:
+        if budget is None:
+            return 0
+        size = self._last_size
+        return size * AHEAD_LOADS if size * AHEAD_LOADS <= budget.limit_bytes * AHEAD_SHARE else size
+
+    async def make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
+        """Evict ahead of need, off any request's path: after ``loaded`` loaded and the
+        requests that waited for it are answered (at most :data:`AHEAD_DELAY_S` later), when
+        fewer bytes are free than :meth:`ahead_bytes`, reserve that many under :data:`AHEAD`
+        (the policy picks victims among models not in use, never ``loaded``), unload the
+        victims, then give the reservation back, so the next misses find their room free
+        instead of waiting for an unload. The ledger stays honest throughout: a victim counts
+        until its unload has finished. One at a time (a load that finishes meanwhile has the
+        running one look again when done); nothing when the budget is off, when
+        ``evict_ahead`` is off, or when nothing but models in use could go."""
+        budget = self.budget
+        if budget is None or not self.evict_ahead or budget.available >= self.ahead_bytes():
+            return
+        if self._ahead_running:
+            self._ahead_again = loaded
             return
         self._ahead_running = True
         try:
-            candidates = [c for c in self.candidates(loaded) if c.name != AHEAD]
-            decision = budget.admit(AHEAD, want, self.policy, candidates)
-            if not isinstance(decision, Admission):
-                return  # only models in use or loads under way stand in the way: the next miss waits as usual
-            try:
-                await self._evict(decision, AHEAD, unloader)
-            finally:
-                budget.cancel(AHEAD)
-        except OutOfMemoryError:
-            return
+            while True:
+                await self._make_room_ahead(loaded, unloader)
+                again, self._ahead_again = self._ahead_again, None
+                if again is None or budget.available >= self.ahead_bytes():
+                    return
+                loaded = again
         finally:
             self._ahead_running = False
+
+    async def _make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
+        budget = self.budget
+        assert budget is not None
+        # The requests that waited for the load are answered first: their first inference
+        # and their responses do not share the event loop and the cores with the unloads.
+        deadline = seconds(self._clock) + AHEAD_DELAY_S
+        while self._pins.pinned(loaded) or any(m.scheduler.inflight for m in self._table.loaded(loaded)):
+            try:
+                if not await self.gate.wait(deadline):
+                    break
+            except UnavailableError:
+                return  # the server stops
+        want = self.ahead_bytes()
+        if budget.available >= want:
+            return
+        try:
+            candidates = [c for c in self.candidates(loaded) if c.name != AHEAD]
+            decision = budget.admit(AHEAD, want, self.policy, candidates)
+        except OutOfMemoryError:
+            return
+        if not isinstance(decision, Admission):
+            return  # only models in use or loads under way stand in the way: the next miss waits as usual
+        try:
+            await self._evict(decision, AHEAD, unloader)
+        finally:
+            budget.cancel(AHEAD)
 
     async def _evict(self, admission: Admission, loading: str, unloader: Unloader) -> None:
         """Unload the models the admission claimed for ``loading`` (ensembles that need them
@@ -450,22 +522,10 @@ class AdmissionControl:
         for victim in admission.victims:
             await unloader.evict(victim, loading, claimed=True)
 
-    async def _prime_framework(
-        self, source: ModelSource, override: pb.ModelConfig | None, fingerprint: str
-    ) -> None:
+    async def _prime_framework(self, backend: str) -> None:
         """Pay the model's framework's one-time process cost (import, first session) once, in
         a measured section of its own, so no model's measured size includes it. Reported,
         not counted in the budget (see :mod:`quiver.lifecycle.memory`)."""
-        backend = await self._pool.run(
-            functools.partial(
-                backend_name,
-                source,
-                strict=self._strict,
-                override=override,
-                configs=self.configs,
-                fingerprint=fingerprint,
-            )
-        )
         if not backend or backend in self._frameworks:
             return
         async with self._prime_lock:

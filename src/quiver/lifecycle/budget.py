@@ -61,9 +61,13 @@ from quiver.errors import UnavailableError
 from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy
 
-__all__ = ["Admission", "Blocked", "BudgetGate", "MemoryBudget", "OutOfMemoryError"]
+__all__ = ["Admission", "Blocked", "BudgetGate", "Candidates", "MemoryBudget", "OutOfMemoryError"]
 
 logger = logging.getLogger(__name__)
+
+#: The models a decision may evict: a sequence, or a callable that makes one (asked only when
+#: the free bytes do not suffice: listing what is in use costs with hundreds of models loaded).
+Candidates = Sequence[Candidate] | Callable[[], Sequence[Candidate]]
 
 
 class OutOfMemoryError(UnavailableError):
@@ -179,11 +183,10 @@ class MemoryBudget:
 
     # -- deciding
 
-    def admit(
-        self, name: str, predicted: int, policy: EvictionPolicy, candidates: Sequence[Candidate]
-    ) -> Admission | Blocked:
+    def admit(self, name: str, predicted: int, policy: EvictionPolicy, candidates: Candidates) -> Admission | Blocked:
         """Reserve ``predicted`` bytes for a load of ``name``: from the free bytes, and by
-        claiming victims the policy chooses among ``candidates`` not in use. :class:`Blocked`
+        claiming victims the policy chooses among ``candidates`` not in use (a sequence, or a
+        callable asked for one only when the free bytes do not suffice). :class:`Blocked`
         (nothing changed) when only models in use or other loads stand in the way;
         :class:`OutOfMemoryError` when it could never fit; ``ValueError`` when ``name``
         already has a reservation (single flight is the caller's)."""
@@ -193,9 +196,7 @@ class MemoryBudget:
                 raise ValueError(f"model '{name}' already has a memory reservation")
             return self._decide(name, predicted, policy, candidates, granted=0)
 
-    def grow(
-        self, name: str, extra: int, policy: EvictionPolicy, candidates: Sequence[Candidate]
-    ) -> Admission | Blocked:
+    def grow(self, name: str, extra: int, policy: EvictionPolicy, candidates: Candidates) -> Admission | Blocked:
         """Add ``extra`` bytes to the reservation of ``name`` (it measured larger than
         predicted), deciding as :meth:`admit` does."""
         extra = max(0, int(extra))
@@ -211,7 +212,7 @@ class MemoryBudget:
         name: str,
         need: int,
         policy: EvictionPolicy,
-        candidates: Sequence[Candidate],
+        candidates: Candidates,
         *,
         granted: int,
     ) -> Admission | Blocked:
@@ -223,6 +224,8 @@ class MemoryBudget:
         if need <= free:
             self._grant(name, need, 0, [])
             return Admission([])
+        if callable(candidates):
+            candidates = candidates()
         offered = [
             replace(c, size_bytes=self._resident[c.name])
             for c in candidates
@@ -428,7 +431,7 @@ class BudgetGate:
         decide = budget.grow if grow else budget.admit
         deadline = self.now() + timeout
         while True:
-            decision = decide(name, need, policy, candidates())
+            decision = decide(name, need, policy, candidates)
             if isinstance(decision, Admission):
                 return decision
             if not wait:

@@ -22,20 +22,11 @@ __all__ = ["prime"]
 
 logger = logging.getLogger(__name__)
 
-#: ``y = Identity(x)``, x and y FP32 [1], opset 13: the smallest model ONNX Runtime will open.
-_IDENTITY_ONNX = (
-    b"\x08\x08\x12\x00:;\n\x10\n\x01x\x12\x01y\"\x08Identity\x12\x05primeZ\x0f\n\x01x\x12\n\n"
-    b"\x08\x08\x01\x12\x04\n\x02\x08\x01b\x0f\n\x01y\x12\n\n\x08\x08\x01\x12\x04\n\x02\x08\x01B"
-    b"\x04\n\x00\x10\r"
-)
-
 
 def _prime_onnxruntime() -> None:
-    import numpy as np
-    import onnxruntime as ort
+    from quiver.backends.onnxruntime import prime as prime_onnxruntime
 
-    session = ort.InferenceSession(_IDENTITY_ONNX, providers=["CPUExecutionProvider"])
-    session.run(None, {"x": np.ones(1, np.float32)})
+    prime_onnxruntime()
 
 
 def _prime_pytorch() -> None:

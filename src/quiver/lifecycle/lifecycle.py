@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.backends.base import INLINE_THRESHOLD_NS
+from quiver.backends.base import INLINE_THRESHOLD_NS, ModelInstance
 from quiver.config import ModelConfig
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
@@ -40,10 +40,10 @@ from quiver.errors import (
     QuiverError,
     UnavailableError,
 )
-from quiver.lifecycle.admission import AHEAD, AdmissionControl
+from quiver.lifecycle.admission import AHEAD, AdmissionControl, Inspection
 from quiver.lifecycle.archives import archive_layout, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
-from quiver.lifecycle.dependencies import DependencyGraph, Namespace, composing_of
+from quiver.lifecycle.dependencies import DependencyGraph, Namespace
 from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instance
 from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import release_free_memory
@@ -146,27 +146,33 @@ class ModelLifeCycle:
         async with self._locks.hold(source.name):
             return await self.load_locked(source, override, visiting)
 
-    async def load_missing(self, source: ModelSource, visiting: frozenset[str] = frozenset()) -> dict[str, str]:
+    async def load_missing(
+        self, source: ModelSource, visiting: frozenset[str] = frozenset(), *, inspection: Inspection | None = None
+    ) -> dict[str, str]:
         """Load a model on demand (a request's, or an ensemble's composing model) unless a
         load that held its lock meanwhile loaded it: loading it again would be a reload,
         wasted, and under a full budget one that needs room for a second copy while its
-        first is pinned (two such reloads would wait for each other). Returns failures."""
+        first is pinned (two such reloads would wait for each other). ``inspection``: its
+        files inspected already (:meth:`AdmissionControl.inspect`). Returns failures."""
         async with self._locks.hold(source.name):
             if self._table.serving(source.name):
                 return {}
-            return await self.load_locked(source, None, visiting)
+            return await self.load_locked(source, None, visiting, inspection=inspection)
 
     async def load_locked(
         self,
         source: ModelSource,
         override: pb.ModelConfig | None,
         visiting: frozenset[str] = frozenset(),
+        *,
+        inspection: Inspection | None = None,
     ) -> dict[str, str]:
-        """:meth:`load` for a caller that holds the model's lock."""
+        """:meth:`load` for a caller that holds the model's lock (``inspection``: its files'
+        without ``override``, taken already, for the first attempt)."""
         name = source.name
         started = seconds(self._clock)
         try:
-            failures = await self._load_inner(source, override, visiting)
+            failures = await self._load_inner(source, override, visiting, inspection)
             for attempt in range(1, self._load_retries + 1):
                 if not failures or self.closed:
                     break
@@ -193,24 +199,23 @@ class ModelLifeCycle:
             return {name: reason}
 
     async def _load_inner(
-        self, source: ModelSource, override: pb.ModelConfig | None, visiting: frozenset[str]
+        self,
+        source: ModelSource,
+        override: pb.ModelConfig | None,
+        visiting: frozenset[str],
+        inspection: Inspection | None = None,
     ) -> dict[str, str]:
         name = source.name
         serving = self._table.serving(name)
         if not serving:
             self._table.mark(name, ModelState.LOADING)
-        fingerprint = await self._sources.fingerprint(source)
+        if inspection is None or override is not None:
+            # One trip to a load thread: the files' fingerprint, the config (an ensemble? which
+            # framework?) and their size, read once per version of the files.
+            inspection = await self._pool.run(self._admission.inspect, source, override)
+        fingerprint, composing = inspection.fingerprint, inspection.composing
+        self._sources.remember_fingerprint(name, fingerprint)
         configs = self._admission.configs
-        composing = await self._pool.run(
-            functools.partial(
-                composing_of,
-                source,
-                strict=self._strict,
-                override=override,
-                configs=configs,
-                fingerprint=fingerprint,
-            )
-        )
         if composing is not None:
             outcome = await self._load_ensemble(source, composing, override, visiting | {name})
         else:
@@ -224,9 +229,7 @@ class ModelLifeCycle:
                 configs=configs,
                 fingerprint=fingerprint,
             )
-            outcome = await self._admission.load(
-                source, load, override=override, fingerprint=fingerprint, unloader=self
-            )
+            outcome = await self._admission.load(source, load, override=override, inspection=inspection, unloader=self)
         failures: dict[str, str] = {}
         if outcome.error:
             failures[name] = outcome.error
@@ -477,14 +480,17 @@ class ModelLifeCycle:
         under a budget, give the freed heap back to the OS before the bytes count as free."""
         await asyncio.gather(*(m.scheduler.stop() for m in models))
         meter = self._admission.meter
+        instances = [(m.name, instance) for m in models for instance in m.instances]
+        trim = self._admission.budget is not None
+        if not instances:
+            return
+        if len(instances) == 1:  # the usual: one trip to a load thread frees it and trims
+            await self._pool.run(meter.shared, functools.partial(_unload_instances, instances, trim=trim))
+            return
         await asyncio.gather(
-            *(
-                self._pool.run(meter.shared, functools.partial(unload_instance, m.name, instance))
-                for m in models
-                for instance in m.instances
-            )
+            *(self._pool.run(meter.shared, functools.partial(_unload_instances, [one], trim=False)) for one in instances)
         )
-        if self._admission.budget is not None and any(m.instances for m in models):
+        if trim:
             await self._pool.run(meter.shared, release_free_memory)
 
     async def evict(self, victim: str, loading: str, *, claimed: bool) -> None:
@@ -537,3 +543,11 @@ class ModelLifeCycle:
         for namespace in self._graph.pop_namespaces():
             if namespace.release is not None:
                 namespace.release()
+
+
+def _unload_instances(instances: list[tuple[str, ModelInstance]], *, trim: bool) -> None:
+    """Blocking: unload each (model name, instance), then give the freed heap back if ``trim``."""
+    for name, instance in instances:
+        unload_instance(name, instance)
+    if trim:
+        release_free_memory()

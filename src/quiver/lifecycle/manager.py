@@ -398,11 +398,14 @@ class ModelRepositoryManager:
                     raise
 
     async def _load_on_demand(self, name: str) -> None:
-        source = await self._sources.lookup(name)
+        # The folder found and its files inspected (fingerprint, config, size) in one trip.
+        source, inspection = await self._sources.lookup_then(
+            name, functools.partial(self.admission.inspect, override=None)
+        )
         if source is None:
             await self._lifecycle.load_archive(name, name, self._sources.key_stores(name))
             return
-        failures = await self._lifecycle.load_missing(source)
+        failures = await self._lifecycle.load_missing(source, inspection=inspection)
         if not self._table.serving(name):
             reason = failures.get(name) or next(iter(failures.values()), "no version loaded")
             raise UnavailableError(f"model '{name}' failed to load: {reason}")

@@ -480,15 +480,19 @@ class SizePredictor:
             return None
         return self.overhead_bytes + int(total * self.file_factor)
 
-    def predict(self, identity: ModelIdentity, paths: Path | Iterable[Path] = ()) -> Prediction:
+    def predict(
+        self, identity: ModelIdentity, paths: Path | Iterable[Path] = (), *, estimate: int | None = None
+    ) -> Prediction:
         """Predicted footprint of ``identity``; ``paths`` are its files on disk (the model folder
-        or version folders), looked at only when no measurement of this identity exists."""
+        or version folders), looked at only when no measurement of this identity exists and
+        no ``estimate`` (:meth:`from_files` of them, taken already) is given."""
         with self._lock:
             exact = self._measured.get(identity)
             previous = self._by_name.get(identity.name)
         if exact is not None:
             return Prediction(max(exact, self.overhead_bytes), "measured")
-        estimate = self.from_files(paths)
+        if estimate is None:
+            estimate = self.from_files(paths)
         if estimate is not None:
             if previous is not None and previous > estimate:
                 return Prediction(previous, "previous")

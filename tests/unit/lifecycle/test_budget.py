@@ -335,3 +335,24 @@ def test_without_waiting_a_load_that_does_not_fit_fails_at_once_and_claims_nothi
         assert await gate.reserve("c", 20, LRUPolicy(), lambda: [], timeout=10, wait=False) == Admission([])
 
     asyncio.run(main())
+
+
+def test_victims_are_only_listed_when_the_free_bytes_do_not_suffice() -> None:
+    """Listing what is in use walks every loaded model: a decision that fits in the free
+    bytes never asks for the candidates."""
+    budget = MemoryBudget(100)
+    resident(budget, a=50)
+    asked: list[int] = []
+
+    def listing() -> list[Candidate]:
+        asked.append(1)
+        return cands(budget)
+
+    assert budget.admit("b", 40, LRUPolicy(), listing) == Admission([])
+    assert asked == []
+    assert budget.admit("c", 30, LRUPolicy(), listing) == Admission(["a"], 20)
+    assert asked == [1]
+    budget.release("a")
+    budget.commit("c", 30)
+    budget.commit("b", 40)
+    assert budget.used == 70 and budget.peak <= 100

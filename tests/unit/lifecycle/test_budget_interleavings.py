@@ -338,3 +338,58 @@ def test_the_composing_models_of_an_ensemble_in_flight_are_pinned(tmp_path: Path
             assert manager.is_ready("r") and not (manager.is_ready("p") and manager.is_ready("q"))
 
     asyncio.run(main())
+
+
+def test_eviction_ahead_waits_until_the_request_that_waited_for_the_load_is_answered(
+    tmp_path: Path, world: World
+) -> None:
+    """The victims of an eviction ahead of need unload after the request that made the load
+    has its answer, not while it runs (the clock never moves: only the answer lets it go)."""
+
+    async def main() -> None:
+        sizes = {"a": 8_000, "b": 8_000}
+        async with serving(tmp_path, world, 17_000, sizes, evict_ahead=True, clock=FakeClock()) as (
+            service,
+            manager,
+        ):
+            await answer(service, "a")
+            world.holds["b"] = asyncio.Event()
+            first = asyncio.ensure_future(answer(service, "b", 5.0))  # loads b, then stays in flight
+            await until(lambda: manager.is_ready("b"))
+            await asyncio.sleep(0.05)
+            assert manager.is_ready("a") and world.unloads == []  # nothing unloads while b answers
+            world.holds["b"].set()
+            assert await first == 5.0
+            reason = "evicted to make room for the next load"  # then a goes, ahead of the next miss
+            await until(lambda: reason in {s.reason for s in manager.index() if s.name == "a"})
+            assert world.unloads == ["a"] and manager.is_ready("b")
+            await until(lambda: not any(t.get_name() == "quiver-evict-ahead" for t in asyncio.all_tasks()))
+
+    asyncio.run(main())
+
+
+def test_eviction_ahead_keeps_room_for_two_small_misses(tmp_path: Path, world: World) -> None:
+    """Models of about a twenty-fourth of the limit: after a run of misses, room for two more is free
+    (a miss arriving while the previous one's victims unload finds room too); a model in use
+    is never taken and the ledger never passes the limit."""
+
+    async def main() -> None:
+        sizes = {f"m{i:02d}": 4_000 for i in range(30)}
+        async with serving(tmp_path, world, 100_000, sizes, evict_ahead=True, eviction_policy="tinylfu") as (
+            service,
+            manager,
+        ):
+            budget = manager.admission.budget
+            assert budget is not None
+            for name in sizes:
+                assert await answer(service, name, 3.0) == 3.0
+                assert budget.used <= 100_000
+            await until(lambda: not any(t.get_name() == "quiver-evict-ahead" for t in asyncio.all_tasks()))
+            size = budget.resident["m29"]
+            assert manager.admission.ahead_bytes() == 2 * size
+            assert budget.available >= 2 * size
+            assert len(manager.ready_models) <= 100_000 // size - 2
+            assert manager.is_ready("m29")  # the model just loaded is never the victim
+
+    asyncio.run(main())
+    assert world.peak <= 100_000
