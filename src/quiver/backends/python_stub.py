@@ -386,9 +386,11 @@ class Worker:
         self,
         request: pb_utils.InferenceRequest,
         sink: Callable[[dict[str, Any] | None, bool], None] | None = None,
-    ) -> int:
-        """Send a BLS request; its answer completes ``self.waiting[id]`` (the id returned), or,
-        with ``sink``, every response of a decoupled call goes there (the last one final)."""
+    ) -> tuple[int, concurrent.futures.Future[dict[str, Any]]]:
+        """Send a BLS request; its id and the future its answer completes (or, with ``sink``,
+        every response of a decoupled call goes there, the last one final). The future is
+        returned, not looked up later: another thread may read the answer, and complete it,
+        before this one looks."""
         blocks: list[Block] = []
         descriptors = []
         try:
@@ -429,7 +431,7 @@ class Worker:
                 },
             }
         )
-        return number
+        return number, future
 
     def bls_result(self, response: dict[str, Any]) -> pb_utils.InferenceResponse:
         """The server's answer as a pb_utils response; its tensors are copied out of the
@@ -470,7 +472,7 @@ class _WorkerBls:
         self._worker = worker
 
     def exec(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        future = self._worker.waiting[self._worker.bls(request)]
+        _, future = self._worker.bls(request)
         timeout = request.timeout() / 1e6 if request.timeout() else None
         try:
             self._worker.wait_for(future.done, timeout)
@@ -484,7 +486,7 @@ class _WorkerBls:
         return self._worker.bls_result(answer)
 
     async def _await(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        future = self._worker.waiting[self._worker.bls(request)]
+        _, future = self._worker.bls(request)
         await self._arrival(future)
         return self._worker.bls_result(future.result(0))
 
@@ -510,7 +512,7 @@ class _WorkerBls:
         def sink(response: dict[str, Any] | None, final: bool) -> None:
             iterator._put(pb_utils.InferenceResponse([]) if response is None else worker.bls_result(response), final)
 
-        number = worker.bls(request, sink)
+        number, _ = worker.bls(request, sink)
         return iterator
 
     async def _first(self, iterator: ResponseIterator) -> ResponseIterator:
