@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from benchmarks.peers.quiver import QuiverServer
 
 RESULTS = Path(__file__).parent / "results"
 IN_PROCESS = "--backend-config=python,in-process=true"
+SPINNING = "quiver worker, spinning"
 
 
 def log(message: str) -> None:
@@ -161,14 +163,17 @@ def markdown(report: dict[str, Any]) -> str:
         )
     if report.get("triton_error"):
         lines += ["", f"Triton did not run: {report['triton_error']}"]
+    load = report.get("load_average")
+    if load:
+        lines += ["", f"Load average (1, 5, 15 min) before the run: {load['before']}, after: {load['after']}."]
     ratios = report.get("ratios") or []
     if ratios:
         lines += ["", "p50 latency, Quiver's worker over Triton's stub (same run; below 1 is faster):", ""]
-        lines += ["| encoding | concurrency | quiver worker / triton | quiver worker / quiver in-process |",
-                  "|---|---:|---:|---:|"]
+        lines += ["| worker | encoding | concurrency | / triton | / quiver in-process |",
+                  "|---|---|---:|---:|---:|"]
         for r in ratios:
-            lines.append(f"| {r['encoding']} | {r['concurrency']} | {common.dash(r['vs_triton'], '.2f')} | "
-                         f"{common.dash(r['vs_in_process'], '.2f')} |")
+            lines.append(f"| {r.get('server', 'quiver worker')} | {r['encoding']} | {r['concurrency']} | "
+                         f"{common.dash(r['vs_triton'], '.2f')} | {common.dash(r['vs_in_process'], '.2f')} |")
     hop = report.get("hop")
     if hop:
         lines += [
@@ -189,12 +194,12 @@ def _ratios(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for row in trials:
-        if row["server"] != "quiver worker":
+        if row["server"] not in ("quiver worker", SPINNING):
             continue
         key = (row["encoding"], row["concurrency"])
         triton, inproc = p50("triton", *key), p50("quiver in-process", *key)
         out.append({
-            "encoding": key[0], "concurrency": key[1],
+            "server": row["server"], "encoding": key[0], "concurrency": key[1],
             "vs_triton": row["p50_ms"] / triton if triton and row["p50_ms"] else None,
             "vs_in_process": row["p50_ms"] / inproc if inproc and row["p50_ms"] else None,
         })
@@ -208,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="default: 1 8")
     parser.add_argument("--encodings", nargs="+", default=["binary", "grpc"], choices=loadgen.ENCODINGS)
     parser.add_argument("--hop-calls", type=int, default=3000, help="calls of the hop measurement (default 3000)")
+    parser.add_argument("--spin-us", type=int, default=200,
+                        help="also a worker with --backend-config=python,spin-microseconds=N (0: not run; default 200)")
     parser.add_argument("--no-triton", action="store_true", help="skip Triton (no download)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     return parser
@@ -215,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    load_before = os.getloadavg()
     trials = _quiver("quiver worker", (), args)
+    if args.spin_us:
+        trials += _quiver(SPINNING, (f"--backend-config=python,spin-microseconds={args.spin_us}",), args)
     trials += _quiver("quiver in-process", (IN_PROCESS,), args)
     triton_error = "skipped (--no-triton)"
     if not args.no_triton:
@@ -225,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": common.command_line(),
         "environment": common.environment(["numpy", "tritonclient"]),
         "settings": {"duration": args.duration, "warmup": args.warmup, "concurrency": args.concurrency,
-                     "encodings": args.encodings},
+                     "encodings": args.encodings, "spin_us": args.spin_us},
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "trials": trials,
         "triton_error": triton_error,
         "ratios": _ratios(trials),

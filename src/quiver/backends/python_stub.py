@@ -47,7 +47,7 @@ from quiver.errors import format_exception
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import Channel
-from quiver.ipc.inbox import Inbox
+from quiver.ipc.inbox import Inbox, spare_core
 from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError
 from quiver.types import DataType
 
@@ -225,7 +225,7 @@ class Worker:
         jobs = self.jobs
         while True:
             if not jobs:
-                self.inbox.wait(lambda: bool(jobs), spin=self.spin)
+                self.inbox.wait(lambda: bool(jobs), spin=self.spin if self.spin and spare_core() else 0.0)
             job = jobs.popleft()
             for segment, offset in job.get("release", ()):
                 self.arena.free(segment, offset)

@@ -55,6 +55,7 @@ from quiver.errors import (
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import AsyncChannel
+from quiver.ipc.inbox import spare_core
 from quiver.ipc.shm import Block, PoolFullError
 from quiver.streaming import StreamedResponse
 from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
@@ -252,7 +253,7 @@ class WorkerInstance(WorkerStreamsMixin):
         if worker.releases:
             message["release"], worker.releases = worker.releases, []
         worker.achannel.send(message)
-        if self._spin and self._should_spin():
+        if self._spin and self._should_spin() and spare_core():
             self._spin_for(worker.achannel, done)
         timeouts = [int(r.parameters.get("timeout", 0) or 0) for r in requests if str(r.parameters.get("timeout", "0")).isdigit()]
         limit = min((t for t in timeouts if t > 0), default=0) / 1e6

@@ -17,12 +17,32 @@ Worker-safe: the standard library only (see :mod:`quiver.ipc`).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from quiver.ipc.channel import EMPTY, Channel
+
+_CORES = os.cpu_count() or 1
+_spare = (0.0, False)
+
+
+def spare_core() -> bool:
+    """Whether the machine has a core to spare for spinning: its load average over the last
+    minute leaves at least one idle (looked up at most once a second). Spinning on a machine
+    without one takes CPU from the work it waits for."""
+    global _spare
+    now = time.monotonic()
+    when, spare = _spare
+    if now - when > 1.0:
+        try:
+            spare = os.getloadavg()[0] <= _CORES - 1
+        except OSError:  # pragma: no cover - no load average on this system
+            spare = False
+        _spare = (now, spare)
+    return spare
 
 
 class Inbox:
@@ -116,4 +136,4 @@ class Inbox:
                 self._cond.notify_all()
 
 
-__all__ = ["Inbox"]
+__all__ = ["Inbox", "spare_core"]

@@ -122,3 +122,16 @@ def test_receive_waits_at_most_its_timeout() -> None:
     theirs.close()
     assert channel.receive(5) is None
     ours.close()
+
+
+def test_spinning_needs_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quiver.ipc import inbox
+
+    cores = inbox._CORES
+    monkeypatch.setattr(inbox, "_spare", (0.0, False))
+    monkeypatch.setattr(inbox.os, "getloadavg", lambda: (cores - 1.0, 0.0, 0.0))
+    assert inbox.spare_core()
+    monkeypatch.setattr(inbox.os, "getloadavg", lambda: (cores + 3.0, 0.0, 0.0))
+    assert inbox.spare_core()  # looked up at most once a second
+    monkeypatch.setattr(inbox, "_spare", (0.0, True))
+    assert not inbox.spare_core()
