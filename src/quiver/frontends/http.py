@@ -12,7 +12,7 @@ import asyncio
 import base64
 import contextlib
 import functools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from time import monotonic_ns as now_ns
 from typing import Any
 
@@ -368,6 +368,8 @@ class HttpFrontend:
         self, scope: Scope, receive: Receive, send: Send, model: str, version: str, trace: Trace | None
     ) -> None:
         content_length = raw_length = encoding = accept = None
+        extensions = scope.get("extensions")
+        respond = extensions.get(RESPOND) if extensions else None
         for key, value in scope["headers"]:
             if key == b"content-length":
                 content_length = value
@@ -427,7 +429,7 @@ class HttpFrontend:
             return  # nobody to answer
         except Exception as exc:
             status, message = http_error(exc, model=model, where=f"inference on model '{model}'")
-            await _send(send, status, _error_body(message))
+            await _send(send, status, _error_body(message), respond=respond)
             return
         headers: list[tuple[bytes, bytes]] = []
         content_type = _JSON
@@ -438,7 +440,7 @@ class HttpFrontend:
             payload = await _compress(payload, accept.decode("latin-1"), headers)
         if trace is not None:
             trace.capture("HTTP_SEND_START")
-        await _send(send, 200, payload, content_type, headers)
+        await _send(send, 200, payload, content_type, headers, respond=respond)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None, encoding: bytes | None) -> bytes:
         return await read_body(receive, content_length, encoding, self.max_input_size)
@@ -512,13 +514,29 @@ def _error_body(message: str) -> bytes:
     return encode_json({"error": message})
 
 
+#: The ASGI scope extension of Quiver's HTTP server (``http_server.py``): a callable that
+#: answers the request at once, ``respond(status, header_lines, payload)``.
+RESPOND = "quiver.respond"
+_CONTENT_TYPES = {_JSON: b"content-type: application/json\r\n", _BINARY: b"content-type: application/octet-stream\r\n"}
+
+
 async def _send(
     send: Send,
     status: int,
     payload: bytes,
     content_type: bytes = _JSON,
     headers: list[tuple[bytes, bytes]] | None = None,
+    *,
+    respond: Callable[[int, bytes, bytes], None] | None = None,
 ) -> None:
+    """The whole response: through ``respond`` (the server's ``quiver.respond`` extension,
+    one write, no ASGI messages) when the server offers it, else two ASGI messages."""
+    if respond is not None:
+        lines = _CONTENT_TYPES.get(content_type) or b"content-type: " + content_type + b"\r\n"
+        if headers:
+            lines += b"".join(b"%s: %s\r\n" % pair for pair in headers)
+        respond(status, lines, payload)
+        return
     all_headers = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
     if headers:
         all_headers.extend(headers)

@@ -60,6 +60,9 @@ _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
 _NO_BODY_STATUSES = frozenset((204, 304))
+_FRAMING = frozenset((b"content-length", b"connection", b"transfer-encoding"))
+#: A response body up to this size is copied behind its head to leave in one write.
+COPY_LIMIT = 256 * 1024
 
 
 def _plain(status: int, text: str, *, close: bool = True) -> bytes:
@@ -75,9 +78,25 @@ class _Request:
     """One request and its response: the ASGI ``receive`` and ``send`` of one app call."""
 
     __slots__ = (
-        "conn", "scope", "parts", "buffered", "body_done", "body_given", "waiter", "expect_continue",
-        "keep_alive", "is_head", "started", "status", "headers", "head_sent", "chunked", "done",
-        "disconnected", "length", "sent",
+        "body_done",
+        "body_given",
+        "buffered",
+        "chunked",
+        "conn",
+        "disconnected",
+        "done",
+        "expect_continue",
+        "head_sent",
+        "headers",
+        "is_head",
+        "keep_alive",
+        "length",
+        "parts",
+        "scope",
+        "sent",
+        "started",
+        "status",
+        "waiter",
     )
 
     def __init__(self, conn: HttpProtocol, scope: dict[str, Any], keep_alive: bool, expect_continue: bool) -> None:
@@ -178,7 +197,7 @@ class _Request:
             elif self.chunked:
                 conn.transport.write(b"".join((head, b"%x\r\n" % len(body), body, b"\r\n", b"" if more else _LAST_CHUNK)) if body else head + (b"" if more else _LAST_CHUNK))
             else:
-                conn.transport.write(head + body if body else head)
+                _write(conn.transport, head, body)
         elif self.is_head or self.status in _NO_BODY_STATUSES:
             body = b""
         elif self.chunked:
@@ -203,23 +222,27 @@ class _Request:
 
     def _head(self, more: bool, first: int) -> bytes:
         status = self.status
-        line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
-        lines = [line]
+        lines = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]
+        count = 1
         close = False
         for name, value in self.headers:
             lower = name.lower()
-            if lower == b"content-length":
-                self.length = int(value)
-            elif lower == b"connection":
-                close = value.lower() == b"close"
-            elif lower == b"transfer-encoding":
-                self.chunked = b"chunked" in value.lower()
-            lines.append(b"%s: %s\r\n" % (name, value))
+            if lower in _FRAMING:
+                if lower == b"content-length":
+                    self.length = int(value)
+                elif lower == b"connection":
+                    close = value.lower() == b"close"
+                else:
+                    self.chunked = b"chunked" in value.lower()
+            lines += (name, b": ", value, b"\r\n")
+            count += 1
         if close:
             self.keep_alive = False
         elif not self.keep_alive:
             lines.append(b"connection: close\r\n")
+            count += 1
         if self.length is None and not self.chunked and status not in _NO_BODY_STATUSES and not self.is_head:
+            count += 1
             if more:
                 self.chunked = True
                 lines.append(b"transfer-encoding: chunked\r\n")
@@ -228,10 +251,43 @@ class _Request:
                 self.length = first
         lines.append(b"\r\n")
         head = b"".join(lines)
-        if head.count(b"\n") != len(lines):  # a header that would split the head: never sent
+        if head.count(b"\n") != count + 1:  # a header that would split the head: never sent
             self.keep_alive = False
             raise RuntimeError("invalid character in a response header")
         return head
+
+    def respond(self, status: int, headers: bytes, payload: bytes) -> None:
+        """The whole response at once (the ``quiver.respond`` extension): ``headers`` the
+        header lines (each ending in CRLF; no content-length, no connection) built by Quiver
+        from trusted values. Head and payload leave in one write."""
+        if self.disconnected:
+            return
+        if self.started:
+            raise RuntimeError("the response has started already")
+        self.started = self.head_sent = True
+        self.status = status
+        conn = self.conn
+        size = len(payload)
+        head = b"".join((
+            _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
+            headers,
+            b"content-length: %d\r\n\r\n" % size if self.keep_alive else b"content-length: %d\r\nconnection: close\r\n\r\n" % size,
+        ))
+        _write(conn.transport, head, b"" if self.is_head else payload)
+        self.done = True
+        if self.waiter is not None:
+            self.wake()
+        conn.response_done(self)
+
+
+def _write(transport: asyncio.Transport, head: bytes, body: bytes) -> None:
+    """``head`` then ``body``: one write (one syscall) unless the body is large enough that
+    copying it costs more than a second write."""
+    if len(body) > COPY_LIMIT:
+        transport.write(head)
+        transport.write(body)
+    else:
+        transport.write(head + body if body else head)
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -370,6 +426,7 @@ class HttpProtocol(asyncio.Protocol):
         }
         keep_alive = version != "1.0" and parser.should_keep_alive() and not self.server.stopping
         request = _Request(self, scope, keep_alive, self.expect_continue and version == "1.1")
+        scope["extensions"] = {"quiver.respond": request.respond}
         self.parsing = request
         if self.current is None and self.pending is None:
             self.pending = request  # started once the bytes at hand are parsed
@@ -566,4 +623,4 @@ class HttpServer:
                 await asyncio.wait_for(server.wait_closed(), 1.0)
 
 
-__all__ = ["HttpServer", "KEEP_ALIVE_SECONDS", "MAX_CHUNKS", "MAX_HEAD_BYTES"]
+__all__ = ["KEEP_ALIVE_SECONDS", "MAX_CHUNKS", "MAX_HEAD_BYTES", "HttpServer"]
