@@ -405,8 +405,11 @@ class HttpProtocol(asyncio.Protocol):
             return
         parser = self.parser
         version = parser.get_http_version()
-        url = httptools.parse_url(self.url)
-        raw_path: bytes = url.path
+        raw_path = self.url
+        query = b""
+        if b"?" in raw_path or b"%" in raw_path or raw_path[:1] != b"/":
+            url = httptools.parse_url(raw_path)  # raises HttpParserInvalidURLError: a 400
+            raw_path, query = url.path, url.query or b""
         path = raw_path.decode("ascii")
         if "%" in path:
             path = unquote(path)
@@ -421,7 +424,7 @@ class HttpProtocol(asyncio.Protocol):
             "root_path": "",
             "path": path,
             "raw_path": raw_path,
-            "query_string": url.query or b"",
+            "query_string": query,
             "headers": self.headers,
         }
         keep_alive = version != "1.0" and parser.should_keep_alive() and not self.server.stopping
