@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import http
 import logging
 import socket
 from typing import Any
@@ -40,6 +39,7 @@ import httptools
 import orjson
 
 from quiver import messages
+from quiver.frontends.http_exchange import HIGH_WATER, SERVER_ERROR, STATUS_LINES, Exchange, plain
 
 logger = logging.getLogger("quiver.http")
 
@@ -49,245 +49,10 @@ MAX_CHUNKS = 1 << 16
 MAX_HEAD_BYTES = 256 * 1024
 #: A connection with no request in progress that sent nothing for this long is closed.
 KEEP_ALIVE_SECONDS = 5.0
-#: Request body bytes held for an app that has not read them yet before reading pauses.
-HIGH_WATER = 1 << 20
 #: Requests parsed ahead of the one being answered (pipelining) before reading pauses.
 PIPELINE_DEPTH = 16
 
-_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in http.HTTPStatus}
-_DISCONNECT = {"type": "http.disconnect"}
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_LAST_CHUNK = b"0\r\n\r\n"
-_NO_BODY_STATUSES = frozenset((204, 304))
-_FRAMING = frozenset((b"content-length", b"connection", b"transfer-encoding"))
-#: A response body up to this size is copied behind its head to leave in one write.
-COPY_LIMIT = 256 * 1024
-
-
-def _plain(status: int, text: str, *, close: bool = True) -> bytes:
-    body = text.encode()
-    head = _STATUS_LINES[status] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n" % len(body)
-    return head + (b"connection: close\r\n\r\n" if close else b"\r\n") + body
-
-
-_SERVER_ERROR = _plain(500, "Internal Server Error")
-
-
-class _Request:
-    """One request and its response: the ASGI ``receive`` and ``send`` of one app call."""
-
-    __slots__ = (
-        "body_done",
-        "body_given",
-        "buffered",
-        "chunked",
-        "conn",
-        "disconnected",
-        "done",
-        "expect_continue",
-        "head_sent",
-        "headers",
-        "is_head",
-        "keep_alive",
-        "length",
-        "parts",
-        "scope",
-        "sent",
-        "started",
-        "status",
-        "waiter",
-    )
-
-    def __init__(self, conn: HttpProtocol, scope: dict[str, Any], keep_alive: bool, expect_continue: bool) -> None:
-        self.conn = conn
-        self.scope = scope
-        self.parts: list[bytes] = []
-        self.buffered = 0
-        self.body_done = False  # the parser has seen the whole body
-        self.body_given = False  # the app has been given the last of it
-        self.waiter: asyncio.Future[None] | None = None
-        self.expect_continue = expect_continue
-        self.keep_alive = keep_alive
-        self.is_head = scope["method"] == "HEAD"
-        self.started = False
-        self.status = 200
-        self.headers: Any = ()
-        self.head_sent = False
-        self.chunked = False
-        self.done = False  # the response is complete
-        self.disconnected = False
-        self.length: int | None = None  # the content-length the app declared
-        self.sent = 0
-
-    # -- what the parser and the connection tell the request -----------------------------
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def feed(self, body: bytes) -> None:
-        if self.done or self.disconnected:
-            return  # answered already: the rest of the body is read and dropped
-        self.parts.append(body)
-        self.buffered += len(body)
-        if self.buffered > HIGH_WATER:
-            self.conn.pause_reading()
-        self.wake()
-
-    def disconnect(self) -> None:
-        self.disconnected = True
-        self.wake()
-
-    # -- ASGI ----------------------------------------------------------------------------
-
-    async def receive(self) -> dict[str, Any]:
-        if self.expect_continue:
-            self.expect_continue = False
-            if not self.started and not self.body_done and not self.disconnected:
-                self.conn.transport.write(_CONTINUE)
-        while True:
-            if self.disconnected or self.done:
-                return _DISCONNECT
-            if self.parts or (self.body_done and not self.body_given):
-                parts = self.parts
-                body = parts[0] if len(parts) == 1 else b"".join(parts)
-                self.parts = []
-                if self.buffered > HIGH_WATER:
-                    self.conn.resume_reading()
-                self.buffered = 0
-                more = not self.body_done
-                if not more:
-                    self.body_given = True
-                return {"type": "http.request", "body": body, "more_body": more}
-            # nothing to give: the next part of the body, or (all read) a disconnect
-            self.conn.resume_reading()
-            waiter = self.waiter = self.conn.loop.create_future()
-            await waiter
-
-    async def send(self, message: dict[str, Any]) -> None:
-        if self.disconnected:
-            return
-        conn = self.conn
-        kind = message["type"]
-        if kind == "http.response.start":
-            if self.started:
-                raise RuntimeError("the response has started already")
-            self.started = True
-            self.status = message["status"]
-            self.headers = message.get("headers", ())
-            return
-        if kind != "http.response.body":
-            raise RuntimeError(f"unexpected ASGI message {kind!r}")
-        if not self.started:
-            raise RuntimeError("'http.response.body' before 'http.response.start'")
-        if self.done:
-            raise RuntimeError("the response is complete already")
-        body: bytes = message.get("body", b"")
-        more: bool = message.get("more_body", False)
-        if not self.head_sent:
-            self.head_sent = True
-            head = self._head(more, len(body))
-            if self.is_head or self.status in _NO_BODY_STATUSES:
-                conn.transport.write(head)
-                body = b""
-            elif self.chunked:
-                conn.transport.write(b"".join((head, b"%x\r\n" % len(body), body, b"\r\n", b"" if more else _LAST_CHUNK)) if body else head + (b"" if more else _LAST_CHUNK))
-            else:
-                _write(conn.transport, head, body)
-        elif self.is_head or self.status in _NO_BODY_STATUSES:
-            body = b""
-        elif self.chunked:
-            if body:
-                conn.transport.write(b"".join((b"%x\r\n" % len(body), body, b"\r\n", b"" if more else _LAST_CHUNK)))
-            elif not more:
-                conn.transport.write(_LAST_CHUNK)
-        elif body:
-            conn.transport.write(body)
-        self.sent += len(body)
-        if more:
-            if conn.write_paused is not None:
-                await conn.write_paused
-            return
-        if self.length is not None and self.sent != self.length and not self.is_head and self.status not in _NO_BODY_STATUSES:
-            self.keep_alive = False  # the framing is broken: the connection cannot go on
-            conn.transport.close()
-            raise RuntimeError(f"the response declared {self.length} bytes of content but sent {self.sent}")
-        self.done = True
-        self.wake()
-        conn.response_done(self)
-
-    def _head(self, more: bool, first: int) -> bytes:
-        status = self.status
-        lines = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]
-        count = 1
-        close = False
-        for name, value in self.headers:
-            lower = name.lower()
-            if lower in _FRAMING:
-                if lower == b"content-length":
-                    self.length = int(value)
-                elif lower == b"connection":
-                    close = value.lower() == b"close"
-                else:
-                    self.chunked = b"chunked" in value.lower()
-            lines += (name, b": ", value, b"\r\n")
-            count += 1
-        if close:
-            self.keep_alive = False
-        elif not self.keep_alive:
-            lines.append(b"connection: close\r\n")
-            count += 1
-        if self.length is None and not self.chunked and status not in _NO_BODY_STATUSES and not self.is_head:
-            count += 1
-            if more:
-                self.chunked = True
-                lines.append(b"transfer-encoding: chunked\r\n")
-            else:
-                lines.append(b"content-length: %d\r\n" % first)
-                self.length = first
-        lines.append(b"\r\n")
-        head = b"".join(lines)
-        if head.count(b"\n") != count + 1:  # a header that would split the head: never sent
-            self.keep_alive = False
-            raise RuntimeError("invalid character in a response header")
-        return head
-
-    def respond(self, status: int, headers: bytes, payload: bytes) -> None:
-        """The whole response at once (the ``quiver.respond`` extension): ``headers`` the
-        header lines (each ending in CRLF; no content-length, no connection) built by Quiver
-        from trusted values. Head and payload leave in one write."""
-        if self.disconnected:
-            return
-        if self.started:
-            raise RuntimeError("the response has started already")
-        self.started = self.head_sent = True
-        self.status = status
-        conn = self.conn
-        size = len(payload)
-        head = b"".join((
-            _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status,
-            headers,
-            b"content-length: %d\r\n\r\n" % size if self.keep_alive else b"content-length: %d\r\nconnection: close\r\n\r\n" % size,
-        ))
-        _write(conn.transport, head, b"" if self.is_head else payload)
-        self.done = True
-        if self.waiter is not None:
-            self.wake()
-        conn.response_done(self)
-
-
-def _write(transport: asyncio.Transport, head: bytes, body: bytes) -> None:
-    """``head`` then ``body``: one write (one syscall) unless the body is large enough that
-    copying it costs more than a second write."""
-    if len(body) > COPY_LIMIT:
-        transport.write(head)
-        transport.write(body)
-    else:
-        transport.write(head + body if body else head)
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -299,10 +64,11 @@ class HttpProtocol(asyncio.Protocol):
         self.loop = server.loop
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
-        self.current: _Request | None = None  # the request being answered
-        self.parsing: _Request | None = None  # the request whose body is being parsed
-        self.pipeline: collections.deque[_Request] = collections.deque()
-        self.pending: _Request | None = None  # parsed head, task not started yet
+        self.current: Exchange | None = None  # the request the app is answering
+        self.parsing: Exchange | None = None  # the request whose body is being parsed
+        self.queue: collections.deque[Exchange] = collections.deque()  # parsed, waiting their turn
+        self.runner: asyncio.Task[None] | None = None  # runs the app for one request after another
+        self.idle: asyncio.Future[None] | None = None  # what the runner waits on between requests
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_bytes = 0
@@ -329,11 +95,11 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
-        for request in (self.current, self.parsing, *self.pipeline):
+        for request in (self.current, self.parsing, *self.queue):
             if request is not None:
                 request.disconnect()
-        self.pipeline.clear()
-        self.pending = None
+        self.queue.clear()
+        self._wake_runner()
         if self.write_paused is not None and not self.write_paused.done():
             self.write_paused.set_result(None)
 
@@ -348,12 +114,10 @@ class HttpProtocol(asyncio.Protocol):
             # one this connection reads (what follows its head is not HTTP/1.1).
             self.refused = True
         except httptools.HttpParserError:
-            self._refuse(_plain(400, "Invalid HTTP request received."))
+            self._refuse(plain(400, "Invalid HTTP request received."))
             return
-        pending = self.pending
-        if pending is not None:
-            self.pending = None
-            self._start(pending)
+        if self.current is None and self.queue:
+            self._next()
 
     def pause_writing(self) -> None:
         self.write_paused = self.loop.create_future()
@@ -370,7 +134,7 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.reading_paused and len(self.pipeline) < PIPELINE_DEPTH:
+        if self.reading_paused and len(self.queue) < PIPELINE_DEPTH:
             self.reading_paused = False
             if not self.transport.is_closing():
                 self.transport.resume_reading()
@@ -428,15 +192,12 @@ class HttpProtocol(asyncio.Protocol):
             "headers": self.headers,
         }
         keep_alive = version != "1.0" and parser.should_keep_alive() and not self.server.stopping
-        request = _Request(self, scope, keep_alive, self.expect_continue and version == "1.1")
+        request = Exchange(self, scope, keep_alive, self.expect_continue and version == "1.1")
         scope["extensions"] = {"quiver.respond": request.respond}
         self.parsing = request
-        if self.current is None and self.pending is None:
-            self.pending = request  # started once the bytes at hand are parsed
-        else:
-            self.pipeline.append(request)
-            if len(self.pipeline) >= PIPELINE_DEPTH:
-                self.pause_reading()
+        self.queue.append(request)  # served once the bytes at hand are parsed (data_received)
+        if len(self.queue) >= PIPELINE_DEPTH:
+            self.pause_reading()
 
     def on_chunk_header(self) -> None:  # every chunk, the last (empty) one too
         self.chunks += 1
@@ -447,7 +208,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.chunks > MAX_CHUNKS:
             payload = orjson.dumps({"error": messages.too_many_chunks(MAX_CHUNKS)})
             self._refuse(
-                _STATUS_LINES[400]
+                STATUS_LINES[400]
                 + b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(payload)
                 + payload
             )
@@ -466,13 +227,40 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- requests and responses ---------------------------------------------------------
 
-    def _start(self, request: _Request) -> None:
-        self.current = request
-        task = self.loop.create_task(self._run(request))
-        self.server.tasks.add(task)
-        task.add_done_callback(self.server.tasks.discard)
+    def _next(self) -> None:
+        """Hand the next queued request to the runner: a task per connection, not per
+        request, that waits between requests on a future."""
+        self.current = self.queue.popleft()
+        if self.runner is None:
+            self.runner = runner = self.loop.create_task(self._serve())
+            self.server.tasks.add(runner)
+            runner.add_done_callback(self.server.tasks.discard)
+        else:
+            self._wake_runner()
 
-    async def _run(self, request: _Request) -> None:
+    def _wake_runner(self) -> None:
+        idle = self.idle
+        if idle is not None:
+            self.idle = None
+            if not idle.done():
+                idle.set_result(None)
+
+    async def _serve(self) -> None:
+        try:
+            while (request := self.current) is not None:
+                await self._call(request)
+                self.current = None
+                if self.transport.is_closing():
+                    return
+                if self.queue:
+                    self.current = self.queue.popleft()
+                    continue
+                self.idle = self.loop.create_future()
+                await self.idle  # set: a request to serve (current), or the connection is gone
+        finally:
+            self.runner = None
+
+    async def _call(self, request: Exchange) -> None:
         try:
             await self.app(request.scope, request.receive, request.send)
         except BaseException as exc:
@@ -494,36 +282,32 @@ class HttpProtocol(asyncio.Protocol):
                 logger.error("the HTTP application returned without completing its response")
                 self.transport.close()
 
-    def _answer_failure(self, request: _Request) -> None:
+    def _answer_failure(self, request: Exchange) -> None:
         request.started = request.done = True
         request.keep_alive = False
-        self.transport.write(_SERVER_ERROR)
+        self.transport.write(SERVER_ERROR)
         self.response_done(request)
 
-    def response_done(self, request: _Request) -> None:
-        """The answer to the current request is complete: close, or go on with the next."""
-        if request is not self.current:
-            return
-        self.current = None
+    def response_done(self, request: Exchange) -> None:
+        """The answer to ``request`` is complete: close, or read on (the runner serves the
+        next request once the app has returned)."""
         self.last_active = self.loop.time()
         transport = self.transport
         if (
             not request.keep_alive
             or (request.expect_continue and not request.body_done)  # it would not send the body
-            or (self.refused and not self.pipeline)
+            or (self.refused and not self.queue)
         ):
-            self.pipeline.clear()
+            self.queue.clear()
             transport.close()
             return
-        if transport.is_closing():
-            return
-        if self.pipeline:
-            self._start(self.pipeline.popleft())
-        if self.reading_paused and (self.current is None or self.current.buffered <= HIGH_WATER):
-            self.resume_reading()
+        if self.reading_paused and not transport.is_closing():
+            waiting = self.queue[0] if self.queue else None
+            if waiting is None or waiting.buffered <= HIGH_WATER:
+                self.resume_reading()
 
     def _refuse_head(self) -> None:
-        self._refuse(_plain(431, "Request header fields too large."))
+        self._refuse(plain(431, "Request header fields too large."))
 
     def _refuse(self, answer: bytes) -> None:
         """Answer ``answer`` and close: the rest of what this connection sends is not read.
@@ -531,11 +315,10 @@ class HttpProtocol(asyncio.Protocol):
         if self.refused:
             return
         self.refused = True
-        for request in (self.current, self.parsing, *self.pipeline):
+        for request in (self.current, self.parsing, *self.queue):
             if request is not None:
                 request.disconnect()
-        self.pipeline.clear()
-        self.pending = None
+        self.queue.clear()
         if not self.transport.is_closing():
             self.transport.pause_reading()
             self.transport.write(answer)
@@ -543,10 +326,10 @@ class HttpProtocol(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """The server stops: close if idle, else after the answer in progress."""
-        if self.current is None and self.pending is None:
+        if self.current is None and not self.queue:
             self.transport.close()
             return
-        for request in (self.current, self.pending):
+        for request in (self.current, *self.queue):
             if request is not None:
                 request.keep_alive = False
 
@@ -563,6 +346,8 @@ class HttpServer:
         self.tasks: set[asyncio.Task[None]] = set()
         self.started = False
         self.stopping = False
+        #: Set (with should_exit) to stop without waiting for in-flight requests.
+        self.force_exit = False
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by serve
         self._exit: asyncio.Event | None = None
         self._servers: list[asyncio.AbstractServer] = []
@@ -597,7 +382,7 @@ class HttpServer:
             await asyncio.sleep(1.0)
             horizon = self.loop.time() - KEEP_ALIVE_SECONDS
             for conn in list(self.connections):
-                if conn.current is None and conn.pending is None and conn.last_active < horizon:
+                if conn.current is None and not conn.queue and conn.last_active < horizon:
                     conn.transport.close()
 
     async def _shutdown(self) -> None:
@@ -606,21 +391,22 @@ class HttpServer:
             server.close()
         for conn in list(self.connections):
             conn.shutdown()
-        try:
-            async with asyncio.timeout(self.graceful_seconds):
-                while self.connections or self.tasks:
-                    await asyncio.sleep(0.05)
-        except TimeoutError:
-            logger.error("cancelling %d request(s) still running after the %g s grace period",
-                         len(self.tasks), self.graceful_seconds)
+        if not self.force_exit:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.graceful_seconds):
+                    while (self.connections or self.tasks) and not self.force_exit:
+                        await asyncio.sleep(0.05)
+        if self.tasks:
+            logger.error("cancelling %d request(s) still running (%s)", len(self.tasks),
+                         "forced stop" if self.force_exit else f"past the {self.graceful_seconds:g} s grace period")
             for task in list(self.tasks):
                 task.cancel()
-            for conn in list(self.connections):
-                conn.transport.close()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(5):
-                    while self.tasks:
-                        await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.transport.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                while self.tasks:
+                    await asyncio.sleep(0.05)
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 1.0)
