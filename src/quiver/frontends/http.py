@@ -41,9 +41,10 @@ from quiver.protocol.v2_json import (
     encode_response,
 )
 from quiver.raw_input import raw_request
-from quiver.service import InferenceService
+from quiver.service import InferenceService, Watch
+from quiver.streaming import Cancellation
 from quiver.tracing import Trace
-from quiver.types import InferenceResponse
+from quiver.types import InferenceRequest, InferenceResponse
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
@@ -414,11 +415,9 @@ class HttpFrontend:
                     ((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
                     infer_request,
                 )
-            infer = self.service.infer(infer_request, decoupled_error=DECOUPLED_ERROR)
-            if self.service.queues(model, version):
-                response = await _unless_disconnected(infer, receive)
-            else:
-                response = await infer
+            response = await self.service.infer(
+                infer_request, decoupled_error=DECOUPLED_ERROR, watch=_watch(receive, infer_request)
+            )
             if trace is not None:
                 trace.capture("INFER_RESPONSE_COMPLETE")
             if encode_cost(response, infer_request) < OFFLOAD_NS:
@@ -484,7 +483,20 @@ async def read_body(
     return body
 
 
-async def _unless_disconnected(work: Awaitable[InferenceResponse], receive: Receive) -> InferenceResponse:
+def _watch(receive: Receive, request: InferenceRequest) -> Watch:
+    """The service's ``watch`` for one request: the wait for a queued request's answer is
+    cancelled when the client disconnects (the request told it is cancelled, as the model
+    may read)."""
+
+    def watch(work: Awaitable[InferenceResponse]) -> Awaitable[InferenceResponse]:
+        return _unless_disconnected(work, receive, request)
+
+    return watch
+
+
+async def _unless_disconnected(
+    work: Awaitable[InferenceResponse], receive: Receive, request: InferenceRequest | None = None
+) -> InferenceResponse:
     """Run ``work`` but cancel it if the client disconnects first: a request still waiting
     in a queue then leaves it without costing compute."""
     task = asyncio.ensure_future(work)
@@ -494,6 +506,9 @@ async def _unless_disconnected(work: Awaitable[InferenceResponse], receive: Rece
         if not task.done():
             message = watcher.result()
             if message.get("type") == "http.disconnect":
+                if request is not None:
+                    request.cancellation = request.cancellation or Cancellation()  # the model reads it
+                    request.cancellation.cancel()
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
