@@ -149,8 +149,8 @@ class Exchange:
         body: bytes = message.get("body", b"")
         more: bool = message.get("more_body", False)
         if not self.head_sent:
-            self.head_sent = True
             head = self._head(more, len(body))
+            self.head_sent = True
             if self.is_head or self.status in _NO_BODY_STATUSES:
                 conn.transport.write(head)
                 body = b""
@@ -201,14 +201,15 @@ class Exchange:
         elif not self.keep_alive:
             lines.append(b"connection: close\r\n")
             count += 1
-        if self.length is None and not self.chunked and status not in _NO_BODY_STATUSES and not self.is_head:
-            count += 1
-            if more:
-                self.chunked = True
-                lines.append(b"transfer-encoding: chunked\r\n")
-            else:
+        if self.length is None and not self.chunked and status not in _NO_BODY_STATUSES:
+            if not more:  # the whole body is here (for HEAD: the body GET would get)
+                count += 1
                 lines.append(b"content-length: %d\r\n" % first)
                 self.length = first
+            elif not self.is_head:
+                count += 1
+                self.chunked = True
+                lines.append(b"transfer-encoding: chunked\r\n")
         lines.append(b"\r\n")
         head = b"".join(lines)
         if head.count(b"\n") != count + 1:  # a header that would split the head: never sent

@@ -266,7 +266,7 @@ class HttpProtocol(asyncio.Protocol):
         except BaseException as exc:
             if not request.disconnected:
                 logger.error("exception in the HTTP application", exc_info=exc)
-                if not request.started:
+                if not request.head_sent:  # nothing written yet: a 500 can still go out
                     self._answer_failure(request)
                 elif not request.done:
                     self.transport.close()
@@ -275,15 +275,15 @@ class HttpProtocol(asyncio.Protocol):
         else:
             if request.disconnected:
                 return
-            if not request.started:
-                logger.error("the HTTP application returned without starting a response")
+            if not request.head_sent:
+                logger.error("the HTTP application returned without sending a response")
                 self._answer_failure(request)
             elif not request.done:
                 logger.error("the HTTP application returned without completing its response")
                 self.transport.close()
 
     def _answer_failure(self, request: Exchange) -> None:
-        request.started = request.done = True
+        request.started = request.head_sent = request.done = True
         request.keep_alive = False
         self.transport.write(SERVER_ERROR)
         self.response_done(request)
