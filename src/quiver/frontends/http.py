@@ -549,7 +549,8 @@ async def _send(
     if respond is not None:
         lines = _CONTENT_TYPES.get(content_type) or b"content-type: " + content_type + b"\r\n"
         if headers:
-            lines += b"".join(b"%s: %s\r\n" % pair for pair in headers)
+            for name, value in headers:
+                lines += name + b": " + value + b"\r\n"
         respond(status, lines, payload)
         return
     all_headers = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]

@@ -59,6 +59,12 @@ class Exchange:
         "waiter",
     )
 
+    status: int
+    headers: Any
+    chunked: bool
+    length: int | None
+    sent: int
+
     def __init__(self, conn: HttpProtocol, scope: dict[str, Any], keep_alive: bool, expect_continue: bool) -> None:
         self.conn = conn
         self.scope = scope
@@ -71,14 +77,11 @@ class Exchange:
         self.keep_alive = keep_alive
         self.is_head = scope["method"] == "HEAD"
         self.started = False
-        self.status = 200
-        self.headers: Any = ()
         self.head_sent = False
-        self.chunked = False
         self.done = False  # the response is complete
         self.disconnected = False
-        self.length: int | None = None  # the content-length the app declared
-        self.sent = 0
+        # status, headers, chunked, length (the content-length the app declared) and sent are
+        # set when the response starts
 
     # -- what the parser and the connection tell the request -----------------------------
 
@@ -139,6 +142,9 @@ class Exchange:
             self.started = True
             self.status = message["status"]
             self.headers = message.get("headers", ())
+            self.chunked = False
+            self.length = None
+            self.sent = 0
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")

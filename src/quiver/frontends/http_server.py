@@ -53,6 +53,7 @@ KEEP_ALIVE_SECONDS = 5.0
 PIPELINE_DEPTH = 16
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
+_METHODS = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -169,6 +170,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         parser = self.parser
         version = parser.get_http_version()
+        method = parser.get_method()
         raw_path = self.url
         query = b""
         if b"?" in raw_path or b"%" in raw_path or raw_path[:1] != b"/":
@@ -184,7 +186,7 @@ class HttpProtocol(asyncio.Protocol):
             "server": self.server_address,
             "client": self.client_address,
             "scheme": "http",
-            "method": parser.get_method().decode("ascii"),
+            "method": _METHODS.get(method) or method.decode("ascii"),
             "root_path": "",
             "path": path,
             "raw_path": raw_path,
