@@ -177,6 +177,16 @@ def test_malformed_request_line_is_answered_400_and_closed(server: QuiverServer)
     _still_serves(server)
 
 
+def test_an_upgrade_request_is_answered_as_any_other_and_ends_the_connection(server: QuiverServer) -> None:
+    # No protocol to upgrade to: what follows the head is not parsed as HTTP any more.
+    with _connect(server) as sock:
+        sock.sendall(_get("/v2/health/live", "Connection: Upgrade", "Upgrade: websocket") + _get("/v2/health/live"))
+        status, headers, _ = _read_response(sock.makefile("rb"))
+        assert status == 200 and headers["connection"] == "close"
+        assert _closed_by_server(sock)
+    _still_serves(server)
+
+
 def test_oversized_request_head_is_answered_431(server: QuiverServer) -> None:
     with _connect(server) as sock:
         sock.sendall(_get("/v2/health/live", "X-Big: " + "a" * (300 * 1024)))

@@ -114,6 +114,9 @@ class HttpProtocol(asyncio.Protocol):
             # No protocol to upgrade to: the request is answered as any other, and is the last
             # one this connection reads (what follows its head is not HTTP/1.1).
             self.refused = True
+            for request in (self.current, *self.queue):
+                if request is not None:
+                    request.keep_alive = False
         except httptools.HttpParserError:
             self._refuse(plain(400, "Invalid HTTP request received."))
             return
