@@ -97,6 +97,17 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection(server: Quiv
     assert "no_such_model" in json.loads(answers[3][2])["error"]
 
 
+def test_a_deep_pipeline_is_read_in_turns_and_answered_in_full(server: QuiverServer) -> None:
+    # More requests than the server parses ahead (16): it stops reading, then reads on.
+    requests = [_post(IDENTITY, _identity_body([float(i)] * 300)) for i in range(60)]
+    with _connect(server) as sock:
+        sock.sendall(b"".join(requests))
+        stream = sock.makefile("rb")
+        answers = [_read_response(stream) for _ in requests]
+    assert [status for status, _, _ in answers] == [200] * len(requests)
+    assert [json.loads(body)["outputs"][0]["data"][0] for _, _, body in answers] == [float(i) for i in range(60)]
+
+
 def test_keep_alive_serves_many_requests_and_connection_close_ends_it(server: QuiverServer) -> None:
     with _connect(server) as sock:
         stream = sock.makefile("rb")
