@@ -5,12 +5,14 @@ runs its ASGI app on this server. It does what uvicorn did for them, at a fracti
 per request:
 
 - one connection parses with one ``httptools.HttpRequestParser``; a request's scope is built
-  once its head is complete, and its app task starts once the bytes at hand are parsed, so a
-  small request's whole body is usually there on the app's first ``receive()`` (no event, no
-  wait);
+  once its head is complete, and the connection's one runner task (not a task per request)
+  calls the app once the bytes at hand are parsed, so a small request's whole body is usually
+  there on the app's first ``receive()`` (no event, no wait);
 - the response head is held until the first body message, then head and body leave in ONE
   ``transport.write`` (one syscall, one packet, one wake-up of the client); a body sent in
   parts (``more_body``) without a ``content-length`` goes out chunked (server-sent events);
+  the scope's ``quiver.respond`` extension answers in one call, with no ASGI messages (the
+  v2 inference route uses it);
 - HTTP/1.1 keep-alive and pipelining (answers in order, reading paused while requests wait),
   HTTP/1.0 (the connection closes after the answer), ``Transfer-Encoding: chunked`` request
   bodies (more than :data:`MAX_CHUNKS` chunks refused as Triton does), ``Expect:
@@ -41,7 +43,7 @@ import orjson
 from quiver import messages
 from quiver.frontends.http_exchange import HIGH_WATER, SERVER_ERROR, STATUS_LINES, Exchange, plain
 
-logger = logging.getLogger("quiver.http")
+logger = logging.getLogger(__name__)
 
 #: Triton's kMaxChunkedChunks: a chunked request body of more non-empty chunks is refused.
 MAX_CHUNKS = 1 << 16
