@@ -14,7 +14,7 @@ logging APIs answer exactly as in one process.
 
 When the model side goes away (its socket closes), requests waiting for it are answered 503
 UNAVAILABLE and the worker exits. SIGTERM stops taking connections and lets the requests in
-flight finish (uvicorn's graceful shutdown), then the worker exits 0.
+flight finish (the HTTP server's graceful stop), then the worker exits 0.
 """
 
 from __future__ import annotations
