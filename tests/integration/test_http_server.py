@@ -243,6 +243,13 @@ def test_idle_keep_alive_connection_is_closed_by_the_server(server: QuiverServer
         assert _closed_by_server(sock, timeout=30.0)
 
 
+def test_a_half_sent_request_head_that_goes_quiet_is_closed(server: QuiverServer) -> None:
+    with _connect(server) as sock:
+        sock.sendall(b"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nHost: x\r\nContent-Le")
+        assert _closed_by_server(sock, timeout=30.0)
+    _still_serves(server)
+
+
 def test_tritonclient_binary_requests_share_connections_concurrently(server: QuiverServer) -> None:
     client = httpclient.InferenceServerClient(server.url, concurrency=4)
     try:
