@@ -92,15 +92,6 @@ class Exchange:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def feed(self, body: bytes) -> None:
-        if self.done or self.disconnected:
-            return  # answered already: the rest of the body is read and dropped
-        self.parts.append(body)
-        self.buffered += len(body)
-        if self.buffered > HIGH_WATER:
-            self.conn.pause_reading()
-        self.wake()
-
     def disconnect(self) -> None:
         self.disconnected = True
         self.wake()

@@ -147,12 +147,7 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------
 
-    def on_message_begin(self) -> None:
-        self.url = b""
-        self.headers = []
-        self.head_bytes = 0
-        self.chunks = 0
-        self.expect_continue = False
+    # (no on_message_begin: what a request head gathers is reset once it is complete)
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -201,6 +196,10 @@ class HttpProtocol(asyncio.Protocol):
         keep_alive = version != "1.0" and parser.should_keep_alive() and not self.server.stopping
         request = Exchange(self, scope, keep_alive, self.expect_continue and version == "1.1")
         scope["extensions"] = {"quiver.respond": request.respond}
+        self.url = b""
+        self.headers = []
+        self.head_bytes = self.chunks = 0
+        self.expect_continue = False
         self.parsing = request
         self.queue.append(request)  # served once the bytes at hand are parsed (data_received)
         if len(self.queue) >= PIPELINE_DEPTH:
@@ -222,7 +221,14 @@ class HttpProtocol(asyncio.Protocol):
             return
         request = self.parsing
         if request is not None:
-            request.feed(body)
+            if request.done or request.disconnected:
+                return  # answered already: the rest of the body is read and dropped
+            request.parts.append(body)
+            request.buffered += len(body)
+            if request.buffered > HIGH_WATER:
+                self.pause_reading()
+            if request.waiter is not None:
+                request.wake()
 
     def on_message_complete(self) -> None:
         request = self.parsing
