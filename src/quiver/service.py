@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,9 @@ from quiver.streaming import Cancellation, ResponseStream, StreamResponse
 from quiver.tracing import Trace, TraceManager
 from quiver.types import InferenceRequest, InferenceResponse
 from quiver.validation import select_outputs, validate_request
+
+#: What a frontend wraps a queued request's wait in (see :meth:`InferenceService.infer`).
+Watch = Callable[[Awaitable[InferenceResponse]], Awaitable[InferenceResponse]]
 
 logger = logging.getLogger(__name__)
 
@@ -463,30 +466,35 @@ class InferenceService:
         return model
 
     async def infer(
-        self, request: InferenceRequest, *, decoupled_error: str = DECOUPLED_ERROR
+        self, request: InferenceRequest, *, decoupled_error: str = DECOUPLED_ERROR, watch: Watch | None = None
     ) -> InferenceResponse:
         """One request, one response; a decoupled model is UNSUPPORTED (``decoupled_error``).
-        Inputs in client shared-memory regions are read first, outputs written into them after."""
+        Inputs in client shared-memory regions are read first, outputs written into them after.
+        ``watch``: wraps the wait for the answer when the model's requests may wait in a queue
+        (a frontend cancels the wait when its client goes away, so the request leaves the
+        queue); such a wait is not wrapped otherwise (the model is found only once)."""
         if request.input_placements is None and request.output_placements is None:
-            return await self._infer(request, decoupled_error)
+            return await self._infer(request, decoupled_error, watch)
         lease = read_inputs(self.shared_memory, request)
         try:
-            response = await self._infer(request, decoupled_error)
+            response = await self._infer(request, decoupled_error, watch)
             write_outputs(self.shared_memory, lease, request, response)
             return response
         finally:
             self.shared_memory.release(lease)
 
-    async def _infer(self, request: InferenceRequest, decoupled_error: str) -> InferenceResponse:
+    async def _infer(self, request: InferenceRequest, decoupled_error: str, watch: Watch | None = None) -> InferenceResponse:
         started = time.monotonic_ns() if request.trace is not None else 0
         model = await self._admit(request)
         if model.config.proto.model_transaction_policy.decoupled:
             model.stats.record_failure(0, "REJECTED")
             self.manager.request_done(model)
             raise UnsupportedError(decoupled_error.replace("{model}", model.name))
-        return await self._execute(model, request, started)
+        return await self._execute(model, request, started, watch)
 
-    async def _execute(self, model: Model, request: InferenceRequest, started: int) -> InferenceResponse:
+    async def _execute(
+        self, model: Model, request: InferenceRequest, started: int, watch: Watch | None = None
+    ) -> InferenceResponse:
         """A request to a model that is not decoupled, admitted: traced, answered from the
         response cache when the model enables it, else scheduled."""
         trace: Trace | None = request.trace
@@ -496,13 +504,17 @@ class InferenceService:
             trace.tensors("TENSOR_QUEUE_INPUT", request.inputs)
         cache = self.response_cache
         try:
+            work: Awaitable[InferenceResponse]
             if cache is not None and model.config.proto.response_cache.enable:
                 rows = batch_rows(request, model.config.max_batch_size > 0)
-                response = await cache.infer(
+                work = cache.infer(
                     model.name, model.version_str, request, model.stats, rows, model.scheduler.enqueue, model.loaded_at
                 )
             else:
-                response = await model.scheduler.enqueue(request)
+                work = model.scheduler.enqueue(request)
+            if watch is not None and model.scheduler.queueing:
+                work = watch(work)
+            response = await work
         except asyncio.CancelledError:
             request.cancellation = request.cancellation or Cancellation()  # the model reads it
             request.cancellation.cancel()

@@ -196,9 +196,10 @@ def test_on_demand_loads_a_model_once_however_many_workers_ask(repository: Path)
         assert stats["inference_count"] == 16
 
 
-def test_a_client_that_goes_away_takes_its_queued_request_out_through_a_worker(repository: Path) -> None:
+@pytest.mark.parametrize("workers", ["2", "1"])  # through a worker, and in the one process
+def test_a_client_that_goes_away_takes_its_queued_request_out_through_a_worker(repository: Path, workers: str) -> None:
     body = json.dumps({"inputs": [{"name": "IN", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}).encode()
-    with QuiverServer(repository, args=("--model-control-mode=explicit", "--load-model=slow", "--http-workers", "2")) as server:
+    with QuiverServer(repository, args=("--model-control-mode=explicit", "--load-model=slow", "--http-workers", workers)) as server:
         # One answer per worker first: a worker learns from it that this model queues.
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(lambda _: _request(server, "POST", "/v2/models/slow/infer", body)[0], range(4))) == [200] * 4

@@ -26,6 +26,13 @@ def requested_names(
     A request that names no outputs asks for all of them. A sequence model's state outputs are
     always computed (the next step of the sequence reads them), asked for or not.
     """
+    if not state_outputs and isinstance(requests, list) and len(requests) == 1:
+        asked = requests[0].outputs  # one request asking for one output: the common case
+        if asked is None:
+            return outputs
+        if len(asked) == 1:
+            name = asked[0].name
+            return [name] if name in outputs else []
     wanted: set[str] = set()
     for request in requests:
         if request.outputs is None:

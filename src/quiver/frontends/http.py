@@ -12,7 +12,7 @@ import asyncio
 import base64
 import contextlib
 import functools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from time import monotonic_ns as now_ns
 from typing import Any
 
@@ -41,9 +41,10 @@ from quiver.protocol.v2_json import (
     encode_response,
 )
 from quiver.raw_input import raw_request
-from quiver.service import InferenceService
+from quiver.service import InferenceService, Watch
+from quiver.streaming import Cancellation
 from quiver.tracing import Trace
-from quiver.types import InferenceResponse
+from quiver.types import InferenceRequest, InferenceResponse
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
@@ -368,6 +369,8 @@ class HttpFrontend:
         self, scope: Scope, receive: Receive, send: Send, model: str, version: str, trace: Trace | None
     ) -> None:
         content_length = raw_length = encoding = accept = None
+        extensions = scope.get("extensions")
+        respond = extensions.get(RESPOND) if extensions else None
         for key, value in scope["headers"]:
             if key == b"content-length":
                 content_length = value
@@ -412,11 +415,9 @@ class HttpFrontend:
                     ((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
                     infer_request,
                 )
-            infer = self.service.infer(infer_request, decoupled_error=DECOUPLED_ERROR)
-            if self.service.queues(model, version):
-                response = await _unless_disconnected(infer, receive)
-            else:
-                response = await infer
+            response = await self.service.infer(
+                infer_request, decoupled_error=DECOUPLED_ERROR, watch=_watch(receive, infer_request)
+            )
             if trace is not None:
                 trace.capture("INFER_RESPONSE_COMPLETE")
             if encode_cost(response, infer_request) < OFFLOAD_NS:
@@ -427,7 +428,7 @@ class HttpFrontend:
             return  # nobody to answer
         except Exception as exc:
             status, message = http_error(exc, model=model, where=f"inference on model '{model}'")
-            await _send(send, status, _error_body(message))
+            await _send(send, status, _error_body(message), respond=respond)
             return
         headers: list[tuple[bytes, bytes]] = []
         content_type = _JSON
@@ -438,7 +439,7 @@ class HttpFrontend:
             payload = await _compress(payload, accept.decode("latin-1"), headers)
         if trace is not None:
             trace.capture("HTTP_SEND_START")
-        await _send(send, 200, payload, content_type, headers)
+        await _send(send, 200, payload, content_type, headers, respond=respond)
 
     async def _read_body(self, receive: Receive, content_length: bytes | None, encoding: bytes | None) -> bytes:
         return await read_body(receive, content_length, encoding, self.max_input_size)
@@ -482,7 +483,20 @@ async def read_body(
     return body
 
 
-async def _unless_disconnected(work: Awaitable[InferenceResponse], receive: Receive) -> InferenceResponse:
+def _watch(receive: Receive, request: InferenceRequest) -> Watch:
+    """The service's ``watch`` for one request: the wait for a queued request's answer is
+    cancelled when the client disconnects (the request told it is cancelled, as the model
+    may read)."""
+
+    def watch(work: Awaitable[InferenceResponse]) -> Awaitable[InferenceResponse]:
+        return _unless_disconnected(work, receive, request)
+
+    return watch
+
+
+async def _unless_disconnected(
+    work: Awaitable[InferenceResponse], receive: Receive, request: InferenceRequest | None = None
+) -> InferenceResponse:
     """Run ``work`` but cancel it if the client disconnects first: a request still waiting
     in a queue then leaves it without costing compute."""
     task = asyncio.ensure_future(work)
@@ -492,6 +506,9 @@ async def _unless_disconnected(work: Awaitable[InferenceResponse], receive: Rece
         if not task.done():
             message = watcher.result()
             if message.get("type") == "http.disconnect":
+                if request is not None:
+                    request.cancellation = request.cancellation or Cancellation()  # the model reads it
+                    request.cancellation.cancel()
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -512,13 +529,30 @@ def _error_body(message: str) -> bytes:
     return encode_json({"error": message})
 
 
+#: The ASGI scope extension of Quiver's HTTP server (``http_server.py``): a callable that
+#: answers the request at once, ``respond(status, header_lines, payload)``.
+RESPOND = "quiver.respond"
+_CONTENT_TYPES = {_JSON: b"content-type: application/json\r\n", _BINARY: b"content-type: application/octet-stream\r\n"}
+
+
 async def _send(
     send: Send,
     status: int,
     payload: bytes,
     content_type: bytes = _JSON,
     headers: list[tuple[bytes, bytes]] | None = None,
+    *,
+    respond: Callable[[int, bytes, bytes], None] | None = None,
 ) -> None:
+    """The whole response: through ``respond`` (the server's ``quiver.respond`` extension,
+    one write, no ASGI messages) when the server offers it, else two ASGI messages."""
+    if respond is not None:
+        lines = _CONTENT_TYPES.get(content_type) or b"content-type: " + content_type + b"\r\n"
+        if headers:
+            for name, value in headers:
+                lines += name + b": " + value + b"\r\n"
+        respond(status, lines, payload)
+        return
     all_headers = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
     if headers:
         all_headers.extend(headers)

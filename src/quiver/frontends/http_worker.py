@@ -14,7 +14,7 @@ logging APIs answer exactly as in one process.
 
 When the model side goes away (its socket closes), requests waiting for it are answered 503
 UNAVAILABLE and the worker exits. SIGTERM stops taking connections and lets the requests in
-flight finish (uvicorn's graceful shutdown), then the worker exits 0.
+flight finish (the HTTP server's graceful stop), then the worker exits 0.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -39,6 +40,7 @@ from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import http_error
 from quiver.frontends.worker_link import Link
 from quiver.protocol.v2_json import encode_json
+from quiver.service import Watch
 from quiver.types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger("quiver.frontends.http_worker")
@@ -103,8 +105,13 @@ class RemoteService:
         yes: watching for the client costs a little, a queued request nobody waits for more."""
         return self._queues.get((name, ""), True)
 
-    async def infer(self, request: InferenceRequest, *, decoupled_error: str = "") -> InferenceResponse:
-        response: InferenceResponse = await self._call("infer", request, decoupled_error)
+    async def infer(
+        self, request: InferenceRequest, *, decoupled_error: str = "", watch: Watch | None = None
+    ) -> InferenceResponse:
+        work: Awaitable[InferenceResponse] = self._call("infer", request, decoupled_error)
+        if watch is not None and self.queues(request.model_name, request.model_version):
+            work = watch(work)
+        response: InferenceResponse = await work
         return response
 
     def start_trace(self, model: str, headers: Any = None) -> None:

@@ -1,6 +1,6 @@
 """The metrics listener: ``GET /metrics`` in Triton's Prometheus text, on its own port.
 
-A second uvicorn server on the runner's event loop with a tiny ASGI app; the text is
+A second HTTP server (frontends/http_server.py) on the runner's event loop with a tiny ASGI app; the text is
 rendered from the registry when scraped (:mod:`quiver.metrics.prometheus`).
 """
 

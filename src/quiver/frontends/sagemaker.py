@@ -50,7 +50,7 @@ from quiver.errors import (
     QuiverError,
     UnavailableError,
 )
-from quiver.frontends.http import DECOUPLED_ERROR, _trace_headers, _unless_disconnected, read_body
+from quiver.frontends.http import DECOUPLED_ERROR, _trace_headers, _watch, read_body
 from quiver.frontends.http_generate import GenerateEndpoint
 from quiver.frontends.offload import OFFLOAD_NS, in_worker
 from quiver.frontends.status import http_error, http_status
@@ -416,11 +416,7 @@ class SageMakerFrontend:
             trace.capture("HTTP_RECV_END")
             request.trace = trace
         response: InferenceResponse
-        infer = self.service.infer(request, decoupled_error=DECOUPLED_ERROR)
-        if self.service.queues(model):
-            response = await _unless_disconnected(infer, receive)
-        else:
-            response = await infer
+        response = await self.service.infer(request, decoupled_error=DECOUPLED_ERROR, watch=_watch(receive, request))
         if trace is not None:
             trace.capture("INFER_RESPONSE_COMPLETE")
         if encode_cost(response, request) < OFFLOAD_NS:

@@ -227,7 +227,11 @@ class HttpWorkers:
     # -- stopping ----------------------------------------------------------------------
 
     async def begin_stop(self) -> None:
-        """Every worker stops taking connections and finishes what it has."""
+        """Every worker stops taking connections and finishes what it has. Once: a worker that
+        drained fast may be past its signal handlers when a second SIGTERM comes, which would
+        kill it (-15) instead of letting it exit 0."""
+        if self._stopping:
+            return
         self._stopping = True
         for worker in self.workers.values():
             with contextlib.suppress(ProcessLookupError):

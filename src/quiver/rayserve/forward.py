@@ -37,7 +37,7 @@ async def call_asgi(app: ASGIApp, request: ForwardedRequest) -> ForwardedRespons
 
     The client stays connected until the response is complete. When the caller is cancelled
     (Ray Serve cancels a request whose client went away), the application is not: it sees
-    ``http.disconnect``, as under uvicorn, and finishes on its own. An exception the
+    ``http.disconnect``, as under an HTTP server, and finishes on its own. An exception the
     application raises after it sent its response leaves that response as it was; one raised
     before is a 500.
     """

@@ -1,0 +1,234 @@
+"""CPU per request of the server's own code: the HTTP protocol, the v2 app, the service, the
+scheduler and the model, in one process with no sockets.
+
+Run: ``.venv/bin/python -m benchmarks.request_path --src before=DIR --src after=DIR`` from the
+repository root; ``--help`` for options.
+
+``benchmarks/request_cpu.py`` measures what a request costs a real server under load, kernel
+and wake-ups included; on a shared two-core machine that number moves by 20% from one trial to
+the next (the kernel's share and the wake-ups change with the load, and with how often the
+server waits for its client). This benchmark takes the kernel out: a child process per variant
+(``--src NAME=DIR``: the ``src`` folder of a checkout, first on its ``PYTHONPATH``) assembles the
+server as ``quiver serve`` does (``runner.assemble``, the models loaded), connects the
+checkout's HTTP protocol to a transport that only collects what is written, and feeds it
+complete requests (the bytes ``benchmarks/loadgen.py`` sends) one after another on one
+keep-alive connection, each answered before the next. The process's CPU time per request is
+one sample (a round of ``--requests``); variants alternate round by round and the table gives
+the best and the median round, and the ratio of each variant to the first.
+
+The HTTP protocol is the checkout's own: ``frontends/http_server.py`` when it has one, else
+uvicorn's httptools protocol as ``frontends/asgi.py`` configured it.
+
+Results: a markdown table on stdout and in ``benchmarks/results/request_path.md``, the same as
+JSON in ``request_path.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+from benchmarks.common import ROOT
+
+MODELS = ("onnx", "simple", "python")
+ENCODINGS = ("binary", "json")
+
+
+class _Transport:
+    """Collects what the protocol writes; wakes the driver when a whole answer is in."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.want: int | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+        if self.waiter is not None and not self.waiter.done() and self._complete():
+            self.waiter.set_result(None)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        self.write(b"".join(parts))
+
+    def _complete(self) -> bool:
+        end = self.data.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        head = bytes(self.data[:end]).lower()
+        start = head.find(b"content-length:")
+        length = int(head[start + 15 :].split(b"\r\n", 1)[0]) if start >= 0 else 0
+        return len(self.data) >= end + 4 + length
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def set_write_buffer_limits(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+
+def _protocol(app: Any, loop: asyncio.AbstractEventLoop) -> Any:
+    try:
+        from quiver.frontends.http_server import HttpProtocol, HttpServer  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # a checkout from before Quiver's own server: uvicorn, as asgi.py set it up
+        import uvicorn
+        from uvicorn.server import ServerState
+
+        from quiver.frontends.asgi import ChunkCountingProtocol  # type: ignore[attr-defined,unused-ignore]
+
+        config = uvicorn.Config(app, interface="asgi3", log_config=None, access_log=False, lifespan="off",
+                                proxy_headers=False, server_header=False, date_header=False)
+        config.load()
+        return ChunkCountingProtocol(config, ServerState(), {})
+    server = HttpServer(app)
+    server.loop = loop
+    return HttpProtocol(server)
+
+
+async def _child(model: str, encoding: str, requests: int, rounds: int) -> list[float]:
+    from benchmarks.request_cpu import PAYLOADS, write_repository
+    from quiver import settings as server_settings
+    from quiver.cli import build_parser
+    from quiver.runner import assemble, load_models
+
+    folder = Path(tempfile.mkdtemp(prefix="request_path-"))
+    repository = write_repository(folder, model)
+    args = build_parser().parse_args(["serve", "--model-repository", str(repository), "--allow-metrics", "false"])
+    settings = server_settings.from_args(args, os.environ)
+    parts = assemble(settings)
+    await load_models(parts, settings)
+    parts.service.ready = True
+    loop = asyncio.get_running_loop()
+    protocol = _protocol(parts.http.app(), loop)
+    transport = _Transport()
+    protocol.connection_made(transport)
+    payload = PAYLOADS[model]
+    request = payload.http_request(encoding, "127.0.0.1", 8000)
+
+    async def one() -> None:
+        transport.data.clear()
+        transport.waiter = loop.create_future()
+        protocol.data_received(request)
+        await transport.waiter
+
+    await one()
+    answer = bytes(transport.data)
+    if not answer.startswith(b"HTTP/1.1 200"):
+        raise SystemExit(f"{model} {encoding}: {answer[:300]!r}")
+    for _ in range(max(1000, requests // 5)):
+        await one()
+    samples = []
+    for _ in range(rounds):
+        start = time.process_time()
+        for _ in range(requests):
+            await one()
+        samples.append(1e6 * (time.process_time() - start) / requests)
+    await parts.manager.stop()
+    return samples
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--src", action="append", default=[], metavar="NAME=DIR",
+                        help="a server variant: NAME=the src folder of a checkout (repeatable); "
+                        "default one variant, 'this', from this checkout")
+    parser.add_argument("--models", default="onnx,simple", help=f"of: {','.join(MODELS)}")
+    parser.add_argument("--encodings", default="binary,json", help=f"of: {','.join(ENCODINGS)}")
+    parser.add_argument("--requests", type=int, default=5000, help="requests per round")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds per variant (alternating)")
+    parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "ENCODING"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.encodings = [e for e in args.encodings.split(",") if e]
+    if set(args.models) - set(MODELS) or set(args.encodings) - set(ENCODINGS):
+        parser.error(f"models of {MODELS}, encodings of {ENCODINGS}")
+    variants = {}
+    for spec in args.src or [f"this={ROOT / 'src'}"]:
+        name, _, folder = spec.partition("=")
+        if not folder or not (Path(folder) / "quiver").is_dir():
+            parser.error(f"--src {spec!r}: want NAME=DIR with DIR/quiver a package")
+        variants[name] = str(Path(folder).resolve())
+    args.variants = variants
+    return args
+
+
+def _run_child(src: str, model: str, encoding: str, requests: int) -> float:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(ROOT)]))
+    command = [sys.executable, "-m", "benchmarks.request_path", "--child", model, encoding, "--requests", str(requests), "--repeat", "1"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{src} {model} {encoding}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    value: float = json.loads(done.stdout.strip().splitlines()[-1])[0]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        model, encoding = args.child
+        samples = common.run_async(_child(model, encoding, args.requests, args.repeat))
+        print(json.dumps(samples))
+        sys.stdout.flush()
+        os._exit(0)  # the model side's threads need not wind down
+    samples: dict[tuple[str, str, str], list[float]] = {}
+    for round_ in range(args.repeat):
+        for model in args.models:
+            for encoding in args.encodings:
+                for name, src in args.variants.items():
+                    us = _run_child(src, model, encoding, args.requests)
+                    samples.setdefault((model, encoding, name), []).append(us)
+                    print(f"[request_path {time.strftime('%H:%M:%S')}] round {round_ + 1}/{args.repeat} "
+                          f"{name} {model} {encoding}: {us:.1f} us/request", file=sys.stderr, flush=True)
+    names = list(args.variants)
+    head = "| model | encoding | " + " | ".join(f"{n} us/req best (median)" for n in names)
+    head += "".join(f" | {n} / {names[0]}" for n in names[1:]) + " |"
+    lines = [head, "|---|---|" + "---:|" * (2 * len(names) - 1)]
+    rows = []
+    for model in args.models:
+        for encoding in args.encodings:
+            best = {n: min(samples[(model, encoding, n)]) for n in names}
+            cells = [f"{best[n]:.1f} ({statistics.median(samples[(model, encoding, n)]):.1f})" for n in names]
+            cells += [f"{best[n] / best[names[0]]:.2f}x" for n in names[1:]]
+            lines.append(f"| {model} | {encoding} | " + " | ".join(cells) + " |")
+            rows += [{"model": model, "encoding": encoding, "variant": n, "samples_us": samples[(model, encoding, n)],
+                      "best_us": best[n]} for n in names]
+    markdown = "\n".join(lines)
+    print(markdown)
+    header = (
+        "# CPU per request of the server's own code (no sockets)\n\n"
+        f"`{common.command_line()}`\n\n"
+        f"{args.requests} requests per round, {args.repeat} rounds per variant (alternating), one keep-alive "
+        "connection, each request answered before the next; the process's CPU microseconds per request, "
+        f"best round (median round). Load average at the end: {os.getloadavg()[0]:.1f}.\n\n"
+    )
+    report = {"command": common.command_line(), "environment": common.environment(("quiver", "uvicorn", "httptools", "onnxruntime")),
+              "settings": {"requests": args.requests, "repeat": args.repeat, "variants": args.variants},
+              "load_average": os.getloadavg(), "rows": rows}
+    print(common.write_results(args.output_dir, "request_path", header + markdown + "\n", report), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
