@@ -9,6 +9,7 @@ come through :func:`test_support`."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime as dt
@@ -66,6 +67,18 @@ def environment(packages: Iterable[str]) -> dict[str, Any]:
         "python": platform.python_version(),
         **{name: version(name) for name in packages},
     }
+
+
+def source_variants(parser: argparse.ArgumentParser, specs: list[str], default: Path) -> dict[str, str]:
+    """``--src NAME=DIR`` values as {name: the resolved src folder}; one variant, ``this``, at
+    ``default`` when none is given. A DIR without a ``quiver`` package is a usage error."""
+    variants = {}
+    for spec in specs or [f"this={default}"]:
+        name, _, folder = spec.partition("=")
+        if not folder or not (Path(folder) / "quiver").is_dir():
+            parser.error(f"--src {spec!r}: want NAME=DIR with DIR/quiver a package")
+        variants[name] = str(Path(folder).resolve())
+    return variants
 
 
 def command_line() -> str:

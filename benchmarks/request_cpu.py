@@ -96,13 +96,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.levels = [int(c) for c in str(args.concurrency).split(",") if c]
     if set(args.backends) - set(BACKENDS) or set(args.encodings) - set(ENCODINGS):
         parser.error(f"backends of {BACKENDS}, encodings of {ENCODINGS}")
-    variants = {}
-    for spec in args.src or [f"this={ROOT / 'src'}"]:
-        name, _, folder = spec.partition("=")
-        if not folder or not (Path(folder) / "quiver").is_dir():
-            parser.error(f"--src {spec!r}: want NAME=DIR with DIR/quiver a package")
-        variants[name] = str(Path(folder).resolve())
-    args.variants = variants
+    args.variants = common.source_variants(parser, args.src, ROOT / "src")
     return args
 
 
