@@ -314,8 +314,12 @@ class InstancePool:
     one, instead of a round trip through the loop later; it still runs them one at a time."""
 
     def __init__(self, instances: list[ModelInstance]) -> None:
+        # every instance's first slot before any instance's second
         self._free: deque[ModelInstance] = deque(
-            instance for _ in range(max(_slots(i) for i in instances)) for instance in instances if _slots(instance) > _
+            instance
+            for slot in range(max(_slots(i) for i in instances))
+            for instance in instances
+            if _slots(instance) > slot
         )
         self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
 
