@@ -12,7 +12,7 @@ use it, and :func:`load_models` for the models loaded at start.
 3. the model manager and its disk cache;
 4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
 5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
-   every listener is up; with ``--http-workers N``, N worker processes serve the HTTP socket,
+   every listener is up; with ``--frontend-workers N``, N worker processes serve HTTP and gRPC,
    :mod:`quiver.frontends.workers`); then CloudWatch publishing (``--cloudwatch-*``, which
    stops after the listeners drained and before the models unload) and the server is ready.
 
@@ -44,12 +44,13 @@ from quiver.backends.base import SERVER
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
+from quiver.frontends.grpc_worker import GrpcWorkerSetup
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.offload import set_codec_threads
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
-from quiver.frontends.workers import HttpWorkers
+from quiver.frontends.workers import FrontendWorkers
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.lifecycle.sources import default_cache_dir
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
@@ -226,13 +227,15 @@ class _GrpcListener(_Listener):
 
 
 class _WorkersListener(_Listener):
-    """HTTP served by worker processes (``--http-workers``) on the socket this process bound."""
+    """HTTP and gRPC served by worker processes (``--frontend-workers``) on the HTTP socket
+    this process bound and the gRPC port it holds."""
 
     name = "HTTP"
 
-    def __init__(self, workers: HttpWorkers) -> None:
+    def __init__(self, workers: FrontendWorkers) -> None:
         self.workers = workers
         self.socket = workers.socket
+        self.grpc_socket = workers.grpc_socket
 
     async def begin_stop(self) -> None:
         await self.workers.begin_stop()
@@ -270,6 +273,22 @@ def _listen(address: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
+def _reserve(address: str, port: int) -> socket.socket:
+    """The gRPC port of the frontend workers, held: bound with ``SO_REUSEPORT`` (which each
+    worker's gRPC server sets too, then listens) and never listened on here, so no other
+    server can take the port and a connection made while no worker listens is refused rather
+    than accepted by a process that does not serve it."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # not SO_REUSEADDR: see above
+    try:
+        sock.bind((address, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {address}:{port} (gRPC): {exc.strerror}") from None
+    return sock
+
+
 def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket:
     low, high = port_range
     for port in range(low, high + 1):
@@ -291,12 +310,28 @@ async def _serve_asgi(name: str, app: object, sock: socket.socket, grace: float 
     return _AsgiListener(name, server, serving, sock)
 
 
-async def _serve_workers(parts: Parts, settings: Settings, sock: socket.socket) -> _WorkersListener:
-    workers = HttpWorkers(
+async def _serve_workers(
+    parts: Parts, settings: Settings, sock: socket.socket | None, grpc_socket: socket.socket | None
+) -> _WorkersListener:
+    grpc = None
+    if grpc_socket is not None:
+        grpc = GrpcWorkerSetup(
+            settings.grpc_address,
+            grpc_socket.getsockname()[1],
+            max_message_size=settings.grpc_max_message_size,
+            restricted_protocol=list(settings.grpc_restricted_protocol),
+            header_forward_pattern=settings.grpc_header_forward_pattern,
+            tls=settings.grpc_tls,
+            options=list(settings.grpc_options),
+            compression_level=settings.grpc_compression_level,
+        )
+    workers = FrontendWorkers(
         parts.service,
         parts.http.app(),
         sock,
-        settings.http_workers,
+        settings.frontend_workers,
+        grpc=grpc,
+        grpc_socket=grpc_socket,
         max_input_size=settings.http_max_input_size,
         restricted_api=list(settings.http_restricted_api),
         graceful_seconds=settings.exit_timeout_secs,
@@ -308,7 +343,8 @@ async def _serve_workers(parts: Parts, settings: Settings, sock: socket.socket) 
     except BaseException:
         await workers.close()
         raise
-    logger.info("HTTP served by %d worker processes (pids %s)", workers.count, " ".join(map(str, workers.pids)))
+    served = " and ".join(name for name, on in (("HTTP", sock), ("gRPC", grpc_socket)) if on is not None)
+    logger.info("%s served by %d worker processes (pids %s)", served, workers.count, " ".join(map(str, workers.pids)))
     return _WorkersListener(workers)
 
 
@@ -403,7 +439,19 @@ class Runner:
                     sock = _listen(settings.sagemaker_address, settings.sagemaker_port)
                 opened(await _serve_asgi("SageMaker", parts.sagemaker, sock, settings.exit_timeout_secs))
             grpc: GrpcFrontend | None = None
-            if settings.allow_grpc:
+            workers = settings.frontend_workers > 1 and (settings.allow_grpc or settings.allow_http)
+            if workers:
+                grpc_socket = _reserve(settings.grpc_address, settings.grpc_port) if settings.allow_grpc else None
+                try:
+                    http_socket = None
+                    if settings.allow_http:
+                        http_socket = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
+                except OSError:
+                    if grpc_socket is not None:
+                        grpc_socket.close()
+                    raise
+                opened(await _serve_workers(parts, settings, http_socket, grpc_socket))
+            elif settings.allow_grpc:
                 grpc = GrpcFrontend(
                     parts.service,
                     max_message_size=settings.grpc_max_message_size,
@@ -416,12 +464,9 @@ class Runner:
                 )
                 grpc_port = await grpc.start(settings.grpc_address, settings.grpc_port)
                 opened(_GrpcListener(grpc, settings.exit_timeout_secs))
-            if settings.allow_http:
+            if settings.allow_http and not workers:
                 sock = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
-                if settings.http_workers > 1:
-                    opened(await _serve_workers(parts, settings, sock))
-                else:
-                    opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
+                opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
         except OSError as exc:
             raise StartError(str(exc)) from None
         if settings.cloudwatch is not None and registry is not None:
@@ -430,7 +475,14 @@ class Runner:
             publishers.append(publisher)
         parts.service.ready = True
         for listener in listeners:
-            if isinstance(listener, _AsgiListener | _WorkersListener):
+            if isinstance(listener, _WorkersListener):
+                if listener.grpc_socket is not None:  # its line first, as in one process
+                    host, port = listener.grpc_socket.getsockname()[:2]
+                    logger.info("started GRPC service at %s:%d", host, port)
+                if listener.socket is not None:
+                    host, port = listener.socket.getsockname()[:2]
+                    logger.info("started HTTP service at %s:%d", host, port)
+            elif isinstance(listener, _AsgiListener):
                 host, port = listener.socket.getsockname()[:2]
                 logger.info("started %s service at %s:%d", listener.name, host, port)
             elif isinstance(listener, _GrpcListener) and grpc is not None:
