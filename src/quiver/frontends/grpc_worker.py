@@ -70,7 +70,8 @@ class RelayHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
 def _relay(remote: RemoteService, method: str) -> Any:
     async def call(data: bytes, context: Any) -> bytes:
         try:
-            return await remote.relay(method, data, tuple(context.invocation_metadata() or ()))
+            metadata = tuple((key, value) for key, value in context.invocation_metadata() or ())
+            return await remote.relay(method, data, metadata)
         except RelayedStatus as exc:
             code, message = grpc.StatusCode[exc.code], exc.message
         except Exception as exc:  # the model side has gone: UNAVAILABLE
