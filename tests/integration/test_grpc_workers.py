@@ -233,7 +233,7 @@ def test_refusals_are_the_same_through_a_worker(single: QuiverServer, workers: Q
     for server in (single, workers):
         with grpc.insecure_channel(server.grpc_url) as channel:
             call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
-            answers.append(_status(lambda call=call: call(data, timeout=30)))  # type: ignore[misc]
+            answers.append(_status(lambda call=call: call(data, timeout=30)))
     assert answers[0][0] != grpc.StatusCode.OK
     assert answers[1] == answers[0]
 
@@ -246,7 +246,7 @@ def test_restricted_protocols_are_refused_by_the_workers(repository: Path) -> No
             _infer(server.grpc_url)  # inference is not restricted
             channel, stub = _stub(server)
             with channel:
-                answers.append(_status(lambda stub=stub: stub.RepositoryIndex(pb.RepositoryIndexRequest())))  # type: ignore[misc]
+                answers.append(_status(lambda stub=stub: stub.RepositoryIndex(pb.RepositoryIndexRequest())))
         assert answers[0][0] == grpc.StatusCode.PERMISSION_DENIED
         assert answers[1] == answers[0]
         channel, stub = _stub(workers)
