@@ -236,6 +236,7 @@ class _WorkersListener(_Listener):
         self.workers = workers
         self.socket = workers.socket
         self.grpc_socket = workers.grpc_socket
+        self.sagemaker_socket = workers.sagemaker_socket
 
     async def begin_stop(self) -> None:
         await self.workers.begin_stop()
@@ -311,7 +312,11 @@ async def _serve_asgi(name: str, app: object, sock: socket.socket, grace: float 
 
 
 async def _serve_workers(
-    parts: Parts, settings: Settings, sock: socket.socket | None, grpc_socket: socket.socket | None
+    parts: Parts,
+    settings: Settings,
+    sock: socket.socket | None,
+    grpc_socket: socket.socket | None,
+    sagemaker_socket: socket.socket | None,
 ) -> _WorkersListener:
     grpc = None
     if grpc_socket is not None:
@@ -332,6 +337,8 @@ async def _serve_workers(
         settings.frontend_workers,
         grpc=grpc,
         grpc_socket=grpc_socket,
+        sagemaker=parts.sagemaker,
+        sagemaker_socket=sagemaker_socket,
         max_input_size=settings.http_max_input_size,
         restricted_api=list(settings.http_restricted_api),
         graceful_seconds=settings.exit_timeout_secs,
@@ -343,7 +350,9 @@ async def _serve_workers(
     except BaseException:
         await workers.close()
         raise
-    served = " and ".join(name for name, on in (("HTTP", sock), ("gRPC", grpc_socket)) if on is not None)
+    protocols = (("HTTP", sock), ("gRPC", grpc_socket), ("SageMaker", sagemaker_socket))
+    names = [name for name, on in protocols if on is not None]
+    served = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
     logger.info("%s served by %d worker processes (pids %s)", served, workers.count, " ".join(map(str, workers.pids)))
     return _WorkersListener(workers)
 
@@ -430,27 +439,34 @@ class Runner:
                 metrics.bind(settings.metrics_address, settings.metrics_port)
                 opened(_MetricsListener(metrics))
                 await metrics.start()  # logs 'started Metrics service at HOST:PORT'
+            workers = settings.frontend_workers > 1 and (
+                settings.allow_grpc or settings.allow_http or settings.allow_sagemaker
+            )
+            sagemaker_socket = None
             if settings.allow_sagemaker:
                 assert parts.sagemaker is not None
                 safe = settings.sagemaker_safe_port_range
                 if settings.sagemaker_port == 0 and safe is not None:
-                    sock = _listen_in_range(settings.sagemaker_address, safe)
+                    sagemaker_socket = _listen_in_range(settings.sagemaker_address, safe)
                 else:
-                    sock = _listen(settings.sagemaker_address, settings.sagemaker_port)
-                opened(await _serve_asgi("SageMaker", parts.sagemaker, sock, settings.exit_timeout_secs))
+                    sagemaker_socket = _listen(settings.sagemaker_address, settings.sagemaker_port)
+                if not workers:
+                    opened(await _serve_asgi("SageMaker", parts.sagemaker, sagemaker_socket, settings.exit_timeout_secs))
             grpc: GrpcFrontend | None = None
-            workers = settings.frontend_workers > 1 and (settings.allow_grpc or settings.allow_http)
             if workers:
-                grpc_socket = _reserve(settings.grpc_address, settings.grpc_port) if settings.allow_grpc else None
+                sockets: list[socket.socket | None] = [sagemaker_socket]
                 try:
+                    grpc_socket = _reserve(settings.grpc_address, settings.grpc_port) if settings.allow_grpc else None
+                    sockets.append(grpc_socket)
                     http_socket = None
                     if settings.allow_http:
                         http_socket = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
                 except OSError:
-                    if grpc_socket is not None:
-                        grpc_socket.close()
+                    for sock in sockets:
+                        if sock is not None:
+                            sock.close()
                     raise
-                opened(await _serve_workers(parts, settings, http_socket, grpc_socket))
+                opened(await _serve_workers(parts, settings, http_socket, grpc_socket, sagemaker_socket))
             elif settings.allow_grpc:
                 grpc = GrpcFrontend(
                     parts.service,
@@ -476,6 +492,9 @@ class Runner:
         parts.service.ready = True
         for listener in listeners:
             if isinstance(listener, _WorkersListener):
+                if listener.sagemaker_socket is not None:  # the lines in the single process's order
+                    host, port = listener.sagemaker_socket.getsockname()[:2]
+                    logger.info("started SageMaker service at %s:%d", host, port)
                 if listener.grpc_socket is not None:  # its line first, as in one process
                     host, port = listener.grpc_socket.getsockname()[:2]
                     logger.info("started GRPC service at %s:%d", host, port)

@@ -56,21 +56,29 @@ class WorkerFrontend(HttpFrontend):
         await self._forward(scope, receive, send)
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        headers = dict(scope["headers"])
-        try:
-            # Unchanged bytes: the model side's application undoes Content-Encoding itself.
-            body = await read_body(receive, headers.get(b"content-length"), None, self.max_input_size)
-            status, response_headers, payload = await self.remote.forward(
-                {key: scope[key] for key in _SCOPE_KEYS if key in scope}, body
-            )
-        except Exception as exc:
-            status, message = http_error(exc, where=f"{scope['method']} {scope['path']}")
-            await _send(send, status, encode_json({"error": message}))
-            return
-        await send({"type": "http.response.start", "status": status, "headers": response_headers})
-        await send({"type": "http.response.body", "body": payload})
+        await forward_http(self.remote, "http", scope, receive, send, self.max_input_size)
 
 
-__all__ = ["WorkerFrontend"]
+async def forward_http(
+    remote: RemoteService, app: str, scope: Scope, receive: Receive, send: Send, max_input_size: int
+) -> None:
+    """An HTTP request answered whole by the model side's application ``app`` ("http": the
+    v2 API, "sagemaker": the SageMaker routes)."""
+    if scope["type"] != "http":
+        return
+    headers = dict(scope["headers"])
+    try:
+        # Unchanged bytes: the model side's application undoes Content-Encoding itself.
+        body = await read_body(receive, headers.get(b"content-length"), None, max_input_size)
+        status, response_headers, payload = await remote.forward(
+            {key: scope[key] for key in _SCOPE_KEYS if key in scope}, body, app
+        )
+    except Exception as exc:
+        status, message = http_error(exc, where=f"{scope['method']} {scope['path']}")
+        await _send(send, status, encode_json({"error": message}))
+        return
+    await send({"type": "http.response.start", "status": status, "headers": response_headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+__all__ = ["WorkerFrontend", "forward_http"]

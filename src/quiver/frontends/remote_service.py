@@ -16,6 +16,7 @@ from typing import Any
 
 from quiver.errors import ErrorCode, QuiverError, UnavailableError, error_for_code
 from quiver.frontends.worker_link import Link
+from quiver.lifecycle.urls import CAPACITY_ERRORS
 from quiver.service import Watch
 from quiver.streaming import StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
@@ -24,6 +25,21 @@ GONE = "the model side of the server has stopped"
 
 #: Messages that end a stream on the worker's side.
 _STREAM_ENDS = ("end", "error")
+
+
+def _error(message: tuple[Any, ...]) -> QuiverError:
+    """``("error", id, code name, text[, capacity])`` -> the error; ``capacity`` is the index
+    of a :data:`CAPACITY_ERRORS` class (out of memory or disk: SageMaker answers those 507)."""
+    capacity = message[4] if len(message) > 4 else None
+    if capacity is not None:
+        error: QuiverError = CAPACITY_ERRORS[capacity](message[3])
+        return error
+    return error_for_code(ErrorCode[message[2]], message[3])
+
+
+def capacity_index(exc: BaseException) -> int | None:
+    """Which of :data:`CAPACITY_ERRORS` ``exc`` is (None: none)."""
+    return next((i for i, kind in enumerate(CAPACITY_ERRORS) if isinstance(exc, kind)), None)
 
 
 class RelayedStatus(Exception):
@@ -64,8 +80,8 @@ class RemoteService:
             self._queues[(response.model_name, "")] = message[3]
             future.set_result(response)
         elif kind == "error":
-            future.set_exception(error_for_code(ErrorCode[message[2]], message[3]))
-        elif kind == "rpc-ok":
+            future.set_exception(_error(message))
+        elif kind in ("rpc-ok", "value"):
             future.set_result(message[2])
         elif kind == "rpc-error":
             future.set_exception(RelayedStatus(message[2], message[3]))
@@ -132,7 +148,7 @@ class RemoteService:
                 link.send(("cancel", ident))
             raise
         if first[0] == "error":
-            raise error_for_code(ErrorCode[first[2]], first[3])
+            raise _error(first)
         return bool(first[2]), self._items(ident, queue, link)
 
     async def _items(
@@ -150,7 +166,7 @@ class RemoteService:
                 elif kind == "end":
                     return
                 else:  # "error"
-                    raise error_for_code(ErrorCode[message[2]], message[3])
+                    raise _error(message)
         finally:
             if self._streams.pop(ident, None) is not None:
                 link.send(("cancel", ident))  # left early: the client went away
@@ -159,9 +175,17 @@ class RemoteService:
         """None: the model side samples the traces of the requests a worker hands it."""
         return None
 
-    async def forward(self, scope: dict[str, Any], body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        status, headers, payload = await self._call("forward", scope, body)
+    async def forward(
+        self, scope: dict[str, Any], body: bytes, app: str = "http"
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        status, headers, payload = await self._call("forward", scope, body, app)
         return status, headers, payload
+
+    async def sagemaker_model(self, route: str, value: str | None) -> str:
+        """The model a SageMaker inference runs on: ``route`` "invocations" with the request's
+        TargetModel (:meth:`SageMakerFrontend.target_of`), or "invoke" with the name in the path."""
+        model: str = await self._call("sagemaker-model", route, value)
+        return model
 
     async def relay(self, method: str, data: bytes, metadata: tuple[tuple[str, Any], ...]) -> bytes:
         """A serialized request of gRPC ``method`` -> the model side's serialized reply;
@@ -170,4 +194,4 @@ class RemoteService:
         return reply
 
 
-__all__ = ["GONE", "RelayedStatus", "RemoteService"]
+__all__ = ["GONE", "RelayedStatus", "RemoteService", "capacity_index"]

@@ -29,6 +29,8 @@ from quiver.errors import ErrorCode, QuiverError
 from quiver.frontends.grpc import InferenceServicer
 from quiver.frontends.grpc_relay import answer_rpc
 from quiver.frontends.grpc_worker import GrpcWorkerSetup
+from quiver.frontends.remote_service import capacity_index
+from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.frontends.status import grpc_error, http_error
 from quiver.frontends.worker_link import Link
 from quiver.service import DECOUPLED_ERROR, InferenceService
@@ -69,6 +71,8 @@ class FrontendWorkers:
         *,
         grpc: GrpcWorkerSetup | None = None,
         grpc_socket: socket.socket | None = None,
+        sagemaker: SageMakerFrontend | None = None,
+        sagemaker_socket: socket.socket | None = None,
         max_input_size: int,
         restricted_api: list[str],
         graceful_seconds: float = 30.0,
@@ -87,6 +91,8 @@ class FrontendWorkers:
         self.grpc = grpc
         self.grpc_socket = grpc_socket
         self.servicer = InferenceServicer(service) if grpc is not None else None
+        self.sagemaker = sagemaker
+        self.sagemaker_socket = sagemaker_socket
         self.workers: dict[int, _Worker] = {}
         self._stopping = False
         self._watchers: set[asyncio.Task[None]] = set()
@@ -107,12 +113,13 @@ class FrontendWorkers:
     async def _spawn(self, index: int) -> _Worker:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (theirs.fileno(),) if self.socket is None else (self.socket.fileno(), theirs.fileno())
+        listening = [sock for sock in (self.socket, self.sagemaker_socket) if sock is not None]
+        fds = (theirs.fileno(), *(sock.fileno() for sock in listening))
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "quiver.frontends.frontend_worker",
                 *(("--listen-fd", str(self.socket.fileno())) if self.socket is not None else ()),
-                *(("--grpc",) if self.grpc is not None else ()),
+                *(("--sagemaker-fd", str(self.sagemaker_socket.fileno())) if self.sagemaker_socket is not None else ()),
                 "--link-fd", str(theirs.fileno()),
                 "--max-input-size", str(self.max_input_size),
                 "--restricted-api", json.dumps(self.restricted_api),
@@ -131,8 +138,8 @@ class FrontendWorkers:
         )
         worker = _Worker(index, process, link, ready, time.monotonic())
         holder.append(worker)
-        if self.grpc is not None:
-            link.send(("grpc-setup", self.grpc))
+        sagemaker = self.sagemaker.settings if self.sagemaker is not None and self.sagemaker_socket is not None else None
+        link.send(("setup", {"grpc": self.grpc, "sagemaker": sagemaker}))
         self.workers[index] = worker
         watcher = asyncio.create_task(self._watch(worker), name=f"quiver-frontend-worker-{index}")
         self._watchers.add(watcher)
@@ -176,10 +183,13 @@ class FrontendWorkers:
                 task.cancel()
         elif kind == "forward":
             ident = message[1]
-            worker.tasks[ident] = asyncio.create_task(self._forward(worker, ident, message[2], message[3]))
+            app = self.sagemaker if len(message) > 4 and message[4] == "sagemaker" else self.app
+            worker.tasks[ident] = asyncio.create_task(self._forward(worker, ident, message[2], message[3], app))
         elif kind == "rpc":
             ident = message[1]
             worker.tasks[ident] = asyncio.create_task(self._rpc(worker, ident, message[2], message[3], message[4]))
+        elif kind == "sagemaker-model":
+            self._sagemaker_model(worker, message[1], message[2], message[3])
         elif kind == "stream":
             ident = message[1]
             worker.tasks[ident] = asyncio.create_task(self._stream(worker, ident, message[2]))
@@ -204,7 +214,7 @@ class FrontendWorkers:
         except Exception as exc:
             code = exc.code if isinstance(exc, QuiverError) else ErrorCode.INTERNAL
             _, message = http_error(exc, model=request.model_name, where=f"inference on model '{request.model_name}'")
-            worker.link.send(("error", ident, code.name, message))
+            worker.link.send(("error", ident, code.name, message, capacity_index(exc)))
         else:
             queues = self.service.queues(request.model_name, request.model_version)
             worker.link.send(("ok", ident, response, queues))
@@ -249,7 +259,20 @@ class FrontendWorkers:
             if trace is not None:
                 trace.release()
 
-    async def _forward(self, worker: _Worker, ident: int, scope: dict[str, Any], body: bytes) -> None:
+    def _sagemaker_model(self, worker: _Worker, ident: int, route: str, value: str | None) -> None:
+        """The model a worker's SageMaker inference runs on (see ``RemoteService.sagemaker_model``)."""
+        assert self.sagemaker is not None
+        try:
+            if route == "invoke":
+                model = self.sagemaker.service.resolve_target(value or "")
+            else:
+                model = self.sagemaker.invocation_model(value)
+        except QuiverError as exc:
+            worker.link.send(("error", ident, exc.code.name, exc.message, capacity_index(exc)))
+        else:
+            worker.link.send(("value", ident, model))
+
+    async def _forward(self, worker: _Worker, ident: int, scope: dict[str, Any], body: bytes, app: Any) -> None:
         sent = False
 
         async def receive() -> dict[str, Any]:
@@ -272,7 +295,7 @@ class FrontendWorkers:
                 chunks.append(message.get("body", b""))
 
         try:
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
         except asyncio.CancelledError:
             return
         except Exception:  # the application answered it already (its exception handler)
@@ -314,7 +337,7 @@ class FrontendWorkers:
             watcher.cancel()
         for worker in self.workers.values():
             worker.link.close()
-        for sock in (self.socket, self.grpc_socket):
+        for sock in (self.socket, self.grpc_socket, self.sagemaker_socket):
             if sock is not None:
                 sock.close()
 
