@@ -76,10 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="serve HTTP and gRPC from N worker processes accepting on the HTTP and gRPC ports, "
+        help="serve HTTP, gRPC and SageMaker from N worker processes accepting on their ports, "
         "each decoding and encoding requests on a core of its own, over this process's one model "
-        "table, memory budget, scheduler per model and statistics (SageMaker and metrics stay "
-        "in this process); 0 or 1 serves everything from this process (default: 0)",
+        "table, memory budget, scheduler per model and statistics (metrics stay in this "
+        "process); 0 or 1 serves everything from this process (default: 0)",
     )
     net.add_argument("--grpc-port", type=int, default=8001, help="gRPC port; 0 picks a free one (default: 8001)")
     net.add_argument("--grpc-address", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")
