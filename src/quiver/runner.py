@@ -44,7 +44,7 @@ from quiver.backends.base import SERVER
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
-from quiver.frontends.grpc_worker import GrpcWorkerSetup
+from quiver.frontends.grpc_worker import GrpcWorkerSetup, reserve_port
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.offload import set_codec_threads
@@ -274,22 +274,6 @@ def _listen(address: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
-def _reserve(address: str, port: int) -> socket.socket:
-    """The gRPC port of the frontend workers, held: bound with ``SO_REUSEPORT`` (which each
-    worker's gRPC server sets too, then listens) and never listened on here, so no other
-    server can take the port and a connection made while no worker listens is refused rather
-    than accepted by a process that does not serve it."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # not SO_REUSEADDR: see above
-    try:
-        sock.bind((address, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {address}:{port} (gRPC): {exc.strerror}") from None
-    return sock
-
-
 def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket:
     low, high = port_range
     for port in range(low, high + 1):
@@ -456,7 +440,7 @@ class Runner:
             if workers:
                 sockets: list[socket.socket | None] = [sagemaker_socket]
                 try:
-                    grpc_socket = _reserve(settings.grpc_address, settings.grpc_port) if settings.allow_grpc else None
+                    grpc_socket = reserve_port(settings.grpc_address, settings.grpc_port) if settings.allow_grpc else None
                     sockets.append(grpc_socket)
                     http_socket = None
                     if settings.allow_http:

@@ -23,6 +23,7 @@ never accepted by a process that cannot serve it); each worker binds it with
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,24 @@ def _relay(remote: RemoteService, method: str) -> Any:
     return call
 
 
+def reserve_port(address: str, port: int) -> socket.socket:
+    """The workers' gRPC port, held by the model side: bound with ``SO_REUSEPORT`` (which each
+    worker's gRPC server sets too, then listens) and never listened on, so no other server can
+    take the port and a connection made while no worker listens is refused rather than
+    accepted by a process that does not serve it. Not ``SO_REUSEADDR``: two sockets with it
+    may both bind a port neither listens on, which would let a server without
+    ``SO_REUSEPORT`` take it."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((address, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {address}:{port} (gRPC): {exc.strerror}") from None
+    return sock
+
+
 class WorkerGrpcFrontend(GrpcFrontend):
     """The worker's gRPC server: inferences decoded here, the rest relayed."""
 
@@ -103,4 +122,4 @@ class WorkerGrpcFrontend(GrpcFrontend):
         health_pb2_grpc.add_HealthServicer_to_server(self.health, GenericHandlersOnly(server))
 
 
-__all__ = ["GrpcWorkerSetup", "RelayHandler", "WorkerGrpcFrontend"]
+__all__ = ["GrpcWorkerSetup", "RelayHandler", "WorkerGrpcFrontend", "reserve_port"]
