@@ -417,3 +417,17 @@ def test_grpc_alone_through_workers(repository: Path) -> None:
     with _server(repository, *WORKERS, "--allow-http=false") as server:
         assert re.search(r"gRPC served by 2 worker processes", server.log)
         _infer(server.grpc_url)
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0", "::"])
+def test_grpc_on_a_wildcard_address_through_workers(repository: Path, address: str) -> None:
+    import socket
+
+    with _server(repository, *WORKERS, f"--grpc-address={address}") as server:
+        _infer(server.grpc_url)
+        other = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+        try:
+            with pytest.raises(OSError):  # held: another server cannot take the port
+                other.bind((address, server.grpc_port))
+        finally:
+            other.close()
