@@ -1,10 +1,11 @@
 """The model side of ``--frontend-workers N``: N frontend worker processes
-(:mod:`quiver.frontends.frontend_worker`) accept on the one HTTP listening socket this process
-bound and on the gRPC port this process holds (:mod:`quiver.frontends.grpc_worker`); each hands
-decoded inference requests to this process over its link (:mod:`quiver.frontends.worker_link`),
-where they go through ``InferenceService.infer`` (or ``open_stream``, for ``ModelStreamInfer``)
-as any request does, every other HTTP request to the v2 application here and every other gRPC
-call to the gRPC servicer here (:mod:`quiver.frontends.grpc_relay`).
+(:mod:`quiver.frontends.frontend_worker`) accept on the HTTP and SageMaker listening sockets
+this process bound and on the gRPC port this process holds
+(:func:`quiver.frontends.grpc_worker.reserve_port`); each hands decoded inference requests to
+this process over its link (:mod:`quiver.frontends.worker_link`), where they go through
+``InferenceService.infer`` (or ``open_stream``, for ``ModelStreamInfer``) as any request does,
+every other HTTP request to the v2 or SageMaker application here and every other gRPC call to
+the gRPC servicer here (:mod:`quiver.frontends.grpc_relay`).
 
 A worker that dies is started again (its clients' connections break, as with any crashed
 server; the others are untouched); one that keeps dying right after its start is retried at
@@ -342,7 +343,4 @@ class FrontendWorkers:
                 sock.close()
 
 
-#: The name before the workers served more than HTTP.
-HttpWorkers = FrontendWorkers
-
-__all__ = ["FrontendWorkers", "HttpWorkers"]
+__all__ = ["FrontendWorkers"]
