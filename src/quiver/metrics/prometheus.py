@@ -12,11 +12,10 @@ name, and values are written in their shortest form (``5``, not ``5.0``).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 from prometheus_client.metrics_core import (
@@ -28,10 +27,15 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from quiver.metrics.cache import CacheView, cache_metrics
+from quiver.metrics.model_families import (
+    ModelLike,
+    TextFamily,
+    escape,
+    format_value,
+    model_families,
+)
 from quiver.metrics.statistics import (
-    LATENCY_BUCKETS_US,
     Histogram,
-    ModelStatistics,
     MultiModelStatistics,
 )
 
@@ -39,73 +43,6 @@ logger = logging.getLogger(__name__)
 
 #: ``Content-Type`` of the classic Prometheus text format, the one Triton serves.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-#: Triton's ``reason`` label values of ``nv_inference_request_failure``; every one is
-#: reported for every model version, zero or not, as Triton does.
-FAIL_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
-
-_MODEL_LABELS = ["model", "version"]
-
-# (name, HELP, the statistic it reads), in Triton's order. HELP texts are Triton's.
-_COUNTERS: tuple[tuple[str, str, Callable[[ModelStatistics], int]], ...] = (
-    (
-        "nv_inference_request_success",
-        "Number of successful inference requests, all batch sizes",
-        lambda s: s.success.count,
-    ),
-    (
-        "nv_inference_count",
-        "Number of inferences performed (does not include cached requests)",
-        lambda s: s.inference_count,
-    ),
-    (
-        "nv_inference_exec_count",
-        "Number of model executions performed (does not include cached requests)",
-        lambda s: s.execution_count,
-    ),
-    (
-        "nv_inference_request_duration_us",
-        "Cumulative inference request duration in microseconds (includes cached requests)",
-        lambda s: s.success.ns // 1000,
-    ),
-    (
-        "nv_inference_queue_duration_us",
-        "Cumulative inference queuing duration in microseconds (includes cached requests)",
-        lambda s: s.queue.ns // 1000,
-    ),
-    (
-        "nv_inference_compute_input_duration_us",
-        "Cumulative compute input duration in microseconds (does not include cached requests)",
-        lambda s: s.compute_input.ns // 1000,
-    ),
-    (
-        "nv_inference_compute_infer_duration_us",
-        "Cumulative compute inference duration in microseconds (does not include cached requests)",
-        lambda s: s.compute_infer.ns // 1000,
-    ),
-    (
-        "nv_inference_compute_output_duration_us",
-        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
-        lambda s: s.compute_output.ns // 1000,
-    ),
-)
-
-
-class ModelLike(Protocol):
-    """What the collector reads of a served model version (``lifecycle.Model`` is one)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def version_str(self) -> str: ...
-
-    @property
-    def stats(self) -> ModelStatistics: ...
-
-    @property
-    def load_seconds(self) -> float: ...
-
 
 class TritonCollector(Collector):
     """Triton's per model-version metrics and machine gauges, read when scraped.
@@ -143,7 +80,7 @@ class TritonCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         models = sorted(self._models(), key=lambda m: (m.name, int(m.version_str)))
-        yield from _model_metrics(models)
+        yield from model_families(models)
         yield from cache_metrics(models, self._response_cache)
         view = self._multi_model() if self._multi_model is not None else None
         if view is not None:
@@ -295,68 +232,6 @@ def _multi_model_metrics(view: MultiModelView) -> Iterator[Metric]:
     )
 
 
-def _model_metrics(models: list[ModelLike]) -> Iterator[Metric]:
-    keys = [[m.name, m.version_str] for m in models]
-    success_name, success_help, success = _COUNTERS[0]
-    family = CounterMetricFamily(success_name, success_help, labels=_MODEL_LABELS)
-    for key, model in zip(keys, models, strict=True):
-        family.add_metric(key, success(model.stats))
-    yield family
-    failure = CounterMetricFamily(
-        "nv_inference_request_failure",
-        "Number of failed inference requests, all batch sizes",
-        labels=["model", "reason", "version"],
-    )
-    for model in models:
-        reasons = model.stats.fail_reasons
-        for reason in (*FAIL_REASONS, *sorted(set(reasons) - set(FAIL_REASONS))):
-            failure.add_metric([model.name, reason, model.version_str], reasons.get(reason, 0))
-    yield failure
-    for name, help_text, read in _COUNTERS[1:]:
-        family = CounterMetricFamily(name, help_text, labels=_MODEL_LABELS)
-        for key, model in zip(keys, models, strict=True):
-            family.add_metric(key, read(model.stats))
-        yield family
-    pending = GaugeMetricFamily(
-        "nv_inference_pending_request_count",
-        "Instantaneous number of pending requests awaiting execution per-model.",
-        labels=_MODEL_LABELS,
-    )
-    load = GaugeMetricFamily(
-        "nv_model_load_duration_secs", "Model load time in seconds", labels=_MODEL_LABELS
-    )
-    latency = HistogramMetricFamily(
-        "quiver_inference_request_duration_us",
-        "Inference request duration in microseconds, successful and failed requests",
-        labels=_MODEL_LABELS,
-    )
-    bounds = [format_value(b) for b in LATENCY_BUCKETS_US] + ["+Inf"]
-    for key, model in zip(keys, models, strict=True):
-        stats = model.stats
-        pending.add_metric(key, stats.pending)
-        load.add_metric(key, model.load_seconds)
-        cumulative, buckets = 0, []
-        for bound, count in zip(bounds, stats.latency_buckets, strict=True):
-            cumulative += count
-            buckets.append((bound, float(cumulative)))
-        latency.add_metric(key, buckets, stats.latency_sum_us)
-    yield pending
-    yield load
-    yield latency
-    processes = GaugeMetricFamily(
-        "quiver_model_process_memory_bytes",
-        "Host memory of the worker processes a model version runs in (their unique set size)",
-        labels=_MODEL_LABELS,
-    )
-    for key, model in zip(keys, models, strict=True):
-        measure = getattr(model, "process_memory_bytes", None)
-        size = measure() if measure is not None else None
-        if size is not None:
-            processes.add_metric(key, size)
-    if processes.samples:
-        yield processes
-
-
 class _CpuReader:
     """The machine's CPU use and memory, as Triton reads ``/proc/stat`` and ``/proc/meminfo``."""
 
@@ -473,28 +348,12 @@ def _quietly(call: Callable[..., Any], *args: Any) -> Any:
 # -- exposition -----------------------------------------------------------------------
 
 
-def format_value(value: float) -> str:
-    """A sample value in its shortest form, as Triton's prometheus-cpp writes it: ``5``,
-    ``0.25``, ``+Inf``."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
     # Sorted by name, as prometheus-cpp's label map; a histogram's ``le`` comes last.
     names = sorted(k for k in labels if k != "le") + (["le"] if "le" in labels else [])
-    return "{" + ",".join(f'{k}="{_escape(labels[k])}"' for k in names) + "}"
+    return "{" + ",".join(f'{k}="{escape(labels[k])}"' for k in names) + "}"
 
 
 def render(registry: CollectorRegistry) -> bytes:
@@ -512,7 +371,11 @@ def render(registry: CollectorRegistry) -> bytes:
         kind = {"unknown": "untyped", "info": "gauge", "stateset": "gauge"}.get(
             family.type, family.type
         )
-        out.append(f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n")
+        header = f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
+        if isinstance(family, TextFamily):  # the per model-version families, written fast
+            out.append(family.text(header))
+            continue
+        out.append(header)
         for sample in family.samples:
             sample_name = sample.name
             if family.type == "counter":

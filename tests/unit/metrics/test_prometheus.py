@@ -251,3 +251,36 @@ def test_no_gpu_is_one_info_line(
     records = [r for r in caplog.records if r.name == "quiver.metrics.prometheus"]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     assert reason in records[0].getMessage()
+
+
+class _Plain:
+    """The collector's families re-made as plain ``prometheus_client`` metrics from their
+    samples, so ``render`` writes them by its generic path."""
+
+    def __init__(self, collector: TritonCollector) -> None:
+        self._collector = collector
+
+    def collect(self) -> Any:
+        from prometheus_client.metrics_core import Metric
+
+        for family in self._collector.collect():
+            plain = Metric(family.name, family.documentation, family.type)
+            plain.samples = list(family.samples)
+            yield plain
+
+
+def test_per_model_families_written_fast_as_the_generic_path_writes_them() -> None:
+    odd = FakeModel('we"ird\\name\nx', 3, load_seconds=1.5e-3)
+    odd.stats.record_failure(1_000, "TIMEOUT")  # a reason beyond Triton's four
+    worker = FakeModel("worker", 2)
+    worker.process_memory_bytes = lambda: 123_456_789  # type: ignore[attr-defined]
+    models = [_simple(), odd, worker, FakeModel("idle", 1, load_seconds=0.0)]
+    registry, collector = _registry(*models)
+    fast = render(registry)
+    generic = CollectorRegistry(auto_describe=False)
+    generic.register(_Plain(collector))  # type: ignore[arg-type]
+    assert render(generic) == fast
+    assert b'model="we\\"ird\\\\name\\nx"' in fast and b'reason="TIMEOUT"' in fast
+    assert b'quiver_model_process_memory_bytes{model="worker",version="2"} 123456789' in fast
+    # prometheus_client's own exposition still reads the families' samples
+    assert b'nv_inference_request_success_total{model="simple",version="1"} 2.0' in generate_latest(registry)
