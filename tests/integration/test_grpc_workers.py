@@ -431,3 +431,27 @@ def test_grpc_on_a_wildcard_address_through_workers(repository: Path, address: s
                 other.bind((address, server.grpc_port))
         finally:
             other.close()
+
+
+def test_sigterm_lets_an_in_flight_stream_request_finish(repository: Path) -> None:
+    import queue
+
+    server = _server(repository, *WORKERS, "--load-model=slow").start()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    tensor = grpcclient.InferInput("IN", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.array([[3.0]], dtype=np.float32))
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("slow", [tensor])
+        time.sleep(0.4)  # the request is in the model (a second)
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        result, error = results.get(timeout=30)
+        assert error is None and result.as_numpy("OUT").tolist() == [[3.0]]
+        client.stop_stream()
+        assert server.wait(30) == 0, server.log
+    finally:
+        client.close()
+        if server.process is not None and server.process.poll() is None:
+            server.stop(signal.SIGKILL)
