@@ -268,8 +268,10 @@ class FrontendWorkers:
                 model = self.sagemaker.service.resolve_target(value or "")
             else:
                 model = self.sagemaker.invocation_model(value)
-        except QuiverError as exc:
-            worker.link.send(("error", ident, exc.code.name, exc.message, capacity_index(exc)))
+        except Exception as exc:  # answered, never raised into the link's reading
+            code = exc.code if isinstance(exc, QuiverError) else ErrorCode.INTERNAL
+            _, message = http_error(exc, where=f"SageMaker {route}")
+            worker.link.send(("error", ident, code.name, message, capacity_index(exc)))
         else:
             worker.link.send(("value", ident, model))
 
