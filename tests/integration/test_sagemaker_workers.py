@@ -151,3 +151,23 @@ def test_sagemaker_alone_through_workers(repo: Path) -> None:
     with QuiverServer(repo, args=args) as server:
         assert re.search(r"SageMaker served by 2 worker processes", server.log)
         np.testing.assert_array_equal(outputs(invoke(server.sagemaker_url, "/invocations", x4, "INPUT0"))["OUTPUT0"], x4 + 2)
+
+
+def test_a_capacity_error_stays_507_through_a_worker(tmp_path: Path) -> None:
+    """An on-demand load that finds the model cache unwritable: 507 (SageMaker's "unload and
+    try again") from the worker, as from one process; then the load succeeds."""
+    from support.archives import single_archive
+    from support.faults import read_only
+
+    repo, cache = tmp_path / "models", tmp_path / "cache"
+    repo.mkdir()
+    cache.mkdir()
+    (repo / "four.tar.gz").write_bytes(single_archive(4.0))
+    args = ("--model-control-mode=on_demand", "--model-cache-dir", str(cache), *WORKERS)
+    with QuiverServer(repo, args=args, env={"SAGEMAKER_MULTI_MODEL": "true"}) as server:
+        body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [0, 0, 0, 0]}]}
+        with read_only(cache):
+            refused = call(server.sagemaker_url, "POST", "/invocations", body, {TARGET: "four.tar.gz"})
+            assert refused.status == 507 and str(cache) in refused.json()["error"], refused.body
+        served = call(server.sagemaker_url, "POST", "/invocations", body, {TARGET: "four.tar.gz"})
+        assert served.status == 200 and served.json()["outputs"][0]["data"] == [4.0] * 4
