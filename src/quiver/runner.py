@@ -12,8 +12,8 @@ use it, and :func:`load_models` for the models loaded at start.
 3. the model manager and its disk cache;
 4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
 5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
-   every listener is up; with ``--frontend-workers N``, N worker processes serve HTTP and gRPC,
-   :mod:`quiver.frontends.workers`); then CloudWatch publishing (``--cloudwatch-*``, which
+   every listener is up; with ``--frontend-workers N``, N worker processes serve HTTP, gRPC
+   and SageMaker, :mod:`quiver.frontends.workers`); then CloudWatch publishing (``--cloudwatch-*``, which
    stops after the listeners drained and before the models unload) and the server is ready.
 
 A failure at any step closes exactly what the earlier steps opened, in reverse order, logs
@@ -227,8 +227,8 @@ class _GrpcListener(_Listener):
 
 
 class _WorkersListener(_Listener):
-    """HTTP and gRPC served by worker processes (``--frontend-workers``) on the HTTP socket
-    this process bound and the gRPC port it holds."""
+    """HTTP, gRPC and SageMaker served by worker processes (``--frontend-workers``) on the
+    HTTP and SageMaker sockets this process bound and the gRPC port it holds."""
 
     name = "HTTP"
 
@@ -479,7 +479,7 @@ class Runner:
                 if listener.sagemaker_socket is not None:  # the lines in the single process's order
                     host, port = listener.sagemaker_socket.getsockname()[:2]
                     logger.info("started SageMaker service at %s:%d", host, port)
-                if listener.grpc_socket is not None:  # its line first, as in one process
+                if listener.grpc_socket is not None:
                     host, port = listener.grpc_socket.getsockname()[:2]
                     logger.info("started GRPC service at %s:%d", host, port)
                 if listener.socket is not None:
