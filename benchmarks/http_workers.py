@@ -1,17 +1,18 @@
-"""HTTP frontend workers (``quiver serve --http-workers N``): requests/s, p99 and server CPU per
-request for N = 0 (HTTP in the one server process) and N workers over the one model side.
+"""Frontend workers (``quiver serve --frontend-workers N``, HTTP and gRPC): requests/s, p99 and
+server CPU per request for N = 0 (everything in the one server process) and N workers over the
+one model side.
 
 Run: ``.venv/bin/python -m benchmarks.http_workers`` from the repository root; ``--help``.
 
 The ``tiny`` workload (``benchmarks/peers/tiny.py``: FP32 [1, 16] -> x * 2, no batching) as
-Triton's Python model unchanged and as ONNX, over HTTP with binary tensors (``--encodings``),
+Triton's Python model unchanged and as ONNX, over HTTP with binary tensors or gRPC (``--encodings``),
 at ``--concurrency`` levels; the configurations alternate round by round (``--repeat``), so a
 busy moment on a shared machine hits all of them. Server CPU is the server process with its
 children (the workers, and Python model processes where there are any) over the measured
 window, per answered request: the slope a machine with more cores would give is
 (requests/s per core of the model side) = 1e6 / (its share of that CPU).
 
-Writes ``benchmarks/results/http_workers.md`` and ``.json``.
+Writes ``benchmarks/results/http_workers.md`` and ``.json`` (``--output-name``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=0.5)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--output-name", default="http_workers", help="results file name (default: http_workers)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.workers.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             for count in counts:
                 folder = work / f"{backend}-{count}-{round_}"
                 folder.mkdir()
-                flags = ["--http-workers", str(count)]
+                flags = ["--frontend-workers", str(count)]
                 with QuiverServer(repositories[backend], flags, log=folder / "server.log", cwd=folder,
                                   ready_path=f"/v2/models/{tiny.MODEL}/ready", name=f"workers={count}") as server:
                     endpoints = server.endpoints
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                             samples.setdefault((backend, encoding, count, c), []).append(got)
                             log(f"round {round_ + 1} {backend} workers={count} {encoding} c={c}: {got}")
     lines = [
-        "| model | encoding | HTTP workers | c | req/s | p99 ms | server CPU us/request | server CPU % | client CPU % |",
+        "| model | encoding | frontend workers | c | req/s | p99 ms | server CPU us/request | server CPU % | client CPU % |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows: list[dict[str, Any]] = []
@@ -90,14 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     markdown = "\n".join(lines)
     print(markdown)
     header = (
-        "# HTTP frontend workers\n\n"
+        "# Frontend workers\n\n"
         f"`{common.command_line()}`\n\n{args.duration:g} s per trial after {args.warmup:g} s, "
         f"{args.repeat} rounds alternating; medians. Load average at the end: "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.\n\n"
     )
     report = {"command": common.command_line(), "environment": common.environment(("quiver", "uvicorn", "onnxruntime")),
               "rows": rows}
-    print(common.write_results(args.output_dir, "http_workers", header + markdown, report), file=sys.stderr)
+    print(common.write_results(args.output_dir, args.output_name, header + markdown, report), file=sys.stderr)
     return 0
 
 

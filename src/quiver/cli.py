@@ -70,14 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body accepted, after decompression, e.g. 64M (default: 64M)",
     )
     net.add_argument(
+        "--frontend-workers",
         "--http-workers",
+        dest="frontend_workers",
         type=int,
         default=0,
         metavar="N",
-        help="serve HTTP from N worker processes accepting on the HTTP port, each decoding and "
-        "encoding requests on a core of its own, over this process's one model table, memory "
-        "budget, scheduler per model and statistics; 0 or 1 serves HTTP from this process "
-        "(default: 0)",
+        help="serve HTTP, gRPC and SageMaker from N worker processes accepting on their ports, "
+        "each decoding and encoding requests on a core of its own, over this process's one model "
+        "table, memory budget, scheduler per model and statistics (metrics stay in this "
+        "process); 0 or 1 serves everything from this process (default: 0)",
     )
     net.add_argument("--grpc-port", type=int, default=8001, help="gRPC port; 0 picks a free one (default: 8001)")
     net.add_argument("--grpc-address", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")

@@ -12,8 +12,8 @@ use it, and :func:`load_models` for the models loaded at start.
 3. the model manager and its disk cache;
 4. the models loaded at start (``--exit-on-error`` makes a failed one a failed start);
 5. the listeners: metrics, SageMaker, gRPC, HTTP (last, so "started HTTP service" means
-   every listener is up; with ``--http-workers N``, N worker processes serve the HTTP socket,
-   :mod:`quiver.frontends.workers`); then CloudWatch publishing (``--cloudwatch-*``, which
+   every listener is up; with ``--frontend-workers N``, N worker processes serve HTTP, gRPC
+   and SageMaker, :mod:`quiver.frontends.workers`); then CloudWatch publishing (``--cloudwatch-*``, which
    stops after the listeners drained and before the models unload) and the server is ready.
 
 A failure at any step closes exactly what the earlier steps opened, in reverse order, logs
@@ -44,12 +44,13 @@ from quiver.backends.base import SERVER
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc import GrpcFrontend
+from quiver.frontends.grpc_worker import GrpcWorkerSetup, reserve_port
 from quiver.frontends.http import HttpFrontend
 from quiver.frontends.metrics import MetricsFrontend
 from quiver.frontends.offload import set_codec_threads
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
-from quiver.frontends.workers import HttpWorkers
+from quiver.frontends.workers import FrontendWorkers
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.lifecycle.sources import default_cache_dir
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
@@ -226,13 +227,16 @@ class _GrpcListener(_Listener):
 
 
 class _WorkersListener(_Listener):
-    """HTTP served by worker processes (``--http-workers``) on the socket this process bound."""
+    """HTTP, gRPC and SageMaker served by worker processes (``--frontend-workers``) on the
+    HTTP and SageMaker sockets this process bound and the gRPC port it holds."""
 
     name = "HTTP"
 
-    def __init__(self, workers: HttpWorkers) -> None:
+    def __init__(self, workers: FrontendWorkers) -> None:
         self.workers = workers
         self.socket = workers.socket
+        self.grpc_socket = workers.grpc_socket
+        self.sagemaker_socket = workers.sagemaker_socket
 
     async def begin_stop(self) -> None:
         await self.workers.begin_stop()
@@ -291,12 +295,34 @@ async def _serve_asgi(name: str, app: object, sock: socket.socket, grace: float 
     return _AsgiListener(name, server, serving, sock)
 
 
-async def _serve_workers(parts: Parts, settings: Settings, sock: socket.socket) -> _WorkersListener:
-    workers = HttpWorkers(
+async def _serve_workers(
+    parts: Parts,
+    settings: Settings,
+    sock: socket.socket | None,
+    grpc_socket: socket.socket | None,
+    sagemaker_socket: socket.socket | None,
+) -> _WorkersListener:
+    grpc = None
+    if grpc_socket is not None:
+        grpc = GrpcWorkerSetup(
+            settings.grpc_address,
+            grpc_socket.getsockname()[1],
+            max_message_size=settings.grpc_max_message_size,
+            restricted_protocol=list(settings.grpc_restricted_protocol),
+            header_forward_pattern=settings.grpc_header_forward_pattern,
+            tls=settings.grpc_tls,
+            options=list(settings.grpc_options),
+            compression_level=settings.grpc_compression_level,
+        )
+    workers = FrontendWorkers(
         parts.service,
         parts.http.app(),
         sock,
-        settings.http_workers,
+        settings.frontend_workers,
+        grpc=grpc,
+        grpc_socket=grpc_socket,
+        sagemaker=parts.sagemaker,
+        sagemaker_socket=sagemaker_socket,
         max_input_size=settings.http_max_input_size,
         restricted_api=list(settings.http_restricted_api),
         graceful_seconds=settings.exit_timeout_secs,
@@ -308,7 +334,10 @@ async def _serve_workers(parts: Parts, settings: Settings, sock: socket.socket) 
     except BaseException:
         await workers.close()
         raise
-    logger.info("HTTP served by %d worker processes (pids %s)", workers.count, " ".join(map(str, workers.pids)))
+    protocols = (("HTTP", sock), ("gRPC", grpc_socket), ("SageMaker", sagemaker_socket))
+    names = [name for name, on in protocols if on is not None]
+    served = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+    logger.info("%s served by %d worker processes (pids %s)", served, workers.count, " ".join(map(str, workers.pids)))
     return _WorkersListener(workers)
 
 
@@ -394,16 +423,35 @@ class Runner:
                 metrics.bind(settings.metrics_address, settings.metrics_port)
                 opened(_MetricsListener(metrics))
                 await metrics.start()  # logs 'started Metrics service at HOST:PORT'
+            workers = settings.frontend_workers > 1 and (
+                settings.allow_grpc or settings.allow_http or settings.allow_sagemaker
+            )
+            sagemaker_socket = None
             if settings.allow_sagemaker:
                 assert parts.sagemaker is not None
                 safe = settings.sagemaker_safe_port_range
                 if settings.sagemaker_port == 0 and safe is not None:
-                    sock = _listen_in_range(settings.sagemaker_address, safe)
+                    sagemaker_socket = _listen_in_range(settings.sagemaker_address, safe)
                 else:
-                    sock = _listen(settings.sagemaker_address, settings.sagemaker_port)
-                opened(await _serve_asgi("SageMaker", parts.sagemaker, sock, settings.exit_timeout_secs))
+                    sagemaker_socket = _listen(settings.sagemaker_address, settings.sagemaker_port)
+                if not workers:
+                    opened(await _serve_asgi("SageMaker", parts.sagemaker, sagemaker_socket, settings.exit_timeout_secs))
             grpc: GrpcFrontend | None = None
-            if settings.allow_grpc:
+            if workers:
+                sockets: list[socket.socket | None] = [sagemaker_socket]
+                try:
+                    grpc_socket = reserve_port(settings.grpc_address, settings.grpc_port) if settings.allow_grpc else None
+                    sockets.append(grpc_socket)
+                    http_socket = None
+                    if settings.allow_http:
+                        http_socket = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
+                except OSError:
+                    for sock in sockets:
+                        if sock is not None:
+                            sock.close()
+                    raise
+                opened(await _serve_workers(parts, settings, http_socket, grpc_socket, sagemaker_socket))
+            elif settings.allow_grpc:
                 grpc = GrpcFrontend(
                     parts.service,
                     max_message_size=settings.grpc_max_message_size,
@@ -416,12 +464,9 @@ class Runner:
                 )
                 grpc_port = await grpc.start(settings.grpc_address, settings.grpc_port)
                 opened(_GrpcListener(grpc, settings.exit_timeout_secs))
-            if settings.allow_http:
+            if settings.allow_http and not workers:
                 sock = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
-                if settings.http_workers > 1:
-                    opened(await _serve_workers(parts, settings, sock))
-                else:
-                    opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
+                opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
         except OSError as exc:
             raise StartError(str(exc)) from None
         if settings.cloudwatch is not None and registry is not None:
@@ -430,7 +475,17 @@ class Runner:
             publishers.append(publisher)
         parts.service.ready = True
         for listener in listeners:
-            if isinstance(listener, _AsgiListener | _WorkersListener):
+            if isinstance(listener, _WorkersListener):
+                if listener.sagemaker_socket is not None:  # the lines in the single process's order
+                    host, port = listener.sagemaker_socket.getsockname()[:2]
+                    logger.info("started SageMaker service at %s:%d", host, port)
+                if listener.grpc_socket is not None:
+                    host, port = listener.grpc_socket.getsockname()[:2]
+                    logger.info("started GRPC service at %s:%d", host, port)
+                if listener.socket is not None:
+                    host, port = listener.socket.getsockname()[:2]
+                    logger.info("started HTTP service at %s:%d", host, port)
+            elif isinstance(listener, _AsgiListener):
                 host, port = listener.socket.getsockname()[:2]
                 logger.info("started %s service at %s:%d", listener.name, host, port)
             elif isinstance(listener, _GrpcListener) and grpc is not None:

@@ -533,6 +533,11 @@ class InferenceService:
             response.outputs = select_outputs(model, request, response)
         return response
 
+    async def open_stream(self, request: InferenceRequest) -> tuple[bool, AsyncGenerator[StreamResponse, None]]:
+        """Whether the model is decoupled (:meth:`decoupled`) and :meth:`infer_stream`'s
+        answers: what a stream frontend needs, in one call a remote service can answer."""
+        return self.decoupled(request.model_name, request.model_version), self.infer_stream(request)
+
     async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[StreamResponse, None]:
         """The responses to ``request``, the last one final (a decoupled model's may be a
         flag-only final). An error of the request as a whole raises before the first item;

@@ -116,7 +116,7 @@ class Settings:
     allow_gpu_metrics: bool = True
     metrics_interval_ms: int = 2000
     http_max_input_size: int = 64 * 1024 * 1024
-    http_workers: int = 0  # HTTP frontend worker processes; 0 or 1: HTTP served in this process
+    frontend_workers: int = 0  # HTTP and gRPC frontend worker processes; 0 or 1: served in this process
     grpc_max_message_size: int = 64 * 1024 * 1024
     http_restricted_api: tuple[str, ...] = ()
     grpc_restricted_protocol: tuple[str, ...] = ()
@@ -394,10 +394,10 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     docstring for the precedence); raises SettingsError naming what makes no sense."""
     if args.allow_log_file_api and not args.log_file_dir:
         raise SettingsError("--allow-log-file-api needs --log-file-dir DIR")
-    if args.http_workers < 0:
-        raise SettingsError(f"--http-workers must be 0 or more, got {args.http_workers}")
-    if args.http_workers > 1 and args.ray:
-        raise SettingsError("--http-workers serves from this process's model side; with --ray, Ray Serve's replicas serve")
+    if args.frontend_workers < 0:
+        raise SettingsError(f"--frontend-workers must be 0 or more, got {args.frontend_workers}")
+    if args.frontend_workers > 1 and args.ray:
+        raise SettingsError("--frontend-workers serve from this process's model side; with --ray, Ray Serve's replicas serve")
     local, remote = _repositories(args.model_repository)
     for flag, specs in (
         ("--http-restricted-api", args.http_restricted_api),
@@ -454,7 +454,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         allow_gpu_metrics=args.allow_gpu_metrics,
         metrics_interval_ms=args.metrics_interval_ms,
         http_max_input_size=args.http_max_input_size,
-        http_workers=args.http_workers,
+        frontend_workers=args.frontend_workers,
         grpc_max_message_size=args.grpc_max_message_size,
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),

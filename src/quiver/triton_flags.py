@@ -32,7 +32,7 @@ NO_EFFECT: dict[str, str] = {
     "--enable-peer-access": "CUDA peer access between GPUs: Quiver runs no CUDA kernels of its own",
     "--http-thread-count": (
         "the HTTP frontend runs on one asyncio event loop per process (large bodies are decoded "
-        "and encoded on codec threads); --http-workers N serves HTTP from N processes"
+        "and encoded on codec threads); --frontend-workers N serves HTTP, gRPC and SageMaker from N processes"
     ),
     "--grpc-infer-thread-count": "the gRPC frontend (grpc.aio) runs on the asyncio event loop",
     "--grpc-infer-allocation-pool-size": "grpc.aio allocates responses as it needs them",

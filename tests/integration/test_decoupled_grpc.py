@@ -22,11 +22,16 @@ from support.decoupled_models import build_decoupled_repository
 from support.server import QuiverServer
 
 
-@pytest.fixture(scope="module", params=["worker", "in-process"])
+@pytest.fixture(scope="module", params=["worker", "in-process", "frontend-workers"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
-    """Python models in worker processes (the default), then in the server's process."""
+    """Python models in worker processes (the default), then in the server's process, then
+    with gRPC served by frontend worker processes (streams relayed to the model side)."""
     repo = build_decoupled_repository(tmp_path_factory.mktemp("decoupled"))
-    args = ("--backend-config=python,in-process=true",) if request.param == "in-process" else ()
+    args: tuple[str, ...] = ()
+    if request.param == "in-process":
+        args = ("--backend-config=python,in-process=true",)
+    elif request.param == "frontend-workers":
+        args = ("--frontend-workers", "2")
     with QuiverServer(repo, args=args) as running:
         yield running
 

@@ -92,7 +92,7 @@ def _worker_pids(server: QuiverServer) -> list[int]:
     pids = []
     for child in psutil.Process(server.process.pid).children():
         try:
-            if "http_worker" in " ".join(child.cmdline()):
+            if "frontend_worker" in " ".join(child.cmdline()):
                 pids.append(child.pid)
         except psutil.Error:  # a worker just killed and not yet reaped (a zombie) or gone
             continue
@@ -126,7 +126,7 @@ def _infer(url: str, model: str = "simple") -> None:
 def test_the_workers_serve_http_and_the_model_side_does_not(workers: QuiverServer) -> None:
     pids = _worker_pids(workers)
     assert len(pids) == 2
-    assert re.search(r"HTTP served by 2 worker processes", workers.log)
+    assert re.search(r"HTTP and gRPC served by 2 worker processes", workers.log)
     _infer(workers.url)
     status, body = _request(workers, "GET", "/v2/models/simple")
     assert status == 200 and json.loads(body)["name"] == "simple"
@@ -258,7 +258,7 @@ def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(repository: Pa
         assert len(pids) == 2 and victim not in pids, server.log
         assert answered > before  # served after the kill, through the survivors and the new worker
         assert len(failures) <= 4  # at most what the killed worker held
-        assert re.search(rf"HTTP worker \d \(pid {victim}\) exited with -9; starting it again", server.log)
+        assert re.search(rf"frontend worker \d \(pid {victim}\) exited with -9; starting it again", server.log)
         for _ in range(10):
             _infer(server.url)
 
@@ -319,7 +319,7 @@ def test_http_workers_must_not_be_negative(repository: Path) -> None:
 
     result = run_quiver("serve", "--model-repository", str(repository), "--http-workers", "-1")
     assert result.returncode == 2
-    assert "--http-workers must be 0 or more, got -1" in result.stderr
+    assert "--frontend-workers must be 0 or more, got -1" in result.stderr
 
 
 def test_requests_through_workers_are_traced_on_the_model_side(repository: Path, tmp_path: Path) -> None:

@@ -89,12 +89,15 @@ def single_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
-@pytest.fixture(scope="module")
-def mme(ensemble_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
-    """Multi-model mode, explicit control: nothing loaded until POST /models."""
+@pytest.fixture(scope="module", params=["one-process", "frontend-workers"])
+def mme(request: pytest.FixtureRequest, ensemble_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
+    """Multi-model mode, explicit control: nothing loaded until POST /models; served by the
+    server process, then by frontend worker processes."""
     other = tmp_path_factory.mktemp("sm_other")
     write_onnx(other, "add_five", add_constant_onnx(5.0), ADD.format(name="add_five"))
-    args = ("--model-control-mode=explicit",)
+    args: tuple[str, ...] = ("--model-control-mode=explicit",)
+    if request.param == "frontend-workers":
+        args += ("--frontend-workers", "2")
     with QuiverServer(ensemble_repo, other, args=args, env={"SAGEMAKER_MULTI_MODEL": "true"}) as server:
         yield server
 

@@ -85,9 +85,12 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def server(repo: Path) -> Iterator[QuiverServer]:
-    with QuiverServer(repo, args=("--allow-client-shm=true",)) as running:
+@pytest.fixture(scope="module", params=["one-process", "frontend-workers"])
+def server(request: pytest.FixtureRequest, repo: Path) -> Iterator[QuiverServer]:
+    """Served by the server process, then by frontend worker processes (registration relayed
+    to the model side, which reads the regions)."""
+    workers = ("--frontend-workers", "2") if request.param == "frontend-workers" else ()
+    with QuiverServer(repo, args=("--allow-client-shm=true", *workers)) as running:
         yield running
 
 

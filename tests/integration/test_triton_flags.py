@@ -123,9 +123,10 @@ def _repository(root: Path, *, flaky: bool = False, broken: bool = False) -> Pat
     return repo
 
 
-@pytest.fixture(scope="module")
-def launch_script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
-    """A server started with a Triton launch script's flags."""
+@pytest.fixture(scope="module", params=["one-process", "frontend-workers"])
+def launch_script_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
+    """A server started with a Triton launch script's flags; then with frontend workers, which
+    apply the gRPC flags (keepalive, compression, header forwarding) as the process does."""
     repo = _repository(tmp_path_factory.mktemp("flags"), flaky=True)
     args = [
         "--id=triton-a",
@@ -151,6 +152,8 @@ def launch_script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Q
         "--metrics-interval-ms=2000.0",
     ]
     args += [f"{flag}={value}" for flag, value in NO_EFFECT_VALUES.items()]
+    if request.param == "frontend-workers":
+        args += ["--frontend-workers=2"]
     with QuiverServer(repo, args=tuple(args)) as running:
         yield running
 
@@ -295,13 +298,15 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def test_grpc_over_tls(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["0", "2"])  # in the process, in frontend workers
+def test_grpc_over_tls(tmp_path: Path, workers: str) -> None:
     repo = tmp_path / "models"
     repo.mkdir()
     write_onnx(repo, "simple", simple_onnx(), SIMPLE_CONFIG)
     cert, key = _self_signed(tmp_path)
     with QuiverServer(
-        repo, args=("--grpc-use-ssl=true", f"--grpc-server-cert={cert}", f"--grpc-server-key={key}")
+        repo,
+        args=("--grpc-use-ssl=true", f"--grpc-server-cert={cert}", f"--grpc-server-key={key}", f"--frontend-workers={workers}"),
     ) as running:
         url = f"localhost:{running.grpc_port}"
         secure = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=str(cert))

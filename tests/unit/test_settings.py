@@ -101,11 +101,11 @@ def test_ray_always_has_the_sagemaker_routes_but_no_listener_of_their_own(tmp_pa
     assert settings(tmp_path, "--ray", "--model-control-mode", "explicit").model_control_mode == "explicit"
 
 
-def test_http_workers_default_off_and_checked(tmp_path: Path) -> None:
-    assert settings(tmp_path).http_workers == 0
-    assert settings(tmp_path, "--http-workers", "3").http_workers == 3
-    assert settings(tmp_path, "--http-thread-count", "8").http_workers == 0  # Triton's flag: accepted, no workers
-    with pytest.raises(SettingsError, match="--http-workers must be 0 or more, got -2"):
+def test_frontend_workers_default_off_and_checked(tmp_path: Path) -> None:
+    assert settings(tmp_path).frontend_workers == 0
+    assert settings(tmp_path, "--http-workers", "3").frontend_workers == 3
+    assert settings(tmp_path, "--http-thread-count", "8").frontend_workers == 0  # Triton's flag: accepted, no workers
+    with pytest.raises(SettingsError, match="--frontend-workers must be 0 or more, got -2"):
         settings(tmp_path, "--http-workers", "-2")
     with pytest.raises(SettingsError, match="with --ray, Ray Serve's replicas serve"):
         settings(tmp_path, "--http-workers", "2", "--ray")

@@ -264,7 +264,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     # -- inference -------------------------------------------------------------------
     #
-    # ModelInfer and ModelStreamInfer are served by _RawInferHandler with no (de)serializers:
+    # ModelInfer and ModelStreamInfer are served by RawInferHandler with no (de)serializers:
     # the servicer gets the message bytes and returns bytes, so a large message is parsed,
     # decoded, encoded and serialized on a codec thread (frontends/offload.py), and a small
     # one inline, as grpc would have. A message that is not a ModelInferRequest is then
@@ -353,7 +353,7 @@ def _serialized_response(response: InferenceResponse) -> bytes:
     return serialized
 
 
-class _RawInferHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
+class RawInferHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
     """ModelInfer and ModelStreamInfer with bytes in and out (see InferenceServicer)."""
 
     def __init__(self, servicer: InferenceServicer) -> None:
@@ -415,11 +415,7 @@ class GrpcFrontend:
             options=options,
             compression=compression,
         )
-        # First: the generated handler's ModelInfer and ModelStreamInfer are never reached.
-        server.add_generic_rpc_handlers((_RawInferHandler(self.servicer),))
-        generic_only = GenericHandlersOnly(server)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, generic_only)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, generic_only)
+        self.add_handlers(server)
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
         try:
             if self.tls is None:
@@ -439,6 +435,14 @@ class GrpcFrontend:
         await server.start()
         self.server = server
         return bound
+
+    def add_handlers(self, server: Any) -> None:
+        """Triton's service and the health service on ``server``."""
+        # First: the generated handler's ModelInfer and ModelStreamInfer are never reached.
+        server.add_generic_rpc_handlers((RawInferHandler(self.servicer),))
+        generic_only = GenericHandlersOnly(server)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, generic_only)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, generic_only)
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -474,4 +478,4 @@ class GrpcFrontend:
         await asyncio.sleep(0)
 
 
-__all__ = ["GrpcFrontend", "InferenceServicer"]
+__all__ = ["DECOUPLED_ERROR", "GrpcFrontend", "InferenceServicer", "RawInferHandler"]

@@ -16,7 +16,7 @@ SERVICE_NAME = "inference.GRPCInferenceService"
 
 
 #: Triton's API group of each RPC, for --grpc-restricted-protocol.
-_RPC_GROUPS = {
+RPC_GROUPS = {
     "ServerLive": "health",
     "ServerReady": "health",
     "ModelReady": "health",
@@ -48,7 +48,7 @@ class RestrictionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         method = details.method.rsplit("/", 1)[-1]
-        group = _RPC_GROUPS.get(method) if details.method.startswith(f"/{SERVICE_NAME}/") else None
+        group = RPC_GROUPS.get(method) if details.method.startswith(f"/{SERVICE_NAME}/") else None
         if group is not None:
             metadata = {key.lower(): value for key, value in (details.invocation_metadata or ())}
             denied = self.restrictions.denied(group, metadata, grpc=True)
@@ -160,4 +160,4 @@ class GenericHandlersOnly:
         pass
 
 
-__all__ = ["SERVICE_NAME", "GenericHandlersOnly", "ParsedByUs", "RestrictionInterceptor"]
+__all__ = ["RPC_GROUPS", "SERVICE_NAME", "GenericHandlersOnly", "ParsedByUs", "RestrictionInterceptor"]

@@ -157,9 +157,10 @@ async def serve_stream(
         try:
             request = await servicer.decode(data, context)
             empty_final = _wants_empty_final(request)
-            if service.decoupled(request.model_name, request.model_version):
+            decoupled, items = await service.open_stream(request)
+            if decoupled:
                 turn.set_result(None)  # answers as they come: later requests need not wait
-                async for item in service.infer_stream(request):
+                async for item in items:
                     if abort_on_error and item.error is not None:
                         out.put_nowait(StreamAborted(grpc_status(item.error.code), item.error.message))
                         return
@@ -168,7 +169,7 @@ async def serve_stream(
                         out.put_nowait(encoded)
                 _release_trace(request)
                 return
-            async for item in service.infer_stream(request):
+            async for item in items:
                 if abort_on_error and item.error is not None:
                     answers.append(StreamAborted(grpc_status(item.error.code), item.error.message))
                     continue

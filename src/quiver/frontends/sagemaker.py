@@ -354,8 +354,15 @@ class SageMakerFrontend:
         await self.generate(scope, receive, send, model, "", self.settings.inference_type == "generate_stream")
 
     def _invocation_model(self, scope: Scope) -> str:
+        return self.invocation_model(self.target_of(scope))
+
+    def target_of(self, scope: Scope) -> str | None:
+        """The TargetModel header of a multi-model endpoint's request (None otherwise)."""
+        return _headers(scope).get(TARGET_MODEL_HEADER, "").strip() if self.settings.multi_model else None
+
+    def invocation_model(self, target: str | None) -> str:
+        """The model ``/invocations`` infers on, given :meth:`target_of` its request."""
         if self.settings.multi_model:
-            target = _headers(scope).get(TARGET_MODEL_HEADER, "").strip()
             if not target:
                 raise InvalidArgumentError(
                     "multi-model endpoint: the X-Amzn-SageMaker-Target-Model header (TargetModel) "

@@ -1,4 +1,4 @@
-"""The link between an HTTP frontend worker process and the model side: framed messages over
+"""The link between a frontend worker process and the model side: framed messages over
 a Unix socket pair the model side made.
 
 A frame is a 4-byte little-endian length and a pickled tuple whose first item names the
@@ -7,12 +7,20 @@ ends are the server's own processes, started from the same installation by the m
 and no client or model code writes to this socket; what a client sent arrives as the values
 the worker decoded (arrays, strings), never as something that is unpickled.
 
-Worker -> model side: ``("ready", pid)``, ``("infer", id, InferenceRequest)``,
-``("cancel", id)``, ``("forward", id, scope, body)`` (an HTTP request that is not an
-inference, for the model side's own application).
+Model side -> worker, first: ``("setup", {"grpc": GrpcWorkerSetup | None, "sagemaker":
+SageMakerSettings | None})``.
+Worker -> model side: ``("ready", pid)``, ``("infer", id, InferenceRequest, decoupled_error)``,
+``("stream", id, InferenceRequest)`` (ModelStreamInfer), ``("cancel", id)``, ``("forward", id,
+scope, body, app)`` (an HTTP request that is not an inference, for the model side's "http" or
+"sagemaker" application), ``("rpc", id, method, request bytes, metadata)`` (a gRPC call that
+is not an inference), ``("sagemaker-model", id, route, value)`` (the model a SageMaker
+inference runs on).
 Model side -> worker: ``("ok", id, InferenceResponse, queues)``, ``("error", id, code,
-message)`` (an :class:`~quiver.errors.ErrorCode` name), ``("http", id, status, headers,
-body)``.
+message[, capacity])`` (an :class:`~quiver.errors.ErrorCode` name), ``("http", id, status,
+headers, body)``, ``("rpc-ok", id, reply bytes)``, ``("rpc-error", id, grpc status name,
+message)``, ``("value", id, value)``; for a stream ``("opened", id, decoupled)``, then
+``("item", id, InferenceResponse | None, (code, message) | None, final)`` each, then
+``("end", id)`` or ``("error", ...)``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""The model side of ``--http-workers N``: N HTTP frontend worker processes
-(:mod:`quiver.frontends.http_worker`) accept on the one HTTP listening socket this process
-bound; each hands decoded inference requests to this process over its link
-(:mod:`quiver.frontends.worker_link`), where they go through ``InferenceService.infer`` as
-any request does, and every other HTTP request to the v2 application here.
+"""The model side of ``--frontend-workers N``: N frontend worker processes
+(:mod:`quiver.frontends.frontend_worker`) accept on the HTTP and SageMaker listening sockets
+this process bound and on the gRPC port this process holds
+(:func:`quiver.frontends.grpc_worker.reserve_port`); each hands decoded inference requests to
+this process over its link (:mod:`quiver.frontends.worker_link`), where they go through
+``InferenceService.infer`` (or ``open_stream``, for ``ModelStreamInfer``) as any request does,
+every other HTTP request to the v2 or SageMaker application here and every other gRPC call to
+the gRPC servicer here (:mod:`quiver.frontends.grpc_relay`).
 
 A worker that dies is started again (its clients' connections break, as with any crashed
 server; the others are untouched); one that keeps dying right after its start is retried at
@@ -24,7 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quiver.errors import ErrorCode, QuiverError
-from quiver.frontends.status import http_error
+from quiver.frontends.grpc import InferenceServicer
+from quiver.frontends.grpc_relay import answer_rpc
+from quiver.frontends.grpc_worker import GrpcWorkerSetup
+from quiver.frontends.remote_service import capacity_index
+from quiver.frontends.sagemaker import SageMakerFrontend
+from quiver.frontends.status import grpc_error, http_error
 from quiver.frontends.worker_link import Link
 from quiver.service import DECOUPLED_ERROR, InferenceService
 from quiver.types import InferenceRequest
@@ -48,9 +56,10 @@ class _Worker:
     tasks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
 
 
-class HttpWorkers:
-    """``count`` worker processes serving ``sock`` for ``service`` and ``app`` (the v2 HTTP
-    application of this process, which answers what is not an inference)."""
+class FrontendWorkers:
+    """``count`` worker processes serving HTTP on ``sock`` (if any) for ``service`` and
+    ``app`` (the v2 HTTP application of this process, which answers what is not an
+    inference), and gRPC as ``grpc`` says (if any) on the port ``grpc_socket`` holds."""
 
     name = "HTTP"
 
@@ -58,9 +67,13 @@ class HttpWorkers:
         self,
         service: InferenceService,
         app: Any,
-        sock: socket.socket,
+        sock: socket.socket | None,
         count: int,
         *,
+        grpc: GrpcWorkerSetup | None = None,
+        grpc_socket: socket.socket | None = None,
+        sagemaker: SageMakerFrontend | None = None,
+        sagemaker_socket: socket.socket | None = None,
         max_input_size: int,
         restricted_api: list[str],
         graceful_seconds: float = 30.0,
@@ -76,6 +89,11 @@ class HttpWorkers:
         self.graceful_seconds = graceful_seconds
         self.log_verbose = log_verbose
         self.header_forward_pattern = header_forward_pattern
+        self.grpc = grpc
+        self.grpc_socket = grpc_socket
+        self.servicer = InferenceServicer(service) if grpc is not None else None
+        self.sagemaker = sagemaker
+        self.sagemaker_socket = sagemaker_socket
         self.workers: dict[int, _Worker] = {}
         self._stopping = False
         self._watchers: set[asyncio.Task[None]] = set()
@@ -91,22 +109,25 @@ class HttpWorkers:
         try:
             await asyncio.wait_for(asyncio.gather(*(w.ready for w in self.workers.values())), READY_TIMEOUT)
         except (TimeoutError, OSError) as exc:
-            raise OSError(f"the HTTP workers did not start: {exc or 'timed out'}") from None
+            raise OSError(f"the frontend workers did not start: {exc or 'timed out'}") from None
 
     async def _spawn(self, index: int) -> _Worker:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        listening = [sock for sock in (self.socket, self.sagemaker_socket) if sock is not None]
+        fds = (theirs.fileno(), *(sock.fileno() for sock in listening))
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "quiver.frontends.http_worker",
-                "--listen-fd", str(self.socket.fileno()),
+                sys.executable, "-m", "quiver.frontends.frontend_worker",
+                *(("--listen-fd", str(self.socket.fileno())) if self.socket is not None else ()),
+                *(("--sagemaker-fd", str(self.sagemaker_socket.fileno())) if self.sagemaker_socket is not None else ()),
                 "--link-fd", str(theirs.fileno()),
                 "--max-input-size", str(self.max_input_size),
                 "--restricted-api", json.dumps(self.restricted_api),
                 "--graceful-seconds", str(self.graceful_seconds),
                 "--log-verbose", str(self.log_verbose),
                 *(("--http-header-forward-pattern", self.header_forward_pattern) if self.header_forward_pattern else ()),
-                pass_fds=(self.socket.fileno(), theirs.fileno()),
+                pass_fds=fds,
                 stdin=asyncio.subprocess.DEVNULL,
             )
         finally:
@@ -118,8 +139,10 @@ class HttpWorkers:
         )
         worker = _Worker(index, process, link, ready, time.monotonic())
         holder.append(worker)
+        sagemaker = self.sagemaker.settings if self.sagemaker is not None and self.sagemaker_socket is not None else None
+        link.send(("setup", {"grpc": self.grpc, "sagemaker": sagemaker}))
         self.workers[index] = worker
-        watcher = asyncio.create_task(self._watch(worker), name=f"quiver-http-worker-{index}")
+        watcher = asyncio.create_task(self._watch(worker), name=f"quiver-frontend-worker-{index}")
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return worker
@@ -128,11 +151,11 @@ class HttpWorkers:
         code = await worker.process.wait()
         worker.link.close()
         if not worker.ready.done():
-            worker.ready.set_exception(OSError(f"HTTP worker {worker.index} exited with {code} at start"))
+            worker.ready.set_exception(OSError(f"frontend worker {worker.index} exited with {code} at start"))
             worker.ready.exception()  # seen: start() raises it; for a restart this log line says it
         if self._stopping:
             return
-        logger.warning("HTTP worker %d (pid %d) exited with %s; starting it again", worker.index, worker.process.pid, code)
+        logger.warning("frontend worker %d (pid %d) exited with %s; starting it again", worker.index, worker.process.pid, code)
         started = worker.started
         while not self._stopping:
             wait = started + RESTART_BACKOFF - time.monotonic()
@@ -145,7 +168,7 @@ class HttpWorkers:
                 await self._spawn(worker.index)  # its own watcher takes over from here
                 return
             except OSError as exc:
-                logger.error("HTTP worker %d could not be started again: %s; retrying", worker.index, exc)
+                logger.error("frontend worker %d could not be started again: %s; retrying", worker.index, exc)
 
     # -- the links -------------------------------------------------------------------
 
@@ -161,7 +184,16 @@ class HttpWorkers:
                 task.cancel()
         elif kind == "forward":
             ident = message[1]
-            worker.tasks[ident] = asyncio.create_task(self._forward(worker, ident, message[2], message[3]))
+            app = self.sagemaker if len(message) > 4 and message[4] == "sagemaker" else self.app
+            worker.tasks[ident] = asyncio.create_task(self._forward(worker, ident, message[2], message[3], app))
+        elif kind == "rpc":
+            ident = message[1]
+            worker.tasks[ident] = asyncio.create_task(self._rpc(worker, ident, message[2], message[3], message[4]))
+        elif kind == "sagemaker-model":
+            self._sagemaker_model(worker, message[1], message[2], message[3])
+        elif kind == "stream":
+            ident = message[1]
+            worker.tasks[ident] = asyncio.create_task(self._stream(worker, ident, message[2]))
         elif kind == "ready" and not worker.ready.done():
             worker.ready.set_result(message[1])
 
@@ -183,7 +215,7 @@ class HttpWorkers:
         except Exception as exc:
             code = exc.code if isinstance(exc, QuiverError) else ErrorCode.INTERNAL
             _, message = http_error(exc, model=request.model_name, where=f"inference on model '{request.model_name}'")
-            worker.link.send(("error", ident, code.name, message))
+            worker.link.send(("error", ident, code.name, message, capacity_index(exc)))
         else:
             queues = self.service.queues(request.model_name, request.model_version)
             worker.link.send(("ok", ident, response, queues))
@@ -192,7 +224,58 @@ class HttpWorkers:
             if trace is not None:
                 trace.release()
 
-    async def _forward(self, worker: _Worker, ident: int, scope: dict[str, Any], body: bytes) -> None:
+    async def _rpc(self, worker: _Worker, ident: int, method: str, data: bytes, metadata: Any) -> None:
+        assert self.servicer is not None
+        try:
+            answer = await answer_rpc(self.servicer, method, data, metadata)
+        except asyncio.CancelledError:
+            return
+        finally:
+            worker.tasks.pop(ident, None)
+        worker.link.send((answer[0], ident, *answer[1:]))
+
+    async def _stream(self, worker: _Worker, ident: int, request: InferenceRequest) -> None:
+        """A ModelStreamInfer request: whether the model is decoupled, then each answer as the
+        model gives it, then the end (or the error of the request as a whole)."""
+        trace = self.service.start_trace(request.model_name)
+        request.trace = trace
+        try:
+            decoupled, items = await self.service.open_stream(request)
+            worker.link.send(("opened", ident, decoupled))
+            async with contextlib.aclosing(items):
+                async for item in items:
+                    error = (item.error.code.name, item.error.message) if item.error is not None else None
+                    worker.link.send(("item", ident, item.response, error, item.final))
+            if trace is not None:
+                trace.capture("INFER_RESPONSE_COMPLETE")
+            worker.link.send(("end", ident))
+        except asyncio.CancelledError:
+            return  # the client went away: leaving the stream cancelled the request
+        except Exception as exc:
+            code = exc.code if isinstance(exc, QuiverError) else ErrorCode.INTERNAL
+            _, message = grpc_error(exc, model=request.model_name, where=f"gRPC ModelStreamInfer on model '{request.model_name}'")
+            worker.link.send(("error", ident, code.name, message))
+        finally:
+            worker.tasks.pop(ident, None)
+            if trace is not None:
+                trace.release()
+
+    def _sagemaker_model(self, worker: _Worker, ident: int, route: str, value: str | None) -> None:
+        """The model a worker's SageMaker inference runs on (see ``RemoteService.sagemaker_model``)."""
+        assert self.sagemaker is not None
+        try:
+            if route == "invoke":
+                model = self.sagemaker.service.resolve_target(value or "")
+            else:
+                model = self.sagemaker.invocation_model(value)
+        except Exception as exc:  # answered, never raised into the link's reading
+            code = exc.code if isinstance(exc, QuiverError) else ErrorCode.INTERNAL
+            _, message = http_error(exc, where=f"SageMaker {route}")
+            worker.link.send(("error", ident, code.name, message, capacity_index(exc)))
+        else:
+            worker.link.send(("value", ident, model))
+
+    async def _forward(self, worker: _Worker, ident: int, scope: dict[str, Any], body: bytes, app: Any) -> None:
         sent = False
 
         async def receive() -> dict[str, Any]:
@@ -215,7 +298,7 @@ class HttpWorkers:
                 chunks.append(message.get("body", b""))
 
         try:
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
         except asyncio.CancelledError:
             return
         except Exception:  # the application answered it already (its exception handler)
@@ -250,14 +333,16 @@ class HttpWorkers:
         for worker in self.workers.values():
             if worker.process.returncode != 0:
                 logger.warning(
-                    "HTTP worker %d (pid %d) exited with %s while stopping",
+                    "frontend worker %d (pid %d) exited with %s while stopping",
                     worker.index, worker.process.pid, worker.process.returncode,
                 )
         for watcher in list(self._watchers):
             watcher.cancel()
         for worker in self.workers.values():
             worker.link.close()
-        self.socket.close()
+        for sock in (self.socket, self.grpc_socket, self.sagemaker_socket):
+            if sock is not None:
+                sock.close()
 
 
-__all__ = ["HttpWorkers"]
+__all__ = ["FrontendWorkers"]

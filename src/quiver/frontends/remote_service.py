@@ -1,0 +1,197 @@
+"""What a frontend worker's frontends need of an ``InferenceService``, answered by the model
+side over the worker's link (:mod:`quiver.frontends.worker_link`): inferences (one answer,
+or a stream of them), HTTP requests that are not inferences (``forward``) and gRPC calls that
+are not inferences (``relay``).
+
+When the model side goes away (the link closes), everything waiting for it fails
+UNAVAILABLE ("the model side of the server has stopped") and :attr:`RemoteService.gone` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncGenerator, Awaitable
+from typing import Any
+
+from quiver.errors import ErrorCode, QuiverError, UnavailableError, error_for_code
+from quiver.frontends.worker_link import Link
+from quiver.lifecycle.urls import CAPACITY_ERRORS
+from quiver.service import Watch
+from quiver.streaming import StreamResponse
+from quiver.types import InferenceRequest, InferenceResponse
+
+GONE = "the model side of the server has stopped"
+
+#: Messages that end a stream on the worker's side.
+_STREAM_ENDS = ("end", "error")
+
+
+def _error(message: tuple[Any, ...]) -> QuiverError:
+    """``("error", id, code name, text[, capacity])`` -> the error; ``capacity`` is the index
+    of a :data:`CAPACITY_ERRORS` class (out of memory or disk: SageMaker answers those 507)."""
+    capacity = message[4] if len(message) > 4 else None
+    if capacity is not None:
+        error: QuiverError = CAPACITY_ERRORS[capacity](message[3])
+        return error
+    return error_for_code(ErrorCode[message[2]], message[3])
+
+
+def capacity_index(exc: BaseException) -> int | None:
+    """Which of :data:`CAPACITY_ERRORS` ``exc`` is (None: none)."""
+    return next((i for i, kind in enumerate(CAPACITY_ERRORS) if isinstance(exc, kind)), None)
+
+
+class RelayedStatus(Exception):
+    """A gRPC call the model side answered with a status (a ``grpc.StatusCode`` name)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class RemoteService:
+    """The model side's ``InferenceService``, as far as the frontends of a worker use it."""
+
+    def __init__(self) -> None:
+        self.link: Link | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._streams: dict[int, asyncio.Queue[tuple[Any, ...]]] = {}
+        self._queues: dict[tuple[str, str], bool] = {}
+        self.gone = asyncio.Event()
+
+    # -- the link --------------------------------------------------------------------
+
+    def on_message(self, message: tuple[Any, ...]) -> None:
+        kind, ident = message[0], message[1]
+        stream = self._streams.get(ident)
+        if stream is not None:
+            if kind in _STREAM_ENDS:
+                del self._streams[ident]
+            stream.put_nowait(message)
+            return
+        future = self._waiting.pop(ident, None)
+        if future is None or future.done():
+            return
+        if kind == "ok":
+            response: InferenceResponse = message[2]
+            self._queues[(response.model_name, "")] = message[3]
+            future.set_result(response)
+        elif kind == "error":
+            future.set_exception(_error(message))
+        elif kind in ("rpc-ok", "value"):
+            future.set_result(message[2])
+        elif kind == "rpc-error":
+            future.set_exception(RelayedStatus(message[2], message[3]))
+        else:  # "http"
+            future.set_result(message[2:])
+
+    def on_lost(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(UnavailableError(GONE))
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.put_nowait(("error", 0, ErrorCode.UNAVAILABLE.name, GONE))
+        self.gone.set()
+
+    def _send(self, message: tuple[Any, ...]) -> Link:
+        link = self.link
+        if link is None or link.closed:
+            raise UnavailableError(GONE)
+        link.send(message)
+        return link
+
+    async def _call(self, kind: str, *payload: Any) -> Any:
+        ident = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        link = self._send((kind, ident, *payload))
+        self._waiting[ident] = future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._waiting.pop(ident, None) is not None:
+                link.send(("cancel", ident))  # the client went away: leave the queue
+            raise
+
+    # -- what the frontends call ---------------------------------------------------------
+
+    def queues(self, name: str, version: str = "") -> bool:
+        """Whether the model's requests may wait in a queue (so a client that goes away takes
+        its request out), as the model side said with its last answer for it; until one came,
+        yes: watching for the client costs a little, a queued request nobody waits for more."""
+        return self._queues.get((name, ""), True)
+
+    async def infer(
+        self, request: InferenceRequest, *, decoupled_error: str = "", watch: Watch | None = None
+    ) -> InferenceResponse:
+        work: Awaitable[InferenceResponse] = self._call("infer", request, decoupled_error)
+        if watch is not None and self.queues(request.model_name, request.model_version):
+            work = watch(work)
+        response: InferenceResponse = await work
+        return response
+
+    async def open_stream(self, request: InferenceRequest) -> tuple[bool, AsyncGenerator[StreamResponse, None]]:
+        """As ``InferenceService.open_stream``: the model side says whether the model is
+        decoupled, then sends each answer as the model gives it."""
+        ident = next(self._ids)
+        queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        link = self._send(("stream", ident, request))
+        self._streams[ident] = queue
+        try:
+            first = await queue.get()
+        except asyncio.CancelledError:
+            if self._streams.pop(ident, None) is not None:
+                link.send(("cancel", ident))
+            raise
+        if first[0] == "error":
+            raise _error(first)
+        return bool(first[2]), self._items(ident, queue, link)
+
+    async def _items(
+        self, ident: int, queue: asyncio.Queue[tuple[Any, ...]], link: Link
+    ) -> AsyncGenerator[StreamResponse, None]:
+        try:
+            while True:
+                message = await queue.get()
+                kind = message[0]
+                if kind == "item":
+                    error: QuiverError | None = None
+                    if message[3] is not None:
+                        error = error_for_code(ErrorCode[message[3][0]], message[3][1])
+                    yield StreamResponse(response=message[2], error=error, final=message[4])
+                elif kind == "end":
+                    return
+                else:  # "error"
+                    raise _error(message)
+        finally:
+            if self._streams.pop(ident, None) is not None:
+                link.send(("cancel", ident))  # left early: the client went away
+
+    def start_trace(self, model: str, headers: Any = None) -> None:
+        """None: the model side samples the traces of the requests a worker hands it."""
+        return None
+
+    async def forward(
+        self, scope: dict[str, Any], body: bytes, app: str = "http"
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        status, headers, payload = await self._call("forward", scope, body, app)
+        return status, headers, payload
+
+    async def sagemaker_model(self, route: str, value: str | None) -> str:
+        """The model a SageMaker inference runs on: ``route`` "invocations" with the request's
+        TargetModel (:meth:`SageMakerFrontend.target_of`), or "invoke" with the name in the path."""
+        model: str = await self._call("sagemaker-model", route, value)
+        return model
+
+    async def relay(self, method: str, data: bytes, metadata: tuple[tuple[str, Any], ...]) -> bytes:
+        """A serialized request of gRPC ``method`` -> the model side's serialized reply;
+        :class:`RelayedStatus` when it answered with a status."""
+        reply: bytes = await self._call("rpc", method, data, metadata)
+        return reply
+
+
+__all__ = ["GONE", "RelayedStatus", "RemoteService", "capacity_index"]
