@@ -184,6 +184,7 @@ def start_worker(
                 "model_version": files.version,
                 "model_dir": str(files.model_dir),
                 "filename": config.default_model_filename,
+                "outputs": [tensor.name for tensor in config.outputs],
                 "spin_us": settings.spin_microseconds,
                 "shm": {
                     "prefix": tag + "w",
