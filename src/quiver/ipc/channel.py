@@ -18,6 +18,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Final, cast
 
@@ -146,6 +147,7 @@ class Channel:
         in time, None when the peer closed the channel."""
         assert self._buffered, "receive() reads ahead: a buffered channel only"
         buffer = self._buffer
+        deadline: float | None = None
         while True:
             if len(buffer) >= 4:
                 (word,) = _LENGTH.unpack_from(buffer)
@@ -157,19 +159,27 @@ class Channel:
                     body = buffer[4:end]
                     del buffer[:end]
                     return decode(body, bool(word & _EXACT))
-            flags = 0
-            if timeout is not None:
-                flags = socket.MSG_DONTWAIT
-                if timeout > 0:
-                    if self._poller is None:
-                        self._poller = select.poll()
-                        self._poller.register(self.sock.fileno(), select.POLLIN)
-                    if not self._poller.poll(timeout * 1000):
-                        return EMPTY
             try:
-                chunk = self.sock.recv(1 << 16, flags)
+                chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                return EMPTY
+                # Nothing yet: sleep in poll() for input, never in a blocking recv(). A thread
+                # blocked in recv() is also woken each time the peer reads what this end sent
+                # (the socket's wait queue is shared with writers waiting for room), and on a
+                # virtual machine such a needless wake-up costs more than a small call.
+                if timeout == 0:
+                    return EMPTY
+                if self._poller is None:
+                    self._poller = select.poll()
+                    self._poller.register(self.sock.fileno(), select.POLLIN)
+                if timeout is None:
+                    self._poller.poll()
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._poller.poll(remaining * 1000):
+                    return EMPTY
+                continue
             except ConnectionError:
                 return None
             if not chunk:
