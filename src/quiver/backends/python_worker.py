@@ -250,13 +250,14 @@ class WorkerInstance(WorkerStreamsMixin):
                 item["traced"] = True
                 self._traces[request_id] = request.trace
             items.append(item)
+        if not items:
+            for block in blocks:
+                arena.free(block.segment, block.offset)
         try:
-            if items and not await self._execute(worker, items, requests):
+            if items and not await self._execute(worker, items, requests, blocks):
                 for item in items:
                     self._pending.pop(item["id"], None)
                 return None
-            for block in blocks:
-                arena.free(block.segment, block.offset)
             # A model may answer through its response sender after execute() returned.
             return [future.result() if future.done() else await future for future in futures]
         finally:
@@ -264,8 +265,11 @@ class WorkerInstance(WorkerStreamsMixin):
                 for item in items:
                     self._traces.pop(item["id"], None)
 
-    async def _execute(self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> bool:
-        """Run the batch; False if the worker died before it started it."""
+    async def _execute(
+        self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest], blocks: list[Block]
+    ) -> bool:
+        """Run the batch whose inputs are ``blocks`` of the worker's pool (freed once it is done
+        with them); False if the worker died before it started it."""
         channel = worker.achannel
         assert channel is not None
         batch = next(self._batch_ids)
@@ -304,6 +308,9 @@ class WorkerInstance(WorkerStreamsMixin):
         finally:
             self._batches.pop(batch, None)
             self._last_done = time.perf_counter()
+            if entry.finished:  # else the worker still reads them, or is being stopped
+                for block in blocks:
+                    worker.arena.free(block.segment, block.offset)
         return not entry.unstarted
 
     def _should_spin(self) -> bool:
