@@ -240,9 +240,13 @@ class Worker:
 
     def serve(self) -> None:
         jobs = self.jobs
+
+        def waiting() -> bool:
+            return bool(jobs)
+
         while True:
             if not jobs:
-                self.inbox.wait(lambda: bool(jobs), spin=self.spin if self.spin and spare_core() else 0.0)
+                self.inbox.wait(waiting, spin=self.spin if self.spin and spare_core() else 0.0)
             job = jobs.popleft()
             for segment, offset in job.get("release", ()):
                 self.arena.free(segment, offset)

@@ -62,6 +62,7 @@ from quiver.types import DataType, InferenceRequest, InferenceResponse, Requeste
 
 logger = logging.getLogger(__name__)
 
+_DATATYPES = {datatype.value: datatype for datatype in DataType}
 #: A batch sent this long after the previous one finished finds the loop idle (spinning for its
 #: answer then costs no other request anything).
 _IDLE_GAP_S = 50e-6
@@ -422,7 +423,7 @@ class WorkerInstance(WorkerStreamsMixin):
                 outputs = []
                 for descriptor in descriptors:
                     name, datatype, shape, array = tensors.read(worker.mapper, descriptor, copy=True)
-                    outputs.append(Tensor(name, DataType(datatype), shape, array))
+                    outputs.append(Tensor(name, _DATATYPES[datatype], shape, array))
                 parameters: Any = {}
                 text = response.get("parameters")
                 if text and text != "{}":  # the standard library's json: integers of any size
@@ -465,6 +466,8 @@ class WorkerInstance(WorkerStreamsMixin):
                 continue
             shape = list(tensor.shape[1:] if batching else tensor.shape)
             dims = list(spec.dims)
+            if shape == dims and (tensor.shape or not batching):
+                continue
             if (batching and not tensor.shape) or len(shape) != len(dims) or any(
                 d != -1 and d != s for d, s in zip(dims, shape, strict=True)
             ):
