@@ -32,7 +32,9 @@ from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, Instanc
 from quiver.backends.python_bls_stream import not_decoupled_call
 from quiver.backends.python_convert import request_fields
 from quiver.backends.python_env import PythonEnv
+from quiver.backends.python_outputs import OutputCheck
 from quiver.backends.python_process import (
+    Batch,
     Worker,
     exit_cause,
     log_message,
@@ -70,25 +72,6 @@ _IDLE_GAP_S = 50e-6
 _SPIN_RETRY_S = 1.0
 
 
-class _Batch:
-    """A batch sent to the worker: its request ids, the future its task waits on, whether the
-    worker is done with it (answered ``done``, or died), and whether it died before starting
-    it (then the batch is sent again)."""
-
-    __slots__ = ("finished", "ids", "unstarted", "waiter")
-
-    def __init__(self, ids: list[str], waiter: asyncio.Future[None]) -> None:
-        self.ids = ids
-        self.waiter = waiter
-        self.finished = False
-        self.unstarted = False
-
-    def finish(self) -> None:
-        self.finished = True
-        if not self.waiter.done():
-            self.waiter.set_result(None)
-
-
 class WorkerInstance(WorkerStreamsMixin):
     """A :class:`~quiver.backends.base.ModelInstance` whose model runs in a worker process."""
 
@@ -111,7 +94,7 @@ class WorkerInstance(WorkerStreamsMixin):
         self._init_args = init_args
         self._where = f"model '{config.name}' version {files.version}"
         self._all_outputs = [tensor.name for tensor in config.outputs]
-        self._outputs = {tensor.name: tensor for tensor in config.outputs}
+        self._check_outputs = OutputCheck(config)
         self._worker: Worker | None = None
         self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
@@ -121,7 +104,7 @@ class WorkerInstance(WorkerStreamsMixin):
         self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
         self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
         self._ready_answers = WorkerReadiness()
-        self._batches: dict[int, _Batch] = {}  # in flight, by number (0: finalize)
+        self._batches: dict[int, Batch] = {}  # in flight, by number (0: finalize)
         self._batch_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._restarting: asyncio.Task[None] | None = None
@@ -191,7 +174,7 @@ class WorkerInstance(WorkerStreamsMixin):
     async def _finalize(self, worker: Worker) -> None:
         assert worker.achannel is not None
         done = asyncio.get_running_loop().create_future()
-        self._batches[0] = _Batch([], done)
+        self._batches[0] = Batch([], done)
         worker.achannel.send({"op": msg.FINALIZE})
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done, self._settings.stub_timeout_seconds)
@@ -275,7 +258,7 @@ class WorkerInstance(WorkerStreamsMixin):
         assert channel is not None
         batch = next(self._batch_ids)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = self._batches[batch] = _Batch([item["id"] for item in items], done)
+        entry = self._batches[batch] = Batch([item["id"] for item in items], done)
         worker.inflight.append(batch)
         message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
         if worker.releases:
@@ -448,34 +431,6 @@ class WorkerInstance(WorkerStreamsMixin):
             return
         if future is not None and not future.done():
             future.set_result(result)
-
-    def _check_outputs(self, outputs: list[Tensor]) -> str:
-        """What is wrong with the outputs' datatypes or shapes against the configuration ("" if
-        nothing), as Triton checks a backend's outputs."""
-        batching = self._config.max_batch_size > 0
-        for tensor in outputs:
-            spec = self._outputs.get(tensor.name)
-            if spec is None:
-                continue
-            if tensor.datatype is not spec.datatype:
-                return (
-                    f"unexpected datatype {tensor.datatype.value} for output '{tensor.name}', "
-                    f"the model configuration says {spec.datatype.value}"
-                )
-            if spec.reshape is not None:
-                continue
-            shape = list(tensor.shape[1:] if batching else tensor.shape)
-            dims = list(spec.dims)
-            if shape == dims and (tensor.shape or not batching):
-                continue
-            if (batching and not tensor.shape) or len(shape) != len(dims) or any(
-                d != -1 and d != s for d, s in zip(dims, shape, strict=True)
-            ):
-                return (
-                    f"unexpected shape {list(tensor.shape)} for output '{tensor.name}', the model "
-                    f"configuration says {spec.full_shape(self._config.max_batch_size)}"
-                )
-        return ""
 
     async def _bls(self, worker: Worker, message: dict[str, Any]) -> None:
         """Run a BLS request from the model through the server; answer with the response."""
