@@ -289,7 +289,7 @@ class Worker:
                 return
             try:
                 result = model_execute(requests)
-                if inspect.isawaitable(result):
+                if type(result) is not list and inspect.isawaitable(result):
                     if self.decoupled and inspect.iscoroutine(result):
                         senders.in_background(result)
                         result = None
