@@ -18,7 +18,7 @@ Run: ``python -m benchmarks.python_worker`` (``--help``); writes ``results/pytho
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from benchmarks import common, loadgen
 from benchmarks.peers import WORK as PEERS_HOME
@@ -57,19 +58,40 @@ def _payload() -> loadgen.Payload:
     return loadgen.Payload(tiny.MODEL, {tiny.INPUT: x}, expected={tiny.OUTPUT: x * 2})
 
 
+def _children_cpu(pid: int | None) -> float:
+    """CPU seconds of ``pid``'s live child processes (the Python workers of a Quiver server)."""
+    if pid is None:
+        return 0.0
+    total = 0.0
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                total += sum(child.cpu_times()[:2])
+    return total
+
+
 def _trials(name: str, endpoints: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     payload = _payload()
     rows = []
     for encoding in args.encodings:
         loadgen.sanity_check(*endpoints.address(encoding), encoding, payload)
         for concurrency in args.concurrency:
+            marks: dict[str, float] = {}
             result = loadgen.run_trial(
                 *endpoints.address(encoding), encoding, concurrency, args.warmup, args.duration, payload,
                 server_pid=endpoints.pid, progress=None,
+                on_begin=lambda marks=marks: marks.__setitem__("begin", _children_cpu(endpoints.pid)),
+                on_end=lambda marks=marks: marks.__setitem__("end", _children_cpu(endpoints.pid)),
             )
             row = {"server": name, **result.to_dict()}
+            # CPU per request over the measured window: the server's process, its workers
+            if result.requests and result.server_cpu_s is not None:
+                children = max(0.0, marks.get("end", 0.0) - marks.get("begin", 0.0))
+                row["server_cpu_us"] = (result.server_cpu_s - children) / result.requests * 1e6
+                row["worker_cpu_us"] = children / result.requests * 1e6
             rows.append(row)
             log(f"{name} {encoding} c={concurrency}: {result.req_per_s:.0f} req/s, p50 {result.p50_ms:.3f} ms, "
+                f"CPU/request server {row.get('server_cpu_us', 0):.0f} us + workers {row.get('worker_cpu_us', 0):.0f} us, "
                 f"errors {result.errors}")
     return rows
 
@@ -120,17 +142,18 @@ def _hop(calls: int) -> dict[str, Any]:
         SERVER.backend_config = {"python": {"in-process": in_process}}
         instance = BACKEND.create_instance(config, files, spec)
 
-        async def measure(instance: Any = instance) -> list[float]:
+        async def measure(instance: Any = instance) -> tuple[list[float], float, float]:
             for _ in range(200):
                 await instance.run([request])
             samples = []
+            cpu, workers = time.process_time(), _children_cpu(os.getpid())
             for _ in range(calls):
                 began = time.perf_counter_ns()
                 await instance.run([request])
                 samples.append((time.perf_counter_ns() - began) / 1000)
-            return samples
+            return samples, time.process_time() - cpu, _children_cpu(os.getpid()) - workers
 
-        samples = asyncio.run(measure())
+        samples, cpu, workers = common.run_async(measure())
         instance.unload()
         samples.sort()
         out[mode] = {
@@ -138,8 +161,11 @@ def _hop(calls: int) -> dict[str, Any]:
             "p50_us": round(statistics.median(samples), 1),
             "p99_us": round(samples[int(len(samples) * 0.99) - 1], 1),
             "mean_us": round(statistics.fmean(samples), 1),
+            "server_cpu_us": round(cpu / calls * 1e6, 1),
+            "worker_cpu_us": round(workers / calls * 1e6, 1),
         }
-        log(f"hop {mode}: p50 {out[mode]['p50_us']} us")
+        log(f"hop {mode}: p50 {out[mode]['p50_us']} us, CPU per call {out[mode]['server_cpu_us']} us "
+            f"+ worker {out[mode]['worker_cpu_us']} us")
     return out
 
 
@@ -153,13 +179,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"each trial {report['settings']['warmup']} s warm-up then {report['settings']['duration']} s "
         "measured, `benchmarks/loadgen.py` (binary = HTTP with the binary tensor extension).",
         "",
-        "| server | encoding | concurrency | req/s | p50 ms | p99 ms | errors |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "CPU per request: the server's process and its child processes (Quiver's Python workers, "
+        "Triton's stubs), user + system, over the measured window.",
+        "",
+        "| server | encoding | concurrency | req/s | p50 ms | p99 ms | server CPU us/req | worker CPU us/req | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["trials"]:
         lines.append(
             f"| {row['server']} | {row['encoding']} | {row['concurrency']} | {row['req_per_s']:.0f} | "
-            f"{common.dash(row['p50_ms'], '.3f')} | {common.dash(row['p99_ms'], '.3f')} | {row['errors']} |"
+            f"{common.dash(row['p50_ms'], '.3f')} | {common.dash(row['p99_ms'], '.3f')} | "
+            f"{common.dash(row.get('server_cpu_us'), '.0f')} | {common.dash(row.get('worker_cpu_us'), '.0f')} | {row['errors']} |"
         )
     if report.get("triton_error"):
         lines += ["", f"Triton did not run: {report['triton_error']}"]
@@ -177,11 +207,13 @@ def markdown(report: dict[str, Any]) -> str:
     hop = report.get("hop")
     if hop:
         lines += [
-            "", "The process boundary alone (`run()` of one request in this process, no HTTP):", "",
-            "| mode | p50 us | p99 us | mean us |", "|---|---:|---:|---:|",
+            "", "The process boundary alone (`run()` of one request in this process on uvloop, as the "
+            "server runs it, no HTTP; CPU per call of this process and of the worker):", "",
+            "| mode | p50 us | p99 us | mean us | CPU us/call | worker CPU us/call |", "|---|---:|---:|---:|---:|---:|",
         ]
         for mode, row in hop.items():
-            lines.append(f"| {mode} | {row['p50_us']} | {row['p99_us']} | {row['mean_us']} |")
+            lines.append(f"| {mode} | {row['p50_us']} | {row['p99_us']} | {row['mean_us']} | "
+                         f"{common.dash(row.get('server_cpu_us'))} | {common.dash(row.get('worker_cpu_us'))} |")
     return "\n".join(lines)
 
 

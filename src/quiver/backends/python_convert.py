@@ -17,6 +17,7 @@ from quiver.errors import (
     QuiverError,
     error_for_code,
 )
+from quiver.ipc.channel import dumps
 from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 
@@ -145,35 +146,52 @@ _RESERVED_PARAMETERS = frozenset(
 )
 
 
-def _request_fields(request: InferenceRequest, all_outputs: list[str]) -> dict[str, Any]:
+def request_fields(request: InferenceRequest) -> dict[str, Any]:
     """What a model sees of a request besides its inputs (``pb_utils.InferenceRequest``'s
-    fields): sequence flags and correlation id, timeout, the parameters passed on, the outputs."""
+    fields), only those that differ from :data:`DEFAULT_FIELDS` (all outputs requested: no
+    ``requested_output_names``): sequence flags and correlation id, timeout, the parameters
+    passed on, the outputs asked for, the request id."""
+    fields: dict[str, Any] = {}
+    if request.id:
+        fields["request_id"] = request.id
+    if request.outputs is not None:
+        fields["requested_output_names"] = [output.name for output in request.outputs]
     params = request.parameters
+    if not params:
+        return fields
     correlation_id = params.get("sequence_id", 0)
-    if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
-        correlation_id = 0
+    if correlation_id and not isinstance(correlation_id, bool) and isinstance(correlation_id, (int, str)):
+        fields["correlation_id"] = correlation_id
     flags = 0
     if params.get("sequence_start"):
         flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
     if params.get("sequence_end"):
         flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+    if flags:
+        fields["flags"] = flags
     try:
         timeout = int(params.get("timeout", 0) or 0)
     except (TypeError, ValueError):
         timeout = 0
+    if timeout:
+        fields["timeout"] = timeout
     passed = {k: v for k, v in params.items() if k not in _RESERVED_PARAMETERS}
-    if request.outputs is None:
-        requested = list(all_outputs)
-    else:
-        requested = [output.name for output in request.outputs]
+    if passed:
+        fields["parameters_json"] = dumps(passed, default=str)[0].decode("utf-8")
+    return fields
+
+
+#: A request's fields when it has no id, no parameters and asks for every output.
+DEFAULT_FIELDS: dict[str, Any] = {"request_id": "", "correlation_id": 0, "flags": 0, "timeout": 0, "parameters_json": "{}"}
+
+
+def _request_fields(request: InferenceRequest, all_outputs: list[str]) -> dict[str, Any]:
+    """Every field of :func:`request_fields`, defaults filled in, and the model's name."""
     return {
-        "request_id": request.id,
-        "correlation_id": correlation_id,
-        "requested_output_names": requested,
+        **DEFAULT_FIELDS,
+        "requested_output_names": list(all_outputs),
         "model_name": request.model_name,
-        "flags": flags,
-        "timeout": timeout,
-        "parameters_json": json.dumps(passed, default=str),
+        **request_fields(request),
     }
 
 

@@ -1,14 +1,15 @@
 """A Python model's worker process, as the server starts and stops it: the command (the model's
 Python, a bootstrap that puts the worker's modules first and reports a missing numpy), the
-``init``/``ready`` handshake within ``stub-timeout-seconds``, its shared-memory pools, its exit
-cause, its memory (USS), and the guarantees that it never outlives the server
-(``PR_SET_PDEATHSIG`` from a spawning thread that lives as long as the process, an exit hook,
-and at start the removal of pools left by servers that were killed). Used by
+``init``/``ready`` handshake within ``stub-timeout-seconds``, its shared-memory pools, its
+batches in flight (:class:`Batch`), its exit cause, its memory (USS), and the guarantees that
+it never outlives the server (``PR_SET_PDEATHSIG`` from a spawning thread that lives as long as
+the process, an exit hook, and at start the removal of pools left by servers that were killed). Used by
 :mod:`quiver.backends.python_worker` (serving) and :mod:`quiver.backends.python` (auto-complete).
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import itertools
@@ -102,6 +103,25 @@ def uss_bytes(pid: int) -> int:
         return 0
 
 
+class Batch:
+    """A batch sent to the worker: its request ids, the future its task waits on, whether the
+    worker is done with it (answered ``done``, or died), and whether it died before starting
+    it (then the batch is sent again)."""
+
+    __slots__ = ("finished", "ids", "unstarted", "waiter")
+
+    def __init__(self, ids: list[str], waiter: asyncio.Future[None]) -> None:
+        self.ids = ids
+        self.waiter = waiter
+        self.finished = False
+        self.unstarted = False
+
+    def finish(self) -> None:
+        self.finished = True
+        if not self.waiter.done():
+            self.waiter.set_result(None)
+
+
 class Worker:
     """One started worker process: its channel, the pool the server writes into, the worker's."""
 
@@ -184,6 +204,7 @@ def start_worker(
                 "model_version": files.version,
                 "model_dir": str(files.model_dir),
                 "filename": config.default_model_filename,
+                "outputs": [tensor.name for tensor in config.outputs],
                 "spin_us": settings.spin_microseconds,
                 "shm": {
                     "prefix": tag + "w",

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import triton_python_backend_utils as pb_utils
 from quiver.backends.python_convert import _error_code, _json_ready, _output_tensor
 from quiver.backends.python_loading import _import_model_file, _model_class
@@ -52,6 +54,7 @@ from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError
 from quiver.types import DataType
 
 _PR_SET_PDEATHSIG = 1
+_NO_FIELDS: dict[str, Any] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +90,22 @@ class _ChannelLogHandler(logging.Handler):
             self._channel.send({"op": msg.LOG, "level": record.levelno, "message": record.getMessage()})
 
 
+#: TRITONSERVER_DataType values by datatype name.
+_TRITON_TYPES: dict[str, int] = {t.value: t.triton_value for t in DataType}
+#: The Triton datatype of each numpy dtype that has one (BYTES aside).
+_WIRE_TYPES: dict[Any, str] = {t.numpy_dtype: t.value for t in DataType if t is not DataType.BYTES}
+
+
 def _tensor_wire(tensor: Any) -> tuple[str, str, Any]:
     """A pb_utils.Tensor as (name, datatype, numpy array) for the pool; ValueError when its
     array has no Triton datatype."""
-    converted = _output_tensor(tensor)
+    if type(tensor) is pb_utils.Tensor:
+        array = tensor.as_numpy()
+        if type(array) is np.ndarray:
+            datatype = _WIRE_TYPES.get(array.dtype)
+            if datatype is not None:
+                return tensor.name(), datatype, array
+    converted = _output_tensor(tensor)  # BYTES, and what is wrong
     return converted.name, converted.datatype.value, converted.data
 
 
@@ -105,6 +120,8 @@ class Worker:
         self.where = f"model '{self.name}' version {self.version}"
         self.files = _Files(Path(init["model_dir"]), self.version)
         self.filename: str = init["filename"]
+        #: The model's outputs: what a request that names none asks for.
+        self.outputs: list[str] = list(init.get("outputs") or ())
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self.jobs: deque[dict[str, Any]] = deque()
@@ -223,9 +240,13 @@ class Worker:
 
     def serve(self) -> None:
         jobs = self.jobs
+
+        def waiting() -> bool:
+            return bool(jobs)
+
         while True:
             if not jobs:
-                self.inbox.wait(lambda: bool(jobs), spin=self.spin if self.spin and spare_core() else 0.0)
+                self.inbox.wait(waiting, spin=self.spin if self.spin and spare_core() else 0.0)
             job = jobs.popleft()
             for segment, offset in job.get("release", ()):
                 self.arena.free(segment, offset)
@@ -268,7 +289,7 @@ class Worker:
                 return
             try:
                 result = model_execute(requests)
-                if inspect.isawaitable(result):
+                if type(result) is not list and inspect.isawaitable(result):
                     if self.decoupled and inspect.iscoroutine(result):
                         senders.in_background(result)
                         result = None
@@ -292,28 +313,30 @@ class Worker:
                     self.cancelled.discard(request_id)
 
     def _flush(self, batch: int) -> None:
-        """The batch's responses and its ``done``, in one write."""
-        outbox, self.outbox = self.outbox or [], None
-        outbox.append({"op": msg.DONE, "batch": batch})
-        self.channel.send_many(outbox)
+        """The batch's ``done``, carrying its responses: one message, one write."""
+        outbox, self.outbox = self.outbox, None
+        done: dict[str, Any] = {"op": msg.DONE, "batch": batch}
+        if outbox:
+            done["responses"] = outbox
+        self.channel.send(done)
 
     def _request(self, item: dict[str, Any], sender_factory: Any) -> pb_utils.InferenceRequest:
         inputs = []
         for descriptor in item["tensors"]:
             name, datatype, _, array = tensors.read(self.mapper, descriptor)
-            inputs.append(pb_utils.Tensor._wrap(name, array, DataType(datatype).triton_value))
-        fields = item["fields"]
+            inputs.append(pb_utils.Tensor._wrap(name, array, _TRITON_TYPES[datatype]))
+        fields = item.get("fields") or _NO_FIELDS  # only what differs from the defaults
         request_id = str(item["id"])
         request = pb_utils.InferenceRequest._from_server(
-            request_id=fields["request_id"],
-            correlation_id=fields["correlation_id"],
+            request_id=fields.get("request_id", ""),
+            correlation_id=fields.get("correlation_id", 0),
             inputs=inputs,
-            requested_output_names=set(fields["requested_output_names"]),
+            requested_output_names=set(fields.get("requested_output_names", self.outputs)),
             model_name=self.name,
             model_version=self.version,
-            flags=fields["flags"],
-            timeout=fields["timeout"],
-            parameters_json=fields["parameters_json"],
+            flags=fields.get("flags", 0),
+            timeout=fields.get("timeout", 0),
+            parameters_json=fields.get("parameters_json", "{}"),
             sender_factory=sender_factory,
             cancelled=lambda: self.is_cancelled(request_id),
         )
@@ -378,7 +401,10 @@ class Worker:
             for block in blocks:
                 self.arena.free(block.segment, block.offset)
             return {"error": ["INTERNAL", f"{self.where}: response to request {index}: {exc}"]}
-        return {"tensors": descriptors, "parameters": item.parameters()}
+        parameters = item.parameters()
+        if parameters == "{}":
+            return {"tensors": descriptors}
+        return {"tensors": descriptors, "parameters": parameters}
 
     # ---- BLS
 

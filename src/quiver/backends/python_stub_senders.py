@@ -43,12 +43,15 @@ class WorkerSenders:
         self._ids = ids
         self.decoupled = decoupled
         self.senders: list[InferenceResponseSender | None] = [None] * len(ids)
+        #: Whether the model asked for a response sender (then it answers through them).
+        self.used = False
 
     def factory(self, index: int) -> Callable[[], InferenceResponseSender]:
         def get() -> InferenceResponseSender:
             sender = self.senders[index]
             if sender is None:
                 request_id = self._ids[index]
+                self.used = True
                 sender = self.senders[index] = InferenceResponseSender(
                     self.decoupled, self._deliver(index), lambda: self._worker.is_cancelled(request_id)
                 )
@@ -67,10 +70,6 @@ class WorkerSenders:
                 worker.cancelled.discard(request_id)
 
         return deliver
-
-    @property
-    def used(self) -> bool:
-        return any(sender is not None for sender in self.senders)
 
     def _final_error(self, index: int, code: str, message: str) -> None:
         self._worker.send(

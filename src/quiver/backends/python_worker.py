@@ -30,9 +30,11 @@ import numpy as np
 
 from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
 from quiver.backends.python_bls_stream import not_decoupled_call
-from quiver.backends.python_convert import _request_fields
+from quiver.backends.python_convert import request_fields
 from quiver.backends.python_env import PythonEnv
+from quiver.backends.python_outputs import OutputCheck
 from quiver.backends.python_process import (
+    Batch,
     Worker,
     exit_cause,
     log_message,
@@ -54,7 +56,7 @@ from quiver.errors import (
 )
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
-from quiver.ipc.channel import AsyncChannel
+from quiver.ipc.channel import AsyncChannel, ChannelError, decode_json
 from quiver.ipc.inbox import spare_core
 from quiver.ipc.shm import Block, PoolFullError
 from quiver.streaming import StreamedResponse
@@ -62,6 +64,7 @@ from quiver.types import DataType, InferenceRequest, InferenceResponse, Requeste
 
 logger = logging.getLogger(__name__)
 
+_DATATYPES = {datatype.value: datatype for datatype in DataType}
 #: A batch sent this long after the previous one finished finds the loop idle (spinning for its
 #: answer then costs no other request anything).
 _IDLE_GAP_S = 50e-6
@@ -91,7 +94,7 @@ class WorkerInstance(WorkerStreamsMixin):
         self._init_args = init_args
         self._where = f"model '{config.name}' version {files.version}"
         self._all_outputs = [tensor.name for tensor in config.outputs]
-        self._outputs = {tensor.name: tensor for tensor in config.outputs}
+        self._check_outputs = OutputCheck(config)
         self._worker: Worker | None = None
         self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
@@ -101,10 +104,8 @@ class WorkerInstance(WorkerStreamsMixin):
         self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
         self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
         self._ready_answers = WorkerReadiness()
-        self._batches: dict[int, asyncio.Future[None]] = {}
+        self._batches: dict[int, Batch] = {}  # in flight, by number (0: finalize)
         self._batch_ids = itertools.count(1)
-        self._batch_items: dict[int, list[str]] = {}  # the request ids of each batch in flight
-        self._unstarted: set[int] = set()  # batches the worker died before starting
         self._request_ids = itertools.count(1)
         self._restarting: asyncio.Task[None] | None = None
         self._down_reason = ""
@@ -173,7 +174,7 @@ class WorkerInstance(WorkerStreamsMixin):
     async def _finalize(self, worker: Worker) -> None:
         assert worker.achannel is not None
         done = asyncio.get_running_loop().create_future()
-        self._batches[0] = done
+        self._batches[0] = Batch([], done)
         worker.achannel.send({"op": msg.FINALIZE})
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done, self._settings.stub_timeout_seconds)
@@ -197,17 +198,21 @@ class WorkerInstance(WorkerStreamsMixin):
             # was running): it runs on the restarted worker
 
     async def _run_once(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
-        worker = await self._ready_worker()
-        if isinstance(worker, QuiverError):
-            return [worker for _ in requests]
+        worker = self._worker
+        if worker is None or worker.achannel is None or self._restarting is not None or self._closed:
+            ready = await self._ready_worker()
+            if isinstance(ready, QuiverError):
+                return [ready for _ in requests]
+            worker = ready
         loop = asyncio.get_running_loop()
         blocks: list[Block] = []
-        items, results = [], []
+        items: list[dict[str, Any]] = []
         futures: list[asyncio.Future[InferenceResponse | QuiverError]] = []
+        arena = worker.arena
         for request in requests:
             request_id = str(next(self._request_ids))
             try:
-                descriptors = [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in request.inputs]
+                descriptors = [tensors.write(arena, t.name, t.datatype.value, t.data, blocks) for t in request.inputs]
             except PoolFullError as exc:
                 failed: asyncio.Future[InferenceResponse | QuiverError] = loop.create_future()
                 failed.set_result(UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}"))
@@ -220,45 +225,53 @@ class WorkerInstance(WorkerStreamsMixin):
             else:
                 self._pending[request_id] = future
             futures.append(future)
-            item: dict[str, Any] = {"id": request_id, "tensors": descriptors, "fields": _request_fields(request, self._all_outputs)}
+            item: dict[str, Any] = {"id": request_id, "tensors": descriptors}
+            fields = request_fields(request)
+            if fields:
+                item["fields"] = fields
             if request.trace is not None:
                 # BLS requests the model passes this request's trace to are traced under it.
                 item["traced"] = True
                 self._traces[request_id] = request.trace
             items.append(item)
+        if not items:
+            for block in blocks:
+                arena.free(block.segment, block.offset)
         try:
-            if items and not await self._execute(worker, items, requests):
+            if items and not await self._execute(worker, items, requests, blocks):
                 for item in items:
                     self._pending.pop(item["id"], None)
                 return None
-            for block in blocks:
-                worker.arena.free(block.segment, block.offset)
-            for future in futures:
-                # A model may answer through its response sender after execute() returned.
-                results.append(await future)
+            # A model may answer through its response sender after execute() returned.
+            return [future.result() if future.done() else await future for future in futures]
         finally:
-            for item in items:
-                self._traces.pop(item["id"], None)
-        return results
+            if self._traces:
+                for item in items:
+                    self._traces.pop(item["id"], None)
 
-    async def _execute(self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest]) -> bool:
-        """Run the batch; False if the worker died before it started it."""
-        assert worker.achannel is not None
+    async def _execute(
+        self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest], blocks: list[Block]
+    ) -> bool:
+        """Run the batch whose inputs are ``blocks`` of the worker's pool (freed once it is done
+        with them); False if the worker died before it started it."""
+        channel = worker.achannel
+        assert channel is not None
         batch = next(self._batch_ids)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._batches[batch] = done
-        self._batch_items[batch] = [item["id"] for item in items]
+        entry = self._batches[batch] = Batch([item["id"] for item in items], done)
         worker.inflight.append(batch)
         message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
         if worker.releases:
             message["release"], worker.releases = worker.releases, []
-        worker.achannel.send(message)
+        channel.send(message)
         if self._spin and self._should_spin() and spare_core():
-            self._spin_for(worker.achannel, done)
-        timeouts = [int(r.parameters.get("timeout", 0) or 0) for r in requests if str(r.parameters.get("timeout", "0")).isdigit()]
-        limit = min((t for t in timeouts if t > 0), default=0) / 1e6
+            self._spin_for(channel, done)
+        limit = _timeout(requests)
         try:
-            await asyncio.wait_for(asyncio.shield(done), limit or None)
+            if limit:
+                await asyncio.wait_for(asyncio.shield(done), limit)
+            else:
+                await done  # nothing in between: the answer resumes this task at once
         except TimeoutError:
             self._fail_pending(
                 [item["id"] for item in items],
@@ -269,18 +282,20 @@ class WorkerInstance(WorkerStreamsMixin):
             )
             worker.kill()  # the reader sees the end of the channel and restarts it
         except asyncio.CancelledError:
-            worker.achannel.send({"op": msg.CANCEL, "ids": [item["id"] for item in items]})
-            with contextlib.suppress(Exception):
-                await done
+            channel.send({"op": msg.CANCEL, "ids": entry.ids})
+            if not entry.finished:
+                if entry.waiter.done():  # cancelled with this task: wait on a new one
+                    entry.waiter = asyncio.get_running_loop().create_future()
+                with contextlib.suppress(Exception):
+                    await entry.waiter
             raise
         finally:
             self._batches.pop(batch, None)
-            self._batch_items.pop(batch, None)
             self._last_done = time.perf_counter()
-        if batch in self._unstarted:
-            self._unstarted.discard(batch)
-            return False
-        return True
+            if entry.finished:  # else the worker still reads them, or is being stopped
+                for block in blocks:
+                    worker.arena.free(block.segment, block.offset)
+        return not entry.unstarted
 
     def _should_spin(self) -> bool:
         """Whether to wait for this batch's answer without sleeping: when the worker answers
@@ -328,17 +343,19 @@ class WorkerInstance(WorkerStreamsMixin):
     def _on_message(self, worker: Worker, message: dict[str, Any]) -> None:
         """One message from the worker, on the loop as soon as it is read."""
         op = message["op"]
-        if op == msg.RESPONSE:
-            self._on_response(worker, message)
-        elif op == msg.DONE:
+        if op == msg.DONE:
+            for response in message.get("responses", ()):  # the batch's, sent with its done
+                self._on_response(worker, response)
             self._served = True
             self._failures = 0
             batch = int(message["batch"])
             with contextlib.suppress(ValueError):
                 worker.inflight.remove(batch)
-            done = self._batches.get(batch)
-            if done is not None and not done.done():
-                done.set_result(None)
+            entry = self._batches.get(batch)
+            if entry is not None:
+                entry.finish()
+        elif op == msg.RESPONSE:
+            self._on_response(worker, message)
         elif op == msg.BLS:
             task = asyncio.create_task(self._bls(worker, message))
             self._bls_tasks.add(task)
@@ -354,9 +371,9 @@ class WorkerInstance(WorkerStreamsMixin):
             log_message(message)
         elif op == msg.FINALIZED:
             worker.finalized = True
-            done = self._batches.get(0)
-            if done is not None and not done.done():
-                done.set_result(None)
+            entry = self._batches.get(0)
+            if entry is not None:
+                entry.finish()
 
     def _on_end(self, worker: Worker, error: Exception | None) -> None:
         """The channel ended: the worker exited (or sent something that is not a message, and
@@ -389,11 +406,12 @@ class WorkerInstance(WorkerStreamsMixin):
                 outputs = []
                 for descriptor in descriptors:
                     name, datatype, shape, array = tensors.read(worker.mapper, descriptor, copy=True)
-                    outputs.append(Tensor(name, DataType(datatype), shape, array))
-                try:
-                    parameters = json.loads(response.get("parameters") or "{}")
-                except ValueError:
-                    parameters = {}
+                    outputs.append(Tensor(name, _DATATYPES[datatype], shape, array))
+                parameters: Any = {}
+                text = response.get("parameters")
+                if text and text != "{}":  # the standard library's json: integers of any size
+                    with contextlib.suppress(ChannelError):
+                        parameters = decode_json(text, exact=True)
                 wrong = self._check_outputs(outputs)
                 if wrong:
                     raise ValueError(wrong)
@@ -413,32 +431,6 @@ class WorkerInstance(WorkerStreamsMixin):
             return
         if future is not None and not future.done():
             future.set_result(result)
-
-    def _check_outputs(self, outputs: list[Tensor]) -> str:
-        """What is wrong with the outputs' datatypes or shapes against the configuration ("" if
-        nothing), as Triton checks a backend's outputs."""
-        batching = self._config.max_batch_size > 0
-        for tensor in outputs:
-            spec = self._outputs.get(tensor.name)
-            if spec is None:
-                continue
-            if tensor.datatype is not spec.datatype:
-                return (
-                    f"unexpected datatype {tensor.datatype.value} for output '{tensor.name}', "
-                    f"the model configuration says {spec.datatype.value}"
-                )
-            if spec.reshape is not None:
-                continue
-            shape = list(tensor.shape[1:] if batching else tensor.shape)
-            dims = list(spec.dims)
-            if (batching and not tensor.shape) or len(shape) != len(dims) or any(
-                d != -1 and d != s for d, s in zip(dims, shape, strict=True)
-            ):
-                return (
-                    f"unexpected shape {list(tensor.shape)} for output '{tensor.name}', the model "
-                    f"configuration says {spec.full_shape(self._config.max_batch_size)}"
-                )
-        return ""
 
     async def _bls(self, worker: Worker, message: dict[str, Any]) -> None:
         """Run a BLS request from the model through the server; answer with the response."""
@@ -519,14 +511,17 @@ class WorkerInstance(WorkerStreamsMixin):
         logger.error("%s: Python worker (pid %d) %s; restarting it", self._where, worker.process.pid, cause)
         # The worker runs its batches in order: those behind the first never started, and are
         # sent again to the restarted worker rather than failed.
-        waiting = list(worker.inflight)[1:] if not self._decoupled else []
-        self._unstarted.update(waiting)
-        again = {request_id for batch in waiting for request_id in self._batch_items.get(batch, ())}
+        waiting = [self._batches[batch] for batch in list(worker.inflight)[1:] if batch in self._batches]
+        if self._decoupled:
+            waiting = []
+        again = set()
+        for entry in waiting:
+            entry.unstarted = True
+            again.update(entry.ids)
         self._fail_pending([request_id for request_id in self._pending if request_id not in again], error)
         self._streams.fail_all(error)
-        for done in self._batches.values():
-            if not done.done():
-                done.set_result(None)
+        for entry in list(self._batches.values()):
+            entry.finish()
         self._worker = None
         self._down_reason = f"its Python worker {cause}"
         if not self._served:
@@ -568,6 +563,16 @@ class WorkerInstance(WorkerStreamsMixin):
             logger.info("%s: Python worker restarted (pid %d)", self._where, worker.process.pid)
             self._restarting = None
             return
+
+
+def _timeout(requests: list[InferenceRequest]) -> float:
+    """The shortest ``timeout`` parameter (microseconds) of ``requests``, in seconds (0: none)."""
+    limit = 0
+    for request in requests:
+        value = request.parameters.get("timeout") if request.parameters else None
+        if value and str(value).isdigit() and (limit == 0 or int(value) < limit):
+            limit = int(value)
+    return limit / 1e6
 
 
 def _report_health(model: str, version: int, instance: str, reason: str | None) -> None:

@@ -18,6 +18,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Final, cast
 
@@ -48,18 +49,24 @@ class _Empty:
 EMPTY: Final = _Empty()
 
 
-def encode(message: dict[str, Any]) -> bytes:
+def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> tuple[bytes, bool]:
+    """``value`` as compact UTF-8 JSON, and whether it took the standard library's json (which
+    alone writes integers over 64 bits, NaN and infinities as they are; orjson otherwise)."""
     if _orjson is not None:
         try:
-            body: bytes = _orjson.dumps(message)
+            body: bytes = _orjson.dumps(value, default=default)
         except TypeError:  # what orjson does not take (integers over 64 bits): the exact way
             pass
         else:
-            # orjson writes a non-finite float as null: such a message goes the exact way
-            if b"null" not in body or not _non_finite(message):
-                return _LENGTH.pack(len(body)) + body
-    body = json.dumps(message, separators=(",", ":")).encode("utf-8")
-    return _LENGTH.pack(len(body) | _EXACT) + body
+            # orjson writes a non-finite float as null: such a value goes the exact way
+            if b"null" not in body or not _non_finite(value):
+                return body, False
+    return json.dumps(value, separators=(",", ":"), default=default).encode("utf-8"), True
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    body, exact = dumps(message)
+    return _LENGTH.pack(len(body) | _EXACT if exact else len(body)) + body
 
 
 def _non_finite(value: Any) -> bool:
@@ -81,11 +88,18 @@ def _length(head: bytes | bytearray) -> tuple[int, bool]:
     return length, bool(word & _EXACT)
 
 
-def decode(body: bytes, exact: bool = False) -> dict[str, Any]:
+def decode_json(body: str | bytes | bytearray | memoryview, exact: bool = False) -> Any:
+    """JSON text as Python values (orjson unless ``exact``); ChannelError when it is not JSON."""
     try:
-        message = _orjson.loads(body) if _orjson is not None and not exact else json.loads(body)
+        if _orjson is not None and not exact:
+            return _orjson.loads(body)
+        return json.loads(bytes(body) if isinstance(body, memoryview) else body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChannelError(f"a message that is not JSON: {exc}") from None
+
+
+def decode(body: bytes | bytearray | memoryview, exact: bool = False) -> dict[str, Any]:
+    message = decode_json(body, exact)
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ChannelError("a message that is not an object with an 'op'")
     return message
@@ -110,7 +124,7 @@ class Channel:
 
     def send_many(self, messages: list[dict[str, Any]]) -> None:
         """Several messages in one write (the peer reads them one by one)."""
-        frames = b"".join(encode(message) for message in messages)
+        frames = b"".join([encode(message) for message in messages])
         with self._send_lock:
             self.sock.sendall(frames)
 
@@ -133,26 +147,39 @@ class Channel:
         in time, None when the peer closed the channel."""
         assert self._buffered, "receive() reads ahead: a buffered channel only"
         buffer = self._buffer
+        deadline: float | None = None
         while True:
             if len(buffer) >= 4:
-                length, exact = _length(bytes(buffer[:4]))
-                if len(buffer) >= 4 + length:
-                    body = bytes(buffer[4 : 4 + length])
-                    del buffer[: 4 + length]
-                    return decode(body, exact)
-            flags = 0
-            if timeout is not None:
-                flags = socket.MSG_DONTWAIT
-                if timeout > 0:
-                    if self._poller is None:
-                        self._poller = select.poll()
-                        self._poller.register(self.sock.fileno(), select.POLLIN)
-                    if not self._poller.poll(timeout * 1000):
-                        return EMPTY
+                (word,) = _LENGTH.unpack_from(buffer)
+                length = word & ~_EXACT
+                if length > MAX_FRAME:
+                    raise ChannelError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+                end = 4 + length
+                if len(buffer) >= end:
+                    body = buffer[4:end]
+                    del buffer[:end]
+                    return decode(body, bool(word & _EXACT))
             try:
-                chunk = self.sock.recv(1 << 16, flags)
+                chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                return EMPTY
+                # Nothing yet: sleep in poll() for input, never in a blocking recv(). A thread
+                # blocked in recv() is also woken each time the peer reads what this end sent
+                # (the socket's wait queue is shared with writers waiting for room), and on a
+                # virtual machine such a needless wake-up costs more than a small call.
+                if timeout == 0:
+                    return EMPTY
+                if self._poller is None:
+                    self._poller = select.poll()
+                    self._poller.register(self.sock.fileno(), select.POLLIN)
+                if timeout is None:
+                    self._poller.poll()
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._poller.poll(remaining * 1000):
+                    return EMPTY
+                continue
             except ConnectionError:
                 return None
             if not chunk:
@@ -208,24 +235,35 @@ class AsyncChannel(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
-        buffer += data
+        if buffer:
+            buffer += data
+            data = bytes(buffer)
+            del buffer[:]
+        # Whole frames are decoded straight out of what was read; the rest waits in the buffer.
+        size = len(data)
         start = 0
         try:
-            while self._ended is not None and len(buffer) - start >= 4:
-                length, exact = _length(buffer[start : start + 4])
-                end = start + 4 + length
-                if len(buffer) < end:
-                    break
-                body = bytes(buffer[start + 4 : end])
-                start = end
-                self._deliver(decode(body, exact))
+            with memoryview(data) as view:
+                while size - start >= 4:
+                    if self._ended is None:
+                        return
+                    (word,) = _LENGTH.unpack_from(data, start)
+                    length = word & ~_EXACT
+                    if length > MAX_FRAME:
+                        raise ChannelError(f"a frame of {length} bytes (at most {MAX_FRAME})")
+                    end = start + 4 + length
+                    if size < end:
+                        break
+                    message = decode(view[start + 4 : end], bool(word & _EXACT))
+                    start = end
+                    self._deliver(message)
         except (ChannelError, KeyError, TypeError, ValueError) as exc:
-            del buffer[:]
             self._end(exc)
             if self._transport is not None:
                 self._transport.abort()
             return
-        del buffer[:start]
+        if start < size:
+            buffer += data[start:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end(None)

@@ -21,7 +21,7 @@ import contextlib
 import mmap
 import os
 import threading
-from dataclasses import dataclass
+from typing import NamedTuple
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64
@@ -31,8 +31,7 @@ class PoolFullError(Exception):
     """A block does not fit in the pool, even grown to its largest."""
 
 
-@dataclass(frozen=True, slots=True)
-class Block:
+class Block(NamedTuple):
     segment: str
     offset: int
     size: int
@@ -132,27 +131,24 @@ class Arena:
 
     def alloc(self, nbytes: int) -> tuple[Block, memoryview]:
         """A block of ``nbytes`` and a writable view of it; PoolFullError when it cannot fit."""
-        size = _round(max(nbytes, 1))
+        size = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
         with self._lock:
             for name, free in self._free.items():
-                found = self._take(name, free, size)
-                if found is not None:
-                    return Block(name, found, nbytes), self._segments[name].view[found : found + nbytes]
+                for index, (_, length) in enumerate(free):
+                    if length >= size:
+                        return self._take(name, free, index, size, nbytes)
             segment = self._grow(size)
-            found = self._take(segment.name, self._free[segment.name], size)
-            assert found is not None
-            return Block(segment.name, found, nbytes), segment.view[found : found + nbytes]
+            return self._take(segment.name, self._free[segment.name], 0, size, nbytes)
 
-    def _take(self, name: str, free: list[tuple[int, int]], size: int) -> int | None:
-        for index, (offset, length) in enumerate(free):
-            if length >= size:
-                if length == size:
-                    del free[index]
-                else:
-                    free[index] = (offset + size, length - size)
-                self._used[name][offset] = size
-                return offset
-        return None
+    def _take(self, name: str, free: list[tuple[int, int]], index: int, size: int, nbytes: int) -> tuple[Block, memoryview]:
+        """Cut ``size`` bytes from the front of free range ``index`` (which holds them)."""
+        offset, length = free[index]
+        if length == size:
+            del free[index]
+        else:
+            free[index] = (offset + size, length - size)
+        self._used[name][offset] = size
+        return Block(name, offset, nbytes), self._segments[name].view[offset : offset + nbytes]
 
     def free(self, segment: str, offset: int) -> None:
         """Give a block back (unknown blocks are ignored: a release may repeat)."""

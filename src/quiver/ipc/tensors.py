@@ -24,10 +24,14 @@ def numpy_dtype(datatype: str) -> np.dtype[Any]:
     return DataType[datatype].numpy_dtype
 
 
+#: The numpy dtype of each fixed-size datatype (looked up once).
+_DTYPES: dict[str, np.dtype[Any]] = {t.value: t.numpy_dtype for t in DataType if t is not DataType.BYTES}
+
+
 def write(arena: Arena, name: str, datatype: str, array: np.ndarray[Any, Any], blocks: list[Block]) -> Descriptor:
     """Copy ``array`` into ``arena``; the block is appended to ``blocks`` (free them when the
     reader is done). Raises PoolFullError when it does not fit."""
-    shape = [int(d) for d in array.shape]
+    shape = list(map(int, array.shape))
     if datatype == "BYTES":
         encoded = serialize_bytes(array)
         if not encoded:
@@ -35,12 +39,15 @@ def write(arena: Arena, name: str, datatype: str, array: np.ndarray[Any, Any], b
         block, view = arena.alloc(len(encoded))
         view[:] = encoded
     else:
-        data = np.ascontiguousarray(array)
-        nbytes = data.nbytes
+        nbytes = array.nbytes
         if nbytes == 0:
             return [name, datatype, shape, "", 0, 0]
         block, view = arena.alloc(nbytes)
-        np.frombuffer(view, dtype=np.uint8, count=nbytes)[:] = data.reshape(-1).view(np.uint8)
+        try:
+            view[:] = memoryview(array).cast("B")  # type: ignore[arg-type]  # one copy, C-contiguous
+        except (TypeError, ValueError, NotImplementedError):  # strided, or no buffer format
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            np.frombuffer(view, dtype=np.uint8, count=nbytes)[:] = data
     blocks.append(block)
     return [name, datatype, shape, block.segment, block.offset, block.size]
 
@@ -49,24 +56,26 @@ def read(mapper: Mapper, descriptor: Descriptor, *, copy: bool = False) -> tuple
     """``(name, datatype, shape, array)``: a view of the shared memory (``copy`` for an array
     of its own). ValueError for a descriptor that does not add up."""
     name, datatype, shape, segment, offset, nbytes = descriptor
-    dims = tuple(int(d) for d in shape)
-    if any(d < 0 for d in dims):
-        raise ValueError(f"tensor '{name}' has a negative dimension in shape {list(dims)}")
+    dims = tuple(map(int, shape))
     count = 1
     for d in dims:
+        if d < 0:
+            raise ValueError(f"tensor '{name}' has a negative dimension in shape {list(dims)}")
         count *= d
     if datatype == "BYTES":
         data = bytes(mapper.view(segment, offset, nbytes)) if nbytes else b""
         array = deserialize_bytes(data, count, name).reshape(dims)
         return name, datatype, dims, array
-    dtype = numpy_dtype(datatype)
+    dtype = _DTYPES.get(datatype)
+    if dtype is None:
+        dtype = numpy_dtype(datatype)
     if count * dtype.itemsize != nbytes:
         raise ValueError(
             f"tensor '{name}': {nbytes} bytes do not hold shape {list(dims)} of {datatype}"
         )
     if nbytes == 0:
         return name, datatype, dims, np.empty(dims, dtype=dtype)
-    array = np.frombuffer(mapper.view(segment, offset, nbytes), dtype=dtype, count=count).reshape(dims)
+    array = np.ndarray(dims, dtype, mapper.view(segment, offset, nbytes))
     if copy:
         array = array.copy()
     return name, datatype, dims, array

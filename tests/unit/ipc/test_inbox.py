@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from quiver.ipc.channel import EMPTY, Channel
+from quiver.ipc.channel import EMPTY, Channel, encode
 from quiver.ipc.inbox import Inbox
 
 
@@ -135,3 +135,21 @@ def test_spinning_needs_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
     assert inbox.spare_core()  # looked up at most once a second
     monkeypatch.setattr(inbox, "_spare", (0.0, True))
     assert not inbox.spare_core()
+
+
+def test_receive_waits_for_the_rest_of_a_frame_until_its_deadline() -> None:
+    """A frame that arrives in pieces is whole by the deadline: received, not EMPTY."""
+    ours, theirs = socket.socketpair()
+    channel = Channel(ours, buffered=True)
+    frame = encode({"op": "x", "text": "y" * 1000})
+    theirs.sendall(frame[:10])
+    later = threading.Timer(0.1, theirs.sendall, (frame[10:],))
+    later.start()
+    try:
+        assert channel.receive(5) == {"op": "x", "text": "y" * 1000}
+        theirs.sendall(frame[:10])
+        assert channel.receive(0.05) is EMPTY  # the rest never came: at the deadline
+    finally:
+        later.join()
+        ours.close()
+        theirs.close()

@@ -182,3 +182,40 @@ def test_frames_read_the_same_with_or_without_orjson(monkeypatch: pytest.MonkeyP
         channel_module.decode(b"{broken")
     with pytest.raises(ChannelError, match="'op'"):
         channel_module.decode(b"[1]")
+
+
+def test_the_async_channel_reads_frames_however_the_bytes_arrive() -> None:
+    """Several frames in one read, a frame split over reads (its length word too), an exact
+    frame (an integer over 64 bits): each message is delivered once, whole, in order."""
+    messages = [
+        {"op": "done", "batch": 1, "responses": [{"id": "1", "response": {"tensors": []}, "flags": 1}]},
+        {"op": "log", "message": "x" * 5000},
+        {"op": "response", "id": "2", "value": 123456789012345678901234567},
+        {"op": "done", "batch": 2},
+    ]
+    stream = b"".join(encode(message) for message in messages)
+    cuts = [3, 40, 41, 5100, len(stream) - 2, len(stream)]
+
+    async def feed() -> list[dict[str, object]]:
+        left, right = socket.socketpair()
+        got: list[dict[str, object]] = []
+        ends: list[Exception | None] = []
+        channel = await AsyncChannel.open(right, got.append, ends.append)
+        start = 0
+        for cut in cuts:
+            left.sendall(stream[start:cut])
+            start = cut
+            await asyncio.sleep(0.01)
+        deadline = time.monotonic() + 5
+        while len(got) < len(messages) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not ends
+        channel.close()
+        await asyncio.sleep(0)
+        left.close()
+        right.close()
+        return got
+
+    got = asyncio.run(feed())
+    assert got == messages
+    assert isinstance(got[2]["value"], int)

@@ -1,0 +1,146 @@
+"""A Python model in a worker process, driven through WorkerInstance.run(): what the model sees
+of a request (the fields cross only when they differ from the defaults), the response's
+parameters, and a batch cancelled while the worker runs it (the model sees the cancellation, the
+worker keeps serving, nothing is left behind, its inputs' shared memory included)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from quiver.backends.base import SERVER, InstanceSpec, ModelFiles
+from quiver.backends.python import BACKEND
+from quiver.config import ModelConfig, parse_model_config
+from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+CONFIG = """
+name: "seen"
+backend: "python"
+max_batch_size: 0
+input [{ name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] }]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] },
+  { name: "SEEN" data_type: TYPE_STRING dims: [ 1 ] }
+]
+instance_group [{ count: 1 kind: KIND_CPU }]
+"""
+
+# Answers what it saw of each request; a negative input waits until the request is cancelled.
+MODEL = """
+import json
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.cancelled = 0
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if x[0] < 0:
+                deadline = time.monotonic() + 10
+                while not request.is_cancelled() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.cancelled += int(request.is_cancelled())
+            seen = {
+                "request_id": request.request_id(),
+                "correlation_id": request.correlation_id(),
+                "flags": request.flags(),
+                "timeout": request.timeout(),
+                "parameters": json.loads(request.parameters()),
+                "requested": sorted(request.requested_output_names()),
+                "cancelled": self.cancelled,
+            }
+            outputs = [
+                pb_utils.Tensor("OUTPUT0", x * 2),
+                pb_utils.Tensor("SEEN", np.array([json.dumps(seen).encode()], dtype=np.object_)),
+            ]
+            responses.append(pb_utils.InferenceResponse(outputs, parameters={"answered": True, "n": 7}))
+        return responses
+"""
+
+
+@pytest.fixture
+def instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(SERVER, "backend_config", {"python": {"in-process": "false"}})
+    model_dir = tmp_path / "seen"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(CONFIG)
+    (model_dir / "1" / "model.py").write_text(textwrap.dedent(MODEL))
+    proto = parse_model_config(CONFIG, model_dir / "config.pbtxt", "seen")
+    config = ModelConfig.from_proto(proto, str(model_dir / "config.pbtxt"))
+    files = ModelFiles(repository=tmp_path, model_dir=model_dir, version=1)
+    made = BACKEND.create_instance(config, files, InstanceSpec(group=config.instance_groups[0], index=0))
+    assert type(made).__name__ == "WorkerInstance"
+    yield made
+    made.unload()  # (a no-op once a test unloaded it on its loop)
+
+
+def _request(value: float, **options: Any) -> InferenceRequest:
+    data = np.array([value], dtype=np.float32)
+    return InferenceRequest("seen", "", [Tensor("INPUT0", DataType.FP32, (1,), data)], **options)
+
+
+def _seen(response: Any) -> dict[str, Any]:
+    assert isinstance(response, InferenceResponse), response
+    outputs = {tensor.name: tensor.data for tensor in response.outputs}
+    return json.loads(outputs["SEEN"][0])  # type: ignore[no-any-return]
+
+
+def test_the_model_sees_each_requests_fields_and_its_defaults(instance: Any) -> None:
+    plain = _request(1.5)
+    rich = _request(
+        2.0,
+        id="abc",
+        outputs=[RequestedOutput("SEEN")],
+        parameters={"sequence_id": 42, "sequence_start": True, "timeout": 5_000_000, "custom": "v", "n": 3},
+    )
+
+    async def run() -> list[Any]:
+        try:
+            return list(await instance.run([plain])) + list(await instance.run([rich]))
+        finally:
+            instance.unload()  # on the loop its channel lives on
+
+    first, second = asyncio.run(run())
+    assert _seen(first) == {
+        "request_id": "", "correlation_id": 0, "flags": 0, "timeout": 0, "parameters": {},
+        "requested": ["OUTPUT0", "SEEN"], "cancelled": 0,
+    }
+    assert first.outputs[0].name == "OUTPUT0" and first.outputs[0].data.tolist() == [3.0]
+    assert first.parameters == {"answered": True, "n": 7}
+    assert _seen(second) == {
+        "request_id": "abc", "correlation_id": 42, "flags": 1, "timeout": 5_000_000,
+        "parameters": {"custom": "v", "n": 3}, "requested": ["SEEN"], "cancelled": 0,
+    }
+
+
+def test_a_batch_cancelled_while_it_runs_reaches_the_model_and_the_worker_keeps_serving(instance: Any) -> None:
+    async def run() -> Any:
+        await instance.run([_request(1.0)])  # started and answering
+        slow = asyncio.create_task(instance.run([_request(-1.0)]))
+        await asyncio.sleep(0.3)
+        assert not slow.done()
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(slow, 10)
+        answer = await asyncio.wait_for(instance.run([_request(4.0)]), 10)
+        assert not instance._batches and not instance._pending  # nothing left behind
+        assert instance._worker.arena.used_bytes == 0  # the cancelled batch's inputs given back
+        instance.unload()  # on the loop its channel lives on
+        return answer[0]
+
+    after = asyncio.run(run())
+    assert _seen(after)["cancelled"] == 1  # the model saw is_cancelled()
+    assert after.outputs[0].data.tolist() == [8.0]
