@@ -108,6 +108,9 @@ class WorkerInstance(WorkerStreamsMixin):
         self._batch_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._restarting: asyncio.Task[None] | None = None
+        # The worker's socket joins the loop once: two batches in flight (slots) may both
+        # find it not joined yet, and a second registration of the socket fails (EEXIST).
+        self._joining = asyncio.Lock()
         self._down_reason = ""
         self._served = False  # the current worker answered a batch
         self._failures = 0  # starts in a row that failed or died before serving
@@ -331,11 +334,13 @@ class WorkerInstance(WorkerStreamsMixin):
         if worker is None or self._closed:
             return UnavailableError(f"{self._where} is not available: {self._down_reason or 'its worker is not running'}")
         if worker.achannel is None:
-            worker.achannel = await AsyncChannel.open(
-                worker.channel.sock,
-                lambda message: self._on_message(worker, message),
-                lambda error: self._on_end(worker, error),
-            )
+            async with self._joining:
+                if worker.achannel is None:
+                    worker.achannel = await AsyncChannel.open(
+                        worker.channel.sock,
+                        lambda message: self._on_message(worker, message),
+                        lambda error: self._on_end(worker, error),
+                    )
         return worker
 
     # ---- messages from the worker
