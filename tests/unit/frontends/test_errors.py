@@ -106,8 +106,10 @@ def test_a_failed_stream_request_is_an_error_message_with_its_id() -> None:
         raise UnavailableError("model 'm' is loading")
         yield  # an async generator, as the service's
 
-    servicer.service.infer_stream = infer_stream  # type: ignore[attr-defined]
-    servicer.service.decoupled = lambda name, version: False  # type: ignore[attr-defined]
+    async def open_stream(request: Any) -> Any:
+        return False, infer_stream(request)  # not decoupled, as InferenceService.open_stream answers
+
+    servicer.service.open_stream = open_stream  # type: ignore[attr-defined]
 
     async def requests() -> Any:
         yield data
