@@ -24,44 +24,17 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.http as httpclient
-from build_repository import SIMPLE_CONFIG, simple_onnx
 
-from support.models import write_onnx, write_python
 from support.server import QuiverServer
+from support.worker_models import write_worker_repository
 
 WORKERS = ("--http-workers", "2")
-SLOW_MODEL = """
-import time
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        time.sleep(1.0)
-        return [
-            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
-            for r in requests
-        ]
-"""
-SLOW_CONFIG = """
-name: "slow"
-backend: "python"
-max_batch_size: 8
-dynamic_batching { max_queue_delay_microseconds: 0 }
-input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
-output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
-"""
 MAX_INPUT_SIZE = 1 << 16
 
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = tmp_path_factory.mktemp("workers") / "models"
-    repo.mkdir()
-    write_onnx(repo, "simple", simple_onnx(), SIMPLE_CONFIG)
-    write_onnx(repo, "other", simple_onnx(), SIMPLE_CONFIG.replace('name: "simple"', 'name: "other"'))
-    write_python(repo, "slow", SLOW_MODEL, SLOW_CONFIG)
-    return repo
+    return write_worker_repository(tmp_path_factory.mktemp("workers") / "models")
 
 
 def _server(repository: Path, *extra: str) -> QuiverServer:
