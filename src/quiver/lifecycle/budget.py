@@ -271,6 +271,9 @@ class MemoryBudget:
                     f"{granted}: grow the reservation first"
                 )
             del self._reserved[name]
+            # Victims it claimed beyond its need (its shortfall is covered) stay resident: the
+            # claims go, so no eviction in flight unloads them for a load that is done.
+            self._drop_claims(name)
             old = self._resident.get(name)
             if old is not None:
                 self._retiring[name] = self._retiring.get(name, 0) + old
@@ -310,10 +313,13 @@ class MemoryBudget:
         with self._lock:
             freed = self._reserved.pop(name, 0)
             self._shortfall.pop(name, None)
-            for victim in [v for v, c in self._claims.items() if c == name]:
-                del self._claims[victim]
+            self._drop_claims(name)
         self._changed()
         return freed
+
+    def _drop_claims(self, name: str) -> None:
+        for victim in [v for v, c in self._claims.items() if c == name]:
+            del self._claims[victim]
 
     # -- helpers
 

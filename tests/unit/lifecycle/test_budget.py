@@ -60,6 +60,20 @@ def test_victims_stay_counted_until_unloaded_then_their_bytes_go_to_the_claimant
     assert budget.resident == {"c": 50, "d": 10} and budget.peak == 100
 
 
+def test_a_load_that_commits_keeps_no_claim_on_victims_it_did_not_need() -> None:
+    """Found by the state machine below: victims chosen beyond the need (an empty model first
+    in LRU order) were still claimed once the load committed, so an eviction in flight would
+    unload them for a load that was done."""
+    budget = MemoryBudget(100)
+    resident(budget, a=0, b=93)
+    decision = budget.admit("c", 8, LRUPolicy(), cands(budget, order="a b"))
+    assert decision == Admission(["a", "b"], 1)
+    budget.release("b")  # covers c's shortfall; a is still unloading
+    budget.commit("c", 8)
+    assert budget.releasing == frozenset() and budget.claimant("a") is None
+    assert budget.resident == {"a": 0, "c": 8}
+
+
 def test_pinned_models_and_other_loads_block_a_load_a_model_larger_than_the_budget_fails_at_once() -> None:
     budget = MemoryBudget(100)
     resident(budget, a=60)
