@@ -1,7 +1,8 @@
 """The generate extension over plain HTTP: generate (one JSON answer) and generate_stream
 (Server-Sent Events), Triton's JSON mapping and error messages, zero/one/many responses,
 errors mid-stream, a client that disconnects mid-stream, response parameters, user
-``is_ready()``, and /infer refusing decoupled models."""
+``is_ready()``, and /infer refusing decoupled models; on one process and through frontend
+workers."""
 
 from __future__ import annotations
 
@@ -20,11 +21,15 @@ from support.decoupled_models import build_decoupled_repository
 from support.server import QuiverServer
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
+@pytest.fixture(scope="module", params=["one-process", "frontend-workers"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuiverServer]:
+    """Every test runs on one process and through frontend workers, where generate is
+    answered by the model side and generate_stream's events cross the workers' link one by one
+    (the mid-stream disconnect test needs the first event before the model has finished)."""
     root = tmp_path_factory.mktemp("generate")
     repo = build_decoupled_repository(root)
-    with QuiverServer(repo) as running:
+    args = ("--frontend-workers", "2") if request.param == "frontend-workers" else ()
+    with QuiverServer(repo, args=args) as running:
         running.ready_file = root / "ready_state"  # type: ignore[attr-defined]
         yield running
 

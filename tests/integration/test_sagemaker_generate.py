@@ -30,9 +30,10 @@ def invoke(server: QuiverServer, body: object, path: str = "/invocations") -> tu
     return response.status, response.getheader("Content-Type", ""), payload
 
 
-def test_generate_stream_invocations(repo: Path) -> None:
+@pytest.mark.parametrize("args", [(), ("--frontend-workers", "2")], ids=["one-process", "frontend-workers"])
+def test_generate_stream_invocations(repo: Path, args: tuple[str, ...]) -> None:
     env = {"SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "token_streamer", "SAGEMAKER_TRITON_INFERENCE_TYPE": "generate_stream"}
-    with QuiverServer(repo, env=env) as server:
+    with QuiverServer(repo, args=args, env=env) as server:
         status, content_type, payload = invoke(server, {"text_input": "one two three"})
         assert (status, content_type) == (200, "text/event-stream; charset=utf-8")
         events = [json.loads(chunk[6:]) for chunk in payload.split(b"\n\n") if chunk]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TypeVar
 
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -27,6 +28,8 @@ from quiver.protocol.generate import decode_generate, encode_generate
 from quiver.protocol.v2_json import encode_json
 from quiver.service import InferenceService
 from quiver.streaming import StreamResponse
+
+T = TypeVar("T")
 
 SSE = b"text/event-stream; charset=utf-8"
 JSON = b"application/json"
@@ -63,7 +66,7 @@ class GenerateEndpoint:
             )
             config = await self.service.serving_config(model, version)
             request = decode_generate(body, config, model, version, self.max_input_size)
-            items = _until_disconnect(self.service.infer_stream(request), receive)
+            items = until_disconnect(self.service.infer_stream(request), receive)
         except ClientDisconnect:
             return
         except Exception as exc:
@@ -162,22 +165,18 @@ async def _reply(send: Send, status: int, content_type: bytes, payload: bytes) -
     await send({"type": "http.response.body", "body": payload})
 
 
-async def _until_disconnect(
-    items: AsyncGenerator[StreamResponse, None], receive: Receive
-) -> AsyncGenerator[StreamResponse, None]:
-    """``items`` until the client disconnects (then ClientDisconnect, and the request is
-    cancelled: leaving ``infer_stream`` early cancels it); closes ``items`` either way."""
+async def until_disconnect(items: AsyncGenerator[T, None], receive: Receive) -> AsyncGenerator[T, None]:
+    """``items`` until the client disconnects (then ClientDisconnect; leaving a stream of
+    ``infer_stream`` early cancels its request); closes ``items`` either way, also when the
+    task is cancelled."""
     watcher = asyncio.ensure_future(receive())
+    step: asyncio.Future[T] | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(items))
             await asyncio.wait((step, watcher), return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                message = watcher.result()
-                if message.get("type") == "http.disconnect":
-                    step.cancel()
-                    with contextlib.suppress(BaseException):
-                        await step
+                if watcher.result().get("type") == "http.disconnect":
                     raise ClientDisconnect()
                 watcher = asyncio.ensure_future(receive())
                 await step
@@ -187,8 +186,13 @@ async def _until_disconnect(
                 return
             yield item
     finally:
+        # The step first (cancelled too when this task is: a model side's request whose
+        # worker saw the client go), then the generator: it cannot close while it runs.
         watcher.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step
         await items.aclose()
 
-
-__all__ = ["NOT_ONE", "GenerateEndpoint"]
+__all__ = ["NOT_ONE", "GenerateEndpoint", "until_disconnect"]

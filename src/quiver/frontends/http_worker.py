@@ -15,9 +15,11 @@ process. When the model side has gone, requests waiting for it are answered 503 
 
 from __future__ import annotations
 
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from quiver.frontends.http import HttpFrontend, _send, read_body
+from quiver.frontends.http_generate import until_disconnect
 from quiver.frontends.remote_service import RemoteService
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import http_error
@@ -51,8 +53,8 @@ class WorkerFrontend(HttpFrontend):
     async def _forward_generate(
         self, scope: Scope, receive: Receive, send: Send, model: str, version: str, streaming: bool
     ) -> None:
-        """The generate extension is answered by the model side's application (a
-        ``generate_stream`` answer reaches the client once complete)."""
+        """The generate extension is answered by the model side's application;
+        ``generate_stream``'s events reach the client one by one, as the model sends them."""
         await self._forward(scope, receive, send)
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -70,7 +72,7 @@ async def forward_http(
     try:
         # Unchanged bytes: the model side's application undoes Content-Encoding itself.
         body = await read_body(receive, headers.get(b"content-length"), None, max_input_size)
-        status, response_headers, payload = await remote.forward(
+        status, response_headers, payload, rest = await remote.forward(
             {key: scope[key] for key in _SCOPE_KEYS if key in scope}, body, app
         )
     except Exception as exc:
@@ -78,7 +80,17 @@ async def forward_http(
         await _send(send, status, encode_json({"error": message}))
         return
     await send({"type": "http.response.start", "status": status, "headers": response_headers})
-    await send({"type": "http.response.body", "body": payload})
-
+    if rest is None:
+        await send({"type": "http.response.body", "body": payload})
+        return
+    try:
+        await send({"type": "http.response.body", "body": payload, "more_body": True})
+        async for part in until_disconnect(rest, receive):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+    except ClientDisconnect:
+        return  # leaving the parts cancelled the request on the model side
+    finally:
+        await rest.aclose()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 __all__ = ["WorkerFrontend", "forward_http"]

@@ -68,7 +68,7 @@ class RemoteService:
         kind, ident = message[0], message[1]
         stream = self._streams.get(ident)
         if stream is not None:
-            if kind in _STREAM_ENDS:
+            if kind in _STREAM_ENDS or (kind == "http-chunk" and not message[3]):
                 del self._streams[ident]
             stream.put_nowait(message)
             return
@@ -85,8 +85,12 @@ class RemoteService:
             future.set_result(message[2])
         elif kind == "rpc-error":
             future.set_exception(RelayedStatus(message[2], message[3]))
+        elif kind == "http-start":  # an answer in parts: the rest arrive on a queue
+            queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+            self._streams[ident] = queue
+            future.set_result((*message[2:], queue))
         else:  # "http"
-            future.set_result(message[2:])
+            future.set_result((*message[2:], None))
 
     def on_lost(self) -> None:
         waiting, self._waiting = self._waiting, {}
@@ -106,7 +110,9 @@ class RemoteService:
         return link
 
     async def _call(self, kind: str, *payload: Any) -> Any:
-        ident = next(self._ids)
+        return await self._call_as(next(self._ids), kind, *payload)
+
+    async def _call_as(self, ident: int, kind: str, *payload: Any) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         link = self._send((kind, ident, *payload))
         self._waiting[ident] = future
@@ -177,9 +183,31 @@ class RemoteService:
 
     async def forward(
         self, scope: dict[str, Any], body: bytes, app: str = "http"
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        status, headers, payload = await self._call("forward", scope, body, app)
-        return status, headers, payload
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes, AsyncGenerator[bytes, None] | None]:
+        """An HTTP request answered by the model side's application ``app``: status, headers,
+        the body (its first part), and for an answer sent in parts (server-sent events) the
+        rest as they come (None: the body is whole). A rest that breaks off (the model side
+        went away) raises :class:`UnavailableError`; leaving it early cancels the request."""
+        ident = next(self._ids)
+        status, headers, payload, queue = await self._call_as(ident, "forward", scope, body, app)
+        if queue is None:
+            return status, headers, payload, None
+        return status, headers, payload, self._parts(ident, queue)
+
+    async def _parts(self, ident: int, queue: asyncio.Queue[tuple[Any, ...]]) -> AsyncGenerator[bytes, None]:
+        link = self.link
+        try:
+            while True:
+                message = await queue.get()
+                if message[0] != "http-chunk" or message[2] is None:
+                    raise UnavailableError(GONE if message[0] == "error" else "the answer broke off on the model side")
+                if message[2]:
+                    yield message[2]
+                if not message[3]:
+                    return
+        finally:
+            if self._streams.pop(ident, None) is not None and link is not None:
+                link.send(("cancel", ident))  # left early: the client went away
 
     async def sagemaker_model(self, route: str, value: str | None) -> str:
         """The model a SageMaker inference runs on: ``route`` "invocations" with the request's

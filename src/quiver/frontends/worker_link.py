@@ -17,7 +17,8 @@ is not an inference), ``("sagemaker-model", id, route, value)`` (the model a Sag
 inference runs on).
 Model side -> worker: ``("ok", id, InferenceResponse, queues)``, ``("error", id, code,
 message[, capacity])`` (an :class:`~quiver.errors.ErrorCode` name), ``("http", id, status,
-headers, body)``, ``("rpc-ok", id, reply bytes)``, ``("rpc-error", id, grpc status name,
+headers, body)`` (or, for an answer sent in parts, ``("http-start", id, status, headers,
+first part)`` then ``("http-chunk", id, part, more)`` each; part None: the answer broke off), ``("rpc-ok", id, reply bytes)``, ``("rpc-error", id, grpc status name,
 message)``, ``("value", id, value)``; for a stream ``("opened", id, decoupled)``, then
 ``("item", id, InferenceResponse | None, (code, message) | None, final)`` each, then
 ``("end", id)`` or ``("error", ...)``.

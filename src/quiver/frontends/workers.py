@@ -276,26 +276,41 @@ class FrontendWorkers:
             worker.link.send(("value", ident, model))
 
     async def _forward(self, worker: _Worker, ident: int, scope: dict[str, Any], body: bytes, app: Any) -> None:
+        """An HTTP request answered by the model side's ``app``. An answer in one piece goes
+        back in one message (``http``); one the application sends in parts (``more_body``:
+        generate_stream's events) goes back part by part as it comes (``http-start``, then
+        ``http-chunk`` each, the last with ``more`` false)."""
         sent = False
 
         async def receive() -> dict[str, Any]:
             nonlocal sent
             if sent:
-                await asyncio.Event().wait()  # no more body; a disconnect never comes
+                await asyncio.Event().wait()  # no more body; a disconnect arrives as "cancel"
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
 
         status = 500
         headers: list[tuple[bytes, bytes]] = []
         chunks: list[bytes] = []
+        streaming = ended = False
 
         async def send(message: dict[str, Any]) -> None:
-            nonlocal status, headers
+            nonlocal status, headers, streaming, ended
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
             elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
+                chunk = message.get("body", b"")
+                more = bool(message.get("more_body", False))
+                if streaming:
+                    worker.link.send(("http-chunk", ident, chunk, more))
+                    ended = not more
+                elif more:
+                    streaming = True
+                    chunks.append(chunk)
+                    worker.link.send(("http-start", ident, status, headers, b"".join(chunks)))
+                else:
+                    chunks.append(chunk)
 
         try:
             await app(scope, receive, send)
@@ -305,7 +320,10 @@ class FrontendWorkers:
             logger.debug("forwarded %s %s raised after answering", scope.get("method"), scope.get("path"), exc_info=True)
         finally:
             worker.tasks.pop(ident, None)
-        worker.link.send(("http", ident, status, headers, b"".join(chunks)))
+        if not streaming:
+            worker.link.send(("http", ident, status, headers, b"".join(chunks)))
+        elif not ended:  # returned mid-answer: the worker closes the connection
+            worker.link.send(("http-chunk", ident, None, False))
 
     # -- stopping ----------------------------------------------------------------------
 
