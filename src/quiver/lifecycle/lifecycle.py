@@ -365,7 +365,10 @@ class ModelLifeCycle:
             raise
         self._graph.add_namespace(Namespace(served, key, {m.name: m for m in members}, lease.release))
         try:
-            failures = await self.load(source)
+            try:
+                failures = await self.load(source)
+            finally:
+                lease.loaded()  # a background check of the copy may start now
         except BaseException:
             if not self._table.serving(served):
                 await self._drop_namespace(served, f"archive '{key}' failed to load")

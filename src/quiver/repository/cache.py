@@ -195,6 +195,7 @@ class DiskCache:
         self._background: set[asyncio.Task[None]] = set()
         self._checks: set[asyncio.Task[None]] = set()  # background version checks
         self._checking: set[tuple[str, str]] = set()
+        self._due: dict[tuple[str, str], tuple[str, Storage]] = {}  # checks to start after a load
 
     # -- state -------------------------------------------------------------------------------
 
@@ -384,7 +385,7 @@ class DiskCache:
         if check_later and cached is not None and cached.current and await self._usable(cached):
             self.stats.hits += 1
             self.stats.checked_later += 1
-            self._check_later(ident, cached.version, storage)
+            self._due[ident] = (cached.version, storage)  # started by the lease (loaded)
             return self._finish(ident, cached)
         cached = self._newest(ident)  # (the one checked may have been found damaged)
         try:
@@ -431,6 +432,13 @@ class DiskCache:
                 f"{storage.location} did not answer within {seconds:g} s "
                 "(--model-cache-revalidate-timeout)"
             ) from None
+
+    def start_check(self, ident: tuple[str, str]) -> None:
+        """Start the background check a ``check_later`` fetch of ``ident`` left due, if any
+        (:meth:`CacheLease.loaded`: after the load, so the two do not compete for the CPU)."""
+        due = self._due.pop(ident, None)
+        if due is not None:
+            self._check_later(ident, *due)
 
     def _check_later(self, ident: tuple[str, str], version: str, storage: Storage) -> None:
         """Ask the store for ``ident``'s current version in the background (one check per

@@ -145,15 +145,22 @@ class CacheLease:
         self.path = entry.path
         self.key = entry.ident[1]
         self.version = entry.version
+        self._ident = entry.ident
 
     @property
     def released(self) -> bool:
         return self._entry is None
 
+    def loaded(self) -> None:
+        """The model is loaded from the files (or failed to): a background check of the
+        copy's version (``check_later``) may start now, off the load's critical path."""
+        self._cache.start_check(self._ident)
+
     def release(self) -> None:
         entry, self._entry = self._entry, None
         if entry is not None:
             self._cache._unpin(entry)
+            self._cache.start_check(self._ident)
 
     def __enter__(self) -> Path:
         return self.path

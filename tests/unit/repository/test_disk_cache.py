@@ -664,7 +664,8 @@ def test_check_later_serves_a_confirmed_copy_at_once_and_the_next_fetch_gets_a_n
         assert lease.path == first and cache.stats.checked_later == 1 and cache.stats.stale_hits == 0
         write_archive(repo / "a.tar.gz", "a", b"new weights")
         os.utime(repo / "a.tar.gz", ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
-        storage.gate.set()  # the background check now learns of the new version
+        storage.gate.set()
+        lease.loaded()  # the model is loaded: the background check starts, learns of the new version
         await _until(lambda: cache.stats.outdated == 1)
         new = await cache.acquire("a.tar.gz", storage, check_later=True)
         assert new.path != first and (new.path / "a/1/model.bin").read_bytes() == b"new weights"
@@ -710,6 +711,9 @@ def test_a_key_found_gone_in_the_background_is_not_found_at_the_next_fetch(repo:
         (repo / "a.tar.gz").unlink()
         lease = await cache.acquire("a.tar.gz", storage, check_later=True)
         assert lease.path == first
+        await asyncio.sleep(0.05)
+        assert cache.stats.outdated == 0  # nothing asked before the model is loaded
+        lease.loaded()
         await _until(lambda: cache.stats.outdated == 1)
         with pytest.raises(NotFoundError):
             await cache.acquire("a.tar.gz", storage, check_later=True)
