@@ -354,6 +354,19 @@ def build_parser() -> argparse.ArgumentParser:
         "it, or when the store fails, the cached copy is served with a warning (default: 3)",
     )
     store.add_argument(
+        "--model-cache-revalidate",
+        choices=("background", "always"),
+        default="background",
+        help="when an on-demand request loads a model again from the disk cache (it was "
+        "evicted from memory), whether the store is asked if the copy is still current: "
+        "'background' serves the copy at once and asks meanwhile (a new upload under the same "
+        "key is served from the next load on; SageMaker's multi-model endpoints keep serving "
+        "their cached copy too); 'always' asks first (one HEAD or LIST per load, bounded by "
+        "--model-cache-revalidate-timeout). The first load of a key after start or after an "
+        "unload through the API, and loads through the repository API or POST /models, always "
+        "ask first (default: background)",
+    )
+    store.add_argument(
         "--s3-endpoint-url", default=None, metavar="URL",
         help="S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)",
     )  # fmt: skip

@@ -118,6 +118,7 @@ def assemble(settings: Settings) -> Parts:
             max_ratio=settings.model_archive_max_ratio,
         ),
         cache_revalidate_timeout=settings.model_cache_revalidate_timeout,
+        cache_revalidate=settings.model_cache_revalidate,
         namespacing=settings.model_namespacing,
     )
     service = InferenceService(
@@ -569,6 +570,8 @@ def _metrics_collector(
             disk_cache_hits=disk.hits + disk.stale_hits if disk else 0,
             disk_cache_misses=disk.misses if disk else 0,
             disk_cache_stale_hits=disk.stale_hits if disk else 0,
+            disk_cache_checked_later=disk.checked_later if disk else 0,
+            disk_cache_outdated=disk.outdated if disk else 0,
             disk_cache_damaged=disk.damaged if disk else 0,
             disk_cache_used=cache_used,
             disk_cache_size=cache_size,

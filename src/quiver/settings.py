@@ -150,6 +150,7 @@ class Settings:
     model_archive_max_ratio: float = DEFAULT_MAX_RATIO  # 0: no ratio limit
     model_archive_max_files: int = DEFAULT_MAX_FILES
     model_cache_revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT  # seconds
+    model_cache_revalidate: str = "background"  # or "always"
     s3_endpoint_url: str | None = None  # None: AWS itself
     s3_region: str | None = None  # None: boto3's (AWS_DEFAULT_REGION, the profile)
     s3_retry: RetryPolicy | None = None  # None: S3Storage's default
@@ -480,6 +481,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         model_archive_max_ratio=args.model_archive_max_ratio,
         model_archive_max_files=args.model_archive_max_files,
         model_cache_revalidate_timeout=args.model_cache_revalidate_timeout,
+        model_cache_revalidate=args.model_cache_revalidate,
         s3_endpoint_url=endpoint,
         s3_region=args.s3_region or None,
         s3_retry=s3_retry,

@@ -199,6 +199,32 @@ def test_budget_holds_a_few_of_many_archives(server: QuiverServer) -> None:
     assert "model cache: evicting 'z" in server.log  # archives of models not loaded left the disk
 
 
+def test_an_evicted_archive_is_loaded_again_from_the_cache_without_waiting_for_s3(
+    server: QuiverServer, s3: SeaweedS3
+) -> None:
+    """--model-cache-revalidate=background (the default): a model evicted from memory loads
+    again from its cached copy at once, the store asked in the background, so a stopped S3
+    is not waited for (asking first would wait out the 3 s revalidation timeout and count a
+    stale hit)."""
+    client = httpclient.InferenceServerClient(server.url, network_timeout=60)
+    assert client.infer("z20.tar.gz", x(1.0)).as_numpy("OUTPUT0").tolist() == [[21.0] * 4]
+    for i in range(21, N_ARCHIVES):
+        if "z20.tar.gz" not in ready(client):
+            break
+        client.infer(f"z{i}.tar.gz", x())
+    assert "z20.tar.gz" not in ready(client), "z20.tar.gz was never evicted"
+    before = metrics(server)
+    s3.pause()
+    try:
+        assert client.infer("z20.tar.gz", x(2.0)).as_numpy("OUTPUT0").tolist() == [[22.0] * 4]
+        after = metrics(server)
+    finally:
+        s3.resume()
+    assert after["quiver_disk_cache_checked_later_total"] == before["quiver_disk_cache_checked_later_total"] + 1
+    assert after["quiver_disk_cache_stale_hit_total"] == before["quiver_disk_cache_stale_hit_total"]
+    assert after["quiver_disk_cache_miss_total"] == before["quiver_disk_cache_miss_total"]
+
+
 def test_s3_down_is_unavailable_then_served(server: QuiverServer, s3: SeaweedS3) -> None:
     client = httpclient.InferenceServerClient(server.url, network_timeout=60)
     s3.pause()

@@ -346,13 +346,14 @@ class ModelLifeCycle:
 
     # -- archives ----------------------------------------------------------------------
 
-    async def load_archive(self, served: str, key: str, stores: list[Storage]) -> None:
+    async def load_archive(self, served: str, key: str, stores: list[Storage], *, check_later: bool = False) -> None:
         """Fetch ``key`` through the disk cache and load the model it holds as ``served``,
         with the archive's other models in its namespace; the cache lease is kept until
-        ``served`` is unloaded."""
+        ``served`` is unloaded. ``check_later``: a copy already confirmed current may be used
+        while the store is asked in the background (:meth:`DiskCache.acquire`)."""
         if self._graph.has_namespace(served):
             await self._drop_namespace(served, f"archive model '{served}' is loaded again")
-        lease = await self._sources.fetch(served, key, stores)
+        lease = await self._sources.fetch(served, key, stores, check_later=check_later)
         try:
             source, members = await self._pool.run(
                 functools.partial(archive_layout, namespacing=self._namespacing), served, key, lease.path
@@ -364,7 +365,10 @@ class ModelLifeCycle:
             raise
         self._graph.add_namespace(Namespace(served, key, {m.name: m for m in members}, lease.release))
         try:
-            failures = await self.load(source)
+            try:
+                failures = await self.load(source)
+            finally:
+                lease.loaded()  # a background check of the copy may start now
         except BaseException:
             if not self._table.serving(served):
                 await self._drop_namespace(served, f"archive '{key}' failed to load")

@@ -62,7 +62,7 @@ from quiver.lifecycle.sources import DEFAULT_CACHE_BYTES, ModelSources
 from quiver.lifecycle.table import ModelTable
 from quiver.metrics.statistics import MultiModelStatistics
 from quiver.repository.archive import ExtractLimits
-from quiver.repository.cache import DEFAULT_REVALIDATE_TIMEOUT, CacheStats
+from quiver.repository.cache import CACHE_REVALIDATE, DEFAULT_REVALIDATE_TIMEOUT, CacheStats
 from quiver.repository.names import (
     check_file_paths,
     check_key_name,
@@ -103,6 +103,7 @@ class ModelRepositoryManager:
         cache_size: int = DEFAULT_CACHE_BYTES,
         archive_limits: ExtractLimits | None = None,
         cache_revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT,
+        cache_revalidate: str = "background",
         gpu_limit: float = 0.0,
         gpu_reader: Callable[[], Mapping[int, tuple[int, int]] | None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
@@ -114,6 +115,11 @@ class ModelRepositoryManager:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
         self.control_mode = control_mode
+        if cache_revalidate not in CACHE_REVALIDATE:
+            raise InvalidArgumentError(f"unknown model cache revalidation '{cache_revalidate}'")
+        #: On-demand loads of a key whose cached copy is confirmed current ask the store in
+        #: the background ("background") or first ("always").
+        self._check_later = cache_revalidate == "background"
         self._startup_models = list(startup_models)
         self._strict = strict_config
         self._load_wait_timeout = load_wait_timeout
@@ -333,6 +339,7 @@ class ModelRepositoryManager:
             if name not in sources:
                 raise NotFoundError(f"failed to unload '{name}': unknown model")
         await self._lifecycle.unload_model(name, with_composing=unload_dependents)
+        self._sources.expire(name)  # unloaded on purpose: its next load asks the store first
 
     async def load_url(self, name: str, url: str) -> str:
         """Load the model at ``url`` (``s3://bucket/prefix/key.tar.gz``, an S3 folder, a
@@ -403,7 +410,8 @@ class ModelRepositoryManager:
             name, functools.partial(self.admission.inspect, override=None)
         )
         if source is None:
-            await self._lifecycle.load_archive(name, name, self._sources.key_stores(name))
+            stores = self._sources.key_stores(name)
+            await self._lifecycle.load_archive(name, name, stores, check_later=self._check_later)
             return
         failures = await self._lifecycle.load_missing(source, inspection=inspection)
         if not self._table.serving(name):

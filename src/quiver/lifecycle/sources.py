@@ -271,16 +271,22 @@ class ModelSources:
 
     # -- the disk cache ----------------------------------------------------------------
 
-    async def fetch(self, served: str, key: str, stores: list[Storage]) -> CacheLease:
-        """A lease on ``key`` from the first store that has it (fetched into the cache)."""
+    async def fetch(self, served: str, key: str, stores: list[Storage], *, check_later: bool = False) -> CacheLease:
+        """A lease on ``key`` from the first store that has it (fetched into the cache);
+        ``check_later``: see :meth:`DiskCache.acquire`."""
         cache = await self._disk_cache()
         for store in stores:
             try:
-                return await cache.acquire(key, store)
+                return await cache.acquire(key, store, check_later=check_later)
             except NotFoundError:
                 continue
         where = ", ".join(s.location for s in stores)
         raise NotFoundError(f"Request for unknown model: '{served}' is not found (no archive or folder '{key}' in {where})")
+
+    def expire(self, key: str) -> None:
+        """The next fetch of ``key`` asks its store first (:meth:`DiskCache.expire`)."""
+        if self._cache is not None:
+            self._cache.expire(key)
 
     async def _disk_cache(self) -> DiskCache:
         """The model cache, started on first use. When the default folder is held by another

@@ -105,7 +105,8 @@ class TritonCollector(Collector):
 class MultiModelView:
     """What the multi-model metrics read: the server-wide counters, the resident bytes of
     each loaded model, the memory budget (used, limit; 0, 0 without one), and the disk
-    cache's hits, misses, stale hits, damaged entries and bytes (zeros before it is used)."""
+    cache's hits, misses, stale hits, hits checked later, outdated copies, damaged entries and
+    bytes (zeros before it is used)."""
 
     stats: MultiModelStatistics
     resident: dict[str, int]
@@ -114,6 +115,8 @@ class MultiModelView:
     disk_cache_hits: int = 0
     disk_cache_misses: int = 0
     disk_cache_stale_hits: int = 0
+    disk_cache_checked_later: int = 0
+    disk_cache_outdated: int = 0
     disk_cache_damaged: int = 0
     disk_cache_used: int = 0
     disk_cache_size: int = 0
@@ -180,6 +183,17 @@ def _multi_model_metrics(view: MultiModelView) -> Iterator[Metric]:
             "quiver_disk_cache_stale_hit",
             "Model fetches answered from the disk cache because the store was down or slow",
             view.disk_cache_stale_hits,
+        ),
+        (
+            "quiver_disk_cache_checked_later",
+            "Model fetches answered from the disk cache at once, the store asked in the background "
+            "(--model-cache-revalidate=background)",
+            view.disk_cache_checked_later,
+        ),
+        (
+            "quiver_disk_cache_outdated",
+            "Background checks that found a new version in the store (or the key gone), fetched by the next load",
+            view.disk_cache_outdated,
         ),
         (
             "quiver_disk_cache_damaged",

@@ -18,7 +18,9 @@ An entry is identified by storage location + key + version, the version being th
 object's ETag and size (an archive) or a digest of every member's key, ETag and size (a
 folder of objects). A fetch asks the storage for the current version each time (one HEAD
 or LIST), so a new upload under the same key is fetched anew and the old entry is dropped
-as soon as nothing pins it. When the key has an entry on disk, that question is bounded by
+as soon as nothing pins it; a fetch with ``check_later`` (on-demand reloads) takes an entry
+this process has confirmed current at once and asks in the background, so a new version is
+what the *next* fetch gets (:meth:`DiskCache.expire` makes the next one ask first). When the key has an entry on disk, that question is bounded by
 ``revalidate_timeout`` (one attempt, separate from the download's retries and timeouts):
 a store that is down, hung or slow, or a new version that cannot be downloaded, leaves the
 cached entry served with a warning (:attr:`CacheStats.stale_hits`). A key that is gone from
@@ -57,7 +59,6 @@ store is :mod:`quiver.repository.cache_download`. Their public names are re-expo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -102,6 +103,7 @@ from quiver.repository.storage import (
 )
 
 __all__ = [
+    "CACHE_REVALIDATE",
     "DEFAULT_REVALIDATE_TIMEOUT",
     "CacheFullError",
     "CacheLease",
@@ -119,6 +121,8 @@ LOCK = ".lock"
 #: Seconds a fetch of a key already on disk waits for the store's answer before serving the
 #: cached entry (``--model-cache-revalidate-timeout``).
 DEFAULT_REVALIDATE_TIMEOUT = 3.0
+#: ``--model-cache-revalidate``: when an on-demand load of a cached key asks the store.
+CACHE_REVALIDATE = ("background", "always")
 
 
 def is_model_folder(path: Path) -> bool:
@@ -189,6 +193,9 @@ class DiskCache:
         self._started = False
         self._start_lock: asyncio.Lock | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._checks: set[asyncio.Task[None]] = set()  # background version checks
+        self._checking: set[tuple[str, str]] = set()
+        self._due: dict[tuple[str, str], tuple[str, Storage]] = {}  # checks to start after a load
 
     # -- state -------------------------------------------------------------------------------
 
@@ -282,7 +289,12 @@ class DiskCache:
         return [entry for _, entry in found]
 
     async def close(self) -> None:
-        """Wait for background work (deletions, manifest updates) and release the folder lock."""
+        """Wait for background work (deletions, manifest updates) and release the folder lock;
+        background version checks are cancelled."""
+        checks = list(self._checks)
+        for check in checks:
+            check.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self._lock_file is not None:
@@ -300,9 +312,22 @@ class DiskCache:
         self._unpin(entry)
         return path
 
-    async def acquire(self, key: str, storage: Storage) -> CacheLease:
-        """Fetch ``key`` and pin its entry until the returned lease is released."""
-        return CacheLease(self, await self._get(key, storage))
+    async def acquire(self, key: str, storage: Storage, *, check_later: bool = False) -> CacheLease:
+        """Fetch ``key`` and pin its entry until the returned lease is released.
+
+        ``check_later``: an entry this process has confirmed current (and nothing has
+        expired since) is handed out at once, and the store is asked for the current version
+        in the background; a newer version (or the key gone) found there is what the next
+        fetch of the key sees. Otherwise the store is asked first (bounded by
+        ``revalidate_timeout`` when the key is on disk)."""
+        return CacheLease(self, await self._get(key, storage, check_later=check_later))
+
+    def expire(self, key: str) -> None:
+        """The next fetch of ``key`` asks the store first, even with ``check_later`` (the
+        repository API's unload: a new upload is served by the next load)."""
+        for entry in self._entries.values():
+            if entry.ident[1] == key.rstrip("/"):
+                entry.current = False
 
     def pin(self, key: str, storage: Storage | str) -> CacheLease:
         """Pin the newest cached entry of ``key`` without asking the storage (nor checking
@@ -315,14 +340,16 @@ class DiskCache:
         self._touch(entry)
         return CacheLease(self, entry)
 
-    async def _get(self, key: str, storage: Storage) -> _Entry:
+    async def _get(self, key: str, storage: Storage, *, check_later: bool = False) -> _Entry:
         """The entry for ``key``, pinned once for the caller."""
         check_key(key)
         await self.start()
         ident = (storage.location, key.rstrip("/"))
         flight = self._flights.get(ident)
         if flight is None:
-            flight = _Flight(asyncio.get_running_loop().create_task(self._resolve_and_fetch(ident, storage)))
+            flight = _Flight(
+                asyncio.get_running_loop().create_task(self._resolve_and_fetch(ident, storage, check_later))
+            )
             self._flights[ident] = flight
             task = flight.task
             task.add_done_callback(lambda t: self._flight_done(ident, t))
@@ -352,9 +379,15 @@ class DiskCache:
         self._touch(entry)
         return entry
 
-    async def _resolve_and_fetch(self, ident: tuple[str, str], storage: Storage) -> _Entry:
+    async def _resolve_and_fetch(self, ident: tuple[str, str], storage: Storage, check_later: bool = False) -> _Entry:
         key = ident[1]
         cached = self._newest(ident)
+        if check_later and cached is not None and cached.current and await self._usable(cached):
+            self.stats.hits += 1
+            self.stats.checked_later += 1
+            self._due[ident] = (cached.version, storage)  # started by the lease (loaded)
+            return self._finish(ident, cached)
+        cached = self._newest(ident)  # (the one checked may have been found damaged)
         try:
             if cached is None:
                 version, objects = await asyncio.to_thread(_resolve, storage, key)
@@ -371,6 +404,7 @@ class DiskCache:
         if hit is not None and await self._usable(hit):
             self._drop_versions(ident, keep=version)
             self.stats.hits += 1
+            hit.current = True
             return self._finish(ident, hit)
         self.stats.misses += 1
         try:
@@ -398,6 +432,46 @@ class DiskCache:
                 f"{storage.location} did not answer within {seconds:g} s "
                 "(--model-cache-revalidate-timeout)"
             ) from None
+
+    def start_check(self, ident: tuple[str, str]) -> None:
+        """Start the background check a ``check_later`` fetch of ``ident`` left due, if any
+        (:meth:`CacheLease.loaded`: after the load, so the two do not compete for the CPU)."""
+        due = self._due.pop(ident, None)
+        if due is not None:
+            self._check_later(ident, *due)
+
+    def _check_later(self, ident: tuple[str, str], version: str, storage: Storage) -> None:
+        """Ask the store for ``ident``'s current version in the background (one check per
+        key at a time); if it is not ``version`` (or the key is gone), the key's entries are
+        no longer current, so the next fetch asks the store first and fetches what is new."""
+        if ident in self._checking:
+            return
+        self._checking.add(ident)
+
+        async def check() -> None:
+            try:
+                now, _ = await self._revalidate(storage, ident[1])
+            except NotFoundError:
+                now = None
+            except Exception as exc:  # the store cannot say now: the next fetch asks again
+                logger.debug("model cache: background check of '%s' failed: %s", ident[1], exc)
+                return
+            finally:
+                self._checking.discard(ident)
+            if now == version:
+                return
+            self.stats.outdated += 1
+            logger.info(
+                "model cache: '%s' in %s %s; the next load fetches it again",
+                ident[1], storage.location, "is gone" if now is None else f"has a new version ({now})",
+            )
+            for entry in self._entries.values():
+                if entry.ident == ident:
+                    entry.current = False
+
+        task = asyncio.get_running_loop().create_task(check())
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     async def _serve_stale(self, ident: tuple[str, str], why: UnavailableError) -> _Entry:
         """The newest intact entry of ``ident``, when the store cannot say or send what is
@@ -468,7 +542,7 @@ class DiskCache:
         self._reserved -= need
         digest = hashlib.sha256(repr((ident, version)).encode()).hexdigest()[:16]
         name = f"{_safe_name(key)}-{digest}-{uuid.uuid4().hex[:8]}"
-        entry = _Entry(ident, version, name, self.root, built.bytes, 0, built.files, verified=True)
+        entry = _Entry(ident, version, name, self.root, built.bytes, 0, built.files, verified=True, current=True)
         try:
             self._evict_for(built.bytes, key=key)
             await asyncio.to_thread(self._commit, tmp, entry)
@@ -496,20 +570,17 @@ class DiskCache:
             raise self._os_error(exc, f"cannot fetch '{key}'") from None
 
     def _commit(self, tmp: Path, entry: _Entry) -> None:
+        """Write the manifest and rename the folder into place. No ``fsync``: after a crash
+        a folder whose manifest did not reach the disk whole is unreadable and deleted at
+        start, and the first fetch of every entry after start hashes all its files (a file
+        that did not reach the disk whole is found there), so durability would buy nothing
+        but a re-download, for 1-2 ms (and more on network disks) per download."""
         try:
             with open(tmp / MANIFEST, "w") as f:
                 json.dump(entry.manifest(), f)
-                f.flush()
-                os.fsync(f.fileno())
             os.rename(tmp, self.root / entry.name)
         except OSError as exc:
             raise self._os_error(exc, f"cannot store '{entry.ident[1]}'") from None
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
 
     # -- eviction ------------------------------------------------------------------------------
 

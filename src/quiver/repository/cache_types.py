@@ -67,6 +67,8 @@ class CacheStats:
     misses: int = 0
     joined: int = 0
     stale_hits: int = 0  # served from cache because the store was unavailable or slow
+    checked_later: int = 0  # served from cache at once, the store asked in the background
+    outdated: int = 0  # background checks that found a newer version (or the key gone)
     damaged: int = 0  # entries found changed or incomplete on disk, dropped and fetched again
     downloads: int = 0
     download_failures: int = 0
@@ -88,6 +90,7 @@ class _Entry:
     pins: int = 0
     stale: bool = False  # replaced, gone or damaged: never handed out again
     verified: bool = False  # hashed in full by this process
+    current: bool = False  # confirmed the store's current version by this process, since unchanged
 
     @property
     def path(self) -> Path:
@@ -142,15 +145,22 @@ class CacheLease:
         self.path = entry.path
         self.key = entry.ident[1]
         self.version = entry.version
+        self._ident = entry.ident
 
     @property
     def released(self) -> bool:
         return self._entry is None
 
+    def loaded(self) -> None:
+        """The model is loaded from the files (or failed to): a background check of the
+        copy's version (``check_later``) may start now, off the load's critical path."""
+        self._cache.start_check(self._ident)
+
     def release(self) -> None:
         entry, self._entry = self._entry, None
         if entry is not None:
             self._cache._unpin(entry)
+            self._cache.start_check(self._ident)
 
     def __enter__(self) -> Path:
         return self.path

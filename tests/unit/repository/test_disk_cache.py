@@ -626,3 +626,99 @@ def test_object_keys_the_filesystem_refuses_are_invalid(tmp_path: Path) -> None:
         await cache.close()
 
     run(main())
+
+
+class GatedStorage(CountingStorage):
+    """Answers stat/list only while ``gate`` is set (a store that hangs until the test says)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def stat(self, key: str) -> StoredObject:
+        self.gate.wait()
+        return super().stat(key)
+
+    def list(self, prefix: str = "") -> list[StoredObject]:
+        self.gate.wait()
+        return super().list(prefix)
+
+
+async def _until(condition: object, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_check_later_serves_a_confirmed_copy_at_once_and_the_next_fetch_gets_a_new_upload(
+    repo: Path, tmp_path: Path
+) -> None:
+    async def main() -> None:
+        storage = GatedStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        first = await cache.fetch("a.tar.gz", storage)  # asked the store: confirmed current
+        storage.gate.clear()  # the store hangs: a fetch that asked first would wait for it
+        lease = await asyncio.wait_for(cache.acquire("a.tar.gz", storage, check_later=True), 5)
+        assert lease.path == first and cache.stats.checked_later == 1 and cache.stats.stale_hits == 0
+        write_archive(repo / "a.tar.gz", "a", b"new weights")
+        os.utime(repo / "a.tar.gz", ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+        storage.gate.set()
+        lease.loaded()  # the model is loaded: the background check starts, learns of the new version
+        await _until(lambda: cache.stats.outdated == 1)
+        new = await cache.acquire("a.tar.gz", storage, check_later=True)
+        assert new.path != first and (new.path / "a/1/model.bin").read_bytes() == b"new weights"
+        assert lease.path.exists()  # the old copy stays while a model holds it
+        lease.release()
+        new.release()
+        await cache.close()
+        assert storage.downloads == 2
+
+    run(main())
+
+
+def test_check_later_asks_first_for_a_copy_not_confirmed_by_this_process_or_expired(repo: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        storage = GatedStorage(repo)
+        earlier = DiskCache(tmp_path / "cache", 10 << 20)
+        await earlier.fetch("a.tar.gz", storage)
+        await earlier.close()
+        cache = DiskCache(tmp_path / "cache", 10 << 20, revalidate_timeout=0.3)
+        storage.gate.clear()
+        # On disk from before the start: asked first (the hung store times out: stale hit).
+        (await cache.acquire("a.tar.gz", storage, check_later=True)).release()
+        assert (cache.stats.stale_hits, cache.stats.checked_later) == (1, 0)
+        storage.gate.set()
+        (await cache.acquire("a.tar.gz", storage)).release()  # confirmed now
+        (await cache.acquire("a.tar.gz", storage, check_later=True)).release()
+        assert cache.stats.checked_later == 1
+        cache.expire("a.tar.gz")  # e.g. unloaded through the repository API
+        storage.gate.clear()
+        (await cache.acquire("a.tar.gz", storage, check_later=True)).release()
+        assert (cache.stats.stale_hits, cache.stats.checked_later) == (2, 1)
+        storage.gate.set()
+        await cache.close()
+
+    run(main())
+
+
+def test_a_key_found_gone_in_the_background_is_not_found_at_the_next_fetch(repo: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        storage = GatedStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20)
+        first = await cache.fetch("a.tar.gz", storage)
+        (repo / "a.tar.gz").unlink()
+        lease = await cache.acquire("a.tar.gz", storage, check_later=True)
+        assert lease.path == first
+        await asyncio.sleep(0.05)
+        assert cache.stats.outdated == 0  # nothing asked before the model is loaded
+        lease.loaded()
+        await _until(lambda: cache.stats.outdated == 1)
+        with pytest.raises(NotFoundError):
+            await cache.acquire("a.tar.gz", storage, check_later=True)
+        lease.release()
+        await cache.close()
+        assert cache.entries() == [] and not first.exists()
+
+    run(main())
