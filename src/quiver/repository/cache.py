@@ -17,7 +17,8 @@ lands on a folder a loaded model still holds.
 An entry is identified by storage location + key + version, the version being the
 object's ETag and size (an archive) or a digest of every member's key, ETag and size (a
 folder of objects). A fetch asks the storage for the current version each time (one HEAD
-or LIST), so a new upload under the same key is fetched anew and the old entry is dropped
+or LIST; an archive not on disk at all is fetched with one GET, whose answer names its
+version, and its room in the cache is made once the GET has named its size), so a new upload under the same key is fetched anew and the old entry is dropped
 as soon as nothing pins it; a fetch with ``check_later`` (on-demand reloads) takes an entry
 this process has confirmed current at once and asks in the background, so a new version is
 what the *next* fetch gets (:meth:`DiskCache.expire` makes the next one ask first). When the key has an entry on disk, that question is bounded by
@@ -97,9 +98,11 @@ from quiver.repository.manifest import (
 )
 from quiver.repository.names import check_key
 from quiver.repository.storage import (
+    OnStart,
     S3Storage,
     Storage,
     StoredObject,
+    is_archive_key,
 )
 
 __all__ = [
@@ -388,6 +391,16 @@ class DiskCache:
             self._due[ident] = (cached.version, storage)  # started by the lease (loaded)
             return self._finish(ident, cached)
         cached = self._newest(ident)  # (the one checked may have been found damaged)
+        if cached is None and is_archive_key(key):
+            # Nothing on disk: one GET, whose answer names the version (no HEAD first).
+            self.stats.misses += 1
+            try:
+                entry = await self._download(ident, None, None, storage)
+            except NotFoundError:
+                self._drop_versions(ident, keep=None)
+                raise
+            self._drop_versions(ident, keep=entry.version)
+            return self._finish(ident, entry)
         try:
             if cached is None:
                 version, objects = await asyncio.to_thread(_resolve, storage, key)
@@ -519,16 +532,38 @@ class DiskCache:
         return True
 
     async def _download(
-        self, ident: tuple[str, str], version: str, objects: list[StoredObject], storage: Storage
+        self, ident: tuple[str, str], version: str | None, objects: list[StoredObject] | None, storage: Storage
     ) -> _Entry:
+        """Download ``ident`` into a new entry: ``version`` and ``objects`` as the store
+        listed them, or None for an archive fetched without asking first, whose room in the
+        cache is made when the GET has named its size (before the body is read)."""
         key = ident[1]
-        need = sum(o.size for o in objects)
-        self._evict_for(need, key=key)
-        self._reserved += need
+        loop = asyncio.get_running_loop()
+        reserved = 0
+
+        def reserve(size: int) -> None:  # on the event loop
+            nonlocal reserved
+            if reserved:
+                return  # a retry of the same version
+            self._evict_for(size, key=key)
+            self._reserved += size
+            reserved = size
+
+        on_start: OnStart | None = None
+        if objects is not None:
+            reserve(sum(o.size for o in objects))
+        else:
+
+            def on_start(obj: StoredObject) -> None:  # in the download's thread
+                async def on_loop() -> None:
+                    reserve(obj.size)
+
+                asyncio.run_coroutine_threadsafe(on_loop(), loop).result()
+
         tmp = self.root / f"{TMP_PREFIX}{uuid.uuid4().hex}"
         built: _Built | None = None
         try:
-            built = await asyncio.to_thread(self._build, tmp, key, objects, storage)
+            built = await asyncio.to_thread(self._build, tmp, key, objects, storage, on_start)
             self.stats.downloads += 1
             self.stats.bytes_downloaded += built.downloaded
             self.stats.download_ns += built.download_ns
@@ -536,10 +571,11 @@ class DiskCache:
                 self.on_download(key, built.downloaded, built.download_ns)
         except BaseException:
             self.stats.download_failures += 1
-            self._reserved -= need
+            self._reserved -= reserved
             await asyncio.to_thread(_remove, tmp)
             raise
-        self._reserved -= need
+        self._reserved -= reserved
+        version = version or built.version
         digest = hashlib.sha256(repr((ident, version)).encode()).hexdigest()[:16]
         name = f"{_safe_name(key)}-{digest}-{uuid.uuid4().hex[:8]}"
         entry = _Entry(ident, version, name, self.root, built.bytes, 0, built.files, verified=True, current=True)
@@ -563,9 +599,11 @@ class DiskCache:
 
     # -- blocking work (threads) -----------------------------------------------------------------
 
-    def _build(self, tmp: Path, key: str, objects: list[StoredObject], storage: Storage) -> _Built:
+    def _build(
+        self, tmp: Path, key: str, objects: list[StoredObject] | None, storage: Storage, on_start: OnStart | None
+    ) -> _Built:
         try:
-            return _build_content(tmp, key, objects, storage, self.limits)
+            return _build_content(tmp, key, objects, storage, self.limits, on_start)
         except OSError as exc:
             raise self._os_error(exc, f"cannot fetch '{key}'") from None
 

@@ -70,6 +70,11 @@ class Downloaded:
     md5: str
 
 
+#: ``Storage.download``'s ``on_start``: called with the object as the store names it, before
+#: its body is read.
+OnStart = Callable[[StoredObject], None]
+
+
 @runtime_checkable
 class Storage(Protocol):
     """A source of model files. All methods block; run them in a thread from async code."""
@@ -87,12 +92,16 @@ class Storage(Protocol):
         """One object's size and ETag; :class:`NotFoundError` when there is none."""
         ...
 
-    def download(self, key: str, dest: Path, *, etag: str | None = None) -> Downloaded:
+    def download(
+        self, key: str, dest: Path, *, etag: str | None = None, on_start: OnStart | None = None
+    ) -> Downloaded:
         """Stream ``key`` into the file ``dest`` (created or truncated).
 
         With ``etag``, the download fails if the object is no longer that version. A body
         shorter than announced is an error (after retries), never a short file that looks
         complete; ``dest`` is then in an unspecified state and the caller deletes it.
+        ``on_start(object)`` is called when the store has named the object's size and ETag,
+        before the body is read (once per attempt); what it raises ends the download.
         """
         ...
 
@@ -184,7 +193,9 @@ class LocalStorage:
             raise NotFoundError(f"'{key}' in {self.location} is not a file")
         return self._object(key, st)
 
-    def download(self, key: str, dest: Path, *, etag: str | None = None) -> Downloaded:
+    def download(
+        self, key: str, dest: Path, *, etag: str | None = None, on_start: OnStart | None = None
+    ) -> Downloaded:
         path = self._path(key)
         try:
             src = open(path, "rb")  # noqa: SIM115 - closed below, kept open while copying
@@ -195,6 +206,8 @@ class LocalStorage:
             obj = self._object(key, st)
             if etag is not None and etag != obj.etag:
                 raise UnavailableError(f"'{key}' in {self.location} changed while being fetched")
+            if on_start is not None:
+                on_start(obj)
             digest = hashlib.md5(usedforsecurity=False)
             written = 0
             with open(dest, "wb") as out:
@@ -487,7 +500,9 @@ class S3Storage:
 
         return self._call("stat", key, run)
 
-    def download(self, key: str, dest: Path, *, etag: str | None = None) -> Downloaded:
+    def download(
+        self, key: str, dest: Path, *, etag: str | None = None, on_start: OnStart | None = None
+    ) -> Downloaded:
         check_key(key)
         pinned = [etag]  # the version the first response named; retries ask for the same one
 
@@ -502,6 +517,12 @@ class S3Storage:
             )
             pinned[0] = pinned[0] or obj.etag or None
             body = response["Body"]
+            if on_start is not None:
+                try:
+                    on_start(obj)
+                except BaseException:
+                    body.close()
+                    raise
             digest = hashlib.md5(usedforsecurity=False)
             written = 0
             try:
@@ -552,6 +573,7 @@ __all__ = [
     "ARCHIVE_SUFFIXES",
     "Downloaded",
     "LocalStorage",
+    "OnStart",
     "RetryPolicy",
     "S3Storage",
     "Storage",

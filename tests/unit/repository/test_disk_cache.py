@@ -24,6 +24,7 @@ from quiver.repository.cache import CacheFullError, DiskCache, is_model_folder
 from quiver.repository.storage import (
     Downloaded,
     LocalStorage,
+    OnStart,
     StoredObject,
     model_keys,
     storage_for,
@@ -55,14 +56,20 @@ class CountingStorage(LocalStorage):
         obj = super().stat(key)
         return StoredObject(obj.key, obj.size + self.size_lie, obj.etag, obj.modified)
 
-    def download(self, key: str, dest: Path, *, etag: str | None = None) -> Downloaded:
+    def download(
+        self, key: str, dest: Path, *, etag: str | None = None, on_start: OnStart | None = None
+    ) -> Downloaded:
         with self.lock:
             self.downloads += 1
         time.sleep(self.delay)
         if self.fail_errno is not None:
             dest.write_bytes(b"partial")
             raise OSError(self.fail_errno, os.strerror(self.fail_errno), str(dest))
-        return super().download(key, dest, etag=etag)
+        got = super().download(key, dest, etag=etag, on_start=on_start)
+        if self.size_lie:  # the store announced a size it did not send
+            obj = got.object
+            return Downloaded(StoredObject(obj.key, obj.size + self.size_lie, obj.etag, obj.modified), got.md5)
+        return got
 
 
 @pytest.fixture
@@ -277,7 +284,7 @@ from quiver.repository.cache import DiskCache
 from quiver.repository.storage import LocalStorage
 
 class Hanging(LocalStorage):
-    def download(self, key, dest, *, etag=None):
+    def download(self, key, dest, *, etag=None, on_start=None):
         with open(dest, "wb") as f:
             f.write(b"first half")
             f.flush()
@@ -375,6 +382,12 @@ class SlowStorage(CountingStorage):
     def list(self, prefix: str = "") -> list[StoredObject]:
         self._answer()
         return super().list(prefix)
+
+    def download(
+        self, key: str, dest: Path, *, etag: str | None = None, on_start: OnStart | None = None
+    ) -> Downloaded:
+        self._answer()
+        return super().download(key, dest, etag=etag, on_start=on_start)
 
     def _answer(self) -> None:
         time.sleep(self.stall)
@@ -720,5 +733,53 @@ def test_a_key_found_gone_in_the_background_is_not_found_at_the_next_fetch(repo:
         lease.release()
         await cache.close()
         assert cache.entries() == [] and not first.exists()
+
+    run(main())
+
+
+class Recording(CountingStorage):
+    """Counts stat calls and records the cache's reserved bytes once a download has started."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.stats = 0
+        self.cache: DiskCache | None = None
+        self.reserved_at_start: list[int] = []
+
+    def stat(self, key: str) -> StoredObject:
+        self.stats += 1
+        return super().stat(key)
+
+    def download(
+        self, key: str, dest: Path, *, etag: str | None = None, on_start: OnStart | None = None
+    ) -> Downloaded:
+        def started(obj: StoredObject) -> None:
+            if on_start is not None:
+                on_start(obj)
+            assert self.cache is not None
+            self.reserved_at_start.append(self.cache.bytes_reserved)
+
+        return super().download(key, dest, etag=etag, on_start=started)
+
+
+def test_an_archive_not_on_disk_is_fetched_with_one_get_and_its_room_reserved_before_the_body(
+    repo: Path, tmp_path: Path
+) -> None:
+    async def main() -> None:
+        storage = Recording(repo)
+        cache = storage.cache = DiskCache(tmp_path / "cache", 10 << 20)
+        path = await cache.fetch("a.tar.gz", storage)
+        size = (repo / "a.tar.gz").stat().st_size
+        assert storage.stats == 0  # no HEAD first: the GET named the version
+        assert storage.reserved_at_start == [size] and cache.bytes_reserved == 0
+        ((key, version, _, _),) = cache.entries()
+        assert key == "a.tar.gz" and version == f"{storage.stat('a.tar.gz').etag}:{size}"
+        # Fetched again: the store is asked for the version, which matches: no download.
+        assert await cache.fetch("a.tar.gz", storage) == path
+        assert (storage.downloads, cache.stats.hits, cache.stats.misses) == (1, 1, 1)
+        with pytest.raises(NotFoundError):
+            await cache.fetch("missing.tar.gz", storage)
+        assert leftovers(tmp_path / "cache") == [] and cache.bytes_reserved == 0
+        await cache.close()
 
     run(main())
