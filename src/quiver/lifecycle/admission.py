@@ -51,7 +51,7 @@ from quiver.lifecycle.model import Model
 from quiver.lifecycle.pins import Pins
 from quiver.lifecycle.policies import DEFAULT_POLICY, make_policy
 from quiver.lifecycle.pool import LoadPool
-from quiver.lifecycle.sources import fingerprint as folder_fingerprint
+from quiver.lifecycle.sources import fingerprint_and_size
 from quiver.lifecycle.table import ModelTable
 from quiver.repository.local import ModelSource
 
@@ -247,13 +247,13 @@ class AdmissionControl:
     def inspect(self, source: ModelSource, override: pb.ModelConfig | None) -> Inspection:
         """Blocking (a load thread): the :class:`Inspection` of ``source``'s files; the config
         is read once per fingerprint (:attr:`configs`)."""
-        fingerprint = folder_fingerprint(source.path)
+        fingerprint, size = fingerprint_and_size(source.path)
         strict, configs = self._strict, self.configs
         composing = composing_of(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
         backend = ""
         if composing is None:
             backend = backend_name(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
-        from_files = self._predictor.from_files(source.path) if self.budget is not None else None
+        from_files = self._predictor.from_bytes(size) if self.budget is not None else None
         return Inspection(fingerprint, composing, backend, from_files)
 
     async def load(

@@ -482,7 +482,10 @@ class SizePredictor:
 
     def from_files(self, paths: Path | Iterable[Path]) -> int | None:
         """``overhead + factor * file bytes``, or ``None`` when there are no files."""
-        total = file_bytes(paths)
+        return self.from_bytes(file_bytes(paths))
+
+    def from_bytes(self, total: int) -> int | None:
+        """:meth:`from_files` for files of ``total`` bytes, counted already."""
         if total <= 0:
             return None
         return self.overhead_bytes + int(total * self.file_factor)
