@@ -106,6 +106,11 @@ class Backend(Protocol):
 
 #: Default for :attr:`ThreadedInstance.inline_threshold_ns` (``--inline-execution-threshold-us``).
 INLINE_THRESHOLD_NS = 200_000
+#: An instance's first call, before any is measured, is guessed to cost its creation time
+#: divided by this (:meth:`ThreadedInstance.created_in`).
+FIRST_CALL_DIVISOR = 8
+#: ...and the guess is trusted only for a first call whose inputs hold at most this many bytes.
+FIRST_CALL_MAX_INPUT_BYTES = 64 << 10
 
 
 class ThreadedInstance(abc.ABC):
@@ -118,10 +123,22 @@ class ThreadedInstance(abc.ABC):
     ``inline_threshold_ns`` and the framework may be called from any thread
     (``inline_safe``), the call runs on the event loop directly. One slow call (over 8x the
     average) resets the average at once, sending the next call back to the thread.
+
+    Before the first call nothing is measured. An instance whose framework's first call is
+    known to cost a small fraction of creating the instance (``first_call_guess``: ONNX
+    Runtime's is 0.02-0.1x for models whose weights dominate, see the README's miss path)
+    guesses it from its creation time (:meth:`created_in`, divided by
+    :data:`FIRST_CALL_DIVISOR`); a first call with at most :data:`FIRST_CALL_MAX_INPUT_BYTES`
+    of inputs runs inline when that guess is under the threshold. A model just loaded on
+    demand then answers its first request without starting its thread and handing the call
+    over (0.3-0.6 ms on a busy 2-core machine); the call is timed like any other, so a first
+    call that was slower sends the next ones to the thread.
     """
 
     #: Whether ``execute`` may run on a thread other than the instance's own.
     inline_safe = False
+    #: Whether the first call's cost may be guessed from the creation time (:meth:`created_in`).
+    first_call_guess = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -129,6 +146,13 @@ class ThreadedInstance(abc.ABC):
         self.timing = ExecutionTiming()
         self._executor = InstanceThread(f"quiver-{name}")
         self._cost_ns = -1  # moving average of execute(); -1 until measured
+        self._guess_ns = -1  # the first call's guessed cost; -1: no guess
+
+    def created_in(self, nanoseconds: int) -> None:
+        """Creating this instance took ``nanoseconds``: guess the first call's cost from it
+        (when ``first_call_guess``)."""
+        if self.first_call_guess and self.inline_safe:
+            self._guess_ns = max(0, nanoseconds) // FIRST_CALL_DIVISOR
 
     @abc.abstractmethod
     def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
@@ -149,8 +173,18 @@ class ThreadedInstance(abc.ABC):
     def runs_inline(self) -> bool:
         return self.inline_safe and 0 <= self._cost_ns < self.inline_threshold_ns
 
+    def _first_call_inline(self, requests: list[InferenceRequest]) -> bool:
+        """Never run yet: whether the guess from the creation time lets ``requests`` run inline."""
+        if self._cost_ns >= 0 or not 0 <= self._guess_ns < self.inline_threshold_ns:
+            return False
+        size = 0
+        for request in requests:
+            for tensor in request.inputs:
+                size += tensor.data.nbytes if tensor.data.dtype != object else FIRST_CALL_MAX_INPUT_BYTES + 1
+        return size <= FIRST_CALL_MAX_INPUT_BYTES
+
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
-        if self.runs_inline:
+        if self.runs_inline or (self._guess_ns >= 0 and self._first_call_inline(requests)):
             return self._timed(requests)
         running = self._executor.call(self._timed, requests)
         try:

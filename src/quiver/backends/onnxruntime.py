@@ -137,6 +137,7 @@ def _open_session(path: str, config: ModelConfig, providers: list[Any]) -> ort.I
 
 class OnnxInstance(ThreadedInstance):
     inline_safe = True  # InferenceSession.run may be called from any thread
+    first_call_guess = True  # a first Run costs a small part of creating the session
 
     def __init__(self, config: ModelConfig, session: ort.InferenceSession, name: str) -> None:
         super().__init__(name)

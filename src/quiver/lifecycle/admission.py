@@ -37,7 +37,7 @@ from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
 from quiver.lifecycle.dependencies import DependencyGraph, composing_of
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, LRUPolicy
-from quiver.lifecycle.frameworks import prime
+from quiver.lifecycle.frameworks import HEAP_ALLOCATING, prime
 from quiver.lifecycle.loader import LoadOutcome, backend_name
 from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import (
@@ -51,7 +51,7 @@ from quiver.lifecycle.model import Model
 from quiver.lifecycle.pins import Pins
 from quiver.lifecycle.policies import DEFAULT_POLICY, make_policy
 from quiver.lifecycle.pool import LoadPool
-from quiver.lifecycle.sources import fingerprint as folder_fingerprint
+from quiver.lifecycle.sources import fingerprint_and_size
 from quiver.lifecycle.table import ModelTable
 from quiver.repository.local import ModelSource
 
@@ -247,13 +247,13 @@ class AdmissionControl:
     def inspect(self, source: ModelSource, override: pb.ModelConfig | None) -> Inspection:
         """Blocking (a load thread): the :class:`Inspection` of ``source``'s files; the config
         is read once per fingerprint (:attr:`configs`)."""
-        fingerprint = folder_fingerprint(source.path)
+        fingerprint, size = fingerprint_and_size(source.path)
         strict, configs = self._strict, self.configs
         composing = composing_of(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
         backend = ""
         if composing is None:
             backend = backend_name(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
-        from_files = self._predictor.from_files(source.path) if self.budget is not None else None
+        from_files = self._predictor.from_bytes(size) if self.budget is not None else None
         return Inspection(fingerprint, composing, backend, from_files)
 
     async def load(
@@ -358,8 +358,9 @@ class AdmissionControl:
             wait=self.evicts,
         )
         # A model measured before (same files) is not measured again: measuring serialises
-        # loads and costs two garbage collections; its size is known.
+        # loads (and, by RSS, costs two heap trims); its size is known.
         known = prediction.source == "measured"
+        how = "known"
         try:
             await self._evict(admission, name, unloader)
             await self.gate.covered(name, seconds(self._clock) + timeout)
@@ -369,11 +370,13 @@ class AdmissionControl:
                 measured = prediction.bytes
             else:
                 outcome, footprint = await self._pool.run(
-                    functools.partial(self._meter.measure, load), discard=lambda r: discard(r[0])
+                    functools.partial(self._meter.measure, load, heap=inspection.backend in HEAP_ALLOCATING),
+                    discard=lambda r: discard(r[0]),
                 )
                 # A Python model's workers are processes of their own: their memory is not the
                 # server's RSS growth but their own unique set size.
                 measured = footprint.host_bytes + sum(m.process_memory_bytes() or 0 for m in outcome.models)
+                how = f"measured by {footprint.by}"
                 if outcome.models:
                     self._remember_gpu(identity, footprint.gpu_bytes)
             load_seconds = seconds(self._clock) - started
@@ -387,7 +390,8 @@ class AdmissionControl:
             size = prediction.bytes
         else:
             # RSS growth undercounts when the load reuses memory an eviction just freed (the
-            # heap does not always shrink): a model never counts for less than its files suggest.
+            # heap does not always shrink), and the heap's growth leaves out files a framework
+            # maps instead of reading: a model never counts for less than its files suggest.
             size = max(measured, int((inspection.from_files or 0) / self._predictor.file_factor))
             self._predictor.record(identity, size)
         try:
@@ -408,7 +412,7 @@ class AdmissionControl:
             "%d of %d bytes in use",
             name,
             size,
-            "known" if known else "measured",
+            how,
             measured,
             prediction.bytes,
             prediction.source,

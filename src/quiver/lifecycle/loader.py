@@ -243,9 +243,11 @@ def _load_version(
     instances: list[ModelInstance] = []
     try:
         for spec in instance_specs(config):
+            started = clock.now()
             instance = backend.create_instance(config, files, spec)
             if isinstance(instance, ThreadedInstance):
                 instance.inline_threshold_ns = inline_threshold_ns
+                instance.created_in(clock.now() - started)
             instances.append(instance)
         run_warmup(config, version, instances, samples, clock=clock)
     except BaseException:

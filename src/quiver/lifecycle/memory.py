@@ -3,10 +3,11 @@ load, and keep the sum of resident and loading models under a byte budget.
 
 Three parts, each usable alone:
 
-- :class:`MemoryMeter` measures one load: process RSS growth around it (psutil) and, when a
-  GPU and NVML (or an already-imported torch with CUDA) are present, per-device GPU memory
-  growth (:mod:`quiver.lifecycle.gpu_memory`, which also holds ``--model-load-gpu-limit``).
-  No GPU, no NVML: the GPU figure is ``None``, silently.
+- :class:`MemoryMeter` measures one load: the growth of the C heap's bytes in use (glibc
+  ``mallinfo2``) for frameworks that allocate from it alone, else the process RSS growth
+  around it (psutil), and, when a GPU and NVML (or an already-imported torch with CUDA) are
+  present, per-device GPU memory growth (:mod:`quiver.lifecycle.gpu_memory`, which also
+  holds ``--model-load-gpu-limit``). No GPU, no NVML: the GPU figure is ``None``, silently.
 - :class:`SizePredictor` remembers measured sizes per model identity (name, version, content
   fingerprint or ETag) and predicts a size before a load: the measurement of that exact
   identity, else from the model's files (``overhead + factor * file bytes``, see below),
@@ -16,39 +17,68 @@ Three parts, each usable alone:
   limit at every step, and :class:`~quiver.lifecycle.budget.BudgetGate` is where loads wait
   for room.
 
-**Why RSS deltas are trustworthy here, and when they are not.** RSS is per process, so a
-delta measured around one load includes whatever other threads allocated or freed meanwhile.
-The meter therefore serializes *measured* sections with a lock; loads that need no
-measurement and unloads run through :meth:`MemoryMeter.shared`, alongside each other but
-never alongside a measured load (an unload freeing 100 MB during a measured load would make
-that load look 100 MB smaller). Inference in other threads still allocates while a load is
-measured; it is the remaining noise, small next to model weights. Second, glibc keeps freed
-memory in its heap: a load that parses a protobuf into temporary buffers shows those buffers
-in RSS until ``malloc_trim`` returns them. The meter trims (glibc only; elsewhere a no-op)
-before and after each measured load, which turns a noisy transient into the retained
-footprint (no full garbage collection: see :func:`release_free_memory`). Third, glibc's
-moving mmap threshold lets a freed model's blocks stay
-in the heap and be reused by the next load (measured as 0, then as 2 models): under a budget
-the manager fixes the threshold (:func:`fix_mmap_threshold`). Measured on this machine (2
-cores, onnxruntime 1.31 CPU, MatMul chains of 1024x1024 FP32 weights, several models loaded
-in one process, one inference run each):
+**Why these deltas are trustworthy here, and when they are not.** RSS and the heap are per
+process, so a delta measured around one load includes whatever other threads allocated or
+freed meanwhile. The meter therefore serializes *measured* sections with a lock; loads that
+need no measurement and unloads run through :meth:`MemoryMeter.shared`, alongside each other
+but never alongside a measured load (an unload freeing 100 MB during a measured load would
+make that load look 100 MB smaller). Inference in other threads still allocates while a load
+is measured; it is the remaining noise, small next to model weights. Second, glibc keeps
+freed memory in its heap: a load that parses a protobuf into temporary buffers shows those
+buffers in RSS until ``malloc_trim`` returns them. Third, glibc's moving mmap threshold lets
+a freed model's blocks stay in the heap and be reused by the next load (measured as 0, then
+as 2 models): under a budget the manager fixes the threshold (:func:`fix_mmap_threshold`),
+after which a load's large transient buffers are mapped and unmapped on their own and leave
+nothing behind.
 
-=========  ==============  ==================  ==========================
-file size  RSS+ (trimmed)  RSS+ (not trimmed)  ratio trimmed / file size
-=========  ==============  ==================  ==========================
-4 MB       4.2 MB          16.2 MB             1.05
-24 MB      24.3 MB         60.2 MB             1.01
-48 MB      49.2 MB         132.2 MB            1.03
-100 MB     100.4 MB        156.4 MB            1.00
-200 MB     200.5 MB        312.4 MB            1.00
-(reload)   100.2 / 200.5   200.1 / 360.4       1.00
-=========  ==============  ==================  ==========================
+Two measurements follow. **By the heap** (``MemoryMeter.measure(load, heap=True)``, for the
+frameworks in :data:`quiver.lifecycle.frameworks.HEAP_ALLOCATING`): the growth of
+``uordblks + hblkhd`` of glibc's ``mallinfo2()`` (bytes handed out by every arena, plus blocks
+mapped on their own), read in about a microsecond; freed temporaries are not in use, so no
+trim is needed. It cannot see memory that does not come from ``malloc``: Python objects
+(pymalloc maps its own arenas), files a framework maps instead of reading, shared libraries
+paged in; hence it is used only for frameworks checked to allocate from the heap, and a model
+never counts for less than its files (:class:`SizePredictor`'s floor, applied by the
+admission). **By RSS** (everything else, and wherever ``mallinfo2`` is missing: not glibc, or
+glibc before 2.33): RSS growth with ``malloc_trim`` before and after (glibc only; elsewhere a
+no-op), which turns a noisy transient into the retained footprint (no full garbage
+collection: see :func:`release_free_memory`). The two trims cost 0.1-0.3 ms per load on a
+server with a hundred models loaded, a third of a small model's whole miss; the heap reading
+costs nothing measurable.
 
-TorchScript (``torch.jit.load`` of Linear stacks) retained 1.01x as well. Hence
-:data:`DEFAULT_FILE_FACTOR` = 1.1 (the measured 1.00-1.05 plus a margin) and :data:`DEFAULT_OVERHEAD_BYTES` = 2 MiB per model. Untrimmed, the *transient*
-peak during a load is 1.3-3x the file size; the budget counts retained bytes, so keep some
-headroom below the machine's memory for one load's transient (measured loads are serialized,
-so there is at most one such peak at a time).
+Measured on this machine (2 cores, glibc 2.36, onnxruntime 1.32 CPU with the global thread
+pools the server uses, torch 2.13 CPU; MatMul chains of 1024x1024 FP32 weights and
+``torch.jit`` Linear stacks of the same sizes, several models loaded in one process, one
+inference run each, mmap threshold fixed; the unfixed column is glibc's default moving
+threshold):
+
+====================  ==============  ==========  ==========================  =====================
+model file            RSS+ (trimmed)  heap+       RSS+ untrimmed (fixed thr.)  RSS+ untrimmed (unfixed)
+====================  ==============  ==========  ==========================  =====================
+ONNX 0.3 KB           0.10 MB         1.10 MB     0.10 MB                     0.11 MB
+ONNX 4 MB             4.18 MB         5.11 MB     4.18 MB                     12.1 MB
+ONNX 24 MB            24.2 MB         25.2 MB     24.2 MB                     56.1 MB
+ONNX 48 MB            48.2 MB         49.2 MB     48.2 MB                     104.1 MB
+ONNX 100 MB           100.3 MB        101.3 MB    100.3 MB                    208.2 MB
+ONNX 200 MB           200.5 MB        201.5 MB    200.5 MB                    332.2 MB
+ONNX 100 MB reloaded  100.2 MB        101.3 MB    100.2 MB                    260.0 MB
+TorchScript 4 MB      4.35 MB         4.06 MB     4.35 MB
+TorchScript 24 MB     24.2 MB         24.2 MB     24.2 MB
+TorchScript 48 MB     48.3 MB         48.3 MB     48.3 MB
+TorchScript 100 MB    100.7 MB        100.7 MB    100.7 MB
+TorchScript 200 MB    201.1 MB        201.3 MB    201.2 MB
+====================  ==============  ==========  ==========================  =====================
+
+The heap reads 1 MB more than RSS for every ONNX Runtime session: the first chunk of the
+session's CPU memory arena, 1 MiB mapped at once and touched as inference needs it (0 with
+``enable_mem_arena`` off); the heap counts it whole, as a larger batch will use it. The
+first TorchScript model after the framework is primed reads 2.9 MB by the heap against 6.1 MB
+by RSS: torch's first real forward pages in code and thread state, the framework's bytes,
+not the model's. Retained memory is 1.00-1.05x the file size either way; hence
+:data:`DEFAULT_FILE_FACTOR` = 1.1 (plus a margin) and :data:`DEFAULT_OVERHEAD_BYTES` = 2 MiB
+per model. With glibc's moving threshold the *transient* peak of a load stays in RSS
+(1.3-3x the file size) until trimmed; with the fixed threshold it is unmapped as it is freed,
+and the budget counts retained bytes.
 
 **A framework's one-time cost is not a model's.** The first model of a framework in a process
 also pays for the framework itself. Measured here (RSS, trimmed): importing onnxruntime
@@ -101,6 +131,7 @@ __all__ = [
     "fix_mmap_threshold",
     "gpu_memory_info",
     "gpu_memory_used",
+    "heap_in_use",
     "release_free_memory",
 ]
 
@@ -135,6 +166,37 @@ def _load_libc_function(name: str) -> Callable[..., int] | None:
 _MALLOC_TRIM = _load_libc_function("malloc_trim")
 _MALLOPT = _load_libc_function("mallopt")
 _M_MMAP_THRESHOLD = -3
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 and later): every field a ``size_t``."""
+
+    _fields_ = [
+        (field, ctypes.c_size_t)
+        for field in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
+        )
+    ]  # fmt: skip
+
+
+def _load_mallinfo2() -> Callable[[], int] | None:
+    function = _load_libc_function("mallinfo2")
+    if function is None:
+        return None  # glibc before 2.33, or not glibc
+    function.restype = _MallInfo2  # type: ignore[attr-defined]
+    function.argtypes = []  # type: ignore[attr-defined]
+
+    def heap_in_use() -> int:
+        info: _MallInfo2 = function()  # type: ignore[assignment]
+        # bytes handed out from the arenas (all of them) + blocks mapped on their own
+        return int(info.uordblks) + int(info.hblkhd)
+
+    return heap_in_use
+
+
+#: Bytes the C heap has handed out and not had back (glibc ``mallinfo2``: ``uordblks +
+#: hblkhd``, every arena), or ``None`` where it cannot be read (not glibc, or older than 2.33).
+heap_in_use: Callable[[], int] | None = _load_mallinfo2()
 
 #: Allocations from this size up are mapped on their own and unmapped when freed (see
 #: :func:`fix_mmap_threshold`).
@@ -178,14 +240,19 @@ def _process_rss() -> int:
 # -- MemoryMeter -------------------------------------------------------------------------------
 
 
+MeasuredBy = Literal["heap", "rss"]
+
+
 @dataclass(frozen=True, slots=True)
 class Footprint:
-    """What one measured load took: host bytes (RSS growth, never negative), GPU bytes per
-    device (``None`` without a GPU), and how long it ran in seconds (the load cost)."""
+    """What one measured load took: host bytes (growth of the C heap's bytes in use, or of the
+    RSS: ``by``; never negative), GPU bytes per device (``None`` without a GPU), and how long
+    it ran in seconds (the load cost)."""
 
     host_bytes: int
     gpu_bytes: Mapping[int, int] | None
     seconds: float
+    by: MeasuredBy = "rss"
 
     @property
     def gpu_total(self) -> int | None:
@@ -233,33 +300,49 @@ class _SharedExclusiveLock:
 
 
 class MemoryMeter:
-    """Measures the memory a load takes, as process RSS growth (and GPU growth when present).
+    """Measures the memory a load takes, as C heap or RSS growth (and GPU growth when present).
 
     Call :meth:`measure` *in the load thread*, around the blocking backend load (and its
-    warmup): ``model, footprint = meter.measure(load)``. Measured sections never overlap each
-    other or a :meth:`shared` section, so each delta belongs to one load; downloads and
-    extraction should stay outside (they do not grow the heap, and they would hold the lock).
-    Loads of models whose size is already known may use :meth:`shared`, which lets them run
-    in parallel with each other while still keeping them out of measured sections.
+    warmup): ``model, footprint = meter.measure(load, heap=...)``. Measured sections never
+    overlap each other or a :meth:`shared` section, so each delta belongs to one load;
+    downloads and extraction should stay outside (they do not grow the heap, and they would
+    hold the lock). Loads of models whose size is already known may use :meth:`shared`, which
+    lets them run in parallel with each other while still keeping them out of measured
+    sections.
 
-    ``rss``, ``gpu`` and ``clock`` are injectable for tests; ``trim`` (default on) calls
-    ``malloc_trim`` before and after, so the delta is retained memory, not
-    the allocator's leftovers from parsing (see the module notes for measurements).
+    Two ways to measure host memory (see the module notes for why they agree):
+
+    - ``heap=True``, for frameworks whose models take all their memory from ``malloc``
+      (ONNX Runtime, torch): the growth of the C heap's bytes in use (glibc ``mallinfo2``,
+      about a microsecond), no trim, no RSS read;
+    - otherwise, or where ``mallinfo2`` is missing (not glibc, glibc before 2.33): the RSS
+      growth, with ``malloc_trim`` before and after (``trim``, default on) so the delta is
+      retained memory, not the allocator's leftovers from parsing.
+
+    ``rss``, ``heap``, ``gpu`` and ``clock`` are injectable for tests (``heap=None``: always
+    RSS).
     """
 
     def __init__(
         self,
         *,
         rss: Callable[[], int] = _process_rss,
+        heap: Callable[[], int] | None = heap_in_use,
         gpu: Callable[[], Mapping[int, int] | None] | None = gpu_memory_used,
         clock: Clock = SYSTEM_CLOCK,
         trim: bool = True,
     ) -> None:
         self._rss = rss
+        self._heap = heap
         self._gpu = gpu
         self._clock = clock
         self._trim = trim
         self._lock = _SharedExclusiveLock()
+
+    @property
+    def reads_heap(self) -> bool:
+        """Whether :meth:`measure` can measure by the C heap (``heap=True``) here."""
+        return self._heap is not None
 
     def _settle(self) -> None:
         if self._trim:
@@ -273,24 +356,30 @@ class MemoryMeter:
         except Exception:
             return None
 
-    def measure(self, load: Callable[[], T]) -> tuple[T, Footprint]:
+    def measure(self, load: Callable[[], T], *, heap: bool = False) -> tuple[T, Footprint]:
         """Run ``load`` alone (no other measured or shared section at the same time) and
-        return its result with its footprint. Exceptions from ``load`` propagate."""
+        return its result with its footprint; ``heap``: its memory all comes from ``malloc``
+        (measured by the heap when it can be read, else by RSS). Exceptions from ``load``
+        propagate."""
+        by: MeasuredBy = "heap" if heap and self._heap is not None else "rss"
+        read = self._heap if by == "heap" and self._heap is not None else self._rss
         with self._lock.exclusive():
-            self._settle()
-            rss_before = self._rss()
+            if by == "rss":
+                self._settle()
+            before = read()
             gpu_before = self._gpu_now()
             started = seconds(self._clock)
             result = load()
             duration = seconds(self._clock) - started
-            self._settle()
-            host = max(0, self._rss() - rss_before)
+            if by == "rss":
+                self._settle()
+            host = max(0, read() - before)
             gpu_after = self._gpu_now() if gpu_before is not None else None
         gpu: dict[int, int] | None = None
         if gpu_before is not None and gpu_after is not None:
             gpu = {d: max(0, gpu_after.get(d, 0) - gpu_before.get(d, 0)) for d in gpu_after}
-        footprint = Footprint(host, gpu, duration)
-        logger.debug("measured load: %d host bytes, gpu %s, %.3f s", host, gpu, duration)
+        footprint = Footprint(host, gpu, duration, by)
+        logger.debug("measured load: %d host bytes (%s), gpu %s, %.3f s", host, by, gpu, duration)
         return result, footprint
 
     def shared(self, load: Callable[[], T]) -> T:
@@ -393,7 +482,10 @@ class SizePredictor:
 
     def from_files(self, paths: Path | Iterable[Path]) -> int | None:
         """``overhead + factor * file bytes``, or ``None`` when there are no files."""
-        total = file_bytes(paths)
+        return self.from_bytes(file_bytes(paths))
+
+    def from_bytes(self, total: int) -> int | None:
+        """:meth:`from_files` for files of ``total`` bytes, counted already."""
         if total <= 0:
             return None
         return self.overhead_bytes + int(total * self.file_factor)

@@ -118,8 +118,10 @@ class LocalRepository:
     def find(self, name: str) -> ModelSource | None:
         """The model folder ``name`` when exactly one repository has it (one ``stat`` per
         repository, no listing); ``None`` otherwise, for :meth:`scan` to explain."""
-        found = [root for root in self.roots if (root / name).is_dir()]
-        if len(found) != 1 or name.startswith("."):
+        if name.startswith("."):
+            return None
+        found = [root for root in self.roots if os.path.isdir(os.path.join(root, name))]
+        if len(found) != 1:
             return None
         return ModelSource(name, found[0], found[0] / name)
 

@@ -1,4 +1,5 @@
-"""The inline-execution rule of ThreadedInstance: fast calls on the loop, slow ones on the thread."""
+"""The inline-execution rule of ThreadedInstance: fast calls on the loop, slow ones on the
+thread, and a first call guessed from the creation time."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ import asyncio
 import threading
 import time
 
-from quiver.backends.base import ExecuteResult, ThreadedInstance
-from quiver.types import InferenceRequest, InferenceResponse
+import numpy as np
+
+from quiver.backends.base import (
+    FIRST_CALL_DIVISOR,
+    FIRST_CALL_MAX_INPUT_BYTES,
+    ExecuteResult,
+    ThreadedInstance,
+)
+from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 
 class Sleeper(ThreadedInstance):
@@ -75,5 +83,64 @@ def test_threshold_zero_disables_inline() -> None:
         run(instance, times=3)
         assert not instance.runs_inline
         assert all(name.startswith("quiver-sleeper") for name in instance.threads)
+    finally:
+        instance.unload()
+
+
+class Guesser(Sleeper):
+    first_call_guess = True
+
+
+def run_with(instance: ThreadedInstance, data: np.ndarray) -> None:
+    async def main() -> None:
+        await instance.run([InferenceRequest("sleeper", "", [Tensor("INPUT0", DataType.FP32, data.shape, data)])])
+
+    asyncio.run(main())
+
+
+def test_a_first_call_guessed_cheap_from_the_creation_time_runs_inline() -> None:
+    """Created in 0.4 ms: the first call is guessed at 50 us, under the 200 us threshold, and a
+    small request runs inline, without starting the instance's thread."""
+    instance = Guesser()
+    instance.created_in(400_000)
+    try:
+        run_with(instance, np.zeros(4, np.float32))
+        assert instance.threads == ["MainThread"]
+        assert instance.runs_inline  # measured now, and fast
+    finally:
+        instance.unload()
+
+
+def test_the_first_call_goes_to_the_thread_when_the_guess_does_not_hold() -> None:
+    # a slow creation: guessed over the threshold
+    slow = Guesser()
+    slow.created_in(FIRST_CALL_DIVISOR * 300_000)
+    # a first request with large inputs: no guess trusted
+    large = Guesser()
+    large.created_in(400_000)
+    # a framework whose first call is not guessed
+    plain = Sleeper()
+    plain.created_in(400_000)
+    try:
+        run_with(slow, np.zeros(4, np.float32))
+        run_with(large, np.zeros(FIRST_CALL_MAX_INPUT_BYTES // 4 + 1, np.float32))
+        run_with(plain, np.zeros(4, np.float32))
+        for instance in (slow, large, plain):
+            assert instance.threads[0].startswith("quiver-sleeper"), instance.threads
+        # measured now (fast): the next calls run inline as usual
+        run_with(large, np.zeros(FIRST_CALL_MAX_INPUT_BYTES // 4 + 1, np.float32))
+        assert large.threads[1] == "MainThread"
+    finally:
+        for instance in (slow, large, plain):
+            instance.unload()
+
+
+def test_threshold_zero_also_keeps_a_guessed_first_call_on_the_thread() -> None:
+    instance = Guesser()
+    instance.inline_threshold_ns = 0
+    instance.created_in(0)
+    try:
+        run_with(instance, np.zeros(4, np.float32))
+        assert instance.threads[0].startswith("quiver-sleeper")
     finally:
         instance.unload()

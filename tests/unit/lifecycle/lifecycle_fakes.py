@@ -212,7 +212,7 @@ async def serving(
         control_mode=options.pop("control_mode", "on_demand"),
         memory_limit_bytes=limit,
         load_threads=8,
-        meter=MemoryMeter(rss=world.rss, gpu=None, trim=False),
+        meter=options.pop("meter", None) or MemoryMeter(rss=world.rss, gpu=None, trim=False),
         predictor=SizePredictor(file_factor=1.0, overhead_bytes=0),
         **({"clock": clock} if clock is not None else {}),
         **options,

@@ -28,8 +28,9 @@ from lifecycle_fakes import (
 )
 
 from quiver.errors import UnavailableError
-from quiver.lifecycle import frameworks
+from quiver.lifecycle import admission, frameworks
 from quiver.lifecycle.budget import OutOfMemoryError
+from quiver.lifecycle.memory import MemoryMeter
 
 
 @pytest.fixture
@@ -226,6 +227,39 @@ def test_a_model_measuring_larger_than_predicted(tmp_path: Path, world: World) -
             assert not manager.is_ready("huge") and budget.resident == {"c": 9_000} and world.bytes == 9_000
             with pytest.raises(OutOfMemoryError, match="needs about 40000 bytes"):
                 await answer(service, "huge")  # predicted at its measured size now: at once
+
+    asyncio.run(main())
+
+
+def test_a_model_measured_by_the_heap_larger_than_predicted(
+    tmp_path: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A framework measured by the C heap's growth instead of RSS (as ONNX Runtime and torch
+    are): the heap reading is what is committed (RSS, which measures only the framework's
+    priming here, never moves), and a model measuring larger than its reservation still
+    cannot take the ledger past the limit: its excess is reserved by evicting before it is
+    served, or it is refused and unloaded."""
+    monkeypatch.setattr(admission, "HEAP_ALLOCATING", frozenset({"fakemem"}))
+    meter = MemoryMeter(rss=lambda: 0, heap=world.rss, gpu=None, trim=False)
+    sizes = {"a": 10_000, "b": 8_000, "c": 5_000, "huge": 5_000}
+    world.actual.update(a=10_000, b=12_000, c=9_000, huge=40_000)
+    world.overrun.update({"b", "c", "huge"})
+
+    async def main() -> None:
+        async with serving(tmp_path, world, 25_000, sizes, meter=meter) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            await answer(service, "a")
+            await answer(service, "b")
+            assert budget.resident == {"a": 10_000 + cfg("a"), "b": 12_000}
+            await answer(service, "c")  # its excess only by evicting a (LRU)
+            assert budget.resident == {"b": 12_000, "c": 9_000}
+            assert budget.peak <= 25_000
+            with pytest.raises(OutOfMemoryError, match="measured 40000 bytes when loaded"):
+                await answer(service, "huge")
+            assert not manager.is_ready("huge") and world.bytes == 9_000
+            assert budget.peak <= 25_000
+            assert manager.admission.framework_bytes == {"fakemem": 0}  # primed once, by RSS
 
     asyncio.run(main())
 

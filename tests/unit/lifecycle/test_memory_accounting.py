@@ -18,6 +18,7 @@ from quiver.lifecycle.memory import (
     ModelIdentity,
     SizePredictor,
     gpu_memory_used,
+    heap_in_use,
 )
 
 MB = 1 << 20
@@ -55,6 +56,51 @@ def test_meter_reports_rss_growth_and_duration() -> None:
     assert footprint.host_bytes == 42 * MB
     assert footprint.seconds == pytest.approx(1.5)
     assert footprint.gpu_bytes is None and footprint.gpu_total is None
+
+
+def test_meter_measures_by_the_heap_when_asked_and_able_else_by_rss() -> None:
+    """``heap=True``: the heap reading's growth, RSS never read; without a heap reader (not
+    glibc, or glibc before 2.33) the same call measures by RSS."""
+    proc = FakeProcess()
+    heap = {"bytes": 7 * MB}
+
+    def rss_not_read() -> int:
+        raise AssertionError("RSS read for a load measured by the heap")
+
+    def load() -> None:
+        heap["bytes"] += 30 * MB
+        proc.rss_bytes += 31 * MB
+
+    meter = MemoryMeter(rss=rss_not_read, heap=lambda: heap["bytes"], gpu=None, trim=False)
+    _, footprint = meter.measure(load, heap=True)
+    assert (footprint.host_bytes, footprint.by) == (30 * MB, "heap")
+    assert meter.reads_heap
+
+    meter = MemoryMeter(rss=proc.rss, heap=lambda: heap["bytes"], gpu=None, trim=False)
+    _, footprint = meter.measure(load)  # a framework not known to allocate from the heap alone
+    assert (footprint.host_bytes, footprint.by) == (31 * MB, "rss")
+
+    meter = MemoryMeter(rss=proc.rss, heap=None, gpu=None, trim=False)
+    assert not meter.reads_heap
+    _, footprint = meter.measure(load, heap=True)
+    assert (footprint.host_bytes, footprint.by) == (31 * MB, "rss")
+
+
+@pytest.mark.skipif(heap_in_use is None, reason="glibc's mallinfo2 (2.33+) is not available here")
+def test_the_heap_reading_sees_what_a_load_keeps_and_not_what_it_freed() -> None:
+    """The real ``mallinfo2`` reading: a load that keeps 24 MB and frees a 40 MB temporary (and
+    many small ones) measures 24 MB, without any trim."""
+    kept: list[np.ndarray] = []
+
+    def load() -> None:
+        scratch = [np.ones(1000, np.float64) for _ in range(2000)]  # small blocks, freed
+        temporary = np.ones(40 * MB // 8, np.float64)
+        kept.append(np.ones(24 * MB // 8, np.float64) + temporary[: 24 * MB // 8])
+        del temporary, scratch
+
+    _, footprint = MemoryMeter(gpu=None, trim=False).measure(load, heap=True)
+    assert footprint.by == "heap"
+    assert 24 * MB <= footprint.host_bytes < 25 * MB, footprint
 
 
 def test_meter_clamps_shrinking_rss_and_reports_gpu_per_device() -> None:

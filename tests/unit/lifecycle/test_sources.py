@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 import pytest
 
 from quiver.errors import InvalidArgumentError, NotFoundError
+from quiver.lifecycle.memory import file_bytes
 from quiver.lifecycle.pool import LoadPool
-from quiver.lifecycle.sources import ModelSources
+from quiver.lifecycle.sources import ModelSources, fingerprint, fingerprint_and_size
 from quiver.metrics.statistics import MultiModelStatistics
 from quiver.repository.storage import LocalStorage
 
@@ -65,6 +66,39 @@ def test_folders_keys_and_fingerprints(tmp_path: Path) -> None:
         assert sources.fingerprint_of("m") == ""
 
     run(check, tmp_path)
+
+
+def test_one_walk_gives_the_fingerprint_and_the_bytes_of_the_files(tmp_path: Path) -> None:
+    """The fingerprint and the file bytes a prediction uses come from one walk: the bytes are
+    :func:`file_bytes`'s (links not counted); the fingerprint moves when a file is added,
+    removed, resized or rewritten, also inside a version folder and through a linked file,
+    and not for a linked folder's content (not entered) nor a dangling link."""
+    model = tmp_path / "m"
+    (model / "1" / "sub").mkdir(parents=True)
+    (model / "config.pbtxt").write_text('backend: "identity"')
+    (model / "1" / "model.bin").write_bytes(b"w" * 1000)
+    (model / "1" / "sub" / "part").write_bytes(b"p" * 24)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "big").write_bytes(b"o" * 5000)
+    (model / "2").symlink_to(outside, target_is_directory=True)
+    (model / "1" / "linked").symlink_to(outside / "big")
+    (model / "dangling").symlink_to(tmp_path / "nothing")
+
+    first, size = fingerprint_and_size(model)
+    assert first == fingerprint(model)
+    assert size == file_bytes(model) == len('backend: "identity"') + 1000 + 24
+    (outside / "other").write_bytes(b"x")  # inside the linked folder: not entered
+    assert fingerprint(model) == first
+    (outside / "big").write_bytes(b"o" * 5001)  # the linked file changed
+    changed = fingerprint(model)
+    assert changed != first
+    (model / "1" / "sub" / "part").write_bytes(b"q" * 25)
+    assert fingerprint(model) != changed
+    assert fingerprint_and_size(model)[1] == file_bytes(model) == len('backend: "identity"') + 1000 + 25
+    (model / "1" / "sub" / "part").unlink()
+    assert fingerprint_and_size(model)[1] == len('backend: "identity"') + 1000
+    assert fingerprint_and_size(tmp_path / "missing") == (fingerprint(tmp_path / "missing"), 0)
 
 
 def test_urls(tmp_path: Path) -> None:
