@@ -34,6 +34,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,9 @@ class Worker:
     def handle(self, message: dict[str, Any]) -> None:
         """A message that is not a batch: BLS answers, releases, cancellations."""
         op = message["op"]
-        if op == msg.BLS_RESPONSE:
+        if op == msg.EXECUTE:  # the common one first
+            self.jobs.append(message)
+        elif op == msg.BLS_RESPONSE:
             number = int(message["id"])
             sink = self.bls_sinks.get(number)
             final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
@@ -166,7 +169,7 @@ class Worker:
                 self.arena.free(segment, offset)
         elif op == msg.CANCEL:
             self.cancelled.update(str(i) for i in message["ids"])
-        elif op == msg.EXECUTE or op == msg.FINALIZE:
+        elif op == msg.FINALIZE:
             self.jobs.append(message)
 
     def channel_ended(self) -> None:
@@ -277,7 +280,8 @@ class Worker:
         senders = WorkerSenders(self, ids, self.decoupled)
         self.outbox = []
         try:
-            requests = [self._request(item, senders.factory(index)) for index, item in enumerate(items)]
+            get = senders.get
+            requests = [self._request(item, partial(get, index)) for index, item in enumerate(items)]
         except Exception as exc:
             self._fail(ids, "INTERNAL", f"{self.where}: reading the requests failed: {format_exception(exc)}")
             self._flush(batch)
@@ -308,7 +312,7 @@ class Worker:
                 self._respond(ids, result)
         finally:
             self._flush(batch)
-            if not self.decoupled and not senders.used:
+            if self.cancelled and not self.decoupled and not senders.used:
                 for request_id in ids:
                     self.cancelled.discard(request_id)
 
@@ -321,12 +325,13 @@ class Worker:
         self.channel.send(done)
 
     def _request(self, item: dict[str, Any], sender_factory: Any) -> pb_utils.InferenceRequest:
+        read, wrap, mapper = tensors.read, pb_utils.Tensor._wrap, self.mapper
         inputs = []
         for descriptor in item["tensors"]:
-            name, datatype, _, array = tensors.read(self.mapper, descriptor)
-            inputs.append(pb_utils.Tensor._wrap(name, array, _TRITON_TYPES[datatype]))
-        fields = item.get("fields") or _NO_FIELDS  # only what differs from the defaults
+            name, datatype, _, array = read(mapper, descriptor)
+            inputs.append(wrap(name, array, _TRITON_TYPES[datatype]))
         request_id = str(item["id"])
+        fields = item.get("fields") or _NO_FIELDS  # only what differs from the defaults
         request = pb_utils.InferenceRequest._from_server(
             request_id=fields.get("request_id", ""),
             correlation_id=fields.get("correlation_id", 0),
@@ -338,7 +343,7 @@ class Worker:
             timeout=fields.get("timeout", 0),
             parameters_json=fields.get("parameters_json", "{}"),
             sender_factory=sender_factory,
-            cancelled=lambda: self.is_cancelled(request_id),
+            cancelled=partial(self.is_cancelled, request_id),
         )
         if item.get("traced"):
             request.trace()._server = request_id  # the server finds the trace by this id
@@ -357,6 +362,10 @@ class Worker:
 
     def _respond(self, ids: list[str], result: Any) -> None:
         count = len(ids)
+        if type(result) is list and len(result) == count:  # the common case: checked per item
+            for index, item in enumerate(result):
+                self._send_response(ids[index], self._response(item, index))
+            return
         expected = (
             f"a model that is not decoupled must return a list with one "
             f"pb_utils.InferenceResponse per request ({count} requests)"
@@ -376,7 +385,7 @@ class Worker:
                 self._send_response(request_id, self._response(item, index))
 
     def _response(self, item: Any, index: int) -> dict[str, Any]:
-        if not isinstance(item, pb_utils.InferenceResponse):
+        if type(item) is not pb_utils.InferenceResponse and not isinstance(item, pb_utils.InferenceResponse):
             return {
                 "error": [
                     "INTERNAL",

@@ -148,6 +148,10 @@ class Channel:
         assert self._buffered, "receive() reads ahead: a buffered channel only"
         buffer = self._buffer
         deadline: float | None = None
+        # A wait that may block polls before it reads: at one call at a time its input has
+        # not come yet, and a read that finds nothing costs more (an exception) than a poll()
+        # that returns at once when it has.
+        ready = timeout == 0
         while True:
             if len(buffer) >= 4:
                 (word,) = _LENGTH.unpack_from(buffer)
@@ -159,32 +163,35 @@ class Channel:
                     body = buffer[4:end]
                     del buffer[:end]
                     return decode(body, bool(word & _EXACT))
-            try:
-                chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                # Nothing yet: sleep in poll() for input, never in a blocking recv(). A thread
-                # blocked in recv() is also woken each time the peer reads what this end sent
-                # (the socket's wait queue is shared with writers waiting for room), and on a
+            if not ready:
+                # Sleep in poll() for input, never in a blocking recv(). A thread blocked in
+                # recv() is also woken each time the peer reads what this end sent (the
+                # socket's wait queue is shared with writers waiting for room), and on a
                 # virtual machine such a needless wake-up costs more than a small call.
-                if timeout == 0:
-                    return EMPTY
                 if self._poller is None:
                     self._poller = select.poll()
                     self._poller.register(self.sock.fileno(), select.POLLIN)
                 if timeout is None:
                     self._poller.poll()
-                    continue
-                if deadline is None:
-                    deadline = time.monotonic() + timeout
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._poller.poll(remaining * 1000):
+                else:
+                    if deadline is None:
+                        deadline = time.monotonic() + timeout
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self._poller.poll(remaining * 1000):
+                        return EMPTY
+            try:
+                chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if timeout == 0:
                     return EMPTY
+                ready = False  # woken for nothing: wait again
                 continue
             except ConnectionError:
                 return None
             if not chunk:
                 return None
             buffer += chunk
+            ready = True  # a frame cut short: the rest is most likely on its way
 
     def _read(self, size: int) -> bytes | None:
         """Exactly ``size`` bytes; None at the end of the stream (an unbuffered channel)."""

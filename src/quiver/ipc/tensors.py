@@ -9,6 +9,7 @@ path in Quiver makes). An empty tensor has no block (segment ``""``).
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -57,11 +58,9 @@ def read(mapper: Mapper, descriptor: Descriptor, *, copy: bool = False) -> tuple
     of its own). ValueError for a descriptor that does not add up."""
     name, datatype, shape, segment, offset, nbytes = descriptor
     dims = tuple(map(int, shape))
-    count = 1
-    for d in dims:
-        if d < 0:
-            raise ValueError(f"tensor '{name}' has a negative dimension in shape {list(dims)}")
-        count *= d
+    if dims and min(dims) < 0:
+        raise ValueError(f"tensor '{name}' has a negative dimension in shape {list(dims)}")
+    count = prod(dims)
     if datatype == "BYTES":
         data = bytes(mapper.view(segment, offset, nbytes)) if nbytes else b""
         array = deserialize_bytes(data, count, name).reshape(dims)
