@@ -65,6 +65,14 @@ def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> tuple[byte
 
 
 def encode(message: dict[str, Any]) -> bytes:
+    if _orjson is not None:  # the usual way, as dumps() takes it
+        try:
+            body: bytes = _orjson.dumps(message)
+        except TypeError:
+            pass
+        else:
+            if b"null" not in body or not _non_finite(message):
+                return _LENGTH.pack(len(body)) + body
     body, exact = dumps(message)
     return _LENGTH.pack(len(body) | _EXACT if exact else len(body)) + body
 
@@ -99,8 +107,14 @@ def decode_json(body: str | bytes | bytearray | memoryview, exact: bool = False)
 
 
 def decode(body: bytes | bytearray | memoryview, exact: bool = False) -> dict[str, Any]:
-    message = decode_json(body, exact)
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+    if _orjson is not None and not exact:
+        try:
+            message = _orjson.loads(body)
+        except ValueError as exc:  # orjson's JSONDecodeError (UTF-8 errors included)
+            raise ChannelError(f"a message that is not JSON: {exc}") from None
+    else:
+        message = decode_json(body, exact)
+    if type(message) is not dict or type(message.get("op")) is not str:
         raise ChannelError("a message that is not an object with an 'op'")
     return message
 
@@ -190,6 +204,12 @@ class Channel:
                 return None
             if not chunk:
                 return None
+            if not buffer and len(chunk) >= 4:
+                (word,) = _LENGTH.unpack_from(chunk)
+                length = word & ~_EXACT
+                if len(chunk) == 4 + length and length <= MAX_FRAME:
+                    # the usual: one whole message, decoded where it was read
+                    return decode(memoryview(chunk)[4:], bool(word & _EXACT))
             buffer += chunk
             ready = True  # a frame cut short: the rest is most likely on its way
 

@@ -114,7 +114,7 @@ class Inbox:
                     self._cond.notify_all()
 
     def _read_until(self, ready: Callable[[], bool], deadline: float | None, spin: float) -> bool:
-        channel = self._channel
+        channel, dispatch = self._channel, self._dispatch
         while not ready():
             message: Any = EMPTY
             if spin > 0:
@@ -122,11 +122,16 @@ class Inbox:
                 while (message := channel.receive(0)) is EMPTY and time.monotonic() < until:
                     pass
             if message is EMPTY:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                message = channel.receive(timeout)
+                message = channel.receive(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 if message is EMPTY:
                     return False  # the deadline passed
-            self._handle(message)
+            if message is None:
+                self._closed()
+                raise EOFError("the channel's peer closed it")
+            dispatch(message)
+            if self._waiters:  # what another thread waits for may have happened
+                with self._lock:
+                    self._cond.notify_all()
         return True
 
     def _handle(self, message: Any) -> None:

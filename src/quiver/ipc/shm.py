@@ -134,9 +134,14 @@ class Arena:
         size = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
         with self._lock:
             for name, free in self._free.items():
-                for index, (_, length) in enumerate(free):
-                    if length >= size:
-                        return self._take(name, free, index, size, nbytes)
+                for index, (offset, length) in enumerate(free):
+                    if length >= size:  # first fit: cut it from the front of this range
+                        if length == size:
+                            del free[index]
+                        else:
+                            free[index] = (offset + size, length - size)
+                        self._used[name][offset] = size
+                        return Block(name, offset, nbytes), self._segments[name].view[offset : offset + nbytes]
             segment = self._grow(size)
             return self._take(segment.name, self._free[segment.name], 0, size, nbytes)
 

@@ -32,7 +32,7 @@ _DTYPES: dict[str, np.dtype[Any]] = {t.value: t.numpy_dtype for t in DataType if
 def write(arena: Arena, name: str, datatype: str, array: np.ndarray[Any, Any], blocks: list[Block]) -> Descriptor:
     """Copy ``array`` into ``arena``; the block is appended to ``blocks`` (free them when the
     reader is done). Raises PoolFullError when it does not fit."""
-    shape = list(map(int, array.shape))
+    shape = list(array.shape)
     if datatype == "BYTES":
         encoded = serialize_bytes(array)
         if not encoded:
