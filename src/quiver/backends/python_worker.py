@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -339,8 +340,8 @@ class WorkerInstance(WorkerStreamsMixin):
                 if worker.achannel is None:
                     worker.achannel = await AsyncChannel.open(
                         worker.channel.sock,
-                        lambda message: self._on_message(worker, message),
-                        lambda error: self._on_end(worker, error),
+                        partial(self._on_message, worker),
+                        partial(self._on_end, worker),
                     )
         return worker
 
