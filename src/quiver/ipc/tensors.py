@@ -37,18 +37,15 @@ def write(arena: Arena, name: str, datatype: str, array: np.ndarray[Any, Any], b
         encoded = serialize_bytes(array)
         if not encoded:
             return [name, datatype, shape, "", 0, 0]
-        block, view = arena.alloc(len(encoded))
-        view[:] = encoded
+        block = arena.store(encoded, len(encoded))
     else:
         nbytes = array.nbytes
         if nbytes == 0:
             return [name, datatype, shape, "", 0, 0]
-        block, view = arena.alloc(nbytes)
         try:
-            view[:] = memoryview(array).cast("B")  # type: ignore[arg-type]  # one copy, C-contiguous
-        except (TypeError, ValueError, NotImplementedError):  # strided, or no buffer format
-            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-            np.frombuffer(view, dtype=np.uint8, count=nbytes)[:] = data
+            block = arena.store(array, nbytes)  # one copy, C-contiguous
+        except (TypeError, ValueError, BufferError):  # strided, or no buffer
+            block = arena.store(np.ascontiguousarray(array).reshape(-1).view(np.uint8), nbytes)
     blocks.append(block)
     return [name, datatype, shape, block.segment, block.offset, block.size]
 
