@@ -71,10 +71,9 @@ def read(mapper: Mapper, descriptor: Descriptor, *, copy: bool = False) -> tuple
         )
     if nbytes == 0:
         return name, datatype, dims, np.empty(dims, dtype=dtype)
-    array = np.ndarray(dims, dtype, mapper.view(segment, offset, nbytes))
-    if copy:
-        array = array.copy()
-    return name, datatype, dims, array
+    if copy:  # over a bytearray of its own: one copy, one array
+        return name, datatype, dims, np.ndarray(dims, dtype, bytearray(mapper.view(segment, offset, nbytes)))
+    return name, datatype, dims, np.ndarray(dims, dtype, mapper.view(segment, offset, nbytes))
 
 
 def blocks_of(descriptors: list[Descriptor]) -> list[list[Any]]:
