@@ -264,15 +264,18 @@ class Tensor:
     __slots__ = ("_array", "_dtype", "_name")
 
     def __init__(self, name: str, numpy_array: Any) -> None:
-        if not isinstance(name, str):
+        if type(name) is not str and not isinstance(name, str):
             raise TypeError(f"Tensor name must be a string, got {type(name).__name__}")
-        if name == "":
+        if not name:
             raise TritonModelException("Tensor name cannot be an empty string.")
         array = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
-        if array.dtype.kind == "U":
+        dtype: int | None = _NUMPY_TO_TRITON.get(array.dtype)  # the common case, one lookup
+        if dtype is not None:
+            pass
+        elif array.dtype.kind == "U":
             # Triton rejects numpy unicode arrays; Quiver accepts them and sends the
             # strings as UTF-8 BYTES.
-            dtype: int | None = TYPE_BYTES
+            dtype = TYPE_BYTES
         else:
             dtype = numpy_to_triton_type(array.dtype)
         if dtype is None:
@@ -395,6 +398,8 @@ class InferenceTrace:
     and a traced request's BLS request is traced with it (a trace of its own whose
     ``parent_id`` is this request's), as Triton traces BLS requests."""
 
+    __slots__ = ("_context", "_server")
+
     def __init__(self, context: str | None = None) -> None:
         self._context = context
         self._server: Any = None  # the server's trace of the request, when it is traced
@@ -460,6 +465,23 @@ class InferenceRequest:
     server (BLS), through the server's normal inference path.
     """
 
+    # No attribute of a model's own, as in Triton (its class has none); and cheaper to make.
+    __slots__ = (
+        "_cancelled",
+        "_correlation_id",
+        "_flags",
+        "_inputs",
+        "_model_name",
+        "_model_version",
+        "_parameters",
+        "_preferred_memory",
+        "_request_id",
+        "_requested_output_names",
+        "_sender_factory",
+        "_timeout",
+        "_trace",
+    )
+
     def __init__(
         self,
         request_id: str = "",
@@ -503,8 +525,10 @@ class InferenceRequest:
         self._model_version = int(model_version)
         self._flags = int(flags)
         self._timeout = int(timeout)
-        self._preferred_memory = preferred_memory or PreferredMemory(TRITONSERVER_MEMORY_CPU)
-        self._trace = trace or InferenceTrace()
+        self._preferred_memory: PreferredMemory | None = preferred_memory or PreferredMemory(
+            TRITONSERVER_MEMORY_CPU
+        )
+        self._trace: InferenceTrace | None = trace or InferenceTrace()
         self._parameters = _parameters_to_json(parameters)
         self._sender_factory: Callable[[], Any] | None = None
         self._cancelled: Callable[[], bool] | None = None
@@ -536,8 +560,8 @@ class InferenceRequest:
         request._model_version = model_version
         request._flags = flags
         request._timeout = timeout
-        request._preferred_memory = PreferredMemory(TRITONSERVER_MEMORY_CPU)
-        request._trace = InferenceTrace()
+        request._preferred_memory = None  # a server's request has none (CPU)
+        request._trace = None  # made when asked for
         request._parameters = parameters_json
         request._sender_factory = sender_factory
         request._cancelled = cancelled
@@ -572,7 +596,10 @@ class InferenceRequest:
         return self._requested_output_names
 
     def trace(self) -> InferenceTrace:
-        return self._trace
+        trace = self._trace
+        if trace is None:
+            trace = self._trace = InferenceTrace()
+        return trace
 
     def is_cancelled(self) -> bool:
         """Whether the client cancelled this request (or went away): a model may stop early."""
@@ -616,6 +643,8 @@ class InferenceRequest:
 class InferenceResponse:
     """The response to one request: output tensors, or an error."""
 
+    __slots__ = ("_error", "_output_tensors", "_parameters")
+
     def __init__(
         self,
         output_tensors: Sequence[Tensor] | None = None,
@@ -624,15 +653,15 @@ class InferenceResponse:
     ) -> None:
         if output_tensors is None:
             output_tensors = []
-        if isinstance(output_tensors, (str, bytes, Tensor)) or not isinstance(
-            output_tensors, Sequence
+        elif type(output_tensors) is not list and (
+            isinstance(output_tensors, (str, bytes, Tensor)) or not isinstance(output_tensors, Sequence)
         ):
             raise TritonModelException(
                 "InferenceResponse(): 'output_tensors' must be a list of pb_utils.Tensor, "
                 f"got {type(output_tensors).__name__}"
             )
         for tensor in output_tensors:
-            if not isinstance(tensor, Tensor):
+            if type(tensor) is not Tensor and not isinstance(tensor, Tensor):
                 raise TritonModelException(
                     "InferenceResponse(): 'output_tensors' must contain pb_utils.Tensor "
                     f"objects, found {type(tensor).__name__}"
@@ -644,7 +673,7 @@ class InferenceResponse:
             )
         self._output_tensors = list(output_tensors)
         self._error = error
-        self._parameters = _parameters_to_json(parameters)
+        self._parameters = "{}" if parameters is None else _parameters_to_json(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._output_tensors

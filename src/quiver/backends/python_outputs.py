@@ -15,8 +15,10 @@ class OutputCheck:
     def __init__(self, config: ModelConfig) -> None:
         self._batch = config.max_batch_size
         self._outputs = {tensor.name: tensor for tensor in config.outputs}
-        #: each output's dims as a list, for the common exact match (None: reshaped)
+        #: each output's dims as a list (None: reshaped, not checked), and as a tuple for the
+        #: common exact match
         self._dims = {t.name: None if t.reshape is not None else list(t.dims) for t in config.outputs}
+        self._exact = {t.name: tuple(t.dims) for t in config.outputs if t.reshape is None}
 
     def __call__(self, outputs: list[Tensor]) -> str:
         batching = self._batch > 0
@@ -32,9 +34,12 @@ class OutputCheck:
             dims = self._dims[tensor.name]
             if dims is None:
                 continue
-            shape = list(tensor.shape[1:] if batching else tensor.shape)
-            if shape == dims and (tensor.shape or not batching):
+            # the usual: exactly the configured dims (a tuple shape; a list takes the long way)
+            if (tensor.shape[1:] if batching else tensor.shape) == self._exact[tensor.name] and (
+                tensor.shape or not batching
+            ):
                 continue
+            shape = list(tensor.shape[1:] if batching else tensor.shape)
             if (batching and not tensor.shape) or len(shape) != len(dims) or any(
                 d != -1 and d != s for d, s in zip(dims, shape, strict=True)
             ):

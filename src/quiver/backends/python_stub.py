@@ -34,6 +34,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,9 @@ class Worker:
     def handle(self, message: dict[str, Any]) -> None:
         """A message that is not a batch: BLS answers, releases, cancellations."""
         op = message["op"]
-        if op == msg.BLS_RESPONSE:
+        if op == msg.EXECUTE:  # the common one first
+            self.jobs.append(message)
+        elif op == msg.BLS_RESPONSE:
             number = int(message["id"])
             sink = self.bls_sinks.get(number)
             final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
@@ -166,7 +169,7 @@ class Worker:
                 self.arena.free(segment, offset)
         elif op == msg.CANCEL:
             self.cancelled.update(str(i) for i in message["ids"])
-        elif op == msg.EXECUTE or op == msg.FINALIZE:
+        elif op == msg.FINALIZE:
             self.jobs.append(message)
 
     def channel_ended(self) -> None:
@@ -277,7 +280,7 @@ class Worker:
         senders = WorkerSenders(self, ids, self.decoupled)
         self.outbox = []
         try:
-            requests = [self._request(item, senders.factory(index)) for index, item in enumerate(items)]
+            requests = self._requests(items, ids, senders.get)
         except Exception as exc:
             self._fail(ids, "INTERNAL", f"{self.where}: reading the requests failed: {format_exception(exc)}")
             self._flush(batch)
@@ -308,7 +311,7 @@ class Worker:
                 self._respond(ids, result)
         finally:
             self._flush(batch)
-            if not self.decoupled and not senders.used:
+            if self.cancelled and not self.decoupled and not senders.used:
                 for request_id in ids:
                     self.cancelled.discard(request_id)
 
@@ -320,29 +323,37 @@ class Worker:
             done["responses"] = outbox
         self.channel.send(done)
 
-    def _request(self, item: dict[str, Any], sender_factory: Any) -> pb_utils.InferenceRequest:
-        inputs = []
-        for descriptor in item["tensors"]:
-            name, datatype, _, array = tensors.read(self.mapper, descriptor)
-            inputs.append(pb_utils.Tensor._wrap(name, array, _TRITON_TYPES[datatype]))
-        fields = item.get("fields") or _NO_FIELDS  # only what differs from the defaults
-        request_id = str(item["id"])
-        request = pb_utils.InferenceRequest._from_server(
-            request_id=fields.get("request_id", ""),
-            correlation_id=fields.get("correlation_id", 0),
-            inputs=inputs,
-            requested_output_names=set(fields.get("requested_output_names", self.outputs)),
-            model_name=self.name,
-            model_version=self.version,
-            flags=fields.get("flags", 0),
-            timeout=fields.get("timeout", 0),
-            parameters_json=fields.get("parameters_json", "{}"),
-            sender_factory=sender_factory,
-            cancelled=lambda: self.is_cancelled(request_id),
-        )
-        if item.get("traced"):
-            request.trace()._server = request_id  # the server finds the trace by this id
-        return request
+    def _requests(
+        self, items: list[dict[str, Any]], ids: list[str], sender: Callable[[int], Any]
+    ) -> list[pb_utils.InferenceRequest]:
+        """The batch's requests as the model sees them; ``sender(index)`` makes request
+        ``index``'s response sender."""
+        read, wrap, mapper, made = tensors.read, pb_utils.Tensor._wrap, self.mapper, pb_utils.InferenceRequest._from_server
+        requests = []
+        for index, item in enumerate(items):
+            inputs = []
+            for descriptor in item["tensors"]:
+                name, datatype, _, array = read(mapper, descriptor)
+                inputs.append(wrap(name, array, _TRITON_TYPES[datatype]))
+            request_id = ids[index]
+            fields = item.get("fields") or _NO_FIELDS  # only what differs from the defaults
+            request = made(
+                request_id=fields.get("request_id", ""),
+                correlation_id=fields.get("correlation_id", 0),
+                inputs=inputs,
+                requested_output_names=set(fields.get("requested_output_names", self.outputs)),
+                model_name=self.name,
+                model_version=self.version,
+                flags=fields.get("flags", 0),
+                timeout=fields.get("timeout", 0),
+                parameters_json=fields.get("parameters_json", "{}"),
+                sender_factory=partial(sender, index),
+                cancelled=partial(self.is_cancelled, request_id),
+            )
+            if item.get("traced"):
+                request.trace()._server = request_id  # the server finds the trace by this id
+            requests.append(request)
+        return requests
 
     def _fail(self, ids: list[str], code: str, message: str) -> None:
         for request_id in ids:
@@ -357,6 +368,15 @@ class Worker:
 
     def _respond(self, ids: list[str], result: Any) -> None:
         count = len(ids)
+        if type(result) is list and len(result) == count:  # the common case: checked per item
+            outbox = self.outbox
+            for index, item in enumerate(result):
+                message = {"op": msg.RESPONSE, "id": ids[index], "response": self._response(item, index), "flags": msg.FINAL}
+                if outbox is not None:
+                    outbox.append(message)
+                else:
+                    self.channel.send(message)
+            return
         expected = (
             f"a model that is not decoupled must return a list with one "
             f"pb_utils.InferenceResponse per request ({count} requests)"
@@ -376,7 +396,7 @@ class Worker:
                 self._send_response(request_id, self._response(item, index))
 
     def _response(self, item: Any, index: int) -> dict[str, Any]:
-        if not isinstance(item, pb_utils.InferenceResponse):
+        if type(item) is not pb_utils.InferenceResponse and not isinstance(item, pb_utils.InferenceResponse):
             return {
                 "error": [
                     "INTERNAL",
@@ -390,11 +410,17 @@ class Worker:
             return {"error": [error.code().name, error.message()]}
         blocks: list[Block] = []
         descriptors = []
+        arena, write = self.arena, tensors.write
         try:
             for tensor in item.output_tensors():
-                name, datatype, array = _tensor_wire(tensor)
+                if type(tensor) is pb_utils.Tensor and type(array := tensor.as_numpy()) is np.ndarray and (
+                    datatype := _WIRE_TYPES.get(array.dtype)
+                ):
+                    name = tensor.name()  # the usual: a numpy array of a Triton datatype
+                else:
+                    name, datatype, array = _tensor_wire(tensor)
                 try:
-                    descriptors.append(tensors.write(self.arena, name, datatype, array, blocks))
+                    descriptors.append(write(arena, name, datatype, array, blocks))
                 except PoolFullError as exc:
                     raise ValueError(f"output '{name}' does not fit: {exc}") from None
         except ValueError as exc:

@@ -7,6 +7,7 @@ rules here, where the model runs. Worker-safe (see :mod:`quiver.backends.python_
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any, Protocol
 
 import triton_python_backend_utils as pb_utils
@@ -38,6 +39,8 @@ class _Worker(Protocol):
 class WorkerSenders:
     """The senders of one batch (made when the model asks for one)."""
 
+    __slots__ = ("_ids", "_worker", "decoupled", "senders", "used")
+
     def __init__(self, worker: _Worker, ids: list[str], decoupled: bool) -> None:
         self._worker = worker
         self._ids = ids
@@ -46,18 +49,20 @@ class WorkerSenders:
         #: Whether the model asked for a response sender (then it answers through them).
         self.used = False
 
-    def factory(self, index: int) -> Callable[[], InferenceResponseSender]:
-        def get() -> InferenceResponseSender:
-            sender = self.senders[index]
-            if sender is None:
-                request_id = self._ids[index]
-                self.used = True
-                sender = self.senders[index] = InferenceResponseSender(
-                    self.decoupled, self._deliver(index), lambda: self._worker.is_cancelled(request_id)
-                )
-            return sender
+    def get(self, index: int) -> InferenceResponseSender:
+        """Request ``index``'s sender (made on the first call; ``partial(get, index)`` is the
+        request's sender factory)."""
+        sender = self.senders[index]
+        if sender is None:
+            request_id = self._ids[index]
+            self.used = True
+            sender = self.senders[index] = InferenceResponseSender(
+                self.decoupled, self._deliver(index), partial(self._worker.is_cancelled, request_id)
+            )
+        return sender
 
-        return get
+    def factory(self, index: int) -> Callable[[], InferenceResponseSender]:
+        return partial(self.get, index)
 
     def _deliver(self, index: int) -> Callable[[Any, bool], None]:
         worker = self._worker

@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,7 @@ class WorkerInstance(WorkerStreamsMixin):
         self._settings = settings
         self._init_args = init_args
         self._where = f"model '{config.name}' version {files.version}"
+        self._version = str(files.version)  # as responses name it
         self._all_outputs = [tensor.name for tensor in config.outputs]
         self._check_outputs = OutputCheck(config)
         self._worker: Worker | None = None
@@ -186,13 +188,10 @@ class WorkerInstance(WorkerStreamsMixin):
 
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
         home = SERVER.loop
-        if home is not None and home.is_running() and asyncio.get_running_loop() is not home:
+        if home is not None and home is not asyncio.get_running_loop() and home.is_running():
             # Another loop (a warmup's, on a load thread): the worker's channel lives on the
             # server's loop, so the batch runs there.
-            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._run(requests), home))
-        return await self._run(requests)
-
-    async def _run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.run(requests), home))
         while True:
             results = await self._run_once(requests)
             if results is not None:
@@ -201,21 +200,29 @@ class WorkerInstance(WorkerStreamsMixin):
             # was running): it runs on the restarted worker
 
     async def _run_once(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
+        """Run the batch in the worker: its inputs written into the worker's pool (freed once
+        it is done with them), one ``execute`` message; None if the worker died before it
+        started it."""
         worker = self._worker
         if worker is None or worker.achannel is None or self._restarting is not None or self._closed:
             ready = await self._ready_worker()
             if isinstance(ready, QuiverError):
                 return [ready for _ in requests]
             worker = ready
+        channel = worker.achannel
+        assert channel is not None
         loop = asyncio.get_running_loop()
         blocks: list[Block] = []
         items: list[dict[str, Any]] = []
+        ids: list[str] = []
         futures: list[asyncio.Future[InferenceResponse | QuiverError]] = []
         arena = worker.arena
+        write = tensors.write
+        limit = 0  # the shortest ``timeout`` parameter (microseconds) of the requests
         for request in requests:
             request_id = str(next(self._request_ids))
             try:
-                descriptors = [tensors.write(arena, t.name, t.datatype.value, t.data, blocks) for t in request.inputs]
+                descriptors = [write(arena, t.name, t.datatype.value, t.data, blocks) for t in request.inputs]
             except PoolFullError as exc:
                 failed: asyncio.Future[InferenceResponse | QuiverError] = loop.create_future()
                 failed.set_result(UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}"))
@@ -229,39 +236,26 @@ class WorkerInstance(WorkerStreamsMixin):
                 self._pending[request_id] = future
             futures.append(future)
             item: dict[str, Any] = {"id": request_id, "tensors": descriptors}
-            fields = request_fields(request)
-            if fields:
-                item["fields"] = fields
+            if request.id or request.outputs is not None or request.parameters:
+                fields = request_fields(request)
+                if fields:
+                    item["fields"] = fields
+                value = request.parameters.get("timeout")
+                if value and str(value).isdigit() and (limit == 0 or int(value) < limit):
+                    limit = int(value)
             if request.trace is not None:
                 # BLS requests the model passes this request's trace to are traced under it.
                 item["traced"] = True
                 self._traces[request_id] = request.trace
             items.append(item)
+            ids.append(request_id)
         if not items:
             for block in blocks:
                 arena.free(block.segment, block.offset)
-        try:
-            if items and not await self._execute(worker, items, requests, blocks):
-                for item in items:
-                    self._pending.pop(item["id"], None)
-                return None
-            # A model may answer through its response sender after execute() returned.
-            return [future.result() if future.done() else await future for future in futures]
-        finally:
-            if self._traces:
-                for item in items:
-                    self._traces.pop(item["id"], None)
-
-    async def _execute(
-        self, worker: Worker, items: list[dict[str, Any]], requests: list[InferenceRequest], blocks: list[Block]
-    ) -> bool:
-        """Run the batch whose inputs are ``blocks`` of the worker's pool (freed once it is done
-        with them); False if the worker died before it started it."""
-        channel = worker.achannel
-        assert channel is not None
+            return [future.result() for future in futures]
         batch = next(self._batch_ids)
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = self._batches[batch] = Batch([item["id"] for item in items], done)
+        done: asyncio.Future[None] = loop.create_future()
+        entry = self._batches[batch] = Batch(ids, done)
         worker.inflight.append(batch)
         message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
         if worker.releases:
@@ -269,36 +263,44 @@ class WorkerInstance(WorkerStreamsMixin):
         channel.send(message)
         if self._spin and self._should_spin() and spare_core():
             self._spin_for(channel, done)
-        limit = _timeout(requests)
         try:
             if limit:
-                await asyncio.wait_for(asyncio.shield(done), limit)
+                await asyncio.wait_for(asyncio.shield(done), limit / 1e6)
             else:
                 await done  # nothing in between: the answer resumes this task at once
         except TimeoutError:
             self._fail_pending(
-                [item["id"] for item in items],
+                ids,
                 UnavailableError(
                     f"{self._where}: execute() did not return within the request timeout of "
-                    f"{limit * 1000:g} ms; its worker is stopped and restarted"
+                    f"{limit / 1000:g} ms; its worker is stopped and restarted"
                 ),
             )
             worker.kill()  # the reader sees the end of the channel and restarts it
         except asyncio.CancelledError:
-            channel.send({"op": msg.CANCEL, "ids": entry.ids})
+            channel.send({"op": msg.CANCEL, "ids": ids})
             if not entry.finished:
                 if entry.waiter.done():  # cancelled with this task: wait on a new one
-                    entry.waiter = asyncio.get_running_loop().create_future()
+                    entry.waiter = loop.create_future()
                 with contextlib.suppress(Exception):
                     await entry.waiter
             raise
         finally:
             self._batches.pop(batch, None)
-            self._last_done = time.perf_counter()
+            if self._spin:
+                self._last_done = time.perf_counter()
             if entry.finished:  # else the worker still reads them, or is being stopped
                 for block in blocks:
-                    worker.arena.free(block.segment, block.offset)
-        return not entry.unstarted
+                    arena.free(block.segment, block.offset)
+            if self._traces:
+                for request_id in ids:
+                    self._traces.pop(request_id, None)
+        if entry.unstarted:
+            for request_id in ids:
+                self._pending.pop(request_id, None)
+            return None
+        # A model may answer through its response sender after execute() returned.
+        return [future.result() if future.done() else await future for future in futures]
 
     def _should_spin(self) -> bool:
         """Whether to wait for this batch's answer without sleeping: when the worker answers
@@ -338,8 +340,8 @@ class WorkerInstance(WorkerStreamsMixin):
                 if worker.achannel is None:
                     worker.achannel = await AsyncChannel.open(
                         worker.channel.sock,
-                        lambda message: self._on_message(worker, message),
-                        lambda error: self._on_end(worker, error),
+                        partial(self._on_message, worker),
+                        partial(self._on_end, worker),
                     )
         return worker
 
@@ -354,8 +356,12 @@ class WorkerInstance(WorkerStreamsMixin):
             self._served = True
             self._failures = 0
             batch = int(message["batch"])
-            with contextlib.suppress(ValueError):
-                worker.inflight.remove(batch)
+            inflight = worker.inflight
+            if inflight and inflight[0] == batch:  # the usual: batches finish in order
+                inflight.popleft()
+            else:
+                with contextlib.suppress(ValueError):
+                    inflight.remove(batch)
             entry = self._batches.get(batch)
             if entry is not None:
                 entry.finish()
@@ -396,11 +402,13 @@ class WorkerInstance(WorkerStreamsMixin):
         request_id = str(message["id"])
         final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
         response = message["response"]
+        streamed = self._decoupled and request_id in self._streams  # (only decoupled models stream)
         if response is None:  # a decoupled model's flag-only final
-            self._streams.deliver(request_id, None, final)
+            if streamed:
+                self._streams.deliver(request_id, None, final)
             return
-        future = None if request_id in self._streams else self._pending.pop(request_id, None)
-        descriptors = response.get("tensors") or []
+        future = None if streamed else self._pending.pop(request_id, None)
+        descriptors = response.get("tensors") or ()
         result: InferenceResponse | QuiverError
         try:
             error = response.get("error")
@@ -409,8 +417,9 @@ class WorkerInstance(WorkerStreamsMixin):
                 result = error_for_code(ErrorCode[code] if code in ErrorCode.__members__ else ErrorCode.INTERNAL, str(text))
             else:
                 outputs = []
+                read, mapper = tensors.read, worker.mapper
                 for descriptor in descriptors:
-                    name, datatype, shape, array = tensors.read(worker.mapper, descriptor, copy=True)
+                    name, datatype, shape, array = read(mapper, descriptor, copy=True)
                     outputs.append(Tensor(name, _DATATYPES[datatype], shape, array))
                 parameters: Any = {}
                 text = response.get("parameters")
@@ -421,20 +430,19 @@ class WorkerInstance(WorkerStreamsMixin):
                 if wrong:
                     raise ValueError(wrong)
                 result = InferenceResponse(
-                    model_name=self._config.name,
-                    model_version=str(self._files.version),
-                    outputs=outputs,
-                    parameters=parameters if isinstance(parameters, dict) else {},
+                    self._config.name, self._version, outputs,
+                    parameters=parameters if type(parameters) is dict else {},
                 )
         except (ValueError, KeyError) as exc:
             result = InternalError(f"{self._where}: {exc}")
         finally:
-            blocks = tensors.blocks_of(descriptors)
-            if blocks:
-                worker.release(blocks)
-        if self._streams.deliver(request_id, result, final):
-            return
-        if future is not None and not future.done():
+            if descriptors:
+                blocks = tensors.blocks_of(descriptors)
+                if blocks:
+                    worker.release(blocks)
+        if streamed:
+            self._streams.deliver(request_id, result, final)
+        elif future is not None and not future.done():
             future.set_result(result)
 
     async def _bls(self, worker: Worker, message: dict[str, Any]) -> None:
@@ -568,16 +576,6 @@ class WorkerInstance(WorkerStreamsMixin):
             logger.info("%s: Python worker restarted (pid %d)", self._where, worker.process.pid)
             self._restarting = None
             return
-
-
-def _timeout(requests: list[InferenceRequest]) -> float:
-    """The shortest ``timeout`` parameter (microseconds) of ``requests``, in seconds (0: none)."""
-    limit = 0
-    for request in requests:
-        value = request.parameters.get("timeout") if request.parameters else None
-        if value and str(value).isdigit() and (limit == 0 or int(value) < limit):
-            limit = int(value)
-    return limit / 1e6
 
 
 def _report_health(model: str, version: int, instance: str, reason: str | None) -> None:

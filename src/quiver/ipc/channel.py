@@ -65,6 +65,14 @@ def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> tuple[byte
 
 
 def encode(message: dict[str, Any]) -> bytes:
+    if _orjson is not None:  # the usual way, as dumps() takes it
+        try:
+            body: bytes = _orjson.dumps(message)
+        except TypeError:
+            pass
+        else:
+            if b"null" not in body or not _non_finite(message):
+                return _LENGTH.pack(len(body)) + body
     body, exact = dumps(message)
     return _LENGTH.pack(len(body) | _EXACT if exact else len(body)) + body
 
@@ -99,8 +107,14 @@ def decode_json(body: str | bytes | bytearray | memoryview, exact: bool = False)
 
 
 def decode(body: bytes | bytearray | memoryview, exact: bool = False) -> dict[str, Any]:
-    message = decode_json(body, exact)
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+    if _orjson is not None and not exact:
+        try:
+            message = _orjson.loads(body)
+        except ValueError as exc:  # orjson's JSONDecodeError (UTF-8 errors included)
+            raise ChannelError(f"a message that is not JSON: {exc}") from None
+    else:
+        message = decode_json(body, exact)
+    if type(message) is not dict or type(message.get("op")) is not str:
         raise ChannelError("a message that is not an object with an 'op'")
     return message
 
@@ -148,6 +162,10 @@ class Channel:
         assert self._buffered, "receive() reads ahead: a buffered channel only"
         buffer = self._buffer
         deadline: float | None = None
+        # A wait that may block polls before it reads: at one call at a time its input has
+        # not come yet, and a read that finds nothing costs more (an exception) than a poll()
+        # that returns at once when it has.
+        ready = timeout == 0
         while True:
             if len(buffer) >= 4:
                 (word,) = _LENGTH.unpack_from(buffer)
@@ -159,32 +177,41 @@ class Channel:
                     body = buffer[4:end]
                     del buffer[:end]
                     return decode(body, bool(word & _EXACT))
-            try:
-                chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                # Nothing yet: sleep in poll() for input, never in a blocking recv(). A thread
-                # blocked in recv() is also woken each time the peer reads what this end sent
-                # (the socket's wait queue is shared with writers waiting for room), and on a
+            if not ready:
+                # Sleep in poll() for input, never in a blocking recv(). A thread blocked in
+                # recv() is also woken each time the peer reads what this end sent (the
+                # socket's wait queue is shared with writers waiting for room), and on a
                 # virtual machine such a needless wake-up costs more than a small call.
-                if timeout == 0:
-                    return EMPTY
                 if self._poller is None:
                     self._poller = select.poll()
                     self._poller.register(self.sock.fileno(), select.POLLIN)
                 if timeout is None:
                     self._poller.poll()
-                    continue
-                if deadline is None:
-                    deadline = time.monotonic() + timeout
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._poller.poll(remaining * 1000):
+                else:
+                    if deadline is None:
+                        deadline = time.monotonic() + timeout
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or not self._poller.poll(remaining * 1000):
+                        return EMPTY
+            try:
+                chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if timeout == 0:
                     return EMPTY
+                ready = False  # woken for nothing: wait again
                 continue
             except ConnectionError:
                 return None
             if not chunk:
                 return None
+            if not buffer and len(chunk) >= 4:
+                (word,) = _LENGTH.unpack_from(chunk)
+                length = word & ~_EXACT
+                if len(chunk) == 4 + length and length <= MAX_FRAME:
+                    # the usual: one whole message, decoded where it was read
+                    return decode(memoryview(chunk)[4:], bool(word & _EXACT))
             buffer += chunk
+            ready = True  # a frame cut short: the rest is most likely on its way
 
     def _read(self, size: int) -> bytes | None:
         """Exactly ``size`` bytes; None at the end of the stream (an unbuffered channel)."""

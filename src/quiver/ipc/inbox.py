@@ -59,7 +59,10 @@ class Inbox:
         self._channel = channel
         self._dispatch = dispatch
         self._closed = closed
-        self._cond = threading.Condition(threading.Lock())
+        # ``with self._lock`` holds the condition's lock (the C lock itself: cheaper than the
+        # condition's own context manager, a Python method)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._reading = False
         self._waiters = 0
 
@@ -69,7 +72,7 @@ class Inbox:
         before blocking, each time this thread starts to read."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with self._cond:
+            with self._lock:
                 while not ready():
                     if not self._reading:
                         self._reading = True
@@ -90,14 +93,14 @@ class Inbox:
                 if deadline is not None and time.monotonic() >= deadline:
                     return ready()
             finally:
-                with self._cond:
+                with self._lock:
                     self._reading = False
                     if self._waiters:
                         self._cond.notify_all()
 
     def drain(self) -> None:
         """Dispatch what has arrived, without waiting (nothing when another thread reads)."""
-        with self._cond:
+        with self._lock:
             if self._reading:
                 return
             self._reading = True
@@ -105,13 +108,13 @@ class Inbox:
             while (message := self._channel.receive(0)) is not EMPTY:
                 self._handle(message)
         finally:
-            with self._cond:
+            with self._lock:
                 self._reading = False
                 if self._waiters:
                     self._cond.notify_all()
 
     def _read_until(self, ready: Callable[[], bool], deadline: float | None, spin: float) -> bool:
-        channel = self._channel
+        channel, dispatch = self._channel, self._dispatch
         while not ready():
             message: Any = EMPTY
             if spin > 0:
@@ -119,11 +122,16 @@ class Inbox:
                 while (message := channel.receive(0)) is EMPTY and time.monotonic() < until:
                     pass
             if message is EMPTY:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                message = channel.receive(timeout)
+                message = channel.receive(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 if message is EMPTY:
                     return False  # the deadline passed
-            self._handle(message)
+            if message is None:
+                self._closed()
+                raise EOFError("the channel's peer closed it")
+            dispatch(message)
+            if self._waiters:  # what another thread waits for may have happened
+                with self._lock:
+                    self._cond.notify_all()
         return True
 
     def _handle(self, message: Any) -> None:
@@ -132,7 +140,7 @@ class Inbox:
             raise EOFError("the channel's peer closed it")
         self._dispatch(message)
         if self._waiters:  # what another thread waits for may have happened
-            with self._cond:
+            with self._lock:
                 self._cond.notify_all()
 
 

@@ -21,10 +21,14 @@ import contextlib
 import mmap
 import os
 import threading
-from typing import NamedTuple
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64
+#: Freed blocks an arena keeps whole, per size, for the next block of that size.
+SPARE_BLOCKS = 8
 
 
 class PoolFullError(Exception):
@@ -35,6 +39,10 @@ class Block(NamedTuple):
     segment: str
     offset: int
     size: int
+
+
+#: A Block from a (segment, offset, size) tuple, without NamedTuple's Python-level __new__.
+_block: Callable[[tuple[str, int, int]], Block] = partial(tuple.__new__, Block)
 
 
 class Segment:
@@ -109,6 +117,7 @@ class Arena:
         self._segments: dict[str, Segment] = {}
         self._free: dict[str, list[tuple[int, int]]] = {}  # segment -> sorted (offset, size)
         self._used: dict[str, dict[int, int]] = {}  # segment -> offset -> size
+        self._spare: dict[int, list[tuple[str, int]]] = {}  # size -> freed blocks kept whole
         self._count = 0
         self.total_bytes = 0
 
@@ -133,25 +142,65 @@ class Arena:
         """A block of ``nbytes`` and a writable view of it; PoolFullError when it cannot fit."""
         size = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
         with self._lock:
-            for name, free in self._free.items():
-                for index, (_, length) in enumerate(free):
-                    if length >= size:
-                        return self._take(name, free, index, size, nbytes)
-            segment = self._grow(size)
-            return self._take(segment.name, self._free[segment.name], 0, size, nbytes)
+            name, offset = self._place(size)
+            segment = self._segments[name]
+        return _block((name, offset, nbytes)), segment.view[offset : offset + nbytes]
 
-    def _take(self, name: str, free: list[tuple[int, int]], index: int, size: int, nbytes: int) -> tuple[Block, memoryview]:
-        """Cut ``size`` bytes from the front of free range ``index`` (which holds them)."""
-        offset, length = free[index]
+    def store(self, data: Any, nbytes: int) -> Block:
+        """A block holding a copy of ``data``, a C-contiguous buffer of ``nbytes`` bytes (bytes,
+        a numpy array): one copy. PoolFullError when it cannot fit; ValueError (or TypeError,
+        BufferError) when ``data`` is not such a buffer, and nothing is kept."""
+        size = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
+        with self._lock:
+            name, offset = self._place(size)
+            segment = self._segments[name]
+        try:
+            segment.map[offset : offset + nbytes] = data
+        except BaseException:
+            self.free(name, offset)
+            raise
+        return _block((name, offset, nbytes))
+
+    def _place(self, size: int) -> tuple[str, int]:
+        """Take ``size`` bytes (a multiple of ALIGN): a spare block of that size, else the first
+        free range that holds them, else (the spare blocks given back first) a new segment.
+        Under the lock."""
+        spare = self._spare.get(size)
+        if spare:
+            found = spare.pop()
+            if not spare:
+                del self._spare[size]
+            self._used[found[0]][found[1]] = size
+            return found
+        for name, free in self._free.items():
+            for index, (offset, length) in enumerate(free):
+                if length >= size:  # first fit: cut it from the front of this range
+                    if length == size:
+                        del free[index]
+                    else:
+                        free[index] = (offset + size, length - size)
+                    self._used[name][offset] = size
+                    return name, offset
+        if self._spare:  # room kept aside for other sizes: give it back, and look again
+            spares, self._spare = self._spare, {}
+            for spare_size, blocks in spares.items():
+                for name, offset in blocks:
+                    self._give_back(name, offset, spare_size)
+            return self._place(size)
+        name = self._grow(size).name
+        free = self._free[name]
+        offset, length = free[0]
         if length == size:
-            del free[index]
+            del free[0]
         else:
-            free[index] = (offset + size, length - size)
+            free[0] = (offset + size, length - size)
         self._used[name][offset] = size
-        return Block(name, offset, nbytes), self._segments[name].view[offset : offset + nbytes]
+        return name, offset
 
     def free(self, segment: str, offset: int) -> None:
-        """Give a block back (unknown blocks are ignored: a release may repeat)."""
+        """Give a block back (unknown blocks are ignored: a release may repeat). It is kept
+        aside whole for the next block of its size (the usual: one call's tensors are the
+        next call's size), up to SPARE_BLOCKS of a size, else merged into the free ranges."""
         with self._lock:
             used = self._used.get(segment)
             if used is None:
@@ -159,16 +208,25 @@ class Arena:
             size = used.pop(offset, None)
             if size is None:
                 return
-            free = self._free[segment]
-            index = bisect.bisect_left(free, (offset, 0))
-            free.insert(index, (offset, size))
-            # coalesce with the neighbours
-            if index + 1 < len(free) and free[index][0] + free[index][1] == free[index + 1][0]:
-                free[index] = (offset, free[index][1] + free[index + 1][1])
-                del free[index + 1]
-            if index > 0 and free[index - 1][0] + free[index - 1][1] == free[index][0]:
-                free[index - 1] = (free[index - 1][0], free[index - 1][1] + free[index][1])
-                del free[index]
+            spare = self._spare.get(size)
+            if spare is None:
+                self._spare[size] = [(segment, offset)]
+            elif len(spare) < SPARE_BLOCKS:
+                spare.append((segment, offset))
+            else:
+                self._give_back(segment, offset, size)
+
+    def _give_back(self, segment: str, offset: int, size: int) -> None:
+        """Into the free ranges, merged with its free neighbours (under the lock)."""
+        free = self._free[segment]
+        index = bisect.bisect_left(free, (offset, 0))
+        free.insert(index, (offset, size))
+        if index + 1 < len(free) and free[index][0] + free[index][1] == free[index + 1][0]:
+            free[index] = (offset, free[index][1] + free[index + 1][1])
+            del free[index + 1]
+        if index > 0 and free[index - 1][0] + free[index - 1][1] == free[index][0]:
+            free[index - 1] = (free[index - 1][0], free[index - 1][1] + free[index][1])
+            del free[index]
 
     @property
     def used_bytes(self) -> int:
@@ -184,6 +242,7 @@ class Arena:
             self._segments.clear()
             self._free.clear()
             self._used.clear()
+            self._spare.clear()
             self.total_bytes = 0
 
 

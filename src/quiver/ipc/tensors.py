@@ -9,6 +9,7 @@ path in Quiver makes). An empty tensor has no block (segment ``""``).
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -31,23 +32,20 @@ _DTYPES: dict[str, np.dtype[Any]] = {t.value: t.numpy_dtype for t in DataType if
 def write(arena: Arena, name: str, datatype: str, array: np.ndarray[Any, Any], blocks: list[Block]) -> Descriptor:
     """Copy ``array`` into ``arena``; the block is appended to ``blocks`` (free them when the
     reader is done). Raises PoolFullError when it does not fit."""
-    shape = list(map(int, array.shape))
+    shape = list(array.shape)
     if datatype == "BYTES":
         encoded = serialize_bytes(array)
         if not encoded:
             return [name, datatype, shape, "", 0, 0]
-        block, view = arena.alloc(len(encoded))
-        view[:] = encoded
+        block = arena.store(encoded, len(encoded))
     else:
         nbytes = array.nbytes
         if nbytes == 0:
             return [name, datatype, shape, "", 0, 0]
-        block, view = arena.alloc(nbytes)
         try:
-            view[:] = memoryview(array).cast("B")  # type: ignore[arg-type]  # one copy, C-contiguous
-        except (TypeError, ValueError, NotImplementedError):  # strided, or no buffer format
-            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-            np.frombuffer(view, dtype=np.uint8, count=nbytes)[:] = data
+            block = arena.store(array, nbytes)  # one copy, C-contiguous
+        except (TypeError, ValueError, BufferError):  # strided, or no buffer
+            block = arena.store(np.ascontiguousarray(array).reshape(-1).view(np.uint8), nbytes)
     blocks.append(block)
     return [name, datatype, shape, block.segment, block.offset, block.size]
 
@@ -57,11 +55,9 @@ def read(mapper: Mapper, descriptor: Descriptor, *, copy: bool = False) -> tuple
     of its own). ValueError for a descriptor that does not add up."""
     name, datatype, shape, segment, offset, nbytes = descriptor
     dims = tuple(map(int, shape))
-    count = 1
-    for d in dims:
-        if d < 0:
-            raise ValueError(f"tensor '{name}' has a negative dimension in shape {list(dims)}")
-        count *= d
+    if dims and min(dims) < 0:
+        raise ValueError(f"tensor '{name}' has a negative dimension in shape {list(dims)}")
+    count = prod(dims)
     if datatype == "BYTES":
         data = bytes(mapper.view(segment, offset, nbytes)) if nbytes else b""
         array = deserialize_bytes(data, count, name).reshape(dims)
@@ -75,10 +71,9 @@ def read(mapper: Mapper, descriptor: Descriptor, *, copy: bool = False) -> tuple
         )
     if nbytes == 0:
         return name, datatype, dims, np.empty(dims, dtype=dtype)
-    array = np.ndarray(dims, dtype, mapper.view(segment, offset, nbytes))
-    if copy:
-        array = array.copy()
-    return name, datatype, dims, array
+    if copy:  # over a bytearray of its own: one copy, one array
+        return name, datatype, dims, np.ndarray(dims, dtype, bytearray(mapper.view(segment, offset, nbytes)))
+    return name, datatype, dims, np.ndarray(dims, dtype, mapper.view(segment, offset, nbytes))
 
 
 def blocks_of(descriptors: list[Descriptor]) -> list[list[Any]]:

@@ -42,6 +42,28 @@ def test_an_arena_reuses_freed_blocks_and_grows_by_segments(prefix: str) -> None
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
 
 
+def test_an_arena_keeps_a_freed_block_for_its_size_and_gives_it_back_when_room_runs_short(prefix: str) -> None:
+    arena = Arena(prefix + "a", 4096, 4096, 4096)  # one segment, no growth
+    first, _ = arena.alloc(100)
+    second, _ = arena.alloc(100)
+    arena.free(first.segment, first.offset)
+    again, _ = arena.alloc(100)  # the same size: the block freed last, whole
+    assert (again.segment, again.offset) == (first.segment, first.offset)
+    assert arena.used_bytes == 256
+    arena.free(again.segment, again.offset)
+    arena.free(second.segment, second.offset)
+    assert arena.used_bytes == 0
+    everything, _ = arena.alloc(4096)  # needs the whole segment: the kept blocks are merged back
+    assert (everything.offset, arena.total_bytes) == (0, 4096)
+    arena.free(everything.segment, everything.offset)
+    block = arena.store(np.arange(4, dtype=np.int32), 16)  # a copy of a buffer, in one call
+    assert bytes(Mapper(prefix + "a").view(block.segment, block.offset, 16)) == np.arange(4, dtype=np.int32).tobytes()
+    with pytest.raises(ValueError, match="contiguous"):
+        arena.store(np.arange(8, dtype=np.int32)[::2], 16)
+    assert arena.used_bytes == 64  # the block of the copy that failed was given back
+    arena.close()
+
+
 def test_a_full_pool_names_its_sizes_and_the_setting(prefix: str) -> None:
     arena = Arena(prefix + "a", 4096, 4096, 8192)
     arena.alloc(4096)
@@ -57,6 +79,7 @@ def test_a_full_pool_names_its_sizes_and_the_setting(prefix: str) -> None:
         ("FP32", np.arange(12, dtype=np.float32).reshape(3, 4)),
         ("INT64", np.array([], dtype=np.int64).reshape(0, 2)),
         ("BOOL", np.array([True, False])),
+        ("FP64", np.arange(12, dtype=np.float64).reshape(3, 4).T),  # strided: copied contiguous
         ("BYTES", np.array([b"a", b"", "\u00e9".encode()], dtype=object).reshape(1, 3)),
     ],
 )
