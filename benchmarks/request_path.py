@@ -17,7 +17,10 @@ one sample (a round of ``--requests``); variants alternate round by round and th
 the best and the median round, and the ratio of each variant to the first.
 
 The HTTP protocol is the checkout's own: ``frontends/http_server.py`` when it has one, else
-uvicorn's httptools protocol as ``frontends/asgi.py`` configured it.
+uvicorn's httptools protocol as ``frontends/asgi.py`` configured it. ``--encodings grpc``
+drives the checkout's gRPC servicer the same way: its ``ModelInfer`` handler called with the
+serialized ``ModelInferRequest`` ``benchmarks/loadgen.py`` sends, one call after another, with
+``grpc.aio`` itself taken out (what is left is Quiver's own gRPC code and everything behind it).
 
 Results: a markdown table on stdout and in ``benchmarks/results/request_path.md``, the same as
 JSON in ``request_path.json``.
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,7 @@ from benchmarks import common
 from benchmarks.common import ROOT
 
 MODELS = ("onnx", "simple", "python")
-ENCODINGS = ("binary", "json")
+ENCODINGS = ("binary", "json", "grpc")
 
 
 class _Transport:
@@ -106,6 +110,39 @@ def _protocol(app: Any, loop: asyncio.AbstractEventLoop) -> Any:
     return HttpProtocol(server)
 
 
+def _http_driver(parts: Any, payload: Any, encoding: str) -> Callable[[], Awaitable[bytes]]:
+    """One request through the checkout's HTTP protocol: b"" for a 200, else the answer."""
+    loop = asyncio.get_running_loop()
+    protocol = _protocol(parts.http.app(), loop)
+    transport = _Transport()
+    protocol.connection_made(transport)
+    request = payload.http_request(encoding, "127.0.0.1", 8000)
+
+    async def one() -> bytes:
+        transport.data.clear()
+        transport.waiter = loop.create_future()
+        protocol.data_received(request)
+        await transport.waiter
+        return b"" if transport.data.startswith(b"HTTP/1.1 200") else bytes(transport.data) or b"(nothing)"
+
+    return one
+
+
+def _grpc_driver(parts: Any, payload: Any) -> Callable[[], Awaitable[bytes]]:
+    """One ``ModelInfer`` through the checkout's gRPC servicer (no grpc.aio): b"" when it
+    answered (a failure raises)."""
+    from quiver.frontends.grpc import InferenceServicer
+
+    servicer = InferenceServicer(parts.service)
+    data = payload.grpc_request().SerializeToString()
+
+    async def one() -> bytes:
+        answer: bytes = await servicer.model_infer_bytes(data, None)
+        return b"" if answer else b"(an empty ModelInferResponse)"
+
+    return one
+
+
 async def _child(model: str, encoding: str, requests: int, rounds: int) -> list[float]:
     from benchmarks.request_cpu import PAYLOADS, write_repository
     from quiver import settings as server_settings
@@ -119,23 +156,11 @@ async def _child(model: str, encoding: str, requests: int, rounds: int) -> list[
     parts = assemble(settings)
     await load_models(parts, settings)
     parts.service.ready = True
-    loop = asyncio.get_running_loop()
-    protocol = _protocol(parts.http.app(), loop)
-    transport = _Transport()
-    protocol.connection_made(transport)
     payload = PAYLOADS[model]
-    request = payload.http_request(encoding, "127.0.0.1", 8000)
-
-    async def one() -> None:
-        transport.data.clear()
-        transport.waiter = loop.create_future()
-        protocol.data_received(request)
-        await transport.waiter
-
-    await one()
-    answer = bytes(transport.data)
-    if not answer.startswith(b"HTTP/1.1 200"):
-        raise SystemExit(f"{model} {encoding}: {answer[:300]!r}")
+    one = _grpc_driver(parts, payload) if encoding == "grpc" else _http_driver(parts, payload, encoding)
+    problem = await one()
+    if problem:
+        raise SystemExit(f"{model} {encoding}: {problem[:300]!r}")
     for _ in range(max(1000, requests // 5)):
         await one()
     samples = []
@@ -154,7 +179,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a server variant: NAME=the src folder of a checkout (repeatable); "
                         "default one variant, 'this', from this checkout")
     parser.add_argument("--models", default="onnx,simple", help=f"of: {','.join(MODELS)}")
-    parser.add_argument("--encodings", default="binary,json", help=f"of: {','.join(ENCODINGS)}")
+    parser.add_argument("--encodings", default="binary,json", help=f"of: {','.join(ENCODINGS)} (gRPC without grpc.aio)")
     parser.add_argument("--requests", type=int, default=5000, help="requests per round")
     parser.add_argument("--repeat", type=int, default=5, help="rounds per variant (alternating)")
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
