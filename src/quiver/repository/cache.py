@@ -54,19 +54,19 @@ are never evicted under it.
 Pieces: the manifest (record and check of an entry's files) is
 :mod:`quiver.repository.manifest`; the lease, stats, errors and index record are
 :mod:`quiver.repository.cache_types`; resolving a key's version and filling an entry from the
-store is :mod:`quiver.repository.cache_download`. Their public names are re-exported here.
+store is :mod:`quiver.repository.cache_download`; asking the store whether a copy is current
+(bounded, or in the background) is :mod:`quiver.repository.cache_checks`; the folder itself
+(its lock, leftovers, reading entries, deleting) is :mod:`quiver.repository.cache_folder`.
+Their public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import re
-import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -81,7 +81,9 @@ from quiver.errors import (
     UnavailableError,
 )
 from quiver.repository.archive import ExtractLimits
+from quiver.repository.cache_checks import VersionChecks
 from quiver.repository.cache_download import _build_content, _Built, _resolve
+from quiver.repository.cache_folder import TMP_PREFIX, open_folder, remove, safe_name
 from quiver.repository.cache_types import (
     CacheFullError,
     CacheLease,
@@ -99,7 +101,6 @@ from quiver.repository.manifest import (
 from quiver.repository.names import check_key
 from quiver.repository.storage import (
     OnStart,
-    S3Storage,
     Storage,
     StoredObject,
     is_archive_key,
@@ -113,45 +114,16 @@ __all__ = [
     "CacheStats",
     "DiskCache",
     "check_tree",
-    "is_model_folder",
     "record_tree",
 ]
 
 logger = logging.getLogger(__name__)
 
-TMP_PREFIX = ".tmp-"
-LOCK = ".lock"
 #: Seconds a fetch of a key already on disk waits for the store's answer before serving the
 #: cached entry (``--model-cache-revalidate-timeout``).
 DEFAULT_REVALIDATE_TIMEOUT = 3.0
 #: ``--model-cache-revalidate``: when an on-demand load of a cached key asks the store.
 CACHE_REVALIDATE = ("background", "always")
-
-
-def is_model_folder(path: Path) -> bool:
-    """True when ``path`` is one model's folder (config.pbtxt or a numeric version folder),
-    False when it is a repository of model folders (SageMaker archives hold either)."""
-    if (path / "config.pbtxt").is_file():
-        return True
-    return any(p.name.isdigit() and p.is_dir() for p in path.iterdir())
-
-
-def _safe_name(key: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", key).lstrip(".")[:80] or "model"
-
-
-def _remove(path: Path) -> None:
-    """Delete a file or folder tree; failures (a read-only folder) are logged, not raised."""
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("model cache: cannot delete %s: %s", path, exc)
-
 
 
 class DiskCache:
@@ -176,17 +148,13 @@ class DiskCache:
     ) -> None:
         if max_bytes <= 0:
             raise InvalidArgumentError(f"model cache size must be positive, got {max_bytes}")
-        if not revalidate_timeout > 0:
-            raise InvalidArgumentError(
-                f"model cache revalidation timeout must be positive, got {revalidate_timeout}"
-            )
         self.root = Path(root).absolute()
         self.max_bytes = max_bytes
         limits = limits or ExtractLimits()
         self.limits = replace(limits, max_bytes=min(limits.max_bytes, max_bytes))
         self.on_download = on_download
-        self.revalidate_timeout = revalidate_timeout
         self.stats = CacheStats()
+        self._checks = VersionChecks(revalidate_timeout, self.stats, self._outdated)
         self._entries: dict[str, _Entry] = {}  # folder name -> entry (stale ones until unpinned)
         self._live: dict[tuple[tuple[str, str], str], _Entry] = {}  # (ident, version) -> entry
         self._flights: dict[tuple[str, str], _Flight] = {}
@@ -196,9 +164,6 @@ class DiskCache:
         self._started = False
         self._start_lock: asyncio.Lock | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._checks: set[asyncio.Task[None]] = set()  # background version checks
-        self._checking: set[tuple[str, str]] = set()
-        self._due: dict[tuple[str, str], tuple[str, Storage]] = {}  # checks to start after a load
 
     # -- state -------------------------------------------------------------------------------
 
@@ -258,46 +223,13 @@ class DiskCache:
                 self._evict_for(0)
 
     def _open(self) -> list[_Entry]:
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            lock = open(self.root / LOCK, "wb")  # noqa: SIM115 - held until close()
-        except OSError as exc:
-            raise self._os_error(exc, "cannot open it") from None
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock.close()
-            raise InvalidArgumentError(
-                f"model cache folder '{self.root}' is in use by another process"
-            ) from None
-        self._lock_file = lock
-        found: list[tuple[float, _Entry]] = []
-        for child in sorted(self.root.iterdir()):
-            if child.name == LOCK:
-                continue
-            if child.name.startswith(TMP_PREFIX):
-                logger.info("model cache: deleting leftover %s", child)
-                _remove(child)
-                continue
-            entry = _Entry.read(child, self.root)
-            if entry is None:
-                logger.warning(
-                    "model cache: deleting %s, which is not a complete entry (or has no file "
-                    "manifest)", child,
-                )
-                _remove(child)
-                continue
-            found.append(((child / MANIFEST).stat().st_mtime, entry))
-        found.sort(key=lambda pair: pair[0])
-        return [entry for _, entry in found]
+        self._lock_file, found = open_folder(self.root)
+        return found
 
     async def close(self) -> None:
         """Wait for background work (deletions, manifest updates) and release the folder lock;
         background version checks are cancelled."""
-        checks = list(self._checks)
-        for check in checks:
-            check.cancel()
-        await asyncio.gather(*checks, return_exceptions=True)
+        await self._checks.close()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self._lock_file is not None:
@@ -388,7 +320,7 @@ class DiskCache:
         if check_later and cached is not None and cached.current and await self._usable(cached):
             self.stats.hits += 1
             self.stats.checked_later += 1
-            self._due[ident] = (cached.version, storage)  # started by the lease (loaded)
+            self._checks.due(ident, cached.version, storage)  # started by the lease (loaded)
             return self._finish(ident, cached)
         cached = self._newest(ident)  # (the one checked may have been found damaged)
         if cached is None and is_archive_key(key):
@@ -405,7 +337,7 @@ class DiskCache:
             if cached is None:
                 version, objects = await asyncio.to_thread(_resolve, storage, key)
             else:
-                version, objects = await self._revalidate(storage, key)
+                version, objects = await self._checks.ask(storage, key)
         except NotFoundError:
             self._drop_versions(ident, keep=None)
             raise
@@ -429,62 +361,16 @@ class DiskCache:
         self._drop_versions(ident, keep=version)
         return self._finish(ident, entry)
 
-    async def _revalidate(self, storage: Storage, key: str) -> tuple[str, list[StoredObject]]:
-        """The current version of ``key``, asked with one short attempt: UnavailableError
-        when the store does not answer within ``revalidate_timeout``."""
-        seconds = self.revalidate_timeout
-
-        def ask() -> tuple[str, list[StoredObject]]:
-            quick = storage.with_timeout(seconds) if isinstance(storage, S3Storage) else storage
-            return _resolve(quick, key)
-
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(ask), seconds)
-        except TimeoutError:
-            raise UnavailableError(
-                f"{storage.location} did not answer within {seconds:g} s "
-                "(--model-cache-revalidate-timeout)"
-            ) from None
-
     def start_check(self, ident: tuple[str, str]) -> None:
         """Start the background check a ``check_later`` fetch of ``ident`` left due, if any
         (:meth:`CacheLease.loaded`: after the load, so the two do not compete for the CPU)."""
-        due = self._due.pop(ident, None)
-        if due is not None:
-            self._check_later(ident, *due)
+        self._checks.start(ident)
 
-    def _check_later(self, ident: tuple[str, str], version: str, storage: Storage) -> None:
-        """Ask the store for ``ident``'s current version in the background (one check per
-        key at a time); if it is not ``version`` (or the key is gone), the key's entries are
-        no longer current, so the next fetch asks the store first and fetches what is new."""
-        if ident in self._checking:
-            return
-        self._checking.add(ident)
-
-        async def check() -> None:
-            try:
-                now, _ = await self._revalidate(storage, ident[1])
-            except NotFoundError:
-                now = None
-            except Exception as exc:  # the store cannot say now: the next fetch asks again
-                logger.debug("model cache: background check of '%s' failed: %s", ident[1], exc)
-                return
-            finally:
-                self._checking.discard(ident)
-            if now == version:
-                return
-            self.stats.outdated += 1
-            logger.info(
-                "model cache: '%s' in %s %s; the next load fetches it again",
-                ident[1], storage.location, "is gone" if now is None else f"has a new version ({now})",
-            )
-            for entry in self._entries.values():
-                if entry.ident == ident:
-                    entry.current = False
-
-        task = asyncio.get_running_loop().create_task(check())
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
+    def _outdated(self, ident: tuple[str, str]) -> None:
+        """A background check found another version of ``ident``, or none: ask first next time."""
+        for entry in self._entries.values():
+            if entry.ident == ident:
+                entry.current = False
 
     async def _serve_stale(self, ident: tuple[str, str], why: UnavailableError) -> _Entry:
         """The newest intact entry of ``ident``, when the store cannot say or send what is
@@ -572,18 +458,18 @@ class DiskCache:
         except BaseException:
             self.stats.download_failures += 1
             self._reserved -= reserved
-            await asyncio.to_thread(_remove, tmp)
+            await asyncio.to_thread(remove, tmp)
             raise
         self._reserved -= reserved
         version = version or built.version
         digest = hashlib.sha256(repr((ident, version)).encode()).hexdigest()[:16]
-        name = f"{_safe_name(key)}-{digest}-{uuid.uuid4().hex[:8]}"
+        name = f"{safe_name(key)}-{digest}-{uuid.uuid4().hex[:8]}"
         entry = _Entry(ident, version, name, self.root, built.bytes, 0, built.files, verified=True, current=True)
         try:
             self._evict_for(built.bytes, key=key)
             await asyncio.to_thread(self._commit, tmp, entry)
         except BaseException:
-            await asyncio.to_thread(_remove, tmp)
+            await asyncio.to_thread(remove, tmp)
             raise
         self._add(entry)
         logger.info(
@@ -683,7 +569,7 @@ class DiskCache:
             except OSError as exc:
                 logger.warning("model cache: cannot delete %s: %s", folder, exc)
                 return
-            _remove(trash)
+            remove(trash)
 
         self._spawn(work)
 

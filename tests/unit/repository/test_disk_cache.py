@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError
-from quiver.repository.cache import CacheFullError, DiskCache, is_model_folder
+from quiver.lifecycle.dependencies import is_model_folder
+from quiver.repository.cache import CacheFullError, DiskCache
 from quiver.repository.storage import (
     Downloaded,
     LocalStorage,
