@@ -55,6 +55,7 @@ WORKER_MODULES = (
     "quiver/backends/python_readiness.py",
     "quiver/backends/python_sender.py",
     "quiver/backends/python_stub.py",
+    "quiver/backends/python_stub_bls.py",
     "quiver/backends/python_stub_senders.py",
 )
 

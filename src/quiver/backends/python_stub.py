@@ -44,7 +44,8 @@ import triton_python_backend_utils as pb_utils
 from quiver.backends.python_convert import _error_code, _json_ready, _output_tensor
 from quiver.backends.python_loading import _import_model_file, _model_class
 from quiver.backends.python_readiness import call_is_ready
-from quiver.backends.python_sender import BackgroundLoop, ResponseIterator
+from quiver.backends.python_sender import BackgroundLoop
+from quiver.backends.python_stub_bls import WorkerBls
 from quiver.backends.python_stub_senders import WorkerSenders
 from quiver.errors import format_exception
 from quiver.ipc import messages as msg
@@ -516,65 +517,6 @@ class _Failure(Exception):
         self.message = message
 
 
-class _WorkerBls:
-    """``InferenceRequest.exec`` / ``async_exec`` in a worker: the request goes to the server
-    over the control channel and through its normal inference path."""
-
-    def __init__(self, worker: Worker) -> None:
-        self._worker = worker
-
-    def exec(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        _, future = self._worker.bls(request)
-        timeout = request.timeout() / 1e6 if request.timeout() else None
-        try:
-            self._worker.wait_for(future.done, timeout)
-            answer = future.result(0)
-        except concurrent.futures.TimeoutError:
-            return pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(
-                    f"BLS request to model '{request.model_name()}' timed out", pb_utils.TritonError.UNAVAILABLE
-                )
-            )
-        return self._worker.bls_result(answer)
-
-    async def _await(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
-        _, future = self._worker.bls(request)
-        await self._arrival(future)
-        return self._worker.bls_result(future.result(0))
-
-    async def _arrival(self, future: concurrent.futures.Future[Any]) -> None:
-        """Until ``future`` is done, a thread of the default executor reads the channel (this
-        loop's thread cannot block in it)."""
-        if not future.done():
-            await asyncio.get_running_loop().run_in_executor(None, self._worker.wait_for, future.done)
-
-    def async_exec(self, request: pb_utils.InferenceRequest) -> Any:
-        return self._await(request)
-
-    def exec_decoupled(self, request: pb_utils.InferenceRequest) -> ResponseIterator:
-        """A decoupled BLS call: its responses as they come; ``cancel()`` tells the server."""
-        worker = self._worker
-        number = 0
-
-        def cancel() -> None:
-            worker.send({"op": msg.BLS_CANCEL, "id": number})
-
-        iterator = ResponseIterator(cancel, worker.wait_for)
-
-        def sink(response: dict[str, Any] | None, final: bool) -> None:
-            iterator._put(pb_utils.InferenceResponse([]) if response is None else worker.bls_result(response), final)
-
-        number, _ = worker.bls(request, sink)
-        return iterator
-
-    async def _first(self, iterator: ResponseIterator) -> ResponseIterator:
-        await self._arrival(iterator.first)
-        return iterator
-
-    def async_exec_decoupled(self, request: pb_utils.InferenceRequest) -> Any:
-        return self._first(self.exec_decoupled(request))
-
-
 def main() -> None:
     parent = int(os.environ["QUIVER_WORKER_PARENT"])
     _die_with_parent(parent)
@@ -593,7 +535,7 @@ def main() -> None:
     model_logger.setLevel(logging.DEBUG)
     model_logger.propagate = False
     worker = Worker(channel, init)
-    pb_utils._set_bls_executor(_WorkerBls(worker))
+    pb_utils._set_bls_executor(WorkerBls(worker))
     try:
         extra = worker.load(init)
     except _Failure as exc:
