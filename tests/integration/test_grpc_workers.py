@@ -32,6 +32,7 @@ from tritonclient.utils import InferenceServerException
 
 from support.server import QuiverServer
 from support.worker_models import write_worker_repository
+from support.workers import BackgroundCalls, wait_replaced, worker_pids
 
 WORKERS = ("--frontend-workers", "2")
 MAX_MESSAGE_SIZE = 1 << 16
@@ -59,18 +60,6 @@ def workers(repository: Path) -> Iterator[QuiverServer]:
     server = _server(repository, *WORKERS).start()
     yield server
     assert server.stop() == 0, server.log
-
-
-def _worker_pids(server: QuiverServer) -> list[int]:
-    assert server.process is not None
-    pids = []
-    for child in psutil.Process(server.process.pid).children():
-        try:
-            if "frontend_worker" in " ".join(child.cmdline()):
-                pids.append(child.pid)
-        except psutil.Error:  # a worker just killed and not yet reaped, or gone
-            continue
-    return pids
 
 
 def _listens_on(pid: int, port: int) -> bool:
@@ -108,7 +97,7 @@ def _stub(server: QuiverServer) -> tuple[grpc.Channel, Any]:
 
 
 def test_the_workers_serve_grpc_and_the_model_side_does_not_accept(workers: QuiverServer) -> None:
-    pids = _worker_pids(workers)
+    pids = worker_pids(workers)
     assert len(pids) == 2
     assert re.search(r"HTTP and gRPC served by 2 worker processes", workers.log)
     assert workers.process is not None and workers.grpc_port
@@ -278,41 +267,21 @@ def test_compression_both_ways_through_a_worker(repository: Path) -> None:
 
 def test_a_killed_worker_is_replaced_and_grpc_keeps_serving(repository: Path) -> None:
     with _server(repository, *WORKERS) as server:
-        victim = _worker_pids(server)[0]
-        failures: list[BaseException] = []
-        answered = 0
-        stop = threading.Event()
-
-        def load() -> None:
-            nonlocal answered
-            while not stop.is_set():
-                try:
-                    _infer(server.grpc_url)
-                    answered += 1
-                except InferenceServerException as exc:  # a call the killed worker held
-                    failures.append(exc)
-
-        threads = [threading.Thread(target=load) for _ in range(4)]
-        for thread in threads:
-            thread.start()
+        victim = worker_pids(server)[0]
+        # The calls the killed worker holds fail (InferenceServerException).
+        calls = BackgroundCalls(lambda: _infer(server.grpc_url), errors=(InferenceServerException,)).start()
         time.sleep(0.5)
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            pids = _worker_pids(server)
-            if len(pids) == 2 and victim not in pids:
-                break
-            time.sleep(0.1)
-        before = answered
+        wait_replaced(server, victim)
+        before = calls.answered
         deadline = time.monotonic() + 60
-        while answered <= before + 10 and time.monotonic() < deadline:
+        while calls.answered <= before + 10 and time.monotonic() < deadline:
             time.sleep(0.1)
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-        pids = _worker_pids(server)
+        calls.stop()
+        failures = calls.failures
+        pids = worker_pids(server)
         assert len(pids) == 2 and victim not in pids, server.log
-        assert answered > before + 10  # served after the kill
+        assert calls.answered > before + 10  # served after the kill
         # Calls the killed worker held, and calls a client made on its broken connection before
         # grpc noticed (channels to one target share connections), fail as from any crashed
         # server: UNAVAILABLE, never a wrong answer.
@@ -327,7 +296,7 @@ def test_a_killed_worker_is_replaced_and_grpc_keeps_serving(repository: Path) ->
 
 def test_sigterm_lets_in_flight_calls_finish_then_every_worker_exits(repository: Path) -> None:
     server = _server(repository, *WORKERS, "--load-model=slow").start()
-    workers = [psutil.Process(pid) for pid in _worker_pids(server)]
+    workers = [psutil.Process(pid) for pid in worker_pids(server)]
     client = grpcclient.InferenceServerClient(server.grpc_url)
     tensor = grpcclient.InferInput("IN", [1, 1], "FP32")
     tensor.set_data_from_numpy(np.array([[7.0]], dtype=np.float32))
@@ -348,40 +317,23 @@ def test_sigterm_lets_in_flight_calls_finish_then_every_worker_exits(repository:
 
 def test_a_killed_model_side_makes_the_workers_answer_unavailable_and_exit(repository: Path) -> None:
     server = _server(repository, *WORKERS).start()
-    errors: list[str] = []
-    answered = 0
-    stop = threading.Event()
-
-    def load() -> None:
-        nonlocal answered
-        while not stop.is_set():
-            try:
-                _infer(server.grpc_url)
-                answered += 1
-            except InferenceServerException as exc:
-                errors.append(str(exc))
-                time.sleep(0.01)
-
-    threads = [threading.Thread(target=load) for _ in range(4)]
+    calls = BackgroundCalls(lambda: _infer(server.grpc_url), errors=(InferenceServerException,), pause=0.01)
     try:
-        workers = [psutil.Process(pid) for pid in _worker_pids(server)]
-        for thread in threads:
-            thread.start()
+        workers = [psutil.Process(pid) for pid in worker_pids(server)]
+        calls.start()
         time.sleep(0.5)
         assert server.process is not None
         server.process.send_signal(signal.SIGKILL)
         _, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive, "workers still running after the model side died"
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-            assert not thread.is_alive(), "a call hung after the model side died"
-        assert answered and errors
+        assert not calls.stop(), "a call hung after the model side died"
+        errors = [str(failure) for failure in calls.failures]
+        assert calls.answered and errors
         assert all("UNAVAILABLE" in error for error in errors), errors
         server.wait(30)
         assert "the model side of the server has stopped" in server.log
     finally:
-        stop.set()
+        calls.stop()
         if server.process is not None and server.process.poll() is None:
             server.stop(signal.SIGKILL)
 

@@ -27,6 +27,7 @@ import tritonclient.http as httpclient
 
 from support.server import QuiverServer
 from support.worker_models import write_worker_repository
+from support.workers import BackgroundCalls, wait_replaced, worker_pids
 
 WORKERS = ("--http-workers", "2")
 MAX_INPUT_SIZE = 1 << 16
@@ -60,18 +61,6 @@ def workers(repository: Path) -> Iterator[QuiverServer]:
     assert server.stop() == 0, server.log
 
 
-def _worker_pids(server: QuiverServer) -> list[int]:
-    assert server.process is not None
-    pids = []
-    for child in psutil.Process(server.process.pid).children():
-        try:
-            if "frontend_worker" in " ".join(child.cmdline()):
-                pids.append(child.pid)
-        except psutil.Error:  # a worker just killed and not yet reaped (a zombie) or gone
-            continue
-    return pids
-
-
 def _request(server: QuiverServer, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
@@ -97,7 +86,7 @@ def _infer(url: str, model: str = "simple") -> None:
 
 
 def test_the_workers_serve_http_and_the_model_side_does_not(workers: QuiverServer) -> None:
-    pids = _worker_pids(workers)
+    pids = worker_pids(workers)
     assert len(pids) == 2
     assert re.search(r"HTTP and gRPC served by 2 worker processes", workers.log)
     _infer(workers.url)
@@ -195,42 +184,21 @@ def test_a_client_that_goes_away_takes_its_queued_request_out_through_a_worker(r
 
 def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(repository: Path) -> None:
     with _server(repository, *WORKERS) as server:
-        victim = _worker_pids(server)[0]
-        failures: list[BaseException] = []
-        answered = 0
-        stop = threading.Event()
-
-        def load() -> None:
-            nonlocal answered
-            while not stop.is_set():
-                try:
-                    _infer(server.url)
-                    answered += 1
-                except Exception as exc:  # a request the killed worker held: a connection error
-                    failures.append(exc)
-
-        threads = [threading.Thread(target=load) for _ in range(4)]
-        for thread in threads:
-            thread.start()
+        victim = worker_pids(server)[0]
+        # A request the killed worker held fails with a connection error.
+        calls = BackgroundCalls(lambda: _infer(server.url)).start()
         time.sleep(0.5)
         os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            pids = _worker_pids(server)
-            if len(pids) == 2 and victim not in pids:
-                break
-            time.sleep(0.1)
-        before = answered
+        wait_replaced(server, victim)
+        before = calls.answered
         deadline = time.monotonic() + 60
-        while answered <= before and time.monotonic() < deadline:
+        while calls.answered <= before and time.monotonic() < deadline:
             time.sleep(0.1)
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-        pids = _worker_pids(server)
+        calls.stop()
+        pids = worker_pids(server)
         assert len(pids) == 2 and victim not in pids, server.log
-        assert answered > before  # served after the kill, through the survivors and the new worker
-        assert len(failures) <= 4  # at most what the killed worker held
+        assert calls.answered > before  # served after the kill, through the survivors and the new worker
+        assert len(calls.failures) <= 4  # at most what the killed worker held
         assert re.search(rf"frontend worker \d \(pid {victim}\) exited with -9; starting it again", server.log)
         for _ in range(10):
             _infer(server.url)
@@ -241,45 +209,33 @@ def test_a_killed_model_side_makes_the_workers_answer_503_and_exit(repository: P
     body = json.dumps({"inputs": [
         {"name": name, "datatype": "INT32", "shape": [1, 16], "data": list(range(16))} for name in ("INPUT0", "INPUT1")
     ]}).encode()
-    statuses: list[int] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def load() -> None:
-        while not stop.is_set():
-            try:
-                statuses.append(_request(server, "POST", "/v2/models/simple/infer", body)[0])
-            except OSError as exc:  # refused once every worker is gone
-                errors.append(exc)
-                time.sleep(0.01)
-
+    # Refused (OSError) once every worker is gone.
+    calls = BackgroundCalls(
+        lambda: _request(server, "POST", "/v2/models/simple/infer", body)[0], errors=(OSError,), pause=0.01
+    )
     try:
-        workers = [psutil.Process(pid) for pid in _worker_pids(server)]
-        threads = [threading.Thread(target=load) for _ in range(4)]
-        for thread in threads:
-            thread.start()
+        workers = [psutil.Process(pid) for pid in worker_pids(server)]
+        calls.start()
         time.sleep(0.5)
         assert server.process is not None
         server.process.send_signal(signal.SIGKILL)
         _, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive, "workers still running after the model side died"
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-            assert not thread.is_alive(), "a request hung after the model side died"
+        assert not calls.stop(), "a request hung after the model side died"
+        statuses, errors = calls.results, calls.failures
         assert set(statuses) <= {200, 503}, statuses
         assert 200 in statuses and errors
         server.wait(30)
         assert "the model side of the server has stopped" in server.log
     finally:
-        stop.set()
+        calls.stop()
         if server.process is not None and server.process.poll() is None:
             server.stop(signal.SIGKILL)
 
 
 def test_sigterm_drains_every_worker_then_the_server_exits_0(repository: Path) -> None:
     server = _start(repository, *WORKERS)
-    workers = [psutil.Process(pid) for pid in _worker_pids(server)]
+    workers = [psutil.Process(pid) for pid in worker_pids(server)]
     _infer(server.url)
     assert server.stop(signal.SIGTERM) == 0, server.log
     _, alive = psutil.wait_procs(workers, timeout=10)

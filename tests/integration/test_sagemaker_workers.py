@@ -24,6 +24,7 @@ from test_sagemaker import ADD, BINARY_JSON, TARGET, call, invoke, outputs
 
 from support.models import add_constant_onnx, write_onnx
 from support.server import QuiverServer
+from support.workers import worker_pids
 
 WORKERS = ("--frontend-workers", "2")
 
@@ -51,18 +52,9 @@ def workers(repo: Path) -> Iterator[QuiverServer]:
         yield server
 
 
-def _worker_pids(server: QuiverServer) -> list[int]:
-    assert server.process is not None
-    return [
-        child.pid
-        for child in psutil.Process(server.process.pid).children()
-        if "frontend_worker" in " ".join(child.cmdline())
-    ]
-
-
 def test_the_workers_serve_sagemaker(workers: QuiverServer) -> None:
     assert re.search(r"HTTP, gRPC and SageMaker served by 2 worker processes", workers.log)
-    for pid in _worker_pids(workers):
+    for pid in worker_pids(workers):
         assert "--sagemaker-fd" in psutil.Process(pid).cmdline()
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     with ThreadPoolExecutor(8) as pool:  # a connection each: both workers take some
