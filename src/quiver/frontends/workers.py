@@ -305,10 +305,9 @@ class FrontendWorkers:
                 if streaming:
                     worker.link.send(("http-chunk", ident, chunk, more))
                     ended = not more
-                elif more:
+                elif more:  # the first part of an answer in parts (nothing came before it)
                     streaming = True
-                    chunks.append(chunk)
-                    worker.link.send(("http-start", ident, status, headers, b"".join(chunks)))
+                    worker.link.send(("http-start", ident, status, headers, chunk))
                 else:
                     chunks.append(chunk)
 
