@@ -928,7 +928,7 @@ def _markdown_script(key: str, title: str, rec: dict[str, Any]) -> list[str]:
     else:
         s = summary
         rows = [
-            ["hit rate, Quiver (LRU, on_demand)", f"{s['server_hit_rate']:.3f}"],
+            ["hit rate, Quiver (on_demand, default eviction policy)", f"{s['server_hit_rate']:.3f}"],
             ["hit rate, LRU simulated on the same trace", f"{s['lru_simulated_hit_rate']:.3f}"],
             ["hit rate, offline optimum (Belady MIN)", f"{s['belady_hit_rate']:.3f}"],
             ["Quiver / LRU simulated", _ratio(s["vs_lru"])],

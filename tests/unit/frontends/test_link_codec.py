@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from quiver.frontends.link_codec import pack_request, pack_response, unpack_request, unpack_response
-from quiver.types import DataType, InferenceRequest, InferenceResponse, Placement, RequestedOutput, Tensor
+from quiver.types import (
+    DataType,
+    InferenceRequest,
+    InferenceResponse,
+    Placement,
+    RequestedOutput,
+    Tensor,
+)
 
 
 def _across(packed: Any) -> Any:
