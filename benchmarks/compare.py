@@ -44,15 +44,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common
+from benchmarks import common, compare_workers
 from benchmarks.common import ROOT
 from benchmarks.plots import ENCODING_LABEL
 
 RESULTS = ROOT / "benchmarks" / "results"
 SUBDIR = "compare-workloads"
 
-WORKLOADS = ("tiny", "resnet", "text", "multi-model")
-PEERS = ("quiver-python", "quiver-onnx", "triton", "mlserver", "mlserver-workers0")
+WORKLOADS = ("tiny", "resnet", "text", "multi-model", compare_workers.WORKLOAD)
+QUIVER, QUIVER_ONNX, TRITON, MLSERVER, MLSERVER0 = "quiver-python", "quiver-onnx", "triton", "mlserver", "mlserver-workers0"
+PEERS = (QUIVER, QUIVER_ONNX, *compare_workers.PEERS, TRITON, MLSERVER, MLSERVER0)
 ENCODINGS = ("json", "binary", "grpc")
 
 TARGET = (
@@ -62,9 +63,6 @@ TARGET = (
 TARGET_ENCODINGS = ("binary", "grpc")
 TARGET_CONCURRENCY = (1, 8, 32)
 RESNET_TARGET_PCT = 90.0
-
-# The peer the verdicts judge, the one they are judged against, the two MLServers.
-QUIVER, QUIVER_ONNX, TRITON, MLSERVER, MLSERVER0 = PEERS
 
 
 def log(message: str) -> None:
@@ -185,11 +183,12 @@ def _get_json(url: str, timeout: float = 10.0) -> Any:
 # -- workload tiny ----------------------------------------------------------------------------
 
 
-def _make_peer(key: str) -> Any:
-    if key in (QUIVER, QUIVER_ONNX):
+def _make_peer(key: str, workers: int) -> Any:
+    if key in (QUIVER, QUIVER_ONNX, *compare_workers.PEERS):
         from benchmarks.peers.quiver import QuiverPeer
 
-        return QuiverPeer("python" if key == QUIVER else "onnx")
+        backend = "python" if key in (QUIVER, compare_workers.QUIVER_WORKERS) else "onnx"
+        return QuiverPeer(backend, frontend_workers=workers if key in compare_workers.PEERS else 0)
     if key == TRITON:
         from benchmarks.peers.triton import TritonPeer
 
@@ -201,7 +200,7 @@ def _make_peer(key: str) -> Any:
 
 def _packages(key: str) -> str:
     """What the peer was installed from, for the report."""
-    if key in (QUIVER, QUIVER_ONNX):
+    if key in (QUIVER, QUIVER_ONNX, *compare_workers.PEERS):
         return f"quiver {common.version('quiver')} (the project venv, .venv)"
     if key == TRITON:
         from benchmarks.peers import triton
@@ -266,7 +265,7 @@ def _run_peer(key: str, args: argparse.Namespace, payload: Any, pa: dict[str, An
     from benchmarks import loadgen
     from benchmarks.peers import PeerError
 
-    peer = _make_peer(key)
+    peer = _make_peer(key, args.frontend_workers)
     rec: dict[str, Any] = {
         "key": key, "name": peer.name, "status": "ok", "error": None, "packages": None,
         "server": None, "setup_s": None, "start_s": None, "load_avg_end": None, "sanity": {}, "notes": [],
@@ -409,6 +408,9 @@ def run_tiny(args: argparse.Namespace) -> dict[str, Any]:
     out["ratios"] = _ratios(peers, args)
     out["perf_analyzer_ratios"] = _pa_ratios(peers, args)
     out["verdicts"], out["verdict_summary"] = _verdicts(peers, args)
+    out["workers_verdicts"] = compare_workers.verdicts(
+        lambda key, e, c: _trial(peers, key, e, c), QUIVER, QUIVER_ONNX, TRITON,
+    )
     return out
 
 
@@ -581,6 +583,8 @@ def _script_argv(workload: str, args: argparse.Namespace, out: Path) -> tuple[st
             "--duration", f"{max(2.0, d):g}", "--warmup", f"{max(1.0, 2 * w):g}",
             "--output-dir", str(out),
         ], "pipelines.json"
+    if workload == compare_workers.WORKLOAD:
+        return compare_workers.script_argv(args.frontend_workers, d, w, args.quick, out)
     models, resident, requests = (60, 10, 200) if args.quick else (300, 30, 1500)
     return "benchmarks.multi_model", [
         "--models", str(models), "--resident", str(resident), "--requests", str(requests),
@@ -683,6 +687,7 @@ def _summary_multi(data: dict[str, Any]) -> dict[str, Any]:
 
 SUMMARIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "resnet": _summary_resnet, "text": _summary_text, "multi-model": _summary_multi,
+    compare_workers.WORKLOAD: compare_workers.summary,
 }
 
 
@@ -728,7 +733,8 @@ def markdown(report: dict[str, Any]) -> str:
     if tiny is not None:
         lines += _markdown_tiny(tiny, settings)
     titles = {"resnet": "ResNet-50 dynamic batching", "text": "Text pipeline (tokenizer -> MiniLM -> pooling)",
-              "multi-model": "Multi-model (Zipf over many models, memory for a few)"}
+              "multi-model": "Multi-model (Zipf over many models, memory for a few)",
+              compare_workers.WORKLOAD: "Frontend workers: scaling and CPU per request (tiny model)"}
     if any(key in report["workloads"] for key in titles):
         lines += [
             "## Quiver-only workloads", "",
@@ -783,6 +789,8 @@ def _markdown_tiny(tiny: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     if any(c.get("note") for c in tiny["verdicts"]):
         lines.append("- MLServer has no binary tensor extension (HTTP binary is n/a for it): in the HTTP binary "
                      "rows Quiver's binary number is compared with MLServer's HTTP JSON number.")
+    if tiny.get("workers_verdicts"):
+        lines += ["", *compare_workers.markdown(tiny["workers_verdicts"], settings.get("frontend_workers", 2))]
     lines += [
         "",
         "### Ratios (loadgen)",
@@ -915,10 +923,12 @@ def _markdown_script(key: str, title: str, rec: dict[str, Any]) -> list[str]:
                         rows, "rrrrrrr")
         lines += ["", f"- Best: c={summary['best_concurrency']}, {_ratio(summary['best_vs_floor_batch1'])} the "
                   f"in-process batch-1 floor, {_ratio(summary['best_vs_floor_batched'])} the batched floor."]
+    elif key == compare_workers.WORKLOAD:
+        lines += compare_workers.markdown_script(summary)
     else:
         s = summary
         rows = [
-            ["hit rate, Quiver (LRU, on_demand)", f"{s['server_hit_rate']:.3f}"],
+            ["hit rate, Quiver (on_demand, default eviction policy)", f"{s['server_hit_rate']:.3f}"],
             ["hit rate, LRU simulated on the same trace", f"{s['lru_simulated_hit_rate']:.3f}"],
             ["hit rate, offline optimum (Belady MIN)", f"{s['belady_hit_rate']:.3f}"],
             ["Quiver / LRU simulated", _ratio(s["vs_lru"])],
@@ -950,6 +960,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=_ints, default=[1, 8, 32], metavar="N,N", help="default: 1,8,32")
     parser.add_argument("--encodings", type=_csv(ENCODINGS), default=list(ENCODINGS), metavar="E,E",
                         help="json and binary (HTTP), grpc (default: all)")
+    parser.add_argument("--frontend-workers", type=int, default=compare_workers.default_workers(), metavar="N",
+                        help="--frontend-workers of the quiver-*-workers peers; the frontend-workers workload runs "
+                             "0, 2 .. N+2 (default: the cores this process may use, at least 2)")
     parser.add_argument("--duration", type=float, default=5.0, metavar="S", help="measured seconds per trial (default: 5)")
     parser.add_argument("--warmup", type=float, default=1.0, metavar="S", help="warm-up seconds per trial (default: 1)")
     parser.add_argument("--perf-analyzer", action=argparse.BooleanOptionalAction, default=True,
@@ -978,7 +991,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {
             "workloads": args.workloads, "peers": args.peers, "concurrency": args.concurrency,
             "encodings": args.encodings, "duration_s": args.duration, "warmup_s": args.warmup,
-            "perf_analyzer": args.perf_analyzer, "quick": args.quick,
+            "perf_analyzer": args.perf_analyzer, "quick": args.quick, "frontend_workers": args.frontend_workers,
         },
         "target": TARGET,
         "workloads": {},
@@ -988,7 +1001,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.warmup:g} s + {args.duration:g} s per trial")
     if "tiny" in args.workloads:
         report["workloads"]["tiny"] = run_tiny(args)
-    for workload in ("resnet", "text", "multi-model"):
+    for workload in ("resnet", "text", "multi-model", compare_workers.WORKLOAD):
         if workload in args.workloads:
             report["workloads"][workload] = run_script_workload(workload, args)
     report["versions"] = _versions(report)

@@ -9,8 +9,11 @@ Triton's Python model unchanged and as ONNX, over HTTP with binary tensors or gR
 at ``--concurrency`` levels; the configurations alternate round by round (``--repeat``), so a
 busy moment on a shared machine hits all of them. Server CPU is the server process with its
 children (the workers, and Python model processes where there are any) over the measured
-window, per answered request: the slope a machine with more cores would give is
-(requests/s per core of the model side) = 1e6 / (its share of that CPU).
+window, per answered request, and split by process: the model side (the server process
+itself), the frontend workers, and the Python model's own processes. The model side is the
+one part that does not grow with the workers, so the rate a machine with more cores could
+reach is about 1e6 / (the model side's microseconds per request): the table's "model-side
+ceiling".
 
 Writes ``benchmarks/results/http_workers.md`` and ``.json`` (``--output-name``).
 """
@@ -18,6 +21,7 @@ Writes ``benchmarks/results/http_workers.md`` and ``.json`` (``--output-name``).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -32,9 +36,38 @@ from benchmarks.peers import tiny
 from benchmarks.peers.quiver import QuiverServer
 from benchmarks.request_cpu import PAYLOAD, write_repository
 
+#: How a child of the server is told apart: a frontend worker runs this module.
+FRONTEND_MODULE = "quiver.frontends.frontend_worker"
+PARTS = ("model_side_us", "frontend_us", "model_processes_us")
+
+
+def cpu_by_part(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the server process itself, its frontend workers, and its other
+    children (Python model processes); a child that is gone by now is left out."""
+    import psutil
+
+    def seconds(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return float(times.user + times.system)
+
+    server = psutil.Process(pid)
+    parts = dict.fromkeys(PARTS, 0.0)
+    parts["model_side_us"] = seconds(server)
+    for child in server.children(recursive=True):
+        try:
+            part = "frontend_us" if FRONTEND_MODULE in child.cmdline() else "model_processes_us"
+            parts[part] += seconds(child)
+        except psutil.Error:
+            continue
+    return parts
+
 
 def log(message: str) -> None:
     print(f"[http_workers {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _mark(marks: list[dict[str, float]], pid: int) -> None:
+    marks.append(cpu_by_part(pid))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,25 +101,34 @@ def main(argv: list[str] | None = None) -> int:
                     for encoding in encodings:
                         loadgen.sanity_check(*endpoints.address(encoding), encoding, PAYLOAD)
                         for c in levels:
-                            res = loadgen.run_trial(*endpoints.address(encoding), encoding, c, args.warmup,
-                                                    args.duration, PAYLOAD, endpoints.pid, 50, progress=None)
+                            marks: list[dict[str, float]] = []
+                            mark = functools.partial(_mark, marks, endpoints.pid)
+                            res = loadgen.run_trial(
+                                *endpoints.address(encoding), encoding, c, args.warmup, args.duration, PAYLOAD,
+                                endpoints.pid, 50, progress=None, on_begin=mark, on_end=mark,
+                            )
                             if res.errors or not res.requests or res.server_cpu_s is None:
                                 raise SystemExit(f"{backend} workers={count} {encoding} c={c}: {res.errors} errors, {res.first_error}")
                             got = {"req_per_s": res.req_per_s, "p99_ms": res.p99_ms or 0.0,
                                    "server_us": 1e6 * res.server_cpu_s / res.requests,
+                                   **{part: 1e6 * (marks[1][part] - marks[0][part]) / res.requests for part in PARTS},
                                    "server_cpu_pct": res.server_cpu_pct or 0.0, "client_cpu_pct": res.client_cpu_pct}
                             samples.setdefault((backend, encoding, count, c), []).append(got)
                             log(f"round {round_ + 1} {backend} workers={count} {encoding} c={c}: {got}")
     lines = [
-        "| model | encoding | frontend workers | c | req/s | p99 ms | server CPU us/request | server CPU % | client CPU % |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | encoding | frontend workers | c | req/s | p99 ms | server CPU us/request | model side us | "
+        "frontend workers us | Python model process us | model-side ceiling req/s | server CPU % | client CPU % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows: list[dict[str, Any]] = []
     for (backend, encoding, count, c), got in samples.items():
         med = {k: statistics.median(s[k] for s in got) for k in got[0]}
+        med["model_side_ceiling_req_per_s"] = 1e6 / med["model_side_us"] if med["model_side_us"] else 0.0
         lines.append(
             f"| {backend} | {encoding} | {count} | {c} | {med['req_per_s']:,.0f} | {med['p99_ms']:.2f} | "
-            f"{med['server_us']:.0f} | {med['server_cpu_pct']:.0f} | {med['client_cpu_pct']:.0f} |"
+            f"{med['server_us']:.0f} | {med['model_side_us']:.0f} | {med['frontend_us']:.0f} | "
+            f"{med['model_processes_us']:.0f} | {med['model_side_ceiling_req_per_s']:,.0f} | "
+            f"{med['server_cpu_pct']:.0f} | {med['client_cpu_pct']:.0f} |"
         )
         rows.append({"model": backend, "encoding": encoding, "workers": count, "concurrency": c, "median": med, "samples": got})
     markdown = "\n".join(lines)
@@ -95,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         "# Frontend workers\n\n"
         f"`{common.command_line()}`\n\n{args.duration:g} s per trial after {args.warmup:g} s, "
         f"{args.repeat} rounds alternating; medians. Load average at the end: "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.\n\n"
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. Frontend workers 0 and 1 are the same "
+        "single-process server.\n\n"
+        "CPU per answered request: `server CPU` is every server process together; `model side` the "
+        "server process itself (it parses nothing when workers serve the protocols, and it is the one part "
+        "that does not grow with the workers), `frontend workers` theirs together, `Python model process` "
+        "the Python model's own process (the `python` rows). `model-side ceiling` = 1e6 / model side us: "
+        "about where requests/s would stop growing with more cores and workers.\n\n"
     )
     report = {"command": common.command_line(), "environment": common.environment(("quiver", "uvicorn", "onnxruntime")),
               "rows": rows}

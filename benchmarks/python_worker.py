@@ -48,7 +48,7 @@ def _repository(folder: Path) -> Path:
     repository = folder / "repository"
     version = repository / tiny.MODEL / "1"
     version.mkdir(parents=True, exist_ok=True)
-    (repository / tiny.MODEL / "config.pbtxt").write_text(tiny.PYTHON_CONFIG)
+    (repository / tiny.MODEL / "config.pbtxt").write_text(tiny.EVENT_LOOP_PYTHON_CONFIG)
     (version / "model.py").write_text(tiny.PYTHON_MODEL)
     return repository
 

@@ -41,11 +41,6 @@ from benchmarks.peers.quiver import ONNX_CONFIG, QuiverServer
 
 ENCODINGS = ("json", "binary", "grpc")
 BACKENDS = ("python", "onnx", "simple")
-#: Triton's Python model unchanged: the benchmark peer's config without Quiver's opt-in.
-PYTHON_CONFIG = "\n".join(
-    line for line in tiny.PYTHON_CONFIG.splitlines()
-    if "EXECUTE_ON_EVENT_LOOP" not in line and not line.startswith("# Quiver:")
-) + "\n"
 X = (np.arange(16, dtype=np.float32).reshape(tiny.SHAPE) / 4 - 1)
 PAYLOAD = loadgen.Payload(tiny.MODEL, {tiny.INPUT: X}, expected={tiny.OUTPUT: X * 2})
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -68,7 +63,7 @@ def write_repository(folder: Path, backend: str) -> Path:
     version = repository / tiny.MODEL / "1"
     version.mkdir(parents=True)
     if backend == "python":
-        (repository / tiny.MODEL / "config.pbtxt").write_text(PYTHON_CONFIG)
+        (repository / tiny.MODEL / "config.pbtxt").write_text(tiny.PYTHON_CONFIG)
         (version / "model.py").write_text(tiny.PYTHON_MODEL)
     else:
         (repository / tiny.MODEL / "config.pbtxt").write_text(ONNX_CONFIG)

@@ -821,7 +821,10 @@ def build_dali_inception(root: Path) -> None:
             f"pip install 'quiver[{','.join(missing)}]'"
         )
         return
-    import seed_ensemble
+    try:  # imported as examples.build_repository (benchmarks.pipelines builds through it)
+        from examples import seed_ensemble
+    except ImportError:  # run as a script: examples/ is the script's folder
+        import seed_ensemble  # type: ignore[no-redef]
 
     folder = root / ".seed_ensemble"
     seed_ensemble.build_seed_ensemble(folder)

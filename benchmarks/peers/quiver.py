@@ -19,7 +19,8 @@ HTTP service at H:P", "started GRPC service at H:P", "started Metrics service at
 waits for ``/v2/health/ready`` (or ``ready_path``). Everything else is :class:`Server`'s: its
 own session, SIGTERM then SIGKILL, stopped at exit.
 
-Two variants of the peer serve the ``tiny`` workload:
+Two variants of the peer serve the ``tiny`` workload, each from the single-process server or
+(``frontend_workers=N``) with ``--frontend-workers N``:
 
 * ``QuiverPeer("python")`` ("quiver (python model)"): the very ``config.pbtxt`` and ``model.py``
   the Triton peer serves (``backend: "python"``, ``TritonPythonModel`` using
@@ -53,13 +54,8 @@ READY_TIMEOUT = 120.0
 BACKENDS = ("python", "onnx")
 PORT_FLAGS = {"HTTP": "--http-port", "GRPC": "--grpc-port", "Metrics": "--metrics-port"}
 
-#: The Python model's configuration, served by ONNX Runtime (the event-loop opt-in is the
-#: Python backend's: ONNX Runtime executions that are short always run there).
-ONNX_CONFIG = "\n".join(
-    'platform: "onnxruntime_onnx"' if line == 'backend: "python"' else line
-    for line in tiny.PYTHON_CONFIG.splitlines()
-    if "EXECUTE_ON_EVENT_LOOP" not in line and not line.startswith("# Quiver:")
-) + "\n"
+#: The Python model's configuration, served by ONNX Runtime.
+ONNX_CONFIG = tiny.PYTHON_CONFIG.replace('backend: "python"', 'platform: "onnxruntime_onnx"')
 
 
 class QuiverServer(Server):
@@ -96,14 +92,18 @@ def require(executable: Path | str, name: str) -> None:
 
 
 class QuiverPeer(Peer):
-    def __init__(self, backend: str = "python", *, folder: Path | None = None) -> None:
-        """``backend``: the ``tiny`` model's; ``folder``: where the server runs and writes
-        ``server.log`` (default: ``benchmarks/.work/peers/quiver/BACKEND``)."""
+    def __init__(self, backend: str = "python", *, frontend_workers: int = 0, folder: Path | None = None) -> None:
+        """``backend``: the ``tiny`` model's; ``frontend_workers``: ``--frontend-workers`` (0:
+        the single-process server); ``folder``: where the server runs and writes ``server.log``
+        (default: ``benchmarks/.work/peers/quiver/BACKEND`` or ``BACKEND-workersN``)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.backend = backend
-        self.name = f"quiver ({backend} model)"
-        self.folder = folder if folder is not None else HOME / backend
+        self.frontend_workers = frontend_workers
+        workers = f", {frontend_workers} frontend workers" if frontend_workers > 1 else ""
+        self.name = f"quiver ({backend} model{workers})"
+        default = HOME / (f"{backend}-workers{frontend_workers}" if frontend_workers > 1 else backend)
+        self.folder = folder if folder is not None else default
         self.server: QuiverServer | None = None
 
     @property
@@ -133,8 +133,10 @@ class QuiverPeer(Peer):
             raise PeerError(f"{self.name}: already started")
         self.setup()
         repository = self.write_repository()
+        flags = ["--frontend-workers", str(self.frontend_workers)] if self.frontend_workers > 1 else []
         self.server = QuiverServer(
-            repository, log=self.log, cwd=self.folder, ready_path=f"/v2/models/{tiny.MODEL}/ready", name=self.name,
+            repository, flags, log=self.log, cwd=self.folder, ready_path=f"/v2/models/{tiny.MODEL}/ready",
+            name=self.name,
         )
         try:
             return self.server.start()

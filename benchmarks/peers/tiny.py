@@ -11,13 +11,11 @@ OUTPUT = "OUTPUT0"
 SHAPE = (1, 16)
 
 #: The model as a Triton Python model: the configuration and ``model.py`` that both Triton and
-#: Quiver serve.
+#: Quiver serve, Triton's unchanged (no Quiver-only parameter).
 PYTHON_CONFIG = f"""\
 name: "{MODEL}"
 backend: "python"
 max_batch_size: 0
-# Quiver: run this fast model on the event loop (opt-in); Triton ignores the parameter.
-parameters {{ key: "EXECUTE_ON_EVENT_LOOP" value {{ string_value: "true" }} }}
 input [
   {{
     name: "{INPUT}"
@@ -39,6 +37,14 @@ instance_group [
   }}
 ]
 """
+
+#: :data:`PYTHON_CONFIG` with Quiver's opt-in for a model run in the server's process
+#: (``--backend-config=python,in-process=true``): execute this fast model on the event loop.
+#: It changes nothing for a model in a worker process (Quiver's default) or in Triton.
+EVENT_LOOP_PYTHON_CONFIG = PYTHON_CONFIG.replace(
+    "max_batch_size: 0\n",
+    'max_batch_size: 0\nparameters { key: "EXECUTE_ON_EVENT_LOOP" value { string_value: "true" } }\n',
+)
 
 PYTHON_MODEL = f'''\
 import numpy as np

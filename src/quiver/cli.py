@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import quiver
 from quiver import triton_flags
-from quiver.cli_types import _bool, _count, _flag, _fraction, _ratio, _seconds, _size
+from quiver.cli_types import _bool, _count, _flag, _fraction, _ratio, _seconds, _size, _workers
 
 if TYPE_CHECKING:
     from quiver.settings import Settings
@@ -73,13 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--frontend-workers",
         "--http-workers",
         dest="frontend_workers",
-        type=int,
-        default=0,
-        metavar="N",
+        type=_workers,
+        default=None,
+        metavar="N|auto",
         help="serve HTTP, gRPC and SageMaker from N worker processes accepting on their ports, "
         "each decoding and encoding requests on a core of its own, over this process's one model "
         "table, memory budget, scheduler per model and statistics (metrics stay in this "
-        "process); 0 or 1 serves everything from this process (default: 0)",
+        "process); 0 or 1 serves everything from this process; auto: 0 below 4 usable cores "
+        "(affinity and cgroup quota), else cores - 2, at most 3 (default: auto)",
     )
     net.add_argument("--grpc-port", type=int, default=8001, help="gRPC port; 0 picks a free one (default: 8001)")
     net.add_argument("--grpc-address", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1)")

@@ -69,6 +69,16 @@ def _ratio(value: str) -> float:
     return number
 
 
+def _workers(value: str) -> int | None:
+    """--frontend-workers: a number (checked by the settings), or ``auto`` (None)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{value}' is neither a number nor 'auto'") from None
+
+
 def _count(value: str) -> int:
     """A positive integer."""
     try:

@@ -46,6 +46,7 @@ from quiver.frontends.sagemaker import (
     enabled_by_env,
     parse_port_range,
 )
+from quiver.frontends.worker_count import auto_frontend_workers, usable_cores
 from quiver.lifecycle.manager import DEFAULT_CACHE_BYTES
 from quiver.lifecycle.policies import DEFAULT_POLICY
 from quiver.repository.archive import DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO
@@ -395,9 +396,12 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
     docstring for the precedence); raises SettingsError naming what makes no sense."""
     if args.allow_log_file_api and not args.log_file_dir:
         raise SettingsError("--allow-log-file-api needs --log-file-dir DIR")
-    if args.frontend_workers < 0:
-        raise SettingsError(f"--frontend-workers must be 0 or more, got {args.frontend_workers}")
-    if args.frontend_workers > 1 and args.ray:
+    workers = args.frontend_workers
+    if workers is None:  # auto
+        workers = 0 if args.ray else auto_frontend_workers(usable_cores())
+    if workers < 0:
+        raise SettingsError(f"--frontend-workers must be 0 or more, got {workers}")
+    if workers > 1 and args.ray:
         raise SettingsError("--frontend-workers serve from this process's model side; with --ray, Ray Serve's replicas serve")
     local, remote = _repositories(args.model_repository)
     for flag, specs in (
@@ -455,7 +459,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         allow_gpu_metrics=args.allow_gpu_metrics,
         metrics_interval_ms=args.metrics_interval_ms,
         http_max_input_size=args.http_max_input_size,
-        frontend_workers=args.frontend_workers,
+        frontend_workers=workers,
         grpc_max_message_size=args.grpc_max_message_size,
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),

@@ -102,6 +102,8 @@ class QuiverServer:
             cmd += ["--sagemaker-port", "0"]
         if self.sagemaker and not any(a.startswith("--allow-sagemaker") for a in self.args):
             cmd += ["--allow-sagemaker"]
+        if not any(a.startswith(("--frontend-workers", "--http-workers")) for a in self.args):
+            cmd += ["--frontend-workers", "0"]  # the same server on any machine (auto depends on its cores)
         return cmd + list(self.args)
 
     def start(self) -> QuiverServer:

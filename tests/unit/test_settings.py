@@ -101,10 +101,18 @@ def test_ray_always_has_the_sagemaker_routes_but_no_listener_of_their_own(tmp_pa
     assert settings(tmp_path, "--ray", "--model-control-mode", "explicit").model_control_mode == "explicit"
 
 
-def test_frontend_workers_default_off_and_checked(tmp_path: Path) -> None:
-    assert settings(tmp_path).frontend_workers == 0
+def test_frontend_workers_default_auto_and_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import quiver.settings
+
+    for cores, expected in ((1, 0), (2, 0), (3, 0), (4, 2), (5, 3), (64, 3)):
+        monkeypatch.setattr(quiver.settings, "usable_cores", lambda cores=cores: cores)
+        assert settings(tmp_path).frontend_workers == expected, cores
+        assert settings(tmp_path, "--frontend-workers", "auto").frontend_workers == expected, cores
+        assert settings(tmp_path, "--ray").frontend_workers == 0  # Ray Serve's replicas serve
+    assert settings(tmp_path, "--frontend-workers", "0").frontend_workers == 0
     assert settings(tmp_path, "--http-workers", "3").frontend_workers == 3
-    assert settings(tmp_path, "--http-thread-count", "8").frontend_workers == 0  # Triton's flag: accepted, no workers
+    # Triton's flag: accepted, the worker count stays auto's
+    assert settings(tmp_path, "--http-thread-count", "8").frontend_workers == settings(tmp_path).frontend_workers
     with pytest.raises(SettingsError, match="--frontend-workers must be 0 or more, got -2"):
         settings(tmp_path, "--http-workers", "-2")
     with pytest.raises(SettingsError, match="with --ray, Ray Serve's replicas serve"):

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Awaitable
 from typing import Any
 
 from quiver.errors import ErrorCode, QuiverError, UnavailableError, error_for_code
+from quiver.frontends.link_codec import pack_request, unpack_response
 from quiver.frontends.worker_link import Link
 from quiver.lifecycle.urls import CAPACITY_ERRORS
 from quiver.service import Watch
@@ -76,7 +77,7 @@ class RemoteService:
         if future is None or future.done():
             return
         if kind == "ok":
-            response: InferenceResponse = message[2]
+            response = unpack_response(message[2])
             self._queues[(response.model_name, "")] = message[3]
             future.set_result(response)
         elif kind == "error":
@@ -134,7 +135,7 @@ class RemoteService:
     async def infer(
         self, request: InferenceRequest, *, decoupled_error: str = "", watch: Watch | None = None
     ) -> InferenceResponse:
-        work: Awaitable[InferenceResponse] = self._call("infer", request, decoupled_error)
+        work: Awaitable[InferenceResponse] = self._call("infer", pack_request(request), decoupled_error)
         if watch is not None and self.queues(request.model_name, request.model_version):
             work = watch(work)
         response: InferenceResponse = await work
@@ -145,7 +146,7 @@ class RemoteService:
         decoupled, then sends each answer as the model gives it."""
         ident = next(self._ids)
         queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
-        link = self._send(("stream", ident, request))
+        link = self._send(("stream", ident, pack_request(request)))
         self._streams[ident] = queue
         try:
             first = await queue.get()
@@ -168,7 +169,8 @@ class RemoteService:
                     error: QuiverError | None = None
                     if message[3] is not None:
                         error = error_for_code(ErrorCode[message[3][0]], message[3][1])
-                    yield StreamResponse(response=message[2], error=error, final=message[4])
+                    response = None if message[2] is None else unpack_response(message[2])
+                    yield StreamResponse(response=response, error=error, final=message[4])
                 elif kind == "end":
                     return
                 else:  # "error"

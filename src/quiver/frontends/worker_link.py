@@ -9,18 +9,19 @@ the worker decoded (arrays, strings), never as something that is unpickled.
 
 Model side -> worker, first: ``("setup", {"grpc": GrpcWorkerSetup | None, "sagemaker":
 SageMakerSettings | None})``.
-Worker -> model side: ``("ready", pid)``, ``("infer", id, InferenceRequest, decoupled_error)``,
-``("stream", id, InferenceRequest)`` (ModelStreamInfer), ``("cancel", id)``, ``("forward", id,
+Worker -> model side: ``("ready", pid)``, ``("infer", id, request, decoupled_error)``,
+``("stream", id, request)`` (ModelStreamInfer; a request or response in these messages is
+packed by :mod:`quiver.frontends.link_codec`), ``("cancel", id)``, ``("forward", id,
 scope, body, app)`` (an HTTP request that is not an inference, for the model side's "http" or
 "sagemaker" application), ``("rpc", id, method, request bytes, metadata)`` (a gRPC call that
 is not an inference), ``("sagemaker-model", id, route, value)`` (the model a SageMaker
 inference runs on).
-Model side -> worker: ``("ok", id, InferenceResponse, queues)``, ``("error", id, code,
+Model side -> worker: ``("ok", id, response, queues)``, ``("error", id, code,
 message[, capacity])`` (an :class:`~quiver.errors.ErrorCode` name), ``("http", id, status,
 headers, body)`` (or, for an answer sent in parts, ``("http-start", id, status, headers,
 first part)`` then ``("http-chunk", id, part, more)`` each; part None: the answer broke off), ``("rpc-ok", id, reply bytes)``, ``("rpc-error", id, grpc status name,
 message)``, ``("value", id, value)``; for a stream ``("opened", id, decoupled)``, then
-``("item", id, InferenceResponse | None, (code, message) | None, final)`` each, then
+``("item", id, response | None, (code, message) | None, final)`` each, then
 ``("end", id)`` or ``("error", ...)``.
 """
 

@@ -30,6 +30,7 @@ from quiver.errors import ErrorCode, QuiverError
 from quiver.frontends.grpc import InferenceServicer
 from quiver.frontends.grpc_relay import answer_rpc
 from quiver.frontends.grpc_worker import GrpcWorkerSetup
+from quiver.frontends.link_codec import pack_response, unpack_request
 from quiver.frontends.remote_service import capacity_index
 from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.frontends.status import grpc_error, http_error
@@ -177,7 +178,9 @@ class FrontendWorkers:
         if kind == "infer":
             ident = message[1]
             decoupled_error = message[3] if len(message) > 3 and message[3] else DECOUPLED_ERROR
-            worker.tasks[ident] = asyncio.create_task(self._infer(worker, ident, message[2], decoupled_error))
+            worker.tasks[ident] = asyncio.create_task(
+                self._infer(worker, ident, unpack_request(message[2]), decoupled_error)
+            )
         elif kind == "cancel":
             task = worker.tasks.get(message[1])
             if task is not None:
@@ -193,7 +196,7 @@ class FrontendWorkers:
             self._sagemaker_model(worker, message[1], message[2], message[3])
         elif kind == "stream":
             ident = message[1]
-            worker.tasks[ident] = asyncio.create_task(self._stream(worker, ident, message[2]))
+            worker.tasks[ident] = asyncio.create_task(self._stream(worker, ident, unpack_request(message[2])))
         elif kind == "ready" and not worker.ready.done():
             worker.ready.set_result(message[1])
 
@@ -218,7 +221,7 @@ class FrontendWorkers:
             worker.link.send(("error", ident, code.name, message, capacity_index(exc)))
         else:
             queues = self.service.queues(request.model_name, request.model_version)
-            worker.link.send(("ok", ident, response, queues))
+            worker.link.send(("ok", ident, pack_response(response), queues))
         finally:
             worker.tasks.pop(ident, None)
             if trace is not None:
@@ -245,7 +248,8 @@ class FrontendWorkers:
             async with contextlib.aclosing(items):
                 async for item in items:
                     error = (item.error.code.name, item.error.message) if item.error is not None else None
-                    worker.link.send(("item", ident, item.response, error, item.final))
+                    response = None if item.response is None else pack_response(item.response)
+                    worker.link.send(("item", ident, response, error, item.final))
             if trace is not None:
                 trace.capture("INFER_RESPONSE_COMPLETE")
             worker.link.send(("end", ident))
