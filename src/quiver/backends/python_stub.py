@@ -2,7 +2,7 @@
 
 Started by :mod:`quiver.backends.python_worker` with the model's Python (the server's, or the
 one of the model's ``EXECUTION_ENV_PATH``), it imports only the standard library, numpy and
-Quiver's worker-safe modules. It reads ``init`` from the control channel (its descriptor in
+Quiver's worker-safe modules. It reads ``init`` from the control channel (a pair of pipes, in
 ``QUIVER_WORKER_FDS``), imports ``model.py``, runs ``auto_complete_config`` or ``initialize`` and
 answers ``ready``; then it runs each ``execute`` message's batch on its main thread and answers
 one ``response`` per request and a ``done``. There is no reader thread: the thread that waits for
