@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 from collections import deque
@@ -29,7 +28,7 @@ from quiver.backends.python_settings import PythonSettings
 from quiver.config import ModelConfig
 from quiver.errors import ErrorCode, InternalError, UnavailableError, error_for_code
 from quiver.ipc import messages as msg
-from quiver.ipc.channel import AsyncChannel, Channel, ChannelError
+from quiver.ipc.channel import AsyncChannel, Channel, ChannelError, pipe_pair
 from quiver.ipc.shm import SHM_DIR, Arena, Mapper, unlink, unlink_prefixed
 
 logger = logging.getLogger("quiver.backends.python_worker")
@@ -52,10 +51,9 @@ sys.path.insert(0, {tree!r})
 try:
     import numpy
 except ImportError as exc:
-    import socket
     from quiver.ipc.channel import Channel
-    sock = socket.socket(fileno=int(os.environ["QUIVER_WORKER_FD"]))
-    Channel(sock).send({{"op": "init_error", "code": "NUMPY", "message": str(exc)}})
+    fds = tuple(int(fd) for fd in os.environ["QUIVER_WORKER_FDS"].split(","))
+    Channel(fds).send({{"op": "init_error", "code": "NUMPY", "message": str(exc)}})
     raise SystemExit(3)
 from quiver.backends.python_stub import main
 main()
@@ -172,14 +170,14 @@ def start_worker(
     where = f"model '{config.name}' version {files.version}"
     _sweep(settings.shm_region_prefix_name)
     tag = f"{settings.shm_region_prefix_name}{os.getpid()}_{next(_worker_ids)}_"
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours, theirs = pipe_pair()
     environ = env.environ(dict(os.environ))
-    environ["QUIVER_WORKER_FD"] = str(theirs.fileno())
+    environ["QUIVER_WORKER_FDS"] = f"{theirs[0]},{theirs[1]}"
     environ["QUIVER_WORKER_PARENT"] = str(os.getpid())
     command = [env.python, *(["-I"] if env.isolated else []), "-c", _BOOTSTRAP.format(tree=tree)]
 
     def spawn() -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=environ, cwd=str(files.version_dir))
+        process = subprocess.Popen(command, pass_fds=theirs, env=environ, cwd=str(files.version_dir))
         with _live_lock:
             _live.add(process)
         return process
@@ -187,10 +185,12 @@ def start_worker(
     try:
         process = _SPAWNER.submit(spawn).result()
     except OSError as exc:
-        ours.close()
+        for fd in ours:
+            os.close(fd)
         raise UnavailableError(f"{where}: starting its Python worker ({env.python}) failed: {exc}") from None
     finally:
-        theirs.close()
+        for fd in theirs:
+            os.close(fd)
     channel = Channel(ours)
     arena = Arena(tag + "s", settings.shm_default_byte_size, settings.shm_growth_byte_size, settings.shm_max_byte_size)
     worker = Worker(process, channel, arena, Mapper(tag + "w"), tag)
@@ -215,10 +215,9 @@ def start_worker(
                 },
             }
         )
-        ours.settimeout(settings.stub_timeout_seconds)
         while True:
             try:
-                answer = channel.recv()
+                answer = channel.recv(settings.stub_timeout_seconds)
             except TimeoutError:
                 raise UnavailableError(
                     f"{where}: its Python worker did not finish loading and initialize() within "
@@ -243,7 +242,6 @@ def start_worker(
             raise error_for_code(ErrorCode[code] if code in ErrorCode.__members__ else ErrorCode.INTERNAL, message)
         if answer["op"] != msg.READY:
             raise InternalError(f"{where}: its Python worker answered '{answer['op']}' instead of 'ready'")
-        ours.settimeout(None)
         return worker, answer
     except (OSError, ChannelError) as exc:
         worker.kill()

@@ -2,8 +2,8 @@
 
 Started by :mod:`quiver.backends.python_worker` with the model's Python (the server's, or the
 one of the model's ``EXECUTION_ENV_PATH``), it imports only the standard library, numpy and
-Quiver's worker-safe modules. It reads ``init`` from the control channel (its descriptor in
-``QUIVER_WORKER_FD``), imports ``model.py``, runs ``auto_complete_config`` or ``initialize`` and
+Quiver's worker-safe modules. It reads ``init`` from the control channel (a pair of pipes, in
+``QUIVER_WORKER_FDS``), imports ``model.py``, runs ``auto_complete_config`` or ``initialize`` and
 answers ``ready``; then it runs each ``execute`` message's batch on its main thread and answers
 one ``response`` per request and a ``done``. There is no reader thread: the thread that waits for
 a message reads the channel (:class:`~quiver.ipc.inbox.Inbox`), so the main thread reads its
@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from collections import deque
@@ -56,7 +55,6 @@ from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError
 from quiver.types import DataType
 
 _PR_SET_PDEATHSIG = 1
-_NO_FIELDS: dict[str, Any] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +92,10 @@ class _ChannelLogHandler(logging.Handler):
 
 #: TRITONSERVER_DataType values by datatype name.
 _TRITON_TYPES: dict[str, int] = {t.value: t.triton_value for t in DataType}
+#: The numpy dtype and TRITONSERVER_DataType value of each fixed-size datatype.
+_FIXED_TYPES: dict[str, tuple[np.dtype[Any], int]] = {
+    t.value: (t.numpy_dtype, t.triton_value) for t in DataType if t is not DataType.BYTES
+}
 #: The Triton datatype of each numpy dtype that has one (BYTES aside).
 _WIRE_TYPES: dict[Any, str] = {t.numpy_dtype: t.value for t in DataType if t is not DataType.BYTES}
 
@@ -124,6 +126,7 @@ class Worker:
         self.filename: str = init["filename"]
         #: The model's outputs: what a request that names none asks for.
         self.outputs: list[str] = list(init.get("outputs") or ())
+        self.output_set = set(self.outputs)  # each request gets a copy
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self.jobs: deque[dict[str, Any]] = deque()
@@ -329,28 +332,45 @@ class Worker:
     ) -> list[pb_utils.InferenceRequest]:
         """The batch's requests as the model sees them; ``sender(index)`` makes request
         ``index``'s response sender."""
-        read, wrap, mapper, made = tensors.read, pb_utils.Tensor._wrap, self.mapper, pb_utils.InferenceRequest._from_server
+        wrap, mapper, made = pb_utils.Tensor._wrap, self.mapper, pb_utils.InferenceRequest._from_server
+        view, fixed, ndarray = mapper.view, _FIXED_TYPES, np.ndarray
+        outputs, model_name, version, cancelled = self.output_set, self.name, self.version, self.is_cancelled
         requests = []
         for index, item in enumerate(items):
             inputs = []
             for descriptor in item["tensors"]:
-                name, datatype, _, array = read(mapper, descriptor)
-                inputs.append(wrap(name, array, _TRITON_TYPES[datatype]))
+                name, datatype, shape, segment, offset, nbytes = descriptor
+                types = fixed.get(datatype)
+                if types is not None and nbytes:
+                    # the usual: a view of the server's pool (the server wrote the descriptor
+                    # from the array itself; numpy refuses a shape the block cannot hold)
+                    inputs.append(wrap(name, ndarray(shape, types[0], view(segment, offset, nbytes)), types[1]))
+                else:  # BYTES, empty tensors
+                    name, datatype, _, array = tensors.read(mapper, descriptor)
+                    inputs.append(wrap(name, array, _TRITON_TYPES[datatype]))
             request_id = ids[index]
-            fields = item.get("fields") or _NO_FIELDS  # only what differs from the defaults
-            request = made(
-                request_id=fields.get("request_id", ""),
-                correlation_id=fields.get("correlation_id", 0),
-                inputs=inputs,
-                requested_output_names=set(fields.get("requested_output_names", self.outputs)),
-                model_name=self.name,
-                model_version=self.version,
-                flags=fields.get("flags", 0),
-                timeout=fields.get("timeout", 0),
-                parameters_json=fields.get("parameters_json", "{}"),
-                sender_factory=partial(sender, index),
-                cancelled=partial(self.is_cancelled, request_id),
-            )
+            fields = item.get("fields")  # only what differs from the defaults
+            if fields is None:  # the usual
+                request = made(
+                    request_id="", correlation_id=0, inputs=inputs, requested_output_names=outputs.copy(),
+                    model_name=model_name, model_version=version, flags=0, timeout=0, parameters_json="{}",
+                    sender_factory=partial(sender, index), cancelled=partial(cancelled, request_id),
+                )
+            else:
+                requested = fields.get("requested_output_names")
+                request = made(
+                    request_id=fields.get("request_id", ""),
+                    correlation_id=fields.get("correlation_id", 0),
+                    inputs=inputs,
+                    requested_output_names=outputs.copy() if requested is None else set(requested),
+                    model_name=model_name,
+                    model_version=version,
+                    flags=fields.get("flags", 0),
+                    timeout=fields.get("timeout", 0),
+                    parameters_json=fields.get("parameters_json", "{}"),
+                    sender_factory=partial(sender, index),
+                    cancelled=partial(cancelled, request_id),
+                )
             if item.get("traced"):
                 request.trace()._server = request_id  # the server finds the trace by this id
             requests.append(request)
@@ -524,8 +544,10 @@ def main() -> None:
     # workers as it stops (and PR_SET_PDEATHSIG ends them if it cannot)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sock = socket.socket(fileno=int(os.environ["QUIVER_WORKER_FD"]))
-    channel = Channel(sock, buffered=True)
+    read_fd, write_fd = (int(fd) for fd in os.environ["QUIVER_WORKER_FDS"].split(","))
+    for fd in (read_fd, write_fd):  # not for processes the model starts: they would keep them open
+        os.set_inheritable(fd, False)
+    channel = Channel((read_fd, write_fd), buffered=True)
     init = channel.recv()
     if init is None:
         return

@@ -110,8 +110,8 @@ class WorkerInstance(WorkerStreamsMixin):
         self._batch_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._restarting: asyncio.Task[None] | None = None
-        # The worker's socket joins the loop once: two batches in flight (slots) may both
-        # find it not joined yet, and a second registration of the socket fails (EEXIST).
+        # The worker's pipes join the loop once: two batches in flight (slots) may both find
+        # them not joined yet, and a second registration of a pipe fails (EEXIST).
         self._joining = asyncio.Lock()
         self._down_reason = ""
         self._served = False  # the current worker answered a batch
@@ -161,9 +161,9 @@ class WorkerInstance(WorkerStreamsMixin):
             if running is not None:
                 pass  # on the event loop itself: finalize() could not be awaited; just stop it
             elif worker.achannel is None and worker.process.poll() is None:
-                worker.channel.sock.settimeout(self._settings.stub_timeout_seconds)
                 worker.channel.send({"op": msg.FINALIZE})
-                while (answer := worker.channel.recv()) is not None and answer["op"] != msg.FINALIZED:
+                timeout = self._settings.stub_timeout_seconds
+                while (answer := worker.channel.recv(timeout)) is not None and answer["op"] != msg.FINALIZED:
                     if answer["op"] == msg.LOG:
                         log_message(answer)
             elif worker.achannel is not None and SERVER.loop is not None and not SERVER.loop.is_closed():
@@ -339,7 +339,7 @@ class WorkerInstance(WorkerStreamsMixin):
             async with self._joining:
                 if worker.achannel is None:
                     worker.achannel = await AsyncChannel.open(
-                        worker.channel.sock,
+                        worker.channel.fds,
                         partial(self._on_message, worker),
                         partial(self._on_end, worker),
                     )

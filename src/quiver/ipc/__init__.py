@@ -5,7 +5,7 @@ everything else. Nothing else in Quiver knows how bytes cross a process boundary
   a growing pool one side allocates from (the other side only maps it, :class:`~quiver.ipc.shm.Mapper`);
 - :mod:`quiver.ipc.tensors`: tensors into a pool and back out as numpy views (BYTES tensors in
   Triton's length-prefixed encoding, :mod:`quiver.protocol.bytes_codec`);
-- :mod:`quiver.ipc.channel`: length-prefixed JSON messages over a Unix socket, blocking
+- :mod:`quiver.ipc.channel`: length-prefixed JSON messages over a pair of pipes, blocking
   (:class:`~quiver.ipc.channel.Channel`) or on an asyncio loop (:class:`~quiver.ipc.channel.AsyncChannel`);
 - :mod:`quiver.ipc.messages`: the message kinds both ends speak.
 

@@ -1,4 +1,4 @@
-"""The control channel: length-prefixed JSON messages over a connected Unix socket.
+"""The control channel: length-prefixed JSON messages over a pair of pipes (one each way).
 
 A frame is a 4-byte little-endian length and that many bytes of UTF-8 JSON (an object with an
 ``op`` key, :mod:`quiver.ipc.messages`), written and read with orjson where it is installed
@@ -11,11 +11,13 @@ asyncio loop (the server once a worker serves).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import importlib
 import json
 import math
+import os
 import select
-import socket
 import struct
 import threading
 import time
@@ -29,6 +31,8 @@ except ImportError:  # pragma: no cover - depends on the interpreter
     _orjson = None
 
 MAX_FRAME = 64 << 20
+#: What each pipe holds before a writer waits for its reader (Linux's default is 64 KiB).
+PIPE_BYTES = 256 << 10
 _LENGTH = struct.Struct("<I")
 #: Set in a frame's length word when its JSON holds what orjson would not carry exactly
 #: (integers over 64 bits, NaN and infinities): the reader then uses the standard library's
@@ -119,41 +123,78 @@ def decode(body: bytes | bytearray | memoryview, exact: bool = False) -> dict[st
     return message
 
 
-class Channel:
-    """Blocking messages over ``sock``; ``send`` may be called from any thread, ``recv`` from
-    one. ``buffered`` reads ahead (one system call per message or fewer), for an end that never
-    hands its socket over; unbuffered reads take exactly one message's bytes."""
+def pipe_pair() -> tuple[tuple[int, int], tuple[int, int]]:
+    """Two one-way pipes joining two ends: ``(ours, theirs)``, each ``(read_fd, write_fd)``
+    (not inheritable: hand ``theirs`` to a child with ``pass_fds``, then close them here).
 
-    def __init__(self, sock: socket.socket, *, buffered: bool = False) -> None:
-        self.sock = sock
+    Pipes rather than a socket pair: a thread blocked reading a pipe is woken only by input
+    (a pipe's readers and writers wait on separate queues), so a blocking read needs no
+    ``poll()`` before it, and a pipe's write and read cost less than a socket's."""
+    ours_read, theirs_write = os.pipe()
+    theirs_read, ours_write = os.pipe()
+    for fd in (ours_write, theirs_write):  # room for a large message, as a socket's buffer has
+        with contextlib.suppress(OSError, AttributeError):
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    return (ours_read, ours_write), (theirs_read, theirs_write)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """All of ``data`` into the blocking ``fd`` (a write to a pipe may take part of it)."""
+    written = os.write(fd, data)
+    if written < len(data):
+        with memoryview(data) as view:
+            while written < len(data):
+                written += os.write(fd, view[written:])
+
+
+class Channel:
+    """Blocking messages over a pair of pipes ``fds`` (read, write), which it owns; ``send``
+    may be called from any thread, ``recv``/``receive`` from one at a time. ``buffered`` reads
+    ahead (one system call per message or fewer), for an end that never hands its pipes over;
+    unbuffered reads take exactly one message's bytes."""
+
+    def __init__(self, fds: tuple[int, int], *, buffered: bool = False) -> None:
+        self.fds = fds
+        self._read_fd, self._write_fd = fds
         self._send_lock = threading.Lock()
         self._buffered = buffered
         self._buffer = bytearray()
         self._poller: select.poll | None = None
+        self._closed = False
 
     def send(self, message: dict[str, Any]) -> None:
         frame = encode(message)
         with self._send_lock:
-            self.sock.sendall(frame)
+            write_all(self._write_fd, frame)
 
     def send_many(self, messages: list[dict[str, Any]]) -> None:
         """Several messages in one write (the peer reads them one by one)."""
         frames = b"".join([encode(message) for message in messages])
         with self._send_lock:
-            self.sock.sendall(frames)
+            write_all(self._write_fd, frames)
 
-    def recv(self) -> dict[str, Any] | None:
-        """The next message; None when the peer closed the channel."""
+    def recv(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """The next message; None when the peer closed the channel; TimeoutError when none
+        came within ``timeout`` seconds (None: as long as it takes)."""
         if self._buffered:
-            message = self.receive(None)
-            assert not isinstance(message, _Empty)
+            message = self.receive(timeout)
+            if isinstance(message, _Empty):
+                raise TimeoutError(f"no message within {timeout} s")
             return message
-        head = self._read(4)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        head = self._read(4, deadline)
         if head is None:
             return None
         length, exact = _length(head)
-        body = self._read(length)
+        body = self._read(length, deadline)
         return None if body is None else decode(body, exact)
+
+    def _readable(self, timeout: float | None) -> bool:
+        """Whether input (or the end of the pipe) came within ``timeout`` seconds."""
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self._read_fd, select.POLLIN)
+        return bool(self._poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
 
     def receive(self, timeout: float | None) -> dict[str, Any] | _Empty | None:
         """The next message of a buffered channel, waiting at most ``timeout`` seconds (0: only
@@ -161,11 +202,7 @@ class Channel:
         in time, None when the peer closed the channel."""
         assert self._buffered, "receive() reads ahead: a buffered channel only"
         buffer = self._buffer
-        deadline: float | None = None
-        # A wait that may block polls before it reads: at one call at a time its input has
-        # not come yet, and a read that finds nothing costs more (an exception) than a poll()
-        # that returns at once when it has.
-        ready = timeout == 0
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if len(buffer) >= 4:
                 (word,) = _LENGTH.unpack_from(buffer)
@@ -177,30 +214,13 @@ class Channel:
                     body = buffer[4:end]
                     del buffer[:end]
                     return decode(body, bool(word & _EXACT))
-            if not ready:
-                # Sleep in poll() for input, never in a blocking recv(). A thread blocked in
-                # recv() is also woken each time the peer reads what this end sent (the
-                # socket's wait queue is shared with writers waiting for room), and on a
-                # virtual machine such a needless wake-up costs more than a small call.
-                if self._poller is None:
-                    self._poller = select.poll()
-                    self._poller.register(self.sock.fileno(), select.POLLIN)
-                if timeout is None:
-                    self._poller.poll()
-                else:
-                    if deadline is None:
-                        deadline = time.monotonic() + timeout
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self._poller.poll(remaining * 1000):
-                        return EMPTY
+            # Without a deadline the read itself waits (woken by input only: see pipe_pair);
+            # with one, poll() waits until input comes or the deadline passes.
+            if deadline is not None and not self._readable(deadline - time.monotonic()):
+                return EMPTY
             try:
-                chunk = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                if timeout == 0:
-                    return EMPTY
-                ready = False  # woken for nothing: wait again
-                continue
-            except ConnectionError:
+                chunk = os.read(self._read_fd, 1 << 16)
+            except OSError:  # closed under us
                 return None
             if not chunk:
                 return None
@@ -211,54 +231,66 @@ class Channel:
                     # the usual: one whole message, decoded where it was read
                     return decode(memoryview(chunk)[4:], bool(word & _EXACT))
             buffer += chunk
-            ready = True  # a frame cut short: the rest is most likely on its way
 
-    def _read(self, size: int) -> bytes | None:
+    def _read(self, size: int, deadline: float | None) -> bytes | None:
         """Exactly ``size`` bytes; None at the end of the stream (an unbuffered channel)."""
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        got = 0
-        while got < size:
+        chunks = []
+        while size:
+            if deadline is not None and not self._readable(deadline - time.monotonic()):
+                raise TimeoutError("no message in time")
             try:
-                n = self.sock.recv_into(view[got:])
-            except ConnectionError:
+                chunk = os.read(self._read_fd, size)
+            except OSError:
                 return None
-            if n == 0:
+            if not chunk:
                 return None
-            got += n
-        return bytes(buffer)
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
 
     def close(self) -> None:
-        self.sock.close()
+        if not self._closed:
+            self._closed = True
+            for fd in self.fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 class AsyncChannel(asyncio.Protocol):
-    """Messages over ``sock`` on the running asyncio loop: each message that arrives is handed to
-    ``deliver`` on the loop, in order, as soon as its bytes are read (no task per message);
-    ``ended(error)`` runs once when the channel ends (None: the peer closed it; else what was
-    wrong with what the peer sent: nothing more is delivered). :meth:`poll` reads what has
-    arrived without waiting for the loop, for a caller that expects an answer any moment."""
+    """Messages over a pair of pipes on the running asyncio loop: each message that arrives is
+    handed to ``deliver`` on the loop, in order, as soon as its bytes are read (no task per
+    message); ``ended(error)`` runs once when the channel ends (None: the peer closed it; else
+    what was wrong with what the peer sent: nothing more is delivered). :meth:`poll` reads what
+    has arrived without waiting for the loop, for a caller that expects an answer any moment."""
 
     def __init__(self, deliver: Callable[[dict[str, Any]], None], ended: Callable[[Exception | None], None]) -> None:
         self._deliver = deliver
         self._ended: Callable[[Exception | None], None] | None = ended
         self._buffer = bytearray()
-        self._transport: asyncio.Transport | None = None
-        self._sock: socket.socket | None = None
+        self._transport: asyncio.ReadTransport | None = None
+        self._writer: asyncio.WriteTransport | None = None
+        self._read_fd = -1
+        self._fds: tuple[int, int] | None = None  # until the transports own them
         self._loop = asyncio.get_running_loop()
 
     @classmethod
     async def open(
-        cls, sock: socket.socket, deliver: Callable[[dict[str, Any]], None], ended: Callable[[Exception | None], None]
+        cls, fds: tuple[int, int], deliver: Callable[[dict[str, Any]], None], ended: Callable[[Exception | None], None]
     ) -> AsyncChannel:
-        sock.setblocking(False)
+        """The channel over ``fds`` (read, write), which it owns from now on."""
         loop = asyncio.get_running_loop()
-        _, channel = await loop.create_unix_connection(lambda: cls(deliver, ended), sock=sock)
-        channel._sock = sock
+        channel = cls(deliver, ended)
+        channel._fds = fds
+        # the writing end first: a message delivered at once may be answered at once
+        writer, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(fds[1], "wb", buffering=0))
+        channel._writer = writer
+        channel._read_fd = fds[0]
+        channel._fds = None
+        await loop.connect_read_pipe(lambda: channel, os.fdopen(fds[0], "rb", buffering=0))
         return channel
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._transport = cast(asyncio.ReadTransport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
@@ -287,7 +319,7 @@ class AsyncChannel(asyncio.Protocol):
         except (ChannelError, KeyError, TypeError, ValueError) as exc:
             self._end(exc)
             if self._transport is not None:
-                self._transport.abort()
+                self._transport.close()
             return
         if start < size:
             buffer += data[start:]
@@ -302,11 +334,10 @@ class AsyncChannel(asyncio.Protocol):
 
     def poll(self) -> None:
         """Read and deliver what has arrived, now (on the loop's thread; never waits)."""
-        sock = self._sock
-        if sock is None or self._ended is None:
+        if self._transport is None or self._ended is None:
             return
         try:
-            data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            data = os.read(self._read_fd, 1 << 16)  # the transport made it non-blocking
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -316,9 +347,9 @@ class AsyncChannel(asyncio.Protocol):
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue ``message`` (the loop writes it; never blocks)."""
-        transport = self._transport
-        if transport is not None and not transport.is_closing():
-            transport.write(encode(message))
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            writer.write(encode(message))
 
     def close(self) -> None:
         """Close from any thread (on the channel's loop when it still runs)."""
@@ -326,19 +357,25 @@ class AsyncChannel(asyncio.Protocol):
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             running = None
-        transport = self._transport
-        if transport is None:
-            self._close_socket()
-        elif running is self._loop:
-            transport.close()
+        transports: list[asyncio.BaseTransport] = [t for t in (self._transport, self._writer) if t is not None]
+        if running is self._loop:
+            self._close(transports)
         elif not self._loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(transport.close)
+                self._loop.call_soon_threadsafe(self._close, transports)
             except RuntimeError:  # closed meanwhile
-                self._close_socket()
+                self._close_fds()
         else:
-            self._close_socket()
+            self._close_fds()
 
-    def _close_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
+    def _close(self, transports: list[asyncio.BaseTransport]) -> None:
+        for transport in transports:
+            transport.close()
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        """The pipes no transport took over (the loop had ended before it could)."""
+        fds, self._fds = self._fds, None
+        for fd in fds or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)

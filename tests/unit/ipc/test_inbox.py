@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-import socket
+import os
 import threading
 import time
 from collections import deque
@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from quiver.ipc.channel import EMPTY, Channel, encode
+from quiver.ipc.channel import EMPTY, Channel, encode, pipe_pair
 from quiver.ipc.inbox import Inbox
 
 
 class _End:
-    """A buffered channel over a socket pair, its inbox, and what its dispatch saw."""
+    """A buffered channel over a pair of pipes, its inbox, and what its dispatch saw."""
 
     def __init__(self) -> None:
-        self.ours, self.peer_sock = socket.socketpair()
-        self.channel = Channel(self.ours, buffered=True)
-        self.peer = Channel(self.peer_sock)
+        ours, theirs = pipe_pair()
+        self.channel = Channel(ours, buffered=True)
+        self.peer = Channel(theirs)
         self.jobs: deque[dict[str, Any]] = deque()
         self.answers: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self.readers: list[str] = []
@@ -36,8 +36,8 @@ class _End:
             self.answers[message["id"]].set_result(message)
 
     def close(self) -> None:
-        self.ours.close()
-        self.peer_sock.close()
+        self.channel.close()
+        self.peer.close()
 
 
 @pytest.fixture
@@ -104,24 +104,24 @@ def test_drain_dispatches_what_arrived_without_waiting(end: _End) -> None:
 
 
 def test_the_channels_end_is_reported_once_and_raises(end: _End) -> None:
-    end.peer_sock.close()
+    end.peer.close()
     with pytest.raises(EOFError):
         end.inbox.wait(lambda: False, timeout=5)
     assert end.ended.is_set()
 
 
 def test_receive_waits_at_most_its_timeout() -> None:
-    ours, theirs = socket.socketpair()
-    channel = Channel(ours, buffered=True)
+    ours, theirs = pipe_pair()
+    channel, peer = Channel(ours, buffered=True), Channel(theirs)
     assert channel.receive(0) is EMPTY
     began = time.monotonic()
     assert channel.receive(0.05) is EMPTY
     assert time.monotonic() - began >= 0.04
-    Channel(theirs).send({"op": "x", "n": 1})
+    peer.send({"op": "x", "n": 1})
     assert channel.receive(5) == {"op": "x", "n": 1}
-    theirs.close()
+    peer.close()
     assert channel.receive(5) is None
-    ours.close()
+    channel.close()
 
 
 def test_spinning_needs_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,17 +139,17 @@ def test_spinning_needs_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_receive_waits_for_the_rest_of_a_frame_until_its_deadline() -> None:
     """A frame that arrives in pieces is whole by the deadline: received, not EMPTY."""
-    ours, theirs = socket.socketpair()
-    channel = Channel(ours, buffered=True)
+    ours, theirs = pipe_pair()
+    channel, peer = Channel(ours, buffered=True), Channel(theirs)
     frame = encode({"op": "x", "text": "y" * 1000})
-    theirs.sendall(frame[:10])
-    later = threading.Timer(0.1, theirs.sendall, (frame[10:],))
+    os.write(theirs[1], frame[:10])
+    later = threading.Timer(0.1, os.write, (theirs[1], frame[10:]))
     later.start()
     try:
         assert channel.receive(5) == {"op": "x", "text": "y" * 1000}
-        theirs.sendall(frame[:10])
+        os.write(theirs[1], frame[:10])
         assert channel.receive(0.05) is EMPTY  # the rest never came: at the deadline
     finally:
         later.join()
-        ours.close()
-        theirs.close()
+        channel.close()
+        peer.close()

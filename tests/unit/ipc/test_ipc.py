@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import socket
 import time
 import uuid
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from quiver.ipc import tensors
-from quiver.ipc.channel import MAX_FRAME, AsyncChannel, Channel, ChannelError, encode
+from quiver.ipc.channel import MAX_FRAME, AsyncChannel, Channel, ChannelError, encode, pipe_pair
 from quiver.ipc.shm import SHM_DIR, Arena, Block, Mapper, PoolFullError, unlink_prefixed
 
 
@@ -116,7 +115,7 @@ def test_a_mapper_refuses_other_names_and_blocks_outside_a_segment(prefix: str) 
 
 
 def test_the_channel_frames_json_messages_both_ways() -> None:
-    left, right = socket.socketpair()
+    left, right = pipe_pair()
     sender, receiver = Channel(left), Channel(right)
     sender.send({"op": "response", "id": "7", "flags": 1})
     sender.send({"op": "log", "message": "x" * 100_000})
@@ -139,29 +138,28 @@ def test_the_channel_frames_json_messages_both_ways() -> None:
             channel.poll()
         assert got.get_nowait() == {"op": "response", "id": "2"}
         assert not ends
-        left.sendall(b"\x05\x00\x00\x00[1,2]")  # not a message: the channel ends, naming why
+        os.write(left[1], b"\x05\x00\x00\x00[1,2]")  # not a message: the channel ends, naming why
         while not ends and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert isinstance(ends[0], ChannelError) and "not an object" in str(ends[0])
         assert got.empty() and len(ends) == 1
-        channel.close()
+        channel.close()  # it owns the pipes it was given
         await asyncio.sleep(0)
-        right.close()
 
     async def oversized_and_closed() -> None:
-        a, b = socket.socketpair()
+        a, b = pipe_pair()
         ends: list[Exception | None] = []
         first = await AsyncChannel.open(b, lambda message: None, ends.append)
-        a.sendall((MAX_FRAME + 1).to_bytes(4, "little"))
+        os.write(a[1], (MAX_FRAME + 1).to_bytes(4, "little"))
         deadline = time.monotonic() + 5
         while not ends and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert isinstance(ends[0], ChannelError) and "a frame of" in str(ends[0])
-        a.close()
-        c, d = socket.socketpair()
+        Channel(a).close()
+        c, d = pipe_pair()
         closed: list[Exception | None] = []
         second = await AsyncChannel.open(d, lambda message: None, closed.append)
-        c.close()  # the peer went away: ended(None), once
+        Channel(c).close()  # the peer went away: ended(None), once
         while not closed and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
@@ -169,12 +167,10 @@ def test_the_channel_frames_json_messages_both_ways() -> None:
         for channel in (first, second):
             channel.close()
         await asyncio.sleep(0)
-        for end in (b, d):
-            end.close()
 
     asyncio.run(over_asyncio())
     asyncio.run(oversized_and_closed())
-    left.close()
+    sender.close()
     assert encode({"op": "x"})[:4] == (len(b'{"op":"x"}')).to_bytes(4, "little")
 
 
@@ -188,9 +184,9 @@ def test_frames_read_the_same_with_or_without_orjson(monkeypatch: pytest.MonkeyP
     message = {"op": "execute", "batch": 3, "text": "héllo \u2603", "nested": [{"a": 1.5}, None]}
     huge = {"op": "execute", "value": 123456789012345678901234567, "u64": (1 << 64) - 1, "none": None}
     nonfinite = {"op": "execute", "parameters": {"x": float("inf"), "y": [float("-inf"), None]}, "z": None}
-    left, right = socket.socketpair()
+    left, right = pipe_pair()
+    sender, receiver = Channel(left), Channel(right, buffered=True)
     try:
-        sender, receiver = Channel(left), Channel(right, buffered=True)
         sender.send_many([message, huge, nonfinite, {"op": "nan", "v": float("nan")}])
         assert receiver.recv() == message
         got = receiver.recv()
@@ -199,8 +195,8 @@ def test_frames_read_the_same_with_or_without_orjson(monkeypatch: pytest.MonkeyP
         got = receiver.recv()
         assert got is not None and math.isnan(got["v"])
     finally:
-        left.close()
-        right.close()
+        sender.close()
+        receiver.close()
     with pytest.raises(ChannelError, match="not JSON"):
         channel_module.decode(b"{broken")
     with pytest.raises(ChannelError, match="'op'"):
@@ -220,13 +216,13 @@ def test_the_async_channel_reads_frames_however_the_bytes_arrive() -> None:
     cuts = [3, 40, 41, 5100, len(stream) - 2, len(stream)]
 
     async def feed() -> list[dict[str, object]]:
-        left, right = socket.socketpair()
+        left, right = pipe_pair()
         got: list[dict[str, object]] = []
         ends: list[Exception | None] = []
         channel = await AsyncChannel.open(right, got.append, ends.append)
         start = 0
         for cut in cuts:
-            left.sendall(stream[start:cut])
+            os.write(left[1], stream[start:cut])
             start = cut
             await asyncio.sleep(0.01)
         deadline = time.monotonic() + 5
@@ -235,8 +231,7 @@ def test_the_async_channel_reads_frames_however_the_bytes_arrive() -> None:
         assert not ends
         channel.close()
         await asyncio.sleep(0)
-        left.close()
-        right.close()
+        Channel(left).close()
         return got
 
     got = asyncio.run(feed())
