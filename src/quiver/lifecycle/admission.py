@@ -44,6 +44,7 @@ from quiver.lifecycle.memory import (
     GpuMemoryLimit,
     MemoryMeter,
     ModelIdentity,
+    Prediction,
     SizePredictor,
     fix_mmap_threshold,
 )
@@ -170,6 +171,22 @@ class AdmissionControl:
     @property
     def gpu(self) -> GpuMemoryLimit | None:
         return self._gpu
+
+    @property
+    def predictor(self) -> SizePredictor:
+        return self._predictor
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def by_heap(self, backend: str) -> bool:
+        """Whether loads of ``backend`` are measured by the C heap's growth (not RSS)."""
+        return backend in HEAP_ALLOCATING
+
+    def primed(self, backend: str) -> bool:
+        """Whether ``backend``'s one-time cost was measured (a load of it needs no priming)."""
+        return backend in self._frameworks
 
     @property
     def framework_bytes(self) -> dict[str, int]:
@@ -376,7 +393,7 @@ class AdmissionControl:
                 measured = prediction.bytes
             else:
                 outcome, footprint = await self._pool.run(
-                    functools.partial(self._meter.measure, load, heap=inspection.backend in HEAP_ALLOCATING),
+                    functools.partial(self._meter.measure, load, heap=self.by_heap(inspection.backend)),
                     discard=lambda r: discard(r[0]),
                 )
                 # A Python model's workers are processes of their own: their memory is not the
@@ -389,9 +406,30 @@ class AdmissionControl:
         except BaseException:
             budget.cancel(name)
             raise
+        return await self.settle(name, identity, inspection, prediction, outcome, measured, how, load_seconds, unloader)
+
+    async def settle(
+        self,
+        name: str,
+        identity: ModelIdentity,
+        inspection: Inspection,
+        prediction: Prediction,
+        outcome: LoadOutcome,
+        measured: int,
+        how: str,
+        load_seconds: float,
+        unloader: Unloader,
+    ) -> LoadOutcome:
+        """After a load under a reservation (here, or in a miss's one trip:
+        :mod:`quiver.lifecycle.trip`): commit its size (``measured``, or the prediction when
+        ``how`` is "known"), growing the reservation first if it measured larger; a load that
+        gave no model gives its reservation back."""
+        budget = self.budget
+        assert budget is not None
         if not outcome.models:
             budget.cancel(name)
             return outcome
+        known = how == "known"
         if known:
             size = prediction.bytes
         else:
