@@ -245,24 +245,23 @@ class AdmissionControl:
             ns.served for ns in self._graph.namespaces if any(self.in_use(n) for n in (ns.served, *ns.members))
         }
         candidates = []
-        for name in self._table.names:
-            versions = self._table.loaded(name)
+        busy, pinned_now, namespace_of = self._locks.busy, self._pins.pinned, self._graph.namespace_of
+        for name, versions in self._table.versions():  # one pass, no copies: hundreds loaded
             if name == loading or not versions:
                 continue
             pinned = (
-                self.in_use(name)
+                busy(name)
+                or pinned_now(name)
+                or any(m.scheduler.inflight for m in versions)
                 or name in busy_composing
-                or self._graph.namespace_of(name) in busy_namespaces
-                or name in busy_namespaces
+                or (busy_namespaces and (name in busy_namespaces or namespace_of(name) in busy_namespaces))
             )
-            candidates.append(
-                Candidate(
-                    name,
-                    sum(m.size_bytes for m in versions),
-                    max(m.last_used for m in versions),
-                    pinned,
-                )
-            )
+            if len(versions) == 1:
+                (model,) = versions
+                candidates.append(Candidate(name, model.size_bytes, model.last_used, bool(pinned)))
+            else:
+                size, last = sum(m.size_bytes for m in versions), max(m.last_used for m in versions)
+                candidates.append(Candidate(name, size, last, bool(pinned)))
         return candidates
 
     # -- loading -----------------------------------------------------------------------
