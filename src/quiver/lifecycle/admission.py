@@ -65,12 +65,6 @@ AHEAD = "\0ahead"
 #: How long an eviction ahead of need waits, at most, for the requests that waited for the
 #: load that set it off to be answered (a model in steady use would otherwise hold it back).
 AHEAD_DELAY_S = 0.1
-#: ...and then pauses this long (real time, on the event loop's clock: a matter of the OS
-#: scheduler, not a lifecycle deadline) before it spends the cores on choosing and unloading
-#: victims, so that the client reads its answer first. On a busy 2-core machine with the
-#: client beside the server, starting at once added 0.8-1.1 ms to what a miss costs the
-#: client (the server's work ran while the client waited to be scheduled).
-AHEAD_PAUSE_S = 0.005
 #: Misses evictions ahead of need keep room for (when that is at most AHEAD_SHARE of the limit).
 AHEAD_LOADS = 2
 AHEAD_SHARE = 0.1
@@ -511,9 +505,8 @@ class AdmissionControl:
 
     async def make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
         """Evict ahead of need, off any request's path: after ``loaded`` loaded and the
-        requests that waited for it are answered (at most :data:`AHEAD_DELAY_S` later) and a
-        pause (:data:`AHEAD_PAUSE_S`), when fewer bytes are free than :meth:`ahead_bytes`,
-        reserve that many under :data:`AHEAD`
+        requests that waited for it are answered (at most :data:`AHEAD_DELAY_S` later), when
+        fewer bytes are free than :meth:`ahead_bytes`, reserve that many under :data:`AHEAD`
         (the policy picks victims among models not in use, never ``loaded``), unload the
         victims, then give the reservation back, so the next misses find their room free
         instead of waiting for an unload. The ledger stays honest throughout: a victim counts
@@ -549,9 +542,6 @@ class AdmissionControl:
                     break
             except UnavailableError:
                 return  # the server stops
-        await asyncio.sleep(AHEAD_PAUSE_S)
-        if self.gate.closed:
-            return
         want = self.ahead_bytes()
         if budget.available >= want:
             return
