@@ -44,6 +44,7 @@ from quiver.lifecycle.memory import (
     GpuMemoryLimit,
     MemoryMeter,
     ModelIdentity,
+    Prediction,
     SizePredictor,
     fix_mmap_threshold,
 )
@@ -166,6 +167,22 @@ class AdmissionControl:
         return self._gpu
 
     @property
+    def predictor(self) -> SizePredictor:
+        return self._predictor
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    def by_heap(self, backend: str) -> bool:
+        """Whether loads of ``backend`` are measured by the C heap's growth (not RSS)."""
+        return backend in HEAP_ALLOCATING
+
+    def primed(self, backend: str) -> bool:
+        """Whether ``backend``'s one-time cost was measured (a load of it needs no priming)."""
+        return backend in self._frameworks
+
+    @property
     def framework_bytes(self) -> dict[str, int]:
         return dict(self._frameworks)
 
@@ -222,24 +239,23 @@ class AdmissionControl:
             ns.served for ns in self._graph.namespaces if any(self.in_use(n) for n in (ns.served, *ns.members))
         }
         candidates = []
-        for name in self._table.names:
-            versions = self._table.loaded(name)
+        busy, pinned_now, namespace_of = self._locks.busy, self._pins.pinned, self._graph.namespace_of
+        for name, versions in self._table.versions():  # one pass, no copies: hundreds loaded
             if name == loading or not versions:
                 continue
             pinned = (
-                self.in_use(name)
+                busy(name)
+                or pinned_now(name)
+                or any(m.scheduler.inflight for m in versions)
                 or name in busy_composing
-                or self._graph.namespace_of(name) in busy_namespaces
-                or name in busy_namespaces
+                or (busy_namespaces and (name in busy_namespaces or namespace_of(name) in busy_namespaces))
             )
-            candidates.append(
-                Candidate(
-                    name,
-                    sum(m.size_bytes for m in versions),
-                    max(m.last_used for m in versions),
-                    pinned,
-                )
-            )
+            if len(versions) == 1:
+                (model,) = versions
+                candidates.append(Candidate(name, model.size_bytes, model.last_used, bool(pinned)))
+            else:
+                size, last = sum(m.size_bytes for m in versions), max(m.last_used for m in versions)
+                candidates.append(Candidate(name, size, last, bool(pinned)))
         return candidates
 
     # -- loading -----------------------------------------------------------------------
@@ -370,7 +386,7 @@ class AdmissionControl:
                 measured = prediction.bytes
             else:
                 outcome, footprint = await self._pool.run(
-                    functools.partial(self._meter.measure, load, heap=inspection.backend in HEAP_ALLOCATING),
+                    functools.partial(self._meter.measure, load, heap=self.by_heap(inspection.backend)),
                     discard=lambda r: discard(r[0]),
                 )
                 # A Python model's workers are processes of their own: their memory is not the
@@ -383,9 +399,30 @@ class AdmissionControl:
         except BaseException:
             budget.cancel(name)
             raise
+        return await self.settle(name, identity, inspection, prediction, outcome, measured, how, load_seconds, unloader)
+
+    async def settle(
+        self,
+        name: str,
+        identity: ModelIdentity,
+        inspection: Inspection,
+        prediction: Prediction,
+        outcome: LoadOutcome,
+        measured: int,
+        how: str,
+        load_seconds: float,
+        unloader: Unloader,
+    ) -> LoadOutcome:
+        """After a load under a reservation (here, or in a miss's one trip:
+        :mod:`quiver.lifecycle.trip`): commit its size (``measured``, or the prediction when
+        ``how`` is "known"), growing the reservation first if it measured larger; a load that
+        gave no model gives its reservation back."""
+        budget = self.budget
+        assert budget is not None
         if not outcome.models:
             budget.cancel(name)
             return outcome
+        known = how == "known"
         if known:
             size = prediction.bytes
         else:

@@ -226,14 +226,12 @@ class MemoryBudget:
             return Admission([])
         if callable(candidates):
             candidates = candidates()
-        offered = [
-            replace(c, size_bytes=self._resident[c.name])
-            for c in candidates
-            if c.name in self._resident
-            and c.name not in self._claims
-            and c.name not in self._reserved
-            and c.name != name
-        ]
+        resident, claims, reserved = self._resident, self._claims, self._reserved
+        offered = []
+        for c in candidates:  # at their committed sizes (a copy only when that differs)
+            size = resident.get(c.name)
+            if size is not None and c.name not in claims and c.name not in reserved and c.name != name:
+                offered.append(c if c.size_bytes == size else replace(c, size_bytes=size))
         evictable = sum(c.size_bytes for c in offered if not c.pinned)
         if free + evictable < need:
             return Blocked(self._no_room(name, need, free, offered))

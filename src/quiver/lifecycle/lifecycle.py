@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,6 +52,7 @@ from quiver.lifecycle.pins import Pins
 from quiver.lifecycle.pool import LoadPool, settle
 from quiver.lifecycle.sources import ModelSources
 from quiver.lifecycle.table import ModelTable
+from quiver.lifecycle.trip import Trip, find_and_load, settle_trip
 from quiver.metrics.statistics import MultiModelStatistics
 from quiver.repository.local import ModelSource
 from quiver.repository.storage import Storage
@@ -159,6 +160,48 @@ class ModelLifeCycle:
                 return {}
             return await self.load_locked(source, None, visiting, inspection=inspection)
 
+    async def load_on_demand(self, name: str, find: Callable[[], ModelSource | None]) -> dict[str, str] | None:
+        """:meth:`load_missing` of the folder ``find()`` (blocking) finds, found, inspected and
+        often loaded in one trip to a load thread (:mod:`quiver.lifecycle.trip`); its failures,
+        or ``None`` (the lock released) when there is no such folder."""
+        async with self._locks.hold(name):
+            if self._table.serving(name):
+                return {}  # loaded while this waited for the lock
+            trip = Trip()
+            loop = asyncio.get_running_loop()
+
+            def loading(model: str) -> None:  # on the load thread: the index shows LOADING
+                loop.call_soon_threadsafe(self._table.mark, model, ModelState.LOADING)
+
+            def discard(done: Trip) -> Coroutine[Any, Any, None]:  # cancelled: what loaded goes
+                return self.discard(done.outcome.models if done.outcome is not None else [])
+
+            try:
+                await self._pool.run(find_and_load, self._admission, trip, find, self._loader, loading, discard=discard)
+            except BaseException as exc:
+                if trip.reserved and self._admission.budget is not None:
+                    self._admission.budget.cancel(name)
+                if not trip.loads or not isinstance(exc, Exception):
+                    raise  # not the load's error (or cancelled): as before any load
+                trip.error = exc  # the load's: reported as any load's failure is
+            if trip.source is None:
+                return None
+            return await self.load_locked(trip.source, None, inspection=trip.inspection, trip=trip)
+
+    def _loader(
+        self, source: ModelSource, inspection: Inspection, override: pb.ModelConfig | None = None
+    ) -> Callable[[], LoadOutcome]:  # the blocking load of the files ``inspection`` saw
+        return functools.partial(
+            load_model,
+            source,
+            strict=self._strict,
+            config_override=override,
+            inline_threshold_ns=self._inline_threshold_ns,
+            clock=self._clock,
+            configs=self._admission.configs,
+            fingerprint=inspection.fingerprint,
+        )
+
     async def load_locked(
         self,
         source: ModelSource,
@@ -166,13 +209,16 @@ class ModelLifeCycle:
         visiting: frozenset[str] = frozenset(),
         *,
         inspection: Inspection | None = None,
+        trip: Trip | None = None,
     ) -> dict[str, str]:
         """:meth:`load` for a caller that holds the model's lock (``inspection``: its files'
-        without ``override``, taken already, for the first attempt)."""
+        without ``override``, taken already, for the first attempt; ``trip``: a miss's trip
+        that may have loaded it already)."""
         name = source.name
-        started = seconds(self._clock)
+        trip = trip if trip is not None and trip.loads else None
+        started = trip.started if trip is not None else seconds(self._clock)
         try:
-            failures = await self._load_inner(source, override, visiting, inspection)
+            failures = await self._load_inner(source, override, visiting, inspection, trip)
             for attempt in range(1, self._load_retries + 1):
                 if not failures or self.closed:
                     break
@@ -204,31 +250,28 @@ class ModelLifeCycle:
         override: pb.ModelConfig | None,
         visiting: frozenset[str],
         inspection: Inspection | None = None,
+        trip: Trip | None = None,
     ) -> dict[str, str]:
         name = source.name
         serving = self._table.serving(name)
         if not serving:
             self._table.mark(name, ModelState.LOADING)
+        if trip is not None:
+            inspection = trip.inspection
         if inspection is None or override is not None:
             # One trip to a load thread: the files' fingerprint, the config (an ensemble? which
             # framework?) and their size, read once per version of the files.
             inspection = await self._pool.run(self._admission.inspect, source, override)
-        fingerprint, composing = inspection.fingerprint, inspection.composing
-        self._sources.remember_fingerprint(name, fingerprint)
-        configs = self._admission.configs
+        composing = inspection.composing
+        self._sources.remember_fingerprint(name, inspection.fingerprint)
         if composing is not None:
             outcome = await self._load_ensemble(source, composing, override, visiting | {name})
+        elif trip is not None:  # loaded in the trip that found it
+            if trip.error is not None:
+                raise trip.error
+            outcome = await settle_trip(self._admission, trip, self)
         else:
-            load = functools.partial(
-                load_model,
-                source,
-                strict=self._strict,
-                config_override=override,
-                inline_threshold_ns=self._inline_threshold_ns,
-                clock=self._clock,
-                configs=configs,
-                fingerprint=fingerprint,
-            )
+            load = self._loader(source, inspection, override)
             outcome = await self._admission.load(source, load, override=override, inspection=inspection, unloader=self)
         failures: dict[str, str] = {}
         if outcome.error:

@@ -405,15 +405,16 @@ class ModelRepositoryManager:
                     raise
 
     async def _load_on_demand(self, name: str) -> None:
-        # The folder found and its files inspected (fingerprint, config, size) in one trip.
-        source, inspection = await self._sources.lookup_then(
-            name, functools.partial(self.admission.inspect, override=None)
-        )
-        if source is None:
-            stores = self._sources.key_stores(name)
-            await self._lifecycle.load_archive(name, name, stores, check_later=self._check_later)
-            return
-        failures = await self._lifecycle.load_missing(source, inspection=inspection)
+        # The folder found, its files inspected (fingerprint, config, size) and the model
+        # often loaded too, in one trip to a load thread.
+        failures = await self._lifecycle.load_on_demand(name, functools.partial(self._sources.find, name))
+        if failures is None:  # no folder found by a direct look: a scan, then a key
+            source = (await self._sources.scan())[0].get(name)
+            if source is None:
+                stores = self._sources.key_stores(name)
+                await self._lifecycle.load_archive(name, name, stores, check_later=self._check_later)
+                return
+            failures = await self._lifecycle.load_missing(source)
         if not self._table.serving(name):
             reason = failures.get(name) or next(iter(failures.values()), "no version loaded")
             raise UnavailableError(f"model '{name}' failed to load: {reason}")

@@ -20,9 +20,8 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError
 from quiver.lifecycle.archives import is_namespaced
@@ -46,7 +45,6 @@ __all__ = ["DEFAULT_CACHE_BYTES", "ModelSources", "default_cache_dir", "fingerpr
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 #: Seconds an S3 store's listing serves the repository index before it is listed again.
 LISTING_TTL_S = 30.0
@@ -152,24 +150,16 @@ class ModelSources:
     async def lookup(self, name: str) -> ModelSource | None:
         """The model folder ``name``: a direct look at ``<repository>/<name>`` first (listing
         1,000 folders per on-demand miss costs), then a scan."""
-        source, _ = await self.lookup_then(name, None)
-        return source
-
-    async def lookup_then(
-        self, name: str, then: Callable[[ModelSource], T] | None
-    ) -> tuple[ModelSource | None, T | None]:
-        """:meth:`lookup`, and ``then(source)`` (blocking) in the same trip to a load thread
-        when the direct look found the folder (else ``None``: a miss spends one trip fewer)."""
-
-        def find() -> tuple[ModelSource | None, T | None]:
-            found = self._repository.find(name)
-            return found, (then(found) if then is not None and found is not None else None)
-
-        source, result = await self._pool.run(find)
+        source = await self._pool.run(self.find, name)
         if source is not None:
-            return source, result
+            return source
         sources, _ = await self.scan()
-        return sources.get(name), None
+        return sources.get(name)
+
+    def find(self, name: str) -> ModelSource | None:
+        """Blocking (a load thread): the model folder ``name`` by a direct look (one ``stat``
+        per repository, no listing); ``None`` when none or several have it."""
+        return self._repository.find(name)
 
     async def fingerprint(self, source: ModelSource) -> str:
         """The fingerprint of ``source``'s files, remembered as the loaded one."""

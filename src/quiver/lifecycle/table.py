@@ -10,7 +10,7 @@ listeners (a cluster router) hear every change of what is served.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 
 from quiver import messages
 from quiver.errors import NotFoundError, UnavailableError
@@ -80,6 +80,10 @@ class ModelTable:
     def loaded(self, name: str) -> list[Model]:
         """The READY versions of ``name``, by version."""
         return [m for _, m in sorted(self._ready.get(name, {}).items())]
+
+    def versions(self) -> Iterator[tuple[str, Collection[Model]]]:
+        """Each served name with its READY versions (unordered; iterate without awaiting)."""
+        return ((name, versions.values()) for name, versions in self._ready.items())
 
     @property
     def names(self) -> list[str]:

@@ -254,12 +254,15 @@ class WTinyLFUPolicy:
         if need_bytes <= free_bytes or not fits_at_all(candidates, need_bytes, free_bytes):
             return []
         loaded = {c.name: c for c in candidates}
+        window, probation, protected = self._window, self._probation, self._protected
         for c in candidates:  # sizes as measured; a model never touched counts as just loaded
-            where = next((s for _, s in self._segments() if c.name in s), None)
-            if where is None:
-                self._window[c.name] = c.size_bytes
+            name = c.name
+            if name in probation:
+                probation[name] = c.size_bytes
+            elif name in protected:
+                protected[name] = c.size_bytes
             else:
-                where[c.name] = c.size_bytes
+                window[name] = c.size_bytes
         self._room = free_bytes + sum(c.size_bytes for c in candidates)
         self.sketch.ensure_capacity(len(candidates) + 1)
         evictable = {n for n, c in loaded.items() if not c.pinned}
