@@ -373,33 +373,36 @@ class AdmissionControl:
             timeout=timeout,
             wait=self.evicts,
         )
-        # A model measured before (same files) is not measured again: measuring serialises
-        # loads (and, by RSS, costs two heap trims); its size is known.
-        known = prediction.source == "measured"
-        how = "known"
         try:
             await self._evict(admission, name, unloader)
             await self.gate.covered(name, seconds(self._clock) + timeout)
             started = seconds(self._clock)
-            if known:
-                outcome = await self._pool.run(functools.partial(self._meter.shared, load), discard=discard)
-                measured = prediction.bytes
-            else:
-                outcome, footprint = await self._pool.run(
-                    functools.partial(self._meter.measure, load, heap=self.by_heap(inspection.backend)),
-                    discard=lambda r: discard(r[0]),
-                )
-                # A Python model's workers are processes of their own: their memory is not the
-                # server's RSS growth but their own unique set size.
-                measured = footprint.host_bytes + sum(m.process_memory_bytes() or 0 for m in outcome.models)
-                how = f"measured by {footprint.by}"
-                if outcome.models:
-                    self._remember_gpu(identity, footprint.gpu_bytes)
+            outcome, measured, how, gpu_bytes = await self._pool.run(
+                functools.partial(self.measure, load, prediction, inspection.backend),
+                discard=lambda r: discard(r[0]),
+            )
+            if outcome.models:
+                self._remember_gpu(identity, gpu_bytes)
             load_seconds = seconds(self._clock) - started
         except BaseException:
             budget.cancel(name)
             raise
         return await self.settle(name, identity, inspection, prediction, outcome, measured, how, load_seconds, unloader)
+
+    def measure(
+        self, load: Callable[[], LoadOutcome], prediction: Prediction, backend: str
+    ) -> tuple[LoadOutcome, int, str, Mapping[int, int] | None]:
+        """Blocking (a load thread): ``load()`` under the budget's meter -> the outcome, its
+        bytes (measured, or known), how they were found and its GPU bytes (None: not
+        measured). A model measured
+        before (same files) is not measured again: measuring serialises loads (and, by RSS,
+        costs two heap trims); its size is known. A Python model's workers are processes of
+        their own: their memory is not the server's growth but their own unique set size."""
+        if prediction.source == "measured":
+            return self._meter.shared(load), prediction.bytes, "known", None
+        outcome, footprint = self._meter.measure(load, heap=self.by_heap(backend))
+        measured = footprint.host_bytes + sum(m.process_memory_bytes() or 0 for m in outcome.models)
+        return outcome, measured, f"measured by {footprint.by}", footprint.gpu_bytes
 
     async def settle(
         self,

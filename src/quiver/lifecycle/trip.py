@@ -97,18 +97,10 @@ def find_and_load(
     loading(source.name)
     clock = admission.clock
     trip.started = seconds(clock)
-    meter = admission.meter
     if prediction is None:
         trip.outcome = load()
-    elif prediction.source == "measured":
-        trip.outcome = meter.shared(load)  # its size is known: not measured again
-        trip.measured = prediction.bytes
     else:
-        outcome, footprint = meter.measure(load, heap=admission.by_heap(inspection.backend))
-        trip.outcome = outcome
-        # A Python model's workers are processes of their own (their unique set size).
-        trip.measured = footprint.host_bytes + sum(m.process_memory_bytes() or 0 for m in outcome.models)
-        trip.how = f"measured by {footprint.by}"
+        trip.outcome, trip.measured, trip.how, _ = admission.measure(load, prediction, inspection.backend)
     trip.load_seconds = seconds(clock) - trip.started
     return trip
 
