@@ -158,6 +158,15 @@ def dash(value: float | None, spec: str = "") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def markdown_table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
+    """A markdown table's lines; ``align``: one letter per column, ``r`` right-aligned, any
+    other left (default: the first column left, the rest right)."""
+    spec = align or "l" + "r" * (len(header) - 1)
+    marks = ["---:" if a == "r" else "---" for a in spec]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def write_results(out: Path, stem: str, markdown: str, report: dict[str, Any]) -> str:
     """``OUT/STEM.md`` (the report a reader reads) and ``OUT/STEM.json`` (everything); returns
     what was written, for the log."""

@@ -694,11 +694,7 @@ SUMMARIES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 # -- the report -----------------------------------------------------------------------------
 
 
-def _table(header: list[str], rows: list[list[str]], align: str = "") -> list[str]:
-    spec = align or "l" + "r" * (len(header) - 1)
-    marks = ["---:" if a == "r" else "---" for a in spec]
-    return ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|",
-            *("| " + " | ".join(row) + " |" for row in rows)]
+_table = common.markdown_table
 
 
 def _cell(check: dict[str, Any]) -> str:

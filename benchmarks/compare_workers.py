@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks import common
 from benchmarks.plots import ENCODING_LABEL
 
 QUIVER_WORKERS, QUIVER_ONNX_WORKERS = "quiver-python-workers", "quiver-onnx-workers"
@@ -83,16 +84,14 @@ def _clean(trial: Trial) -> bool:
 
 
 def _num(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+    return common.dash(value, f",.{digits}f")
 
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _table(header: list[str], rows: list[list[str]], align: str) -> list[str]:
-    marks = ["---:" if a == "r" else "---" for a in align]
-    return ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|", *("| " + " | ".join(r) + " |" for r in rows)]
+_table = common.markdown_table
 
 
 def markdown(cells: list[dict[str, Any]], workers: int) -> list[str]:
