@@ -53,6 +53,7 @@ _COUNTER_MAX = 15  # 4-bit counters, as in TinyLFU
 _ROWS = 4
 _SHIFT = 0.05  # a fall in the hit rate that ages the sketch at once
 _HALVE = bytes(i >> 1 for i in range(256))  # bytes.translate table: every counter halved
+_MAX_WIDTH = 1 << 20  # counters per row at most (4 MiB in all): room for 256k models' counts
 
 
 class FrequencySketch:
@@ -63,8 +64,12 @@ class FrequencySketch:
     update, which keeps over-counting from hash collisions low); :meth:`estimate` is the
     smallest. After ``sample_size`` increments every counter is halved (aging), so the sketch
     reflects roughly the last ``sample_size`` uses. :meth:`ensure_capacity` sizes it for a
-    cache holding that many models: width ``4 * models`` rounded up to a power of two, sample
-    ``10 * models`` (Caffeine's ratios).
+    cache holding that many models: sample ``sample_factor * models``, and width at least
+    ``4 * models``. The width also follows the number of models counted (at least 4 counters
+    per name, rounded up to a power of two, up to ``_MAX_WIDTH``): a repository of many
+    models with room for a few would otherwise share every counter among several models and
+    over-count the rare ones. Growing keeps every count (each known name is counted again in
+    the wider rows), so the first uses, counted before the room is known, are not lost.
     """
 
     def __init__(self, models: int = 16, *, sample_factor: int = 10) -> None:
@@ -73,7 +78,7 @@ class FrequencySketch:
         self._rows: list[bytearray] = []
         self.sample_size = 0
         self.additions = 0
-        self._indexes: dict[str, tuple[int, ...]] = {}
+        self._hashes: dict[str, tuple[int, ...]] = {}  # name -> its row hashes (32 bits each)
         self.ensure_capacity(models)
 
     @property
@@ -81,29 +86,36 @@ class FrequencySketch:
         return self._width
 
     def ensure_capacity(self, models: int) -> None:
-        """Size the sketch for a cache of ``models`` models (grows only; growing starts over)."""
+        """Size the sketch for a cache of ``models`` models (grows only, keeping the counts)."""
         models = max(16, models)
-        width = 1 << (4 * models - 1).bit_length()
         self.sample_size = max(self.sample_size, self._sample_factor * models)
+        self._grow(models)
+
+    def _grow(self, models: int) -> None:
+        width = min(_MAX_WIDTH, 1 << (4 * models - 1).bit_length())
         if width <= self._width:
             return
+        counts = [(name, self.estimate(name)) for name in self._hashes] if self._rows else []
         self._width = width
         self._rows = [bytearray(width) for _ in range(_ROWS)]
-        self._indexes.clear()
-        self.additions = 0
+        mask = width - 1
+        for name, count in counts:
+            if count:
+                for row, h in zip(self._rows, self._hashes[name], strict=True):
+                    row[h & mask] = max(row[h & mask], count)
 
     def _index(self, name: str) -> tuple[int, ...]:
-        found = self._indexes.get(name)
+        found = self._hashes.get(name)
         if found is None:
             digest = hashlib.blake2b(name.encode(), digest_size=4 * _ROWS).digest()
-            mask = self._width - 1
-            found = tuple(
-                int.from_bytes(digest[4 * r : 4 * r + 4], "little") & mask for r in range(_ROWS)
-            )
-            if len(self._indexes) >= 64 * self._width:  # names are bounded; this is a backstop
-                self._indexes.clear()
-            self._indexes[name] = found
-        return found
+            found = tuple(int.from_bytes(digest[4 * r : 4 * r + 4], "little") for r in range(_ROWS))
+            if len(self._hashes) >= _MAX_WIDTH:  # names are bounded; this is a backstop
+                self._hashes.clear()
+            self._hashes[name] = found
+            if 4 * len(self._hashes) > self._width:
+                self._grow(len(self._hashes))
+        mask = self._width - 1
+        return tuple(h & mask for h in found)
 
     def estimate(self, name: str) -> int:
         """How often ``name`` was used lately (an over-estimate only through collisions)."""
@@ -121,10 +133,11 @@ class FrequencySketch:
         if self.additions >= self.sample_size:
             self.age()
 
-    def age(self) -> None:
-        """Halve every counter."""
-        self._rows = [bytearray(row.translate(_HALVE)) for row in self._rows]
-        self.additions //= 2
+    def age(self, times: int = 1) -> None:
+        """Halve every counter (``times`` times)."""
+        table = _HALVE if times == 1 else bytes(i >> times for i in range(256))
+        self._rows = [bytearray(row.translate(table)) for row in self._rows]
+        self.additions >>= times
 
 
 class WTinyLFUPolicy:

@@ -47,7 +47,7 @@ def test_sketch_halves_every_counter_after_its_sample() -> None:
     assert sketch.additions == 8
 
 
-def test_sketch_grows_with_the_cache_and_starts_over() -> None:
+def test_sketch_grows_with_the_cache_and_keeps_its_counts() -> None:
     sketch = FrequencySketch(16)
     sketch.increment("a")
     width = sketch.width
@@ -55,7 +55,29 @@ def test_sketch_grows_with_the_cache_and_starts_over() -> None:
     assert (sketch.width, sketch.estimate("a")) == (width, 1)
     sketch.ensure_capacity(1000)
     assert sketch.width == 4096 and sketch.sample_size == 10_000
-    assert sketch.estimate("a") == 0
+    assert sketch.estimate("a") == 1  # the uses counted before the room was known stay
+
+
+def test_sketch_widens_with_the_models_it_counts() -> None:
+    """Room for 16, 1,000 models used: the rows widen to 4 counters per model counted (so rare
+    models do not share counters with hot ones), the period stays the room's, the counts stay."""
+    sketch = FrequencySketch(16, sample_factor=1000)
+    for _ in range(9):
+        sketch.increment("hot")
+    for i in range(1000):
+        sketch.increment(f"m{i}")
+    assert sketch.width == 4096 and sketch.sample_size == 16_000
+    assert sketch.estimate("hot") == 9
+    over = sum(sketch.estimate(f"m{i}") for i in range(1000)) - 1000
+    assert over <= 5  # collisions over-count a handful at most
+
+
+def test_sketch_ages_several_halvings_at_once() -> None:
+    sketch = FrequencySketch(16, sample_factor=1000)
+    for _ in range(12):
+        sketch.increment("a")
+    sketch.age(times=3)
+    assert sketch.estimate("a") == 1 and sketch.additions == 1
 
 
 # -- segments and admission -------------------------------------------------------------------
