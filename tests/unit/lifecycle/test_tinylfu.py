@@ -201,8 +201,50 @@ def test_a_scan_does_not_flush_the_hot_models() -> None:
     assert lru.misses == 5 + 100 + 5
 
 
-def test_stationary_zipf_within_ten_percent_of_belady() -> None:
-    trace = zipf_trace(N, 30_000, 1.0, seed=1)
+def shift_agings(policy: WTinyLFUPolicy) -> list[int]:
+    """Record the sketch's agings of more than one halving (a shift caught early)."""
+    calls: list[int] = []
+    age = policy.sketch.age
+
+    def counting(times: int = 1) -> None:
+        if times > 1:
+            calls.append(times)
+        age(times)
+
+    policy.sketch.age = counting  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_shift_in_popularity_ages_the_counts_at_once() -> None:
+    """Room for 11: ten models used in turn 40 times each, then ten others 20 times. The hit
+    rate falls at the shift, so the counts age at once (to an eighth) and the new favourites
+    win their admission within a few rounds; counts that only age at the end of the period
+    keep the old favourites (their counts are as high) and the new ones miss every time."""
+    old, new = [f"a{i}" for i in range(10)], [f"b{i}" for i in range(10)]
+    trace = old * 40 + new * 20
+    adaptive = WTinyLFUPolicy()
+    caught = shift_agings(adaptive)
+    fixed = WTinyLFUPolicy(adapt=False)
+    tiny = simulate(adaptive, trace, unit(trace), 11)
+    slow = simulate(fixed, trace, unit(trace), 11)
+    assert caught == [3]
+    assert all(adaptive.segment(n) is not None for n in new)
+    assert not any(fixed.segment(n) for n in new[:-1])  # the last one is in the window
+    assert slow.misses == 10 + 200 and tiny.misses < slow.misses / 2
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_stationary_popularity_is_not_taken_for_a_shift(seed: int) -> None:
+    policy = WTinyLFUPolicy()
+    caught = shift_agings(policy)
+    trace = zipf_trace(N, 30_000, 1.0, seed=seed)
+    simulate(policy, trace, unit(trace), ROOM)
+    assert caught == []
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_stationary_zipf_within_ten_percent_of_belady(seed: int) -> None:
+    trace = zipf_trace(N, 30_000, 1.0, seed=seed)
     tiny = simulate(WTinyLFUPolicy(), trace, unit(trace), ROOM)
     best = belady(trace, unit(trace), ROOM)
     lru = simulate(LRUPolicy(), trace, unit(trace), ROOM)
