@@ -307,7 +307,10 @@ class WTinyLFUPolicy:
             evictable.discard(name)
             self.forget(name)
 
-        main_room = self._room - window_limit
+        # The main region's share: the room less the window's, or less what is needed when
+        # that is more (a model larger than the window's share, or free bytes kept for the
+        # next loads: those are not the main region's to fill).
+        main_room = self._room - max(window_limit, need_bytes)
         main_bytes = sum(
             c.size_bytes
             for c in candidates
