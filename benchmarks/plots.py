@@ -139,6 +139,8 @@ def eviction(data: dict[str, Any], png: Path) -> None:
         xs = [i + (k - (len(policies) - 1) / 2) * width for i in range(len(rows))]
         ax.bar(xs, [r[name] for r in rows], width, label=data["policies"][name])
     ax.scatter(range(len(rows)), [r["belady"] for r in rows], marker="_", s=900, color="black", zorder=3, label="Belady (offline)")
+    if all("exact_lfu" in r for r in rows):
+        ax.scatter(range(len(rows)), [r["exact_lfu"] for r in rows], marker="_", s=900, color="grey", zorder=3, label="exact LFU (online reference)")
     ax.set_xticks(range(len(rows)), [r["trace"] for r in rows])
     ax.set_ylabel("hit rate")
     ax.set_ylim(0, 1)

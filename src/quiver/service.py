@@ -442,13 +442,13 @@ class InferenceService:
         except (NotFoundError, UnavailableError):
             if not self.manager.on_demand:
                 raise
-            return (await self.manager.acquire(name, version)).config
+            return (await self.manager.acquire(name, version, use=False)).config  # the request counts
 
     async def _admit(self, request: InferenceRequest) -> Model:
         """The READY model for ``request`` (loaded first, on demand), the request checked."""
         manager = self.manager
         try:
-            model = manager.get(request.model_name, request.model_version)
+            model = manager.get(request.model_name, request.model_version, use=True)
         except (NotFoundError, UnavailableError):
             if not manager.on_demand:
                 raise

@@ -55,7 +55,7 @@ def _write(repo: Path) -> None:
 def test_budget_holds_and_loads_wait_under_unload_races(tmp_path: Path) -> None:
     _write(tmp_path)
     # A model is predicted at 13.6 MB from its files (2 MiB + 1.1 x 10 MiB), measures 10.6 MB
-    # and counts 12.4 MB (never less than its files suggest): between 2 and 3 of them fit, as
+    # and counts 12.6 MB (never less than the overhead and its files): between 2 and 3 of them fit, as
     # in the report (29.9 MiB for about 2.6 models).
     limit = int(29.9 * MB)
     args = (

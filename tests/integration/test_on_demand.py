@@ -277,3 +277,25 @@ def test_multi_model_metrics(repository: Path) -> None:
         assert samples[("quiver_model_eviction_age_seconds_count", ())] == 2
         assert samples[("quiver_model_resident_bytes", (("model", "m00"),))] > WEIGHT_MB * MB // 2
         assert 0 < samples[("quiver_model_memory_used_bytes", ())] <= samples[("quiver_model_memory_limit_bytes", ())]
+
+
+def test_looking_at_a_model_is_not_using_it(repository: Path) -> None:
+    """Readiness, metadata and config requests run nothing: under LRU, a model only looked at
+    since its last request is still the least recently used and goes first (a probe polling
+    readiness does not keep a model in memory)."""
+    args = ("--model-control-mode=on_demand", "--model-memory-limit", f"{2 * WEIGHT_MB + 10}M",
+            "--model-eviction-policy=lru", "--no-model-evict-ahead")  # fmt: skip
+    with QuiverServer(repository, args=args) as server:
+        client = httpclient.InferenceServerClient(server.url)
+        client.infer("m00", x())
+        client.infer("m01", x())
+        assert sorted(ready(client)) == ["m00", "m01"]
+        for _ in range(3):  # looked at after m01's request, never used
+            assert client.is_model_ready("m00")
+            assert client.get_model_metadata("m00")["name"] == "m00"
+            assert client.get_model_config("m00")["name"] == "m00"
+            client.get_inference_statistics("m00")
+        client.infer("m02", x())
+        assert sorted(ready(client)) == ["m01", "m02"]
+        index = {e["name"]: e for e in client.get_model_repository_index()}
+        assert index["m00"]["reason"] == "evicted to make room for model 'm02'"

@@ -429,10 +429,7 @@ class AdmissionControl:
         if known:
             size = prediction.bytes
         else:
-            # RSS growth undercounts when the load reuses memory an eviction just freed (the
-            # heap does not always shrink), and the heap's growth leaves out files a framework
-            # maps instead of reading: a model never counts for less than its files suggest.
-            size = max(measured, int((inspection.from_files or 0) / self._predictor.file_factor))
+            size = self._predictor.counted(measured, inspection.from_files)  # never below its files
             self._predictor.record(identity, size)
         try:
             await self._cover_overrun(name, size, unloader)

@@ -19,7 +19,8 @@ Two policies:
   the total time spent loading instead.
 
 For comparing policies on the same request trace there is :func:`simulate`, the offline
-:func:`belady` reference and a seeded Zipf trace generator, :func:`zipf_trace`.
+:func:`belady` reference, the online :func:`exact_lfu` reference and seeded trace generators
+(:func:`zipf_trace` and its variants).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "LRUPolicy",
     "SimulationResult",
     "belady",
+    "exact_lfu",
     "fits_at_all",
     "mixed_sizes",
     "scan_trace",
@@ -326,6 +328,46 @@ def belady(trace: Sequence[str], sizes: Mapping[str, int], budget: int) -> Simul
             loads += 1
         resident[name] = upcoming
         heapq.heappush(heap, (-upcoming, name))
+    return _result(hits, misses, loads, evictions, rejected)
+
+
+def exact_lfu(trace: Sequence[str], sizes: Mapping[str, int], budget: int) -> SimulationResult:
+    """An online reference: LFU with an exact count of every past request of every model,
+    never forgotten (often called Perfect-LFU). On a miss it evicts the resident models with
+    the fewest requests so far per byte (the least recent first on a tie) until the new one
+    fits, and always admits it, as :func:`simulate` does.
+
+    With stationary popularity the count of past requests is all an online policy can learn
+    popularity from, so this is about the best one can do without knowing the future: the gap
+    to :func:`belady` is the price of learning popularity from the counts, which is large on
+    a short trace. It forgets nothing, so it is no reference when popularity shifts.
+    """
+    counts: dict[str, int] = {}
+    resident: dict[str, tuple[float, int]] = {}  # name -> its key in the heap
+    heap: list[tuple[float, int, str]] = []  # (requests per byte, last request, name); lazy
+    used = hits = misses = loads = evictions = rejected = 0
+    for index, name in enumerate(trace):
+        size = sizes[name]
+        counts[name] = counts.get(name, 0) + 1
+        if name in resident:
+            hits += 1
+        else:
+            misses += 1
+            if size > budget:
+                rejected += 1
+                continue
+            while used + size > budget:
+                density, last, victim = heapq.heappop(heap)
+                if resident.get(victim) != (density, last):
+                    continue  # stale entry
+                del resident[victim]
+                used -= sizes[victim]
+                evictions += 1
+            used += size
+            loads += 1
+        key = (counts[name] / max(1, size), index)
+        resident[name] = key
+        heapq.heappush(heap, (*key, name))
     return _result(hits, misses, loads, evictions, rejected)
 
 

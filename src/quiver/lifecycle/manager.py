@@ -364,13 +364,14 @@ class ModelRepositoryManager:
 
     # -- on demand -----------------------------------------------------------------------
 
-    async def acquire(self, name: str, version: str = "") -> Model:
+    async def acquire(self, name: str, version: str = "", *, use: bool = True) -> Model:
         """The READY model for ``name``, loading it first in on-demand mode. Concurrent
         requests for a model that is not loaded wait for one load (single flight); a request
         gives up after the load wait timeout with UNAVAILABLE while the load goes on; a failed
-        load is reported to every waiting request, and the next request tries again."""
+        load is reported to every waiting request, and the next request tries again. ``use``:
+        the caller runs a request on it (see :meth:`get`)."""
         try:
-            return self._table.get(name, version)
+            return self._table.get(name, version, use=use)
         except (NotFoundError, UnavailableError):
             if not self.on_demand:
                 raise
@@ -382,11 +383,11 @@ class ModelRepositoryManager:
             # evicted before the waiting requests reach it (they enqueue without yielding
             # after get(), which makes them in flight).
             with self._pins.holding(name):
-                return await self._acquire_loading(name, version, waited_from + self._load_wait_timeout)
+                return await self._acquire_loading(name, version, waited_from + self._load_wait_timeout, use)
         finally:
             self.multi_model.loading_wait_time_us.observe((seconds(self._clock) - waited_from) * 1e6)
 
-    async def _acquire_loading(self, name: str, version: str, deadline: float) -> Model:
+    async def _acquire_loading(self, name: str, version: str, deadline: float, use: bool) -> Model:
         while True:
             task = self._flights.join(name, functools.partial(self._load_on_demand, name))
             try:
@@ -397,7 +398,7 @@ class ModelRepositoryManager:
                     "(--model-load-wait-timeout); the load goes on: try again"
                 ) from None
             try:
-                return self._table.get(name, version)
+                return self._table.get(name, version, use=use)
             except (NotFoundError, UnavailableError):
                 # Evicted again before this request got to it (every other model was in
                 # use): load it again while the wait allows.
@@ -421,10 +422,11 @@ class ModelRepositoryManager:
 
     # -- lookup (hot path) and the index -------------------------------------------------
 
-    def get(self, name: str, version: str = "") -> Model:
+    def get(self, name: str, version: str = "", *, use: bool = False) -> Model:
         """The READY model serving ``name`` (latest loaded version when ``version`` is empty);
-        a version that is not a positive integer is INVALID_ARG."""
-        return self._table.get(name, version)
+        a version that is not a positive integer is INVALID_ARG. ``use``: a request will run
+        on it (counted for eviction); a look that runs nothing is not a use."""
+        return self._table.get(name, version, use=use)
 
     def is_ready(self, name: str, version: str = "") -> bool:
         """Whether ``name`` (``version``) is READY; a version that is not a positive integer

@@ -100,6 +100,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import sys
 import threading
@@ -489,6 +490,19 @@ class SizePredictor:
         if total <= 0:
             return None
         return self.overhead_bytes + int(total * self.file_factor)
+
+    def counted(self, measured: int, estimate: int | None) -> int:
+        """What a model that measured ``measured`` bytes counts for: never less than the
+        per-model overhead plus its file bytes (``estimate``, :meth:`from_bytes` of them; the
+        overhead alone when ``None``). RSS growth undercounts when the load reuses memory an
+        eviction just freed (the heap does not always shrink), and the heap's growth leaves out
+        files a framework maps instead of reading. The floor is at least :meth:`predict`'s for
+        a measured model (the overhead), so a model counts the same bytes when it is measured
+        and when it reloads at its known size."""
+        files = 0
+        if estimate is not None and estimate > self.overhead_bytes:
+            files = math.ceil((estimate - self.overhead_bytes) / self.file_factor)
+        return max(int(measured), self.overhead_bytes + files)
 
     def predict(
         self, identity: ModelIdentity, paths: Path | Iterable[Path] = (), *, estimate: int | None = None

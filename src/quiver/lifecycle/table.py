@@ -30,37 +30,36 @@ class ModelTable:
         self._latest: dict[str, Model] = {}
         self._status: dict[str, list[VersionStatus]] = {}
         self._listeners: list[Callable[[str, bool], None]] = []
-        #: Called with a model each time a request looks it up by name (the eviction
-        #: policy's use count; None when the policy does not care).
+        #: Called with a model each time a request that will run on it looks it up
+        #: (``get(..., use=True)``: the eviction policy's use count; None when the policy
+        #: does not care).
         self.on_use: Callable[[Model], None] | None = None
         #: (name, version) -> instance -> why it cannot serve (a worker that cannot start)
         self._down: dict[tuple[str, int], dict[str, str]] = {}
 
     # -- reading -----------------------------------------------------------------------
 
-    def get(self, name: str, version: str = "") -> Model:
+    def get(self, name: str, version: str = "", *, use: bool = False) -> Model:
         """The READY model serving ``name`` (latest loaded version when ``version`` is empty).
+
+        ``use``: a request will run on it, so it counts as a use (its last use is now, and the
+        eviction policy counts it). A look that runs nothing (readiness, metadata, config,
+        statistics) is not a use: a client or a probe that polls a model's readiness does not
+        keep it in memory, nor make it look more popular than its requests do.
 
         Every version a client names (HTTP paths, gRPC fields, the SageMaker and ensemble
         paths) is checked here, once: not a positive integer is INVALID_ARG."""
         number = parse_version(name, version) if version else None
-        if number is None:
-            model = self._latest.get(name)
-            if model is not None:
-                if self._down:
-                    self._check_health(model)
-                model.last_used = seconds(self._clock)
-                if self.on_use is not None:
-                    self.on_use(model)
-                return model
-            raise self._missing(name, "")
-        found = self._ready.get(name, {}).get(number)
-        if found is not None:
-            if self._down:
-                self._check_health(found)
-            found.last_used = seconds(self._clock)
-            return found
-        raise self._missing(name, str(number))
+        model = self._latest.get(name) if number is None else self._ready.get(name, {}).get(number)
+        if model is None:
+            raise self._missing(name, "" if number is None else str(number))
+        if self._down:
+            self._check_health(model)
+        if use:
+            model.last_used = seconds(self._clock)
+            if self.on_use is not None:
+                self.on_use(model)
+        return model
 
     def is_ready(self, name: str, version: str = "") -> bool:
         try:

@@ -213,7 +213,7 @@ async def serving(
         memory_limit_bytes=limit,
         load_threads=8,
         meter=options.pop("meter", None) or MemoryMeter(rss=world.rss, gpu=None, trim=False),
-        predictor=SizePredictor(file_factor=1.0, overhead_bytes=0),
+        predictor=options.pop("predictor", None) or SizePredictor(file_factor=1.0, overhead_bytes=0),
         **({"clock": clock} if clock is not None else {}),
         **options,
     )

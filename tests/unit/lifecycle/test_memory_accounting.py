@@ -268,6 +268,23 @@ def test_predictor_falls_back_from_measurement_to_files_to_default(tmp_path: Pat
     assert predictor.measured(ident) is None
 
 
+def test_a_model_counts_at_least_the_overhead_and_its_files() -> None:
+    """What a load commits: its measurement, never below the overhead plus its file bytes; and
+    that is what a reload of the same files is predicted at (the same floor both ways)."""
+    predictor = SizePredictor(file_factor=1.5, overhead_bytes=1000)
+    for files in (10_000, 10_001, 7):
+        estimate = predictor.from_bytes(files)
+        assert predictor.counted(10, estimate) == 1000 + files
+        assert predictor.counted(50_000, estimate) == 50_000
+    assert predictor.counted(10, None) == 1000
+    ident = ModelIdentity("m", "", "f")
+    size = predictor.counted(10, predictor.from_bytes(10_000))
+    predictor.record(ident, size)
+    assert predictor.predict(ident).bytes == size == 11_000
+    default = SizePredictor()  # the benchmark's models: 2 MiB overhead, measured ~64 KB by the heap
+    assert default.counted(65_504, default.from_bytes(170)) == DEFAULT_OVERHEAD_BYTES + 170
+
+
 def test_predictor_defaults_and_validation() -> None:
     predictor = SizePredictor()
     assert predictor.file_factor == DEFAULT_FILE_FACTOR

@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from lifecycle_fakes import World, answer, install_fake_backend, serving
+from lifecycle_fakes import World, answer, cfg, install_fake_backend, serving
 
 from quiver.lifecycle import loader
 from quiver.lifecycle.configs import ConfigCache, PreparedConfig
+from quiver.lifecycle.memory import SizePredictor
 from quiver.repository.local import LocalRepository, ModelSource
 
 
@@ -48,6 +49,30 @@ def test_a_config_is_read_and_prepared_once_per_version_of_its_files(
             config.write_text(config.read_text() + "\n# edited\n")
             assert await answer(service, "a", 3.0) == 3.0
             assert sorted(reads) == ["a", "a", "b"]
+
+    asyncio.run(main())
+
+
+def test_a_model_counts_the_same_bytes_when_measured_and_when_it_reloads(tmp_path: Path, world: World) -> None:
+    """Models that measure far below their files (allocator reuse) count for the overhead plus
+    their file bytes, on their first load and when they reload at their known size alike, so
+    the room holds as many models whether they load for the first time or again."""
+    files = {"a": 8_000, "b": 8_000}
+    world.actual = {"a": 100, "b": 100}
+    predictor = SizePredictor(file_factor=1.5, overhead_bytes=1_000)
+
+    async def main() -> None:
+        async with serving(tmp_path, world, 15_000, files, predictor=predictor) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            counted: dict[str, list[int]] = {"a": [], "b": []}
+            for _ in range(2):
+                for name in ("a", "b"):
+                    assert await answer(service, name, 1.0) == 1.0
+                    counted[name].append(budget.resident[name])
+            assert world.loads == ["a", "b", "a", "b"]  # each load evicted the other
+            for name, sizes in counted.items():
+                assert sizes == [1_000 + files[name] + cfg(name)] * 2
 
     asyncio.run(main())
 

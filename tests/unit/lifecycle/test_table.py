@@ -34,7 +34,7 @@ def test_install_serves_the_latest_version_and_lists_failures() -> None:
     ]
     assert heard == [("m", True)]
     clock.advance(5)
-    latest = table.get("m")
+    latest = table.get("m", use=True)
     assert latest.version == 3 and latest.last_used == clock.now() / 1e9
     assert latest.loaded_at == pytest.approx(latest.last_used - 5)
     assert table.get("m", "1").version == 1
@@ -90,7 +90,25 @@ def test_lookups_are_counted_for_policies_that_care() -> None:
     table = ModelTable(FakeClock())
     used: list[str] = []
     table.on_use = lambda m: used.append(m.name)
-    table.install("a", LoadOutcome(None, [model("a", 1)], {}))
-    table.get("a")
+    table.install("a", LoadOutcome(None, [model("a", 1), model("a", 2)], {}))
+    table.get("a", use=True)
+    table.get("a", "1", use=True)  # a request for one version is a use too
     table.latest("a")  # the life cycle's own look: not a use
-    assert used == ["a"]
+    assert used == ["a", "a"]
+
+
+def test_looks_that_run_nothing_are_not_uses() -> None:
+    """Readiness, metadata and config look a model up without running it: the eviction policy
+    does not count them and the model's last use stays when it was (a probe polling readiness
+    must not keep a model in memory)."""
+    clock = FakeClock()
+    table = ModelTable(clock)
+    used: list[str] = []
+    table.on_use = lambda m: used.append(m.name)
+    table.install("a", LoadOutcome(None, [model("a", 1)], {}))
+    before = table.get("a").last_used
+    clock.advance(5)
+    assert table.is_ready("a") and table.is_ready("a", "1")
+    assert table.get("a").last_used == table.get("a", "1").last_used == before
+    assert used == []
+    assert table.get("a", use=True).last_used == clock.now() / 1e9 and used == ["a"]
