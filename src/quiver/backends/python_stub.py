@@ -51,7 +51,7 @@ from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import Channel
 from quiver.ipc.inbox import Inbox, spare_core
-from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError
+from quiver.ipc.shm import Arena, Mapper, PoolFullError
 from quiver.types import DataType
 
 _PR_SET_PDEATHSIG = 1
@@ -113,6 +113,26 @@ def _tensor_wire(tensor: Any) -> tuple[str, str, Any]:
     return converted.name, converted.datatype.value, converted.data
 
 
+class _WorkerRequest(pb_utils.InferenceRequest):
+    """A request as a worker's model receives it: its response sender and cancellation come
+    from its batch's :class:`WorkerSenders` by index (no callables made per request)."""
+
+    __slots__ = ("_batch", "_index")
+
+    _batch: WorkerSenders
+    _index: int
+
+    def get_response_sender(self) -> Any:
+        return self._batch.get(self._index)
+
+    def is_cancelled(self) -> bool:
+        return self._batch.is_cancelled(self._index)
+
+
+_new_request = partial(_WorkerRequest.__new__, _WorkerRequest)
+_new_tensor = partial(pb_utils.Tensor.__new__, pb_utils.Tensor)
+
+
 class Worker:
     def __init__(self, channel: Channel, init: dict[str, Any]) -> None:
         self.channel = channel
@@ -169,8 +189,7 @@ class Worker:
         elif op == msg.IS_READY:
             threading.Thread(target=self.is_ready, args=(message["id"],), daemon=True).start()
         elif op == msg.RELEASE:
-            for segment, offset in message["blocks"]:
-                self.arena.free(segment, offset)
+            self.arena.free_many(message["blocks"])
         elif op == msg.CANCEL:
             self.cancelled.update(str(i) for i in message["ids"])
         elif op == msg.FINALIZE:
@@ -255,8 +274,9 @@ class Worker:
             if not jobs:
                 self.inbox.wait(waiting, spin=self.spin if self.spin and spare_core() else 0.0)
             job = jobs.popleft()
-            for segment, offset in job.get("release", ()):
-                self.arena.free(segment, offset)
+            release = job.get("release")
+            if release:
+                self.arena.free_many(release)
             if job["op"] == msg.FINALIZE:
                 self.finalize()
                 return
@@ -280,11 +300,11 @@ class Worker:
     def execute(self, job: dict[str, Any]) -> None:
         batch = job["batch"]
         items = job["requests"]
-        ids = [str(item["id"]) for item in items]
+        ids = [item["id"] for item in items]  # strings, as the server names its requests
         senders = WorkerSenders(self, ids, self.decoupled)
         self.outbox = []
         try:
-            requests = self._requests(items, ids, senders.get)
+            requests = self._requests(items, ids, senders)
         except Exception as exc:
             self._fail(ids, "INTERNAL", f"{self.where}: reading the requests failed: {format_exception(exc)}")
             self._flush(batch)
@@ -327,52 +347,57 @@ class Worker:
             done["responses"] = outbox
         self.channel.send(done)
 
-    def _requests(
-        self, items: list[dict[str, Any]], ids: list[str], sender: Callable[[int], Any]
-    ) -> list[pb_utils.InferenceRequest]:
-        """The batch's requests as the model sees them; ``sender(index)`` makes request
-        ``index``'s response sender."""
-        wrap, mapper, made = pb_utils.Tensor._wrap, self.mapper, pb_utils.InferenceRequest._from_server
+    def _requests(self, items: list[dict[str, Any]], ids: list[str], senders: WorkerSenders) -> list[pb_utils.InferenceRequest]:
+        """The batch's requests as the model sees them (their response senders come from
+        ``senders``)."""
+        mapper, new_request, new_tensor = self.mapper, _new_request, _new_tensor
         view, fixed, ndarray = mapper.view, _FIXED_TYPES, np.ndarray
-        outputs, model_name, version, cancelled = self.output_set, self.name, self.version, self.is_cancelled
-        requests = []
+        outputs, model_name, version = self.output_set, self.name, self.version
+        requests: list[pb_utils.InferenceRequest] = []
         for index, item in enumerate(items):
             inputs = []
             for descriptor in item["tensors"]:
                 name, datatype, shape, segment, offset, nbytes = descriptor
                 types = fixed.get(datatype)
+                tensor = new_tensor()
+                tensor._name = name
                 if types is not None and nbytes:
                     # the usual: a view of the server's pool (the server wrote the descriptor
                     # from the array itself; numpy refuses a shape the block cannot hold)
-                    inputs.append(wrap(name, ndarray(shape, types[0], view(segment, offset, nbytes)), types[1]))
+                    tensor._array = ndarray(shape, types[0], view(segment, offset, nbytes))
+                    tensor._dtype = types[1]
                 else:  # BYTES, empty tensors
-                    name, datatype, _, array = tensors.read(mapper, descriptor)
-                    inputs.append(wrap(name, array, _TRITON_TYPES[datatype]))
-            request_id = ids[index]
+                    _, datatype, _, tensor._array = tensors.read(mapper, descriptor)
+                    tensor._dtype = _TRITON_TYPES[datatype]
+                inputs.append(tensor)
+            request = new_request()
+            request._inputs = inputs
+            request._model_name = model_name
+            request._model_version = version
+            request._preferred_memory = None  # a server's request has none (CPU)
+            request._trace = None  # made when asked for
+            request._sender_factory = None
+            request._cancelled = None
+            request._batch = senders
+            request._index = index
             fields = item.get("fields")  # only what differs from the defaults
             if fields is None:  # the usual
-                request = made(
-                    request_id="", correlation_id=0, inputs=inputs, requested_output_names=outputs.copy(),
-                    model_name=model_name, model_version=version, flags=0, timeout=0, parameters_json="{}",
-                    sender_factory=partial(sender, index), cancelled=partial(cancelled, request_id),
-                )
+                request._request_id = ""
+                request._correlation_id = 0
+                request._requested_output_names = outputs.copy()
+                request._flags = 0
+                request._timeout = 0
+                request._parameters = "{}"
             else:
                 requested = fields.get("requested_output_names")
-                request = made(
-                    request_id=fields.get("request_id", ""),
-                    correlation_id=fields.get("correlation_id", 0),
-                    inputs=inputs,
-                    requested_output_names=outputs.copy() if requested is None else set(requested),
-                    model_name=model_name,
-                    model_version=version,
-                    flags=fields.get("flags", 0),
-                    timeout=fields.get("timeout", 0),
-                    parameters_json=fields.get("parameters_json", "{}"),
-                    sender_factory=partial(sender, index),
-                    cancelled=partial(cancelled, request_id),
-                )
+                request._request_id = fields.get("request_id", "")
+                request._correlation_id = fields.get("correlation_id", 0)
+                request._requested_output_names = outputs.copy() if requested is None else set(requested)
+                request._flags = fields.get("flags", 0)
+                request._timeout = fields.get("timeout", 0)
+                request._parameters = fields.get("parameters_json", "{}")
             if item.get("traced"):
-                request.trace()._server = request_id  # the server finds the trace by this id
+                request.trace()._server = ids[index]  # the server finds the trace by this id
             requests.append(request)
         return requests
 
@@ -381,22 +406,23 @@ class Worker:
             self._send_response(request_id, {"error": [code, message]})
 
     def _send_response(self, request_id: str, response: dict[str, Any]) -> None:
-        message = {"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL}
+        """The final response to ``request_id``: with the batch's ``done`` while it runs, else
+        a message of its own."""
         if self.outbox is not None:
-            self.outbox.append(message)
+            self.outbox.append({"id": request_id, "response": response})
         else:
-            self.channel.send(message)
+            self.channel.send({"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL})
 
     def _respond(self, ids: list[str], result: Any) -> None:
         count = len(ids)
         if type(result) is list and len(result) == count:  # the common case: checked per item
-            outbox = self.outbox
-            for index, item in enumerate(result):
-                message = {"op": msg.RESPONSE, "id": ids[index], "response": self._response(item, index), "flags": msg.FINAL}
-                if outbox is not None:
-                    outbox.append(message)
-                else:
-                    self.channel.send(message)
+            outbox, response = self.outbox, self._response
+            if outbox is not None:
+                for index, item in enumerate(result):
+                    outbox.append({"id": ids[index], "response": response(item, index)})
+            else:
+                for index, item in enumerate(result):
+                    self._send_response(ids[index], response(item, index))
             return
         expected = (
             f"a model that is not decoupled must return a list with one "
@@ -417,7 +443,11 @@ class Worker:
                 self._send_response(request_id, self._response(item, index))
 
     def _response(self, item: Any, index: int) -> dict[str, Any]:
-        if type(item) is not pb_utils.InferenceResponse and not isinstance(item, pb_utils.InferenceResponse):
+        if type(item) is pb_utils.InferenceResponse:  # the usual: read its fields
+            error, outputs, parameters = item._error, item._output_tensors, item._parameters
+        elif isinstance(item, pb_utils.InferenceResponse):
+            error, outputs, parameters = item.error(), item.output_tensors(), item.parameters()
+        else:
             return {
                 "error": [
                     "INTERNAL",
@@ -425,30 +455,38 @@ class Worker:
                     "expected a pb_utils.InferenceResponse",
                 ]
             }
-        if item.has_error():
-            error = item.error()
-            assert error is not None
+        if error is not None:
             return {"error": [error.code().name, error.message()]}
-        blocks: list[Block] = []
+        blocks: list[tuple[str, int]] = []
         descriptors = []
-        arena, write = self.arena, tensors.write
+        put, wire_types, tensor_type, ndarray = self.arena.put, _WIRE_TYPES, pb_utils.Tensor, np.ndarray
+        name = ""
         try:
-            for tensor in item.output_tensors():
-                if type(tensor) is pb_utils.Tensor and type(array := tensor.as_numpy()) is np.ndarray and (
-                    datatype := _WIRE_TYPES.get(array.dtype)
+            for tensor in outputs:
+                if type(tensor) is tensor_type and type(array := tensor._array) is ndarray and (
+                    datatype := wire_types.get(array.dtype)
                 ):
-                    name = tensor.name()  # the usual: a numpy array of a Triton datatype
+                    # the usual: a numpy array of a Triton datatype
+                    name, nbytes = tensor._name, array.nbytes
+                    if nbytes:
+                        try:
+                            block = put(array, nbytes)
+                        except (TypeError, ValueError, BufferError):  # strided: tensors.write copies it
+                            descriptors.append(tensors.write(self.arena, name, datatype, array, blocks))
+                            continue
+                        blocks.append(block)
+                        descriptors.append([name, datatype, list(array.shape), block[0], block[1], nbytes])
+                    else:
+                        descriptors.append([name, datatype, list(array.shape), "", 0, 0])
                 else:
                     name, datatype, array = _tensor_wire(tensor)
-                try:
-                    descriptors.append(write(arena, name, datatype, array, blocks))
-                except PoolFullError as exc:
-                    raise ValueError(f"output '{name}' does not fit: {exc}") from None
+                    descriptors.append(tensors.write(self.arena, name, datatype, array, blocks))
+        except PoolFullError as exc:
+            self.arena.free_many(blocks)
+            return {"error": ["INTERNAL", f"{self.where}: response to request {index}: output '{name}' does not fit: {exc}"]}
         except ValueError as exc:
-            for block in blocks:
-                self.arena.free(block.segment, block.offset)
+            self.arena.free_many(blocks)
             return {"error": ["INTERNAL", f"{self.where}: response to request {index}: {exc}"]}
-        parameters = item.parameters()
         if parameters == "{}":
             return {"tensors": descriptors}
         return {"tensors": descriptors, "parameters": parameters}
@@ -464,15 +502,14 @@ class Worker:
         every response of a decoupled call goes there, the last one final). The future is
         returned, not looked up later: another thread may read the answer, and complete it,
         before this one looks."""
-        blocks: list[Block] = []
+        blocks: list[tuple[str, int]] = []
         descriptors = []
         try:
             for tensor in request.inputs():
                 name, datatype, array = _tensor_wire(tensor)
                 descriptors.append(tensors.write(self.arena, name, datatype, array, blocks))
         except (ValueError, PoolFullError) as exc:
-            for block in blocks:
-                self.arena.free(block.segment, block.offset)
+            self.arena.free_many(blocks)
             raise pb_utils.TritonModelException(f"BLS request to model '{request.model_name()}': {exc}") from None
         number = next(self.bls_ids)
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
@@ -481,8 +518,7 @@ class Worker:
             self.bls_sinks[number] = sink
 
         def free(_: object) -> None:
-            for block in blocks:
-                self.arena.free(block.segment, block.offset)
+            self.arena.free_many(blocks)
 
         future.add_done_callback(free)
         self.channel.send(
