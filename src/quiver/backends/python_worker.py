@@ -93,6 +93,7 @@ class WorkerInstance(WorkerStreamsMixin):
         self._tree = tree
         self._settings = settings
         self._init_args = init_args
+        self._model_name = config.name
         self._where = f"model '{config.name}' version {files.version}"
         self._version = str(files.version)  # as responses name it
         self._all_outputs = [tensor.name for tensor in config.outputs]
@@ -225,7 +226,8 @@ class WorkerInstance(WorkerStreamsMixin):
         for index, request in enumerate(requests):
             request_id = str(next(request_ids))
             try:
-                descriptors = [write(arena, t.name, t.datatype.value, t.data, blocks) for t in request.inputs]
+                # ``_value_``: the datatype's wire name without the enum's property lookup
+                descriptors = [write(arena, t.name, t.datatype._value_, t.data, blocks) for t in request.inputs]
             except PoolFullError as exc:
                 results[index] = UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}")
                 continue
@@ -431,7 +433,7 @@ class WorkerInstance(WorkerStreamsMixin):
                 if wrong:
                     raise ValueError(wrong)
                 result = InferenceResponse(
-                    self._config.name, self._version, outputs,
+                    self._model_name, self._version, outputs,
                     parameters=parameters if type(parameters) is dict else {},
                 )
         except (ValueError, KeyError) as exc:

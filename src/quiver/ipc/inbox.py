@@ -115,8 +115,21 @@ class Inbox:
 
     def _read_until(self, ready: Callable[[], bool], deadline: float | None, spin: float) -> bool:
         channel, dispatch = self._channel, self._dispatch
+        message: Any
+        if deadline is None and spin <= 0:  # the usual: the main thread's wait for its next batch
+            receive = channel.receive
+            while not ready():
+                message = receive(None)
+                if message is None:
+                    self._closed()
+                    raise EOFError("the channel's peer closed it")
+                dispatch(message)  # (no deadline: never EMPTY)
+                if self._waiters:  # what another thread waits for may have happened
+                    with self._lock:
+                        self._cond.notify_all()
+            return True
         while not ready():
-            message: Any = EMPTY
+            message = EMPTY
             if spin > 0:
                 until = time.monotonic() + spin
                 while (message := channel.receive(0)) is EMPTY and time.monotonic() < until:

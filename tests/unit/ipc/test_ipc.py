@@ -14,7 +14,7 @@ import pytest
 
 from quiver.ipc import tensors
 from quiver.ipc.channel import MAX_FRAME, AsyncChannel, Channel, ChannelError, encode, pipe_pair
-from quiver.ipc.shm import SHM_DIR, Arena, Block, Mapper, PoolFullError, unlink_prefixed
+from quiver.ipc.shm import SHM_DIR, Arena, Mapper, PoolFullError, unlink_prefixed
 
 
 @pytest.fixture
