@@ -409,7 +409,8 @@ class Worker:
         """The final response to ``request_id``: with the batch's ``done`` while it runs, else
         a message of its own."""
         if self.outbox is not None:
-            self.outbox.append({"id": request_id, "response": response})
+            response["id"] = request_id  # with the done: the response itself, named
+            self.outbox.append(response)
         else:
             self.channel.send({"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL})
 
@@ -419,7 +420,9 @@ class Worker:
             outbox, response = self.outbox, self._response
             if outbox is not None:
                 for index, item in enumerate(result):
-                    outbox.append({"id": ids[index], "response": response(item, index)})
+                    answer = response(item, index)
+                    answer["id"] = ids[index]  # with the done: the response itself, named
+                    outbox.append(answer)
             else:
                 for index, item in enumerate(result):
                     self._send_response(ids[index], response(item, index))

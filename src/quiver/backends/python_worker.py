@@ -355,7 +355,7 @@ class WorkerInstance(WorkerStreamsMixin):
         op = message["op"]
         if op == msg.DONE:
             for response in message.get("responses", ()):  # the batch's, sent with its done
-                self._on_response(worker, response)
+                self._on_response(worker, response["id"], response, msg.FINAL)
             self._served = True
             self._failures = 0
             batch = int(message["batch"])
@@ -369,7 +369,7 @@ class WorkerInstance(WorkerStreamsMixin):
             if entry is not None:
                 entry.finish()
         elif op == msg.RESPONSE:
-            self._on_response(worker, message)
+            self._on_response(worker, message["id"], message["response"], message.get("flags", msg.FINAL))
         elif op == msg.BLS:
             task = asyncio.create_task(self._bls(worker, message))
             self._bls_tasks.add(task)
@@ -400,15 +400,15 @@ class WorkerInstance(WorkerStreamsMixin):
         self._bls_tasks.add(task)
         task.add_done_callback(self._bls_tasks.discard)
 
-    def _on_response(self, worker: Worker, message: dict[str, Any]) -> None:
-        request_id = message["id"]
+    def _on_response(self, worker: Worker, request_id: Any, response: dict[str, Any] | None, flags: Any) -> None:
+        """One response to request ``request_id`` (``response`` None: a decoupled model's
+        flag-only final)."""
         if type(request_id) is not str:
             request_id = str(request_id)
-        response = message["response"]
         streamed = self._decoupled and request_id in self._streams  # (only decoupled models stream)
         if response is None:  # a decoupled model's flag-only final
             if streamed:
-                self._streams.deliver(request_id, None, bool(int(message.get("flags", msg.FINAL)) & msg.FINAL))
+                self._streams.deliver(request_id, None, bool(int(flags) & msg.FINAL))
             return
         slot = None if streamed else self._pending.pop(request_id, None)
         descriptors = response.get("tensors") or ()
@@ -442,7 +442,7 @@ class WorkerInstance(WorkerStreamsMixin):
             if descriptors:
                 worker.release(descriptors)
         if streamed:
-            self._streams.deliver(request_id, result, bool(int(message.get("flags", msg.FINAL)) & msg.FINAL))
+            self._streams.deliver(request_id, result, bool(int(flags) & msg.FINAL))
         elif slot is not None:
             slot[0].answer(slot[1], result)
 

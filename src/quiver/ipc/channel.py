@@ -344,7 +344,7 @@ class AsyncChannel(asyncio.Protocol):
                 body = data[start + 4 : end] if length < _COPY_BELOW else memoryview(data)[start + 4 : end]
                 start = end
                 deliver(decode(body, bool(word & _EXACT)))
-        except (ChannelError, KeyError, TypeError, ValueError) as exc:
+        except (ChannelError, AttributeError, LookupError, TypeError, ValueError) as exc:  # a broken peer
             self._end(exc)
             if self._transport is not None:
                 self._transport.close()
