@@ -82,11 +82,11 @@ class Inbox:
                 try:
                     receive, dispatch = self._channel.receive, self._dispatch
                     while True:
-                        message = receive(None)
+                        message: Any = receive(None)  # (no deadline: never EMPTY)
                         if message is None:
                             self._closed()
                             raise EOFError("the channel's peer closed it")
-                        dispatch(message)  # (no deadline: never EMPTY)
+                        dispatch(message)
                         if self._waiters:  # what another thread waits for may have happened
                             with lock:
                                 self._cond.notify_all()
@@ -142,9 +142,8 @@ class Inbox:
 
     def _read_until(self, ready: Callable[[], bool], deadline: float | None, spin: float) -> bool:
         channel, dispatch = self._channel, self._dispatch
-        message: Any
         while not ready():
-            message = EMPTY
+            message: Any = EMPTY
             if spin > 0:
                 until = time.monotonic() + spin
                 while (message := channel.receive(0)) is EMPTY and time.monotonic() < until:
