@@ -187,9 +187,10 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "CPU per request: the server's process and its child processes (Quiver's Python workers, "
         "Triton's stubs), user + system, over the measured window. A concurrency `1 at N/s` is "
-        "one connection paced at N requests per second, the same for every server: what a "
-        "process costs per request depends on how long it sleeps between two (waking a sleeping "
-        "process is most of a tiny model's cost), so that row compares the servers at equal gaps.",
+        "one connection paced at at most N requests per second, the same for every server (about "
+        "a millisecond between an answer and the next request): what a process costs per request "
+        "depends on how long it sleeps between two (waking a sleeping process is most of a tiny "
+        "model's cost), so that row compares the servers at equal gaps.",
         "",
         "| server | encoding | concurrency | req/s | p50 ms | p99 ms | server CPU us/req | worker CPU us/req | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -255,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds per trial (default 2)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="default: 1 8")
     parser.add_argument("--encodings", nargs="+", default=["binary", "grpc"], choices=loadgen.ENCODINGS)
-    parser.add_argument("--rate", type=float, default=2000.0,
-                        help="also one connection paced at this many requests per second for every server "
-                             "(0: not run; default 2000)")
+    parser.add_argument("--rate", type=float, default=1000.0,
+                        help="also one connection paced at at most this many requests per second for every "
+                             "server (0: not run; default 1000; loadgen's pacing timer has millisecond "
+                             "resolution on uvloop, so above about 1000/s it stops pacing)")
     parser.add_argument("--hop-calls", type=int, default=3000, help="calls of the hop measurement (default 3000)")
     parser.add_argument("--spin-us", type=int, default=200,
                         help="also a worker with --backend-config=python,spin-microseconds=N (0: not run; default 200)")
