@@ -269,10 +269,10 @@ class WorkerInstance(WorkerStreamsMixin):
             else:
                 await done  # nothing in between: the answer resumes this task at once
             if entry.missing and not entry.unstarted:
-                # A model may answer through its response sender after execute() returned.
+                # A model may answer through its response sender after execute() returned:
+                # Batch.answer() wakes this waiter with the last of them.
                 entry.waiter = loop.create_future()
-                if entry.missing:
-                    await entry.waiter
+                await entry.waiter
         except TimeoutError:
             self._fail_pending(
                 ids,
