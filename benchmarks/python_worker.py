@@ -75,22 +75,28 @@ def _trials(name: str, endpoints: Any, args: argparse.Namespace) -> list[dict[st
     rows = []
     for encoding in args.encodings:
         loadgen.sanity_check(*endpoints.address(encoding), encoding, payload)
-        for concurrency in args.concurrency:
+        # each concurrency as fast as the server answers; then, with --rate, one connection
+        # paced at the same rate for every server (the same gaps between requests: how long a
+        # process sleeps between two requests changes what waking it costs)
+        plan: list[tuple[int, float | None]] = [(c, None) for c in args.concurrency]
+        plan += [(1, float(args.rate))] if args.rate else []
+        for concurrency, rate in plan:
             marks: dict[str, float] = {}
             result = loadgen.run_trial(
                 *endpoints.address(encoding), encoding, concurrency, args.warmup, args.duration, payload,
-                server_pid=endpoints.pid, progress=None,
+                server_pid=endpoints.pid, progress=None, rate=rate,
                 on_begin=lambda marks=marks: marks.__setitem__("begin", _children_cpu(endpoints.pid)),
                 on_end=lambda marks=marks: marks.__setitem__("end", _children_cpu(endpoints.pid)),
             )
-            row = {"server": name, **result.to_dict()}
+            row = {"server": name, **result.to_dict(), "rate": rate}
             # CPU per request over the measured window: the server's process, its workers
             if result.requests and result.server_cpu_s is not None:
                 children = max(0.0, marks.get("end", 0.0) - marks.get("begin", 0.0))
                 row["server_cpu_us"] = (result.server_cpu_s - children) / result.requests * 1e6
                 row["worker_cpu_us"] = children / result.requests * 1e6
             rows.append(row)
-            log(f"{name} {encoding} c={concurrency}: {result.req_per_s:.0f} req/s, p50 {result.p50_ms:.3f} ms, "
+            paced = f" at {rate:g}/s" if rate else ""
+            log(f"{name} {encoding} c={concurrency}{paced}: {result.req_per_s:.0f} req/s, p50 {result.p50_ms:.3f} ms, "
                 f"CPU/request server {row.get('server_cpu_us', 0):.0f} us + workers {row.get('worker_cpu_us', 0):.0f} us, "
                 f"errors {result.errors}")
     return rows
@@ -180,14 +186,19 @@ def markdown(report: dict[str, Any]) -> str:
         "measured, `benchmarks/loadgen.py` (binary = HTTP with the binary tensor extension).",
         "",
         "CPU per request: the server's process and its child processes (Quiver's Python workers, "
-        "Triton's stubs), user + system, over the measured window.",
+        "Triton's stubs), user + system, over the measured window. A concurrency `1 at N/s` is "
+        "one connection paced at at most N requests per second, the same for every server (about "
+        "a millisecond between an answer and the next request): what a process costs per request "
+        "depends on how long it sleeps between two (waking a sleeping process is most of a tiny "
+        "model's cost), so that row compares the servers at equal gaps.",
         "",
         "| server | encoding | concurrency | req/s | p50 ms | p99 ms | server CPU us/req | worker CPU us/req | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["trials"]:
+        paced = f" at {row['rate']:g}/s" if row.get("rate") else ""
         lines.append(
-            f"| {row['server']} | {row['encoding']} | {row['concurrency']} | {row['req_per_s']:.0f} | "
+            f"| {row['server']} | {row['encoding']} | {row['concurrency']}{paced} | {row['req_per_s']:.0f} | "
             f"{common.dash(row['p50_ms'], '.3f')} | {common.dash(row['p99_ms'], '.3f')} | "
             f"{common.dash(row.get('server_cpu_us'), '.0f')} | {common.dash(row.get('worker_cpu_us'), '.0f')} | {row['errors']} |"
         )
@@ -220,13 +231,14 @@ def markdown(report: dict[str, Any]) -> str:
 def _ratios(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def p50(server: str, encoding: str, concurrency: int) -> float | None:
         for row in trials:
-            if row["server"].startswith(server) and row["encoding"] == encoding and row["concurrency"] == concurrency:
+            if (row["server"].startswith(server) and row["encoding"] == encoding
+                    and row["concurrency"] == concurrency and not row.get("rate")):
                 return row["p50_ms"]  # type: ignore[no-any-return]
         return None
 
     out = []
     for row in trials:
-        if row["server"] not in ("quiver worker", SPINNING):
+        if row["server"] not in ("quiver worker", SPINNING) or row.get("rate"):
             continue
         key = (row["encoding"], row["concurrency"])
         triton, inproc = p50("triton", *key), p50("quiver in-process", *key)
@@ -244,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds per trial (default 2)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="default: 1 8")
     parser.add_argument("--encodings", nargs="+", default=["binary", "grpc"], choices=loadgen.ENCODINGS)
+    parser.add_argument("--rate", type=float, default=1000.0,
+                        help="also one connection paced at at most this many requests per second for every "
+                             "server (0: not run; default 1000; loadgen's pacing timer has millisecond "
+                             "resolution on uvloop, so above about 1000/s it stops pacing)")
     parser.add_argument("--hop-calls", type=int, default=3000, help="calls of the hop measurement (default 3000)")
     parser.add_argument("--spin-us", type=int, default=200,
                         help="also a worker with --backend-config=python,spin-microseconds=N (0: not run; default 200)")
@@ -267,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": common.command_line(),
         "environment": common.environment(["numpy", "tritonclient"]),
         "settings": {"duration": args.duration, "warmup": args.warmup, "concurrency": args.concurrency,
-                     "encodings": args.encodings, "spin_us": args.spin_us},
+                     "encodings": args.encodings, "spin_us": args.spin_us, "rate": args.rate},
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "trials": trials,
         "triton_error": triton_error,

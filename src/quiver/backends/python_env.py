@@ -57,6 +57,7 @@ WORKER_MODULES = (
     "quiver/backends/python_stub.py",
     "quiver/backends/python_stub_bls.py",
     "quiver/backends/python_stub_senders.py",
+    "quiver/backends/python_stub_wire.py",
 )
 
 _lock = threading.Lock()

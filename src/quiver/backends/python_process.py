@@ -102,15 +102,18 @@ def uss_bytes(pid: int) -> int:
 
 
 class Batch:
-    """A batch sent to the worker: its request ids, the future its task waits on, whether the
-    worker is done with it (answered ``done``, or died), and whether it died before starting
-    it (then the batch is sent again)."""
+    """A batch sent to the worker: its request ids, each request's result as it comes
+    (``results``, None until then; ``missing`` counts those still to come), the future its
+    task waits on, whether the worker is done with it (answered ``done``, or died), and
+    whether it died before starting it (then the batch is sent again)."""
 
-    __slots__ = ("finished", "ids", "unstarted", "waiter")
+    __slots__ = ("finished", "ids", "missing", "results", "unstarted", "waiter")
 
-    def __init__(self, ids: list[str], waiter: asyncio.Future[None]) -> None:
+    def __init__(self, ids: list[str], waiter: asyncio.Future[None], results: list[Any] | None = None) -> None:
         self.ids = ids
         self.waiter = waiter
+        self.results: list[Any] = [] if results is None else results
+        self.missing = 0
         self.finished = False
         self.unstarted = False
 
@@ -118,6 +121,15 @@ class Batch:
         self.finished = True
         if not self.waiter.done():
             self.waiter.set_result(None)
+
+    def answer(self, index: int, result: Any) -> None:
+        """Request ``index``'s result (the first one counts); the waiter wakes when the batch
+        is finished and every request has its result."""
+        if self.results[index] is None:
+            self.results[index] = result
+            self.missing -= 1
+            if not self.missing and self.finished and not self.waiter.done():
+                self.waiter.set_result(None)
 
 
 class Worker:
@@ -136,10 +148,18 @@ class Worker:
         #: blocks of the worker's pool read and not yet given back (sent with the next batch)
         self.releases: list[list[Any]] = []
 
-    def release(self, blocks: list[list[Any]]) -> None:
-        self.releases.extend(blocks)
-        if len(self.releases) >= _RELEASE_BATCH and self.achannel is not None:
-            self.achannel.send({"op": msg.RELEASE, "blocks": self.releases})
+    def release(self, descriptors: Any) -> None:
+        """The blocks of the worker's pool that ``descriptors`` (tensors read) name are given
+        back with the next batch (or now, once many wait)."""
+        releases = self.releases
+        for descriptor in descriptors:
+            try:
+                if descriptor[3]:  # an empty tensor has no block
+                    releases.append([descriptor[3], descriptor[4]])
+            except (IndexError, KeyError, TypeError):  # not a descriptor (read() said so)
+                pass
+        if len(releases) >= _RELEASE_BATCH and self.achannel is not None:
+            self.achannel.send({"op": msg.RELEASE, "blocks": releases})
             self.releases = []
 
     def kill(self) -> None:

@@ -33,26 +33,23 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import triton_python_backend_utils as pb_utils
-from quiver.backends.python_convert import _error_code, _json_ready, _output_tensor
+from quiver.backends.python_convert import _error_code, _json_ready
 from quiver.backends.python_loading import _import_model_file, _model_class
 from quiver.backends.python_readiness import call_is_ready
 from quiver.backends.python_sender import BackgroundLoop
 from quiver.backends.python_stub_bls import WorkerBls
 from quiver.backends.python_stub_senders import WorkerSenders
+from quiver.backends.python_stub_wire import requests_from, response_message, tensor_wire
 from quiver.errors import format_exception
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import Channel
 from quiver.ipc.inbox import Inbox, spare_core
-from quiver.ipc.shm import Arena, Block, Mapper, PoolFullError
-from quiver.types import DataType
+from quiver.ipc.shm import Arena, Mapper, PoolFullError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -88,29 +85,6 @@ class _ChannelLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         with contextlib.suppress(OSError):
             self._channel.send({"op": msg.LOG, "level": record.levelno, "message": record.getMessage()})
-
-
-#: TRITONSERVER_DataType values by datatype name.
-_TRITON_TYPES: dict[str, int] = {t.value: t.triton_value for t in DataType}
-#: The numpy dtype and TRITONSERVER_DataType value of each fixed-size datatype.
-_FIXED_TYPES: dict[str, tuple[np.dtype[Any], int]] = {
-    t.value: (t.numpy_dtype, t.triton_value) for t in DataType if t is not DataType.BYTES
-}
-#: The Triton datatype of each numpy dtype that has one (BYTES aside).
-_WIRE_TYPES: dict[Any, str] = {t.numpy_dtype: t.value for t in DataType if t is not DataType.BYTES}
-
-
-def _tensor_wire(tensor: Any) -> tuple[str, str, Any]:
-    """A pb_utils.Tensor as (name, datatype, numpy array) for the pool; ValueError when its
-    array has no Triton datatype."""
-    if type(tensor) is pb_utils.Tensor:
-        array = tensor.as_numpy()
-        if type(array) is np.ndarray:
-            datatype = _WIRE_TYPES.get(array.dtype)
-            if datatype is not None:
-                return tensor.name(), datatype, array
-    converted = _output_tensor(tensor)  # BYTES, and what is wrong
-    return converted.name, converted.datatype.value, converted.data
 
 
 class Worker:
@@ -169,8 +143,7 @@ class Worker:
         elif op == msg.IS_READY:
             threading.Thread(target=self.is_ready, args=(message["id"],), daemon=True).start()
         elif op == msg.RELEASE:
-            for segment, offset in message["blocks"]:
-                self.arena.free(segment, offset)
+            self.arena.free_many(message["blocks"])
         elif op == msg.CANCEL:
             self.cancelled.update(str(i) for i in message["ids"])
         elif op == msg.FINALIZE:
@@ -255,8 +228,9 @@ class Worker:
             if not jobs:
                 self.inbox.wait(waiting, spin=self.spin if self.spin and spare_core() else 0.0)
             job = jobs.popleft()
-            for segment, offset in job.get("release", ()):
-                self.arena.free(segment, offset)
+            release = job.get("release")
+            if release:
+                self.arena.free_many(release)
             if job["op"] == msg.FINALIZE:
                 self.finalize()
                 return
@@ -280,11 +254,11 @@ class Worker:
     def execute(self, job: dict[str, Any]) -> None:
         batch = job["batch"]
         items = job["requests"]
-        ids = [str(item["id"]) for item in items]
+        ids = [item["id"] for item in items]  # strings, as the server names its requests
         senders = WorkerSenders(self, ids, self.decoupled)
         self.outbox = []
         try:
-            requests = self._requests(items, ids, senders.get)
+            requests = self._requests(items, ids, senders)
         except Exception as exc:
             self._fail(ids, "INTERNAL", f"{self.where}: reading the requests failed: {format_exception(exc)}")
             self._flush(batch)
@@ -327,76 +301,35 @@ class Worker:
             done["responses"] = outbox
         self.channel.send(done)
 
-    def _requests(
-        self, items: list[dict[str, Any]], ids: list[str], sender: Callable[[int], Any]
-    ) -> list[pb_utils.InferenceRequest]:
-        """The batch's requests as the model sees them; ``sender(index)`` makes request
-        ``index``'s response sender."""
-        wrap, mapper, made = pb_utils.Tensor._wrap, self.mapper, pb_utils.InferenceRequest._from_server
-        view, fixed, ndarray = mapper.view, _FIXED_TYPES, np.ndarray
-        outputs, model_name, version, cancelled = self.output_set, self.name, self.version, self.is_cancelled
-        requests = []
-        for index, item in enumerate(items):
-            inputs = []
-            for descriptor in item["tensors"]:
-                name, datatype, shape, segment, offset, nbytes = descriptor
-                types = fixed.get(datatype)
-                if types is not None and nbytes:
-                    # the usual: a view of the server's pool (the server wrote the descriptor
-                    # from the array itself; numpy refuses a shape the block cannot hold)
-                    inputs.append(wrap(name, ndarray(shape, types[0], view(segment, offset, nbytes)), types[1]))
-                else:  # BYTES, empty tensors
-                    name, datatype, _, array = tensors.read(mapper, descriptor)
-                    inputs.append(wrap(name, array, _TRITON_TYPES[datatype]))
-            request_id = ids[index]
-            fields = item.get("fields")  # only what differs from the defaults
-            if fields is None:  # the usual
-                request = made(
-                    request_id="", correlation_id=0, inputs=inputs, requested_output_names=outputs.copy(),
-                    model_name=model_name, model_version=version, flags=0, timeout=0, parameters_json="{}",
-                    sender_factory=partial(sender, index), cancelled=partial(cancelled, request_id),
-                )
-            else:
-                requested = fields.get("requested_output_names")
-                request = made(
-                    request_id=fields.get("request_id", ""),
-                    correlation_id=fields.get("correlation_id", 0),
-                    inputs=inputs,
-                    requested_output_names=outputs.copy() if requested is None else set(requested),
-                    model_name=model_name,
-                    model_version=version,
-                    flags=fields.get("flags", 0),
-                    timeout=fields.get("timeout", 0),
-                    parameters_json=fields.get("parameters_json", "{}"),
-                    sender_factory=partial(sender, index),
-                    cancelled=partial(cancelled, request_id),
-                )
-            if item.get("traced"):
-                request.trace()._server = request_id  # the server finds the trace by this id
-            requests.append(request)
-        return requests
+    def _requests(self, items: list[dict[str, Any]], ids: list[str], senders: WorkerSenders) -> list[pb_utils.InferenceRequest]:
+        """The batch's requests as the model sees them."""
+        return requests_from(items, ids, senders, self.mapper, self.output_set, self.name, self.version)
 
     def _fail(self, ids: list[str], code: str, message: str) -> None:
         for request_id in ids:
             self._send_response(request_id, {"error": [code, message]})
 
     def _send_response(self, request_id: str, response: dict[str, Any]) -> None:
-        message = {"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL}
+        """The final response to ``request_id``: with the batch's ``done`` while it runs, else
+        a message of its own."""
         if self.outbox is not None:
-            self.outbox.append(message)
+            response["id"] = request_id  # with the done: the response itself, named
+            self.outbox.append(response)
         else:
-            self.channel.send(message)
+            self.channel.send({"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL})
 
     def _respond(self, ids: list[str], result: Any) -> None:
         count = len(ids)
         if type(result) is list and len(result) == count:  # the common case: checked per item
-            outbox = self.outbox
-            for index, item in enumerate(result):
-                message = {"op": msg.RESPONSE, "id": ids[index], "response": self._response(item, index), "flags": msg.FINAL}
-                if outbox is not None:
-                    outbox.append(message)
-                else:
-                    self.channel.send(message)
+            outbox, response = self.outbox, self._response
+            if outbox is not None:
+                for index, item in enumerate(result):
+                    answer = response(item, index)
+                    answer["id"] = ids[index]  # with the done: the response itself, named
+                    outbox.append(answer)
+            else:
+                for index, item in enumerate(result):
+                    self._send_response(ids[index], response(item, index))
             return
         expected = (
             f"a model that is not decoupled must return a list with one "
@@ -417,41 +350,7 @@ class Worker:
                 self._send_response(request_id, self._response(item, index))
 
     def _response(self, item: Any, index: int) -> dict[str, Any]:
-        if type(item) is not pb_utils.InferenceResponse and not isinstance(item, pb_utils.InferenceResponse):
-            return {
-                "error": [
-                    "INTERNAL",
-                    f"{self.where}: execute() returned a {type(item).__name__} for request {index}, "
-                    "expected a pb_utils.InferenceResponse",
-                ]
-            }
-        if item.has_error():
-            error = item.error()
-            assert error is not None
-            return {"error": [error.code().name, error.message()]}
-        blocks: list[Block] = []
-        descriptors = []
-        arena, write = self.arena, tensors.write
-        try:
-            for tensor in item.output_tensors():
-                if type(tensor) is pb_utils.Tensor and type(array := tensor.as_numpy()) is np.ndarray and (
-                    datatype := _WIRE_TYPES.get(array.dtype)
-                ):
-                    name = tensor.name()  # the usual: a numpy array of a Triton datatype
-                else:
-                    name, datatype, array = _tensor_wire(tensor)
-                try:
-                    descriptors.append(write(arena, name, datatype, array, blocks))
-                except PoolFullError as exc:
-                    raise ValueError(f"output '{name}' does not fit: {exc}") from None
-        except ValueError as exc:
-            for block in blocks:
-                self.arena.free(block.segment, block.offset)
-            return {"error": ["INTERNAL", f"{self.where}: response to request {index}: {exc}"]}
-        parameters = item.parameters()
-        if parameters == "{}":
-            return {"tensors": descriptors}
-        return {"tensors": descriptors, "parameters": parameters}
+        return response_message(item, index, self.arena, self.where)
 
     # ---- BLS
 
@@ -464,15 +363,14 @@ class Worker:
         every response of a decoupled call goes there, the last one final). The future is
         returned, not looked up later: another thread may read the answer, and complete it,
         before this one looks."""
-        blocks: list[Block] = []
+        blocks: list[tuple[str, int]] = []
         descriptors = []
         try:
             for tensor in request.inputs():
-                name, datatype, array = _tensor_wire(tensor)
+                name, datatype, array = tensor_wire(tensor)
                 descriptors.append(tensors.write(self.arena, name, datatype, array, blocks))
         except (ValueError, PoolFullError) as exc:
-            for block in blocks:
-                self.arena.free(block.segment, block.offset)
+            self.arena.free_many(blocks)
             raise pb_utils.TritonModelException(f"BLS request to model '{request.model_name()}': {exc}") from None
         number = next(self.bls_ids)
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
@@ -481,8 +379,7 @@ class Worker:
             self.bls_sinks[number] = sink
 
         def free(_: object) -> None:
-            for block in blocks:
-                self.arena.free(block.segment, block.offset)
+            self.arena.free_many(blocks)
 
         future.add_done_callback(free)
         self.channel.send(

@@ -45,21 +45,28 @@ class WorkerSenders:
         self._worker = worker
         self._ids = ids
         self.decoupled = decoupled
-        self.senders: list[InferenceResponseSender | None] = [None] * len(ids)
+        #: each request's sender, once the model asked for one (None: it asked for none yet)
+        self.senders: list[InferenceResponseSender | None] | None = None
         #: Whether the model asked for a response sender (then it answers through them).
         self.used = False
 
     def get(self, index: int) -> InferenceResponseSender:
-        """Request ``index``'s sender (made on the first call; ``partial(get, index)`` is the
-        request's sender factory)."""
-        sender = self.senders[index]
+        """Request ``index``'s sender (made on the first call)."""
+        senders = self.senders
+        if senders is None:
+            senders = self.senders = [None] * len(self._ids)
+        sender = senders[index]
         if sender is None:
             request_id = self._ids[index]
             self.used = True
-            sender = self.senders[index] = InferenceResponseSender(
+            sender = senders[index] = InferenceResponseSender(
                 self.decoupled, self._deliver(index), partial(self._worker.is_cancelled, request_id)
             )
         return sender
+
+    def is_cancelled(self, index: int) -> bool:
+        """Whether request ``index`` was cancelled."""
+        return self._worker.is_cancelled(self._ids[index])
 
     def factory(self, index: int) -> Callable[[], InferenceResponseSender]:
         return partial(self.get, index)
@@ -84,7 +91,7 @@ class WorkerSenders:
     def fail(self, code: str, message: str) -> None:
         """``execute`` failed: every request not answered yet gets the error, final; no more
         sends."""
-        for index, sender in enumerate(self.senders):
+        for index, sender in enumerate(self.senders or [None] * len(self._ids)):
             if sender is None or sender.close():
                 self._final_error(index, code, message)
 
@@ -114,8 +121,9 @@ class WorkerSenders:
             worker._respond(self._ids, result)  # its own messages
             return
         items: list[Any] = [None] * len(self._ids) if result is None else result
+        senders = self.senders or [None] * len(self._ids)
         try:
-            for item, sender in zip(items, self.senders, strict=True):
+            for item, sender in zip(items, senders, strict=True):
                 if item is not None and sender is not None:
                     sender.returned()
         except pb_utils.TritonModelException as exc:
@@ -126,7 +134,7 @@ class WorkerSenders:
                 worker.send(
                     {"op": msg.RESPONSE, "id": self._ids[index], "response": worker._response(item, index), "flags": msg.FINAL}
                 )
-            elif self.senders[index] is None:
+            elif senders[index] is None:
                 self._final_error(
                     index,
                     "INTERNAL",

@@ -59,7 +59,7 @@ from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import AsyncChannel, ChannelError, decode_json
 from quiver.ipc.inbox import spare_core
-from quiver.ipc.shm import Block, PoolFullError
+from quiver.ipc.shm import PoolFullError
 from quiver.streaming import StreamedResponse
 from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
@@ -93,12 +93,14 @@ class WorkerInstance(WorkerStreamsMixin):
         self._tree = tree
         self._settings = settings
         self._init_args = init_args
+        self._model_name = config.name
         self._where = f"model '{config.name}' version {files.version}"
         self._version = str(files.version)  # as responses name it
         self._all_outputs = [tensor.name for tensor in config.outputs]
         self._check_outputs = OutputCheck(config)
         self._worker: Worker | None = None
-        self._pending: dict[str, asyncio.Future[InferenceResponse | QuiverError]] = {}
+        #: requests sent and not answered: id -> its batch and index there
+        self._pending: dict[str, tuple[Batch, int]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
         if self._decoupled:
             self.slots = 1  # its requests stream: one at a time, as Triton sends them
@@ -187,22 +189,23 @@ class WorkerInstance(WorkerStreamsMixin):
     # ---- execute
 
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        loop = asyncio.get_running_loop()
         home = SERVER.loop
-        if home is not None and home is not asyncio.get_running_loop() and home.is_running():
+        if home is not None and home is not loop and home.is_running():
             # Another loop (a warmup's, on a load thread): the worker's channel lives on the
             # server's loop, so the batch runs there.
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.run(requests), home))
         while True:
-            results = await self._run_once(requests)
+            results = await self._run_once(requests, loop)
             if results is not None:
                 return results
             # the worker died before it started this batch (it was queued behind the one that
             # was running): it runs on the restarted worker
 
-    async def _run_once(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
+    async def _run_once(self, requests: list[InferenceRequest], loop: asyncio.AbstractEventLoop) -> ExecuteResult | None:
         """Run the batch in the worker: its inputs written into the worker's pool (freed once
-        it is done with them), one ``execute`` message; None if the worker died before it
-        started it."""
+        it is done with them), one ``execute`` message, one future its task waits on; None if
+        the worker died before it started it."""
         worker = self._worker
         if worker is None or worker.achannel is None or self._restarting is not None or self._closed:
             ready = await self._ready_worker()
@@ -211,30 +214,29 @@ class WorkerInstance(WorkerStreamsMixin):
             worker = ready
         channel = worker.achannel
         assert channel is not None
-        loop = asyncio.get_running_loop()
-        blocks: list[Block] = []
+        blocks: list[tuple[str, int]] = []
         items: list[dict[str, Any]] = []
         ids: list[str] = []
-        futures: list[asyncio.Future[InferenceResponse | QuiverError]] = []
-        arena = worker.arena
+        results: list[InferenceResponse | QuiverError | None] = [None] * len(requests)
+        done: asyncio.Future[None] = loop.create_future()
+        entry = Batch(ids, done, results)
+        arena, pending, request_ids = worker.arena, self._pending, self._request_ids
         write = tensors.write
         limit = 0  # the shortest ``timeout`` parameter (microseconds) of the requests
-        for request in requests:
-            request_id = str(next(self._request_ids))
+        for index, request in enumerate(requests):
+            request_id = str(next(request_ids))
             try:
-                descriptors = [write(arena, t.name, t.datatype.value, t.data, blocks) for t in request.inputs]
+                # ``_value_``: the datatype's wire name without the enum's property lookup
+                descriptors = [write(arena, t.name, t.datatype._value_, t.data, blocks) for t in request.inputs]
             except PoolFullError as exc:
-                failed: asyncio.Future[InferenceResponse | QuiverError] = loop.create_future()
-                failed.set_result(UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}"))
-                futures.append(failed)
+                results[index] = UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}")
                 continue
-            future: asyncio.Future[InferenceResponse | QuiverError] = loop.create_future()
             if self._decoupled:
-                future.set_result(StreamedResponse("", "", []))  # answered on its stream
+                results[index] = StreamedResponse("", "", [])  # answered on its stream
                 self._streams.open(request_id, request, self._cancel)
             else:
-                self._pending[request_id] = future
-            futures.append(future)
+                pending[request_id] = (entry, index)
+                entry.missing += 1
             item: dict[str, Any] = {"id": request_id, "tensors": descriptors}
             if request.id or request.outputs is not None or request.parameters:
                 fields = request_fields(request)
@@ -250,12 +252,10 @@ class WorkerInstance(WorkerStreamsMixin):
             items.append(item)
             ids.append(request_id)
         if not items:
-            for block in blocks:
-                arena.free(block.segment, block.offset)
-            return [future.result() for future in futures]
+            arena.free_many(blocks)
+            return results  # type: ignore[return-value]  # every one is an error
         batch = next(self._batch_ids)
-        done: asyncio.Future[None] = loop.create_future()
-        entry = self._batches[batch] = Batch(ids, done)
+        self._batches[batch] = entry
         worker.inflight.append(batch)
         message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
         if worker.releases:
@@ -268,6 +268,11 @@ class WorkerInstance(WorkerStreamsMixin):
                 await asyncio.wait_for(asyncio.shield(done), limit / 1e6)
             else:
                 await done  # nothing in between: the answer resumes this task at once
+            if entry.missing and not entry.unstarted:
+                # A model may answer through its response sender after execute() returned:
+                # Batch.answer() wakes this waiter with the last of them.
+                entry.waiter = loop.create_future()
+                await entry.waiter
         except TimeoutError:
             self._fail_pending(
                 ids,
@@ -290,17 +295,15 @@ class WorkerInstance(WorkerStreamsMixin):
             if self._spin:
                 self._last_done = time.perf_counter()
             if entry.finished:  # else the worker still reads them, or is being stopped
-                for block in blocks:
-                    arena.free(block.segment, block.offset)
+                arena.free_many(blocks)
             if self._traces:
                 for request_id in ids:
                     self._traces.pop(request_id, None)
         if entry.unstarted:
             for request_id in ids:
-                self._pending.pop(request_id, None)
+                pending.pop(request_id, None)
             return None
-        # A model may answer through its response sender after execute() returned.
-        return [future.result() if future.done() else await future for future in futures]
+        return results  # type: ignore[return-value]  # each one answered
 
     def _should_spin(self) -> bool:
         """Whether to wait for this batch's answer without sleeping: when the worker answers
@@ -352,7 +355,7 @@ class WorkerInstance(WorkerStreamsMixin):
         op = message["op"]
         if op == msg.DONE:
             for response in message.get("responses", ()):  # the batch's, sent with its done
-                self._on_response(worker, response)
+                self._on_response(worker, response["id"], response, msg.FINAL)
             self._served = True
             self._failures = 0
             batch = int(message["batch"])
@@ -366,14 +369,13 @@ class WorkerInstance(WorkerStreamsMixin):
             if entry is not None:
                 entry.finish()
         elif op == msg.RESPONSE:
-            self._on_response(worker, message)
+            self._on_response(worker, message["id"], message["response"], message.get("flags", msg.FINAL))
         elif op == msg.BLS:
             task = asyncio.create_task(self._bls(worker, message))
             self._bls_tasks.add(task)
             task.add_done_callback(self._bls_tasks.discard)
         elif op == msg.RELEASE:
-            for segment, offset in message["blocks"]:
-                worker.arena.free(segment, offset)
+            worker.arena.free_many(message["blocks"])
         elif op == msg.IS_READY_RESULT:
             self._ready_answers.answered(message)
         elif op == msg.BLS_CANCEL:
@@ -398,16 +400,17 @@ class WorkerInstance(WorkerStreamsMixin):
         self._bls_tasks.add(task)
         task.add_done_callback(self._bls_tasks.discard)
 
-    def _on_response(self, worker: Worker, message: dict[str, Any]) -> None:
-        request_id = str(message["id"])
-        final = bool(int(message.get("flags", msg.FINAL)) & msg.FINAL)
-        response = message["response"]
+    def _on_response(self, worker: Worker, request_id: Any, response: dict[str, Any] | None, flags: Any) -> None:
+        """One response to request ``request_id`` (``response`` None: a decoupled model's
+        flag-only final)."""
+        if type(request_id) is not str:
+            request_id = str(request_id)
         streamed = self._decoupled and request_id in self._streams  # (only decoupled models stream)
         if response is None:  # a decoupled model's flag-only final
             if streamed:
-                self._streams.deliver(request_id, None, final)
+                self._streams.deliver(request_id, None, bool(int(flags) & msg.FINAL))
             return
-        future = None if streamed else self._pending.pop(request_id, None)
+        slot = None if streamed else self._pending.pop(request_id, None)
         descriptors = response.get("tensors") or ()
         result: InferenceResponse | QuiverError
         try:
@@ -417,10 +420,10 @@ class WorkerInstance(WorkerStreamsMixin):
                 result = error_for_code(ErrorCode[code] if code in ErrorCode.__members__ else ErrorCode.INTERNAL, str(text))
             else:
                 outputs = []
-                read, mapper = tensors.read, worker.mapper
+                read, mapper, datatypes = tensors.read, worker.mapper, _DATATYPES
                 for descriptor in descriptors:
                     name, datatype, shape, array = read(mapper, descriptor, copy=True)
-                    outputs.append(Tensor(name, _DATATYPES[datatype], shape, array))
+                    outputs.append(Tensor(name, datatypes[datatype], shape, array))
                 parameters: Any = {}
                 text = response.get("parameters")
                 if text and text != "{}":  # the standard library's json: integers of any size
@@ -430,20 +433,18 @@ class WorkerInstance(WorkerStreamsMixin):
                 if wrong:
                     raise ValueError(wrong)
                 result = InferenceResponse(
-                    self._config.name, self._version, outputs,
+                    self._model_name, self._version, outputs,
                     parameters=parameters if type(parameters) is dict else {},
                 )
         except (ValueError, KeyError) as exc:
             result = InternalError(f"{self._where}: {exc}")
         finally:
             if descriptors:
-                blocks = tensors.blocks_of(descriptors)
-                if blocks:
-                    worker.release(blocks)
+                worker.release(descriptors)
         if streamed:
-            self._streams.deliver(request_id, result, final)
-        elif future is not None and not future.done():
-            future.set_result(result)
+            self._streams.deliver(request_id, result, bool(int(flags) & msg.FINAL))
+        elif slot is not None:
+            slot[0].answer(slot[1], result)
 
     async def _bls(self, worker: Worker, message: dict[str, Any]) -> None:
         """Run a BLS request from the model through the server; answer with the response."""
@@ -463,12 +464,11 @@ class WorkerInstance(WorkerStreamsMixin):
             if decoupled is not None and decoupled(request.model_name, request.model_version):
                 raise UnsupportedError(not_decoupled_call(request.model_name))
             response = await infer(request)
-            blocks: list[Block] = []
+            blocks: list[tuple[str, int]] = []
             try:
                 descriptors = [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs]
             except PoolFullError as exc:
-                for block in blocks:
-                    worker.arena.free(block.segment, block.offset)
+                worker.arena.free_many(blocks)
                 raise UnavailableError(f"BLS response from model '{request.model_name}' does not fit the shared-memory pool: {exc}") from None
             answer = {"tensors": descriptors}
         except QuiverError as exc:
@@ -509,9 +509,9 @@ class WorkerInstance(WorkerStreamsMixin):
 
     def _fail_pending(self, ids: list[str], error: QuiverError) -> None:
         for request_id in ids:
-            future = self._pending.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_result(error)
+            slot = self._pending.pop(request_id, None)
+            if slot is not None:
+                slot[0].answer(slot[1], error)
 
     async def _on_exit(self, worker: Worker) -> None:
         loop = asyncio.get_running_loop()

@@ -20,7 +20,7 @@ from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
 from quiver.errors import QuiverError, UnavailableError
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
-from quiver.ipc.shm import Block, PoolFullError
+from quiver.ipc.shm import PoolFullError
 from quiver.streaming import Cancellation, StreamClosed, StreamResponse
 from quiver.types import InferenceRequest, InferenceResponse
 
@@ -177,15 +177,14 @@ class WorkerStreamsMixin:
                 worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": response, "flags": flags})
 
         def encode(response: InferenceResponse) -> dict[str, Any]:
-            blocks: list[Block] = []
+            blocks: list[tuple[str, int]] = []
             try:
                 return {
                     "tensors": [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs],
                     "parameters": json.dumps(response.parameters, default=str),
                 }
             except PoolFullError as exc:
-                for block in blocks:
-                    worker.arena.free(block.segment, block.offset)
+                worker.arena.free_many(blocks)
                 raise UnavailableError(f"a BLS response does not fit the shared-memory pool: {exc}") from None
 
         try:

@@ -70,6 +70,33 @@ class Inbox:
         """Until ``ready()`` (True) or ``timeout`` seconds pass (False), reading and dispatching
         messages whenever no other thread does. ``spin``: seconds to read without sleeping
         before blocking, each time this thread starts to read."""
+        if timeout is None and spin <= 0:  # the usual: the main thread waits for its next batch
+            lock = self._lock
+            with lock:
+                if ready():
+                    return True
+                reader = not self._reading
+                if reader:
+                    self._reading = True
+            if reader:
+                try:
+                    receive, dispatch = self._channel.receive, self._dispatch
+                    while True:
+                        message: Any = receive(None)  # (no deadline: never EMPTY)
+                        if message is None:
+                            self._closed()
+                            raise EOFError("the channel's peer closed it")
+                        dispatch(message)
+                        if self._waiters:  # what another thread waits for may have happened
+                            with lock:
+                                self._cond.notify_all()
+                        if ready():
+                            return True
+                finally:
+                    with lock:
+                        self._reading = False
+                        if self._waiters:
+                            self._cond.notify_all()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:

@@ -26,8 +26,10 @@ started), its ``response`` is null for a flag-only final, and ``cancel`` may com
 any number of ``bls_response`` {id, response, flags} (``response`` null for the called
 model's flag-only final), the last with FINAL; ``bls_cancel`` cancels it.
 
-A request: {id, tensors, requested, correlation_id, flags, timeout, parameters, model_name,
-model_version}; a response: {tensors, error?: [code, message], parameters}.
+A request: {id, tensors, fields?, traced?} (``fields``: what differs from the defaults of
+``pb_utils.InferenceRequest``); a response: {tensors, error?: [code, message], parameters?}.
+A ``done`` carries the batch's final responses as ``responses`` (each response with its
+request's ``id``), so that a batch answered at once costs one message.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import contextlib
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -115,6 +115,7 @@ class Arena:
         self.max_bytes = max(max_bytes, self.default_bytes)
         self._lock = threading.Lock()
         self._segments: dict[str, Segment] = {}
+        self._maps: dict[str, mmap.mmap] = {}  # segment -> its mapping (what put() writes into)
         self._free: dict[str, list[tuple[int, int]]] = {}  # segment -> sorted (offset, size)
         self._used: dict[str, dict[int, int]] = {}  # segment -> offset -> size
         self._spare: dict[int, list[tuple[str, int]]] = {}  # size -> freed blocks kept whole
@@ -133,6 +134,7 @@ class Arena:
         self._count += 1
         segment = Segment(name, size, create=True)
         self._segments[name] = segment
+        self._maps[name] = segment.map
         self._free[name] = [(0, size)]
         self._used[name] = {}
         self.total_bytes += size
@@ -150,16 +152,28 @@ class Arena:
         """A block holding a copy of ``data``, a C-contiguous buffer of ``nbytes`` bytes (bytes,
         a numpy array): one copy. PoolFullError when it cannot fit; ValueError (or TypeError,
         BufferError) when ``data`` is not such a buffer, and nothing is kept."""
+        segment, offset = self.put(data, nbytes)
+        return _block((segment, offset, nbytes))
+
+    def put(self, data: Any, nbytes: int) -> tuple[str, int]:
+        """:meth:`store` without the Block: ``(segment, offset)`` (the hot path's form, as
+        :meth:`free_many` takes it)."""
         size = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
         with self._lock:
-            name, offset = self._place(size)
-            segment = self._segments[name]
+            spare = self._spare.get(size)
+            if spare:  # the usual: the block of this size freed last
+                found = spare.pop()
+                self._used[found[0]][found[1]] = size
+            else:
+                found = self._place(size)
+            segment = self._maps[found[0]]
+        offset = found[1]
         try:
-            segment.map[offset : offset + nbytes] = data
+            segment[offset : offset + nbytes] = data
         except BaseException:
-            self.free(name, offset)
+            self.free(*found)
             raise
-        return _block((name, offset, nbytes))
+        return found
 
     def _place(self, size: int) -> tuple[str, int]:
         """Take ``size`` bytes (a multiple of ALIGN): a spare block of that size, else the first
@@ -168,8 +182,6 @@ class Arena:
         spare = self._spare.get(size)
         if spare:
             found = spare.pop()
-            if not spare:
-                del self._spare[size]
             self._used[found[0]][found[1]] = size
             return found
         for name, free in self._free.items():
@@ -181,7 +193,7 @@ class Arena:
                         free[index] = (offset + size, length - size)
                     self._used[name][offset] = size
                     return name, offset
-        if self._spare:  # room kept aside for other sizes: give it back, and look again
+        if any(self._spare.values()):  # room kept aside for other sizes: give it back, and look again
             spares, self._spare = self._spare, {}
             for spare_size, blocks in spares.items():
                 for name, offset in blocks:
@@ -202,19 +214,28 @@ class Arena:
         aside whole for the next block of its size (the usual: one call's tensors are the
         next call's size), up to SPARE_BLOCKS of a size, else merged into the free ranges."""
         with self._lock:
-            used = self._used.get(segment)
-            if used is None:
-                return
-            size = used.pop(offset, None)
-            if size is None:
-                return
-            spare = self._spare.get(size)
-            if spare is None:
-                self._spare[size] = [(segment, offset)]
-            elif len(spare) < SPARE_BLOCKS:
-                spare.append((segment, offset))
-            else:
-                self._give_back(segment, offset, size)
+            self._free_one(segment, offset)
+
+    def free_many(self, blocks: Iterable[Sequence[Any]]) -> None:
+        """:meth:`free` of each ``(segment, offset)`` in ``blocks``, under one lock."""
+        with self._lock:
+            for segment, offset in blocks:
+                self._free_one(segment, offset)
+
+    def _free_one(self, segment: str, offset: int) -> None:
+        used = self._used.get(segment)
+        if used is None:
+            return
+        size = used.pop(offset, None)
+        if size is None:
+            return
+        spare = self._spare.get(size)
+        if spare is None:
+            self._spare[size] = [(segment, offset)]
+        elif len(spare) < SPARE_BLOCKS:
+            spare.append((segment, offset))
+        else:
+            self._give_back(segment, offset, size)
 
     def _give_back(self, segment: str, offset: int, size: int) -> None:
         """Into the free ranges, merged with its free neighbours (under the lock)."""
@@ -240,6 +261,7 @@ class Arena:
                 segment.close()
                 unlink(segment.name)
             self._segments.clear()
+            self._maps.clear()
             self._free.clear()
             self._used.clear()
             self._spare.clear()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from quiver.ipc.shm import Arena, Block, Mapper
+from quiver.ipc.shm import Arena, Mapper
 from quiver.protocol.bytes_codec import deserialize_bytes, serialize_bytes
 from quiver.types import DataType
 
@@ -29,25 +29,26 @@ def numpy_dtype(datatype: str) -> np.dtype[Any]:
 _DTYPES: dict[str, np.dtype[Any]] = {t.value: t.numpy_dtype for t in DataType if t is not DataType.BYTES}
 
 
-def write(arena: Arena, name: str, datatype: str, array: np.ndarray[Any, Any], blocks: list[Block]) -> Descriptor:
-    """Copy ``array`` into ``arena``; the block is appended to ``blocks`` (free them when the
-    reader is done). Raises PoolFullError when it does not fit."""
-    shape = list(array.shape)
-    if datatype == "BYTES":
-        encoded = serialize_bytes(array)
-        if not encoded:
-            return [name, datatype, shape, "", 0, 0]
-        block = arena.store(encoded, len(encoded))
-    else:
+def write(arena: Arena, name: str, datatype: str, array: np.ndarray[Any, Any], blocks: list[tuple[str, int]]) -> Descriptor:
+    """Copy ``array`` into ``arena``; its ``(segment, offset)`` is appended to ``blocks``
+    (give them back with :meth:`Arena.free_many` when the reader is done). Raises
+    PoolFullError when it does not fit."""
+    if datatype != "BYTES":
         nbytes = array.nbytes
         if nbytes == 0:
-            return [name, datatype, shape, "", 0, 0]
+            return [name, datatype, list(array.shape), "", 0, 0]
         try:
-            block = arena.store(array, nbytes)  # one copy, C-contiguous
+            block = arena.put(array, nbytes)  # one copy, C-contiguous
         except (TypeError, ValueError, BufferError):  # strided, or no buffer
-            block = arena.store(np.ascontiguousarray(array).reshape(-1).view(np.uint8), nbytes)
+            block = arena.put(np.ascontiguousarray(array).reshape(-1).view(np.uint8), nbytes)
+    else:
+        encoded = serialize_bytes(array)
+        nbytes = len(encoded)
+        if not nbytes:
+            return [name, datatype, list(array.shape), "", 0, 0]
+        block = arena.put(encoded, nbytes)
     blocks.append(block)
-    return [name, datatype, shape, block.segment, block.offset, block.size]
+    return [name, datatype, list(array.shape), block[0], block[1], nbytes]
 
 
 def read(mapper: Mapper, descriptor: Descriptor, *, copy: bool = False) -> tuple[str, str, tuple[int, ...], np.ndarray[Any, Any]]:

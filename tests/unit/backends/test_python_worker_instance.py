@@ -1,7 +1,9 @@
 """A Python model in a worker process, driven through WorkerInstance.run(): what the model sees
 of a request (the fields cross only when they differ from the defaults), the response's
-parameters, and a batch cancelled while the worker runs it (the model sees the cancellation, the
-worker keeps serving, nothing is left behind, its inputs' shared memory included)."""
+parameters, a batch cancelled while the worker runs it (the model sees the cancellation, the
+worker keeps serving, nothing is left behind, its inputs' shared memory included), and a model
+that is not decoupled answering part of a batch through its response senders after execute()
+returned."""
 
 from __future__ import annotations
 
@@ -71,20 +73,62 @@ class TritonPythonModel:
 """
 
 
-@pytest.fixture
-def instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+# Not decoupled, and answers late: the first request in the list it returns, every other one
+# through its response sender from a thread, after execute() returned.
+LATE_MODEL = """
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        def answer(request, x):
+            time.sleep(0.2)
+            response = pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x * 3)])
+            request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+        returned = []
+        for index, request in enumerate(requests):
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if index == 0:
+                returned.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x * 2)]))
+            else:
+                request.get_response_sender()  # taken now: the response comes through it
+                threading.Thread(target=answer, args=(request, x)).start()
+                returned.append(None)
+        return returned
+"""
+
+
+def _make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, config_text: str = CONFIG) -> Any:
     monkeypatch.setattr(SERVER, "backend_config", {"python": {"in-process": "false"}})
     model_dir = tmp_path / "seen"
     (model_dir / "1").mkdir(parents=True)
-    (model_dir / "config.pbtxt").write_text(CONFIG)
-    (model_dir / "1" / "model.py").write_text(textwrap.dedent(MODEL))
-    proto = parse_model_config(CONFIG, model_dir / "config.pbtxt", "seen")
+    (model_dir / "config.pbtxt").write_text(config_text)
+    (model_dir / "1" / "model.py").write_text(textwrap.dedent(model))
+    proto = parse_model_config(config_text, model_dir / "config.pbtxt", "seen")
     config = ModelConfig.from_proto(proto, str(model_dir / "config.pbtxt"))
     files = ModelFiles(repository=tmp_path, model_dir=model_dir, version=1)
     made = BACKEND.create_instance(config, files, InstanceSpec(group=config.instance_groups[0], index=0))
     assert type(made).__name__ == "WorkerInstance"
+    return made
+
+
+@pytest.fixture
+def instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    made = _make(tmp_path, monkeypatch, MODEL)
     yield made
     made.unload()  # (a no-op once a test unloaded it on its loop)
+
+
+@pytest.fixture
+def late(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    made = _make(tmp_path, monkeypatch, LATE_MODEL, CONFIG.replace("max_batch_size: 0", "max_batch_size: 4"))
+    yield made
+    made.unload()
 
 
 def _request(value: float, **options: Any) -> InferenceRequest:
@@ -144,3 +188,25 @@ def test_a_batch_cancelled_while_it_runs_reaches_the_model_and_the_worker_keeps_
     after = asyncio.run(run())
     assert _seen(after)["cancelled"] == 1  # the model saw is_cancelled()
     assert after.outputs[0].data.tolist() == [8.0]
+
+
+def test_responses_sent_after_execute_returned_complete_their_batch(late: Any) -> None:
+    """A batch of three: the model returns the first response and sends the other two through
+    their senders from threads, 0.2 s after execute() returned; run() answers all three, in
+    order, and leaves nothing behind."""
+    requests = [
+        InferenceRequest("seen", "", [Tensor("INPUT0", DataType.FP32, (1, 1), np.array([[v]], dtype=np.float32))])
+        for v in (1.0, 2.0, 3.0)
+    ]
+
+    async def run() -> list[Any]:
+        try:
+            answers = list(await asyncio.wait_for(late.run(requests), 10))
+            assert not late._batches and not late._pending  # nothing left behind
+            return answers
+        finally:
+            late.unload()  # on the loop its channel lives on
+
+    answers = asyncio.run(run())
+    assert all(isinstance(answer, InferenceResponse) for answer in answers), answers
+    assert [answer.outputs[0].data.tolist() for answer in answers] == [[[2.0]], [[6.0]], [[9.0]]]

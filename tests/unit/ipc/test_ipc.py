@@ -14,7 +14,7 @@ import pytest
 
 from quiver.ipc import tensors
 from quiver.ipc.channel import MAX_FRAME, AsyncChannel, Channel, ChannelError, encode, pipe_pair
-from quiver.ipc.shm import SHM_DIR, Arena, Block, Mapper, PoolFullError, unlink_prefixed
+from quiver.ipc.shm import SHM_DIR, Arena, Mapper, PoolFullError, unlink_prefixed
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def test_a_full_pool_names_its_sizes_and_the_setting(prefix: str) -> None:
 )
 def test_tensors_cross_as_views_of_the_pool(prefix: str, datatype: str, array: np.ndarray) -> None:  # type: ignore[type-arg]
     arena = Arena(prefix + "s", 4096, 4096, 1 << 20)
-    blocks: list[Block] = []
+    blocks: list[tuple[str, int]] = []
     descriptor = tensors.write(arena, "T", datatype, array, blocks)
     mapper = Mapper(prefix + "s")
     name, got_type, shape, got = tensors.read(mapper, descriptor)
@@ -95,7 +95,7 @@ def test_tensors_cross_as_views_of_the_pool(prefix: str, datatype: str, array: n
         arena_view = mapper.view(descriptor[3], descriptor[4], descriptor[5])
         np.frombuffer(arena_view, dtype=np.float32)[0] = 99  # both sides see one memory
         assert got[0, 0] == 99
-    assert tensors.blocks_of([descriptor]) == ([[b.segment, b.offset] for b in blocks])
+    assert tensors.blocks_of([descriptor]) == [list(block) for block in blocks]
     mapper.close()
     arena.close()
 
