@@ -32,6 +32,7 @@ from typing import Protocol
 from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.errors import UnavailableError
+from quiver.heap import freeze_heap
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
@@ -581,6 +582,7 @@ class AdmissionControl:
                 logger.debug("priming framework '%s' failed: %s", backend, exc)
                 return
             self._frameworks[backend] = footprint.host_bytes
+            await self._pool.run(freeze_heap, f"framework '{backend}' primed")  # what it made stays
             logger.info(
                 "framework '%s' took %d bytes of host memory once for this process (import and "
                 "first session); not charged to any model nor to the model memory limit",
