@@ -449,9 +449,11 @@ class AdmissionControl:
         budget.commit(name, size)
         self._last_size = size
         logger.info(
-            "model '%s' takes %d bytes of host memory (%s %d, predicted %d from %s); "
-            "%d of %d bytes in use",
+            "loaded model '%s' version(s) %s in %.3f s; it takes %d bytes of host memory (%s %d, "
+            "predicted %d from %s); %d of %d bytes in use",
             name,
+            ", ".join(m.version_str for m in outcome.models),
+            outcome.models[0].load_seconds,
             size,
             how,
             measured,
@@ -507,6 +509,11 @@ class AdmissionControl:
         size = self._last_size
         return size * AHEAD_LOADS if size * AHEAD_LOADS <= budget.limit_bytes * AHEAD_SHARE else size
 
+    def room_ahead_short(self) -> bool:
+        """Whether evictions ahead of need have anything to do now (:meth:`make_room_ahead`)."""
+        budget = self.budget
+        return budget is not None and self.evict_ahead and budget.available < self.ahead_bytes()
+
     async def make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
         """Evict ahead of need, off any request's path: after ``loaded`` loaded and the
         requests that waited for it are answered (at most :data:`AHEAD_DELAY_S` later), when
@@ -518,7 +525,7 @@ class AdmissionControl:
         running one look again when done); nothing when the budget is off, when
         ``evict_ahead`` is off, or when nothing but models in use could go."""
         budget = self.budget
-        if budget is None or not self.evict_ahead or budget.available >= self.ahead_bytes():
+        if budget is None or not self.room_ahead_short():
             return
         if self._ahead_running:
             self._ahead_again = loaded

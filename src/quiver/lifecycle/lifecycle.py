@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.backends.base import INLINE_THRESHOLD_NS, ModelInstance
+from quiver.backends.base import INLINE_THRESHOLD_NS
 from quiver.config import ModelConfig
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
@@ -44,7 +44,7 @@ from quiver.lifecycle.admission import AHEAD, AdmissionControl, Inspection
 from quiver.lifecycle.archives import archive_layout, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph, Namespace
-from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instance
+from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instances
 from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import release_free_memory
 from quiver.lifecycle.model import Model, ModelState
@@ -200,6 +200,7 @@ class ModelLifeCycle:
             clock=self._clock,
             configs=self._admission.configs,
             fingerprint=inspection.fingerprint,
+            announce=self._admission.budget is None,  # else once its size is known
         )
 
     async def load_locked(
@@ -286,8 +287,9 @@ class ModelLifeCycle:
             return failures
         old = self._table.loaded(name)
         self._table.install(name, outcome)
-        if outcome.models and self._admission.evict_ahead and self._admission.budget is not None:
-            self.spawn(self._admission.make_room_ahead(name, self), name="quiver-evict-ahead")
+        if outcome.models and self._admission.room_ahead_short():
+            # in the loop's next round: the requests that waited for the load run first
+            asyncio.get_running_loop().call_soon(self._evict_ahead, name)
         if outcome.models and composing is not None:
             self._graph.set_composing(name, composing)
         if old:
@@ -296,6 +298,10 @@ class ModelLifeCycle:
             finally:
                 self._admission.retired(name)  # the old versions' bytes, counted until now
         return failures
+
+    def _evict_ahead(self, loaded: str) -> None:
+        if not self.closed:
+            self.spawn(self._admission.make_room_ahead(loaded, self), name="quiver-evict-ahead")
 
     async def _load_ensemble(
         self,
@@ -532,10 +538,10 @@ class ModelLifeCycle:
         if not instances:
             return
         if len(instances) == 1:  # the usual: one trip to a load thread frees it and trims
-            await self._pool.run(meter.shared, functools.partial(_unload_instances, instances, trim=trim))
+            await self._pool.run(meter.shared, functools.partial(unload_instances, instances, trim=trim))
             return
         await asyncio.gather(
-            *(self._pool.run(meter.shared, functools.partial(_unload_instances, [one], trim=False)) for one in instances)
+            *(self._pool.run(meter.shared, functools.partial(unload_instances, [one], trim=False)) for one in instances)
         )
         if trim:
             await self._pool.run(meter.shared, release_free_memory)
@@ -590,11 +596,3 @@ class ModelLifeCycle:
         for namespace in self._graph.pop_namespaces():
             if namespace.release is not None:
                 namespace.release()
-
-
-def _unload_instances(instances: list[tuple[str, ModelInstance]], *, trim: bool) -> None:
-    """Blocking: unload each (model name, instance), then give the freed heap back if ``trim``."""
-    for name, instance in instances:
-        unload_instance(name, instance)
-    if trim:
-        release_free_memory()
