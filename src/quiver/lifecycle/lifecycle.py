@@ -34,14 +34,13 @@ from quiver.backends.base import INLINE_THRESHOLD_NS
 from quiver.config import ModelConfig
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
-    AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
     QuiverError,
     UnavailableError,
 )
 from quiver.lifecycle.admission import AHEAD, AdmissionControl, Inspection
-from quiver.lifecycle.archives import archive_layout, is_namespaced
+from quiver.lifecycle.archives import archive_layout, check_members_free, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph, Namespace
 from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instances
@@ -189,13 +188,15 @@ class ModelLifeCycle:
             return await self.load_locked(trip.source, None, inspection=trip.inspection, trip=trip)
 
     def _loader(
-        self, source: ModelSource, inspection: Inspection, override: pb.ModelConfig | None = None
+        self, source: ModelSource, inspection: Inspection, override: pb.ModelConfig | None = None,
+        starting: Callable[[], None] | None = None,
     ) -> Callable[[], LoadOutcome]:  # the blocking load of the files ``inspection`` saw
         return functools.partial(
             load_model,
             source,
             strict=self._strict,
             config_override=override,
+            starting=starting,
             inline_threshold_ns=self._inline_threshold_ns,
             clock=self._clock,
             configs=self._admission.configs,
@@ -408,7 +409,7 @@ class ModelLifeCycle:
                 functools.partial(archive_layout, namespacing=self._namespacing), served, key, lease.path
             )
             if not self._namespacing:
-                self._check_members_free(served, key, members)
+                check_members_free(served, key, members, self._graph, self._table.serving, self._locks.busy)
         except BaseException:
             lease.release()
             raise
@@ -433,23 +434,6 @@ class ModelLifeCycle:
             lease.path,
             f" with {', '.join(sorted(m.name for m in members))}" if members else "",
         )
-
-    def _check_members_free(self, served: str, key: str, members: list[ModelSource]) -> None:
-        """Without model namespacing an archive's other models keep their own names: one
-        that another archive (or the repository) serves, or is loading, is a conflict."""
-        taken = []
-        for member in members:
-            owner = self._graph.namespace_of(member.name)
-            if owner is not None and owner != served:
-                taken.append(f"'{member.name}' (loaded with '{owner}')")
-            elif owner is None and (self._table.serving(member.name) or self._locks.busy(member.name)):
-                taken.append(f"'{member.name}'")
-        if taken:
-            raise AlreadyExistsError(
-                f"cannot load '{served}' from '{key}': its model(s) {', '.join(taken)} are already "
-                "loaded; without model namespacing (--model-namespacing=false) no two loaded "
-                "folders may hold models of one name"
-            )
 
     async def _drop_namespace(self, served: str, reason: str) -> None:
         """Unload the composing models of the archive served as ``served``, forget them,
