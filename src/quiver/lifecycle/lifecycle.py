@@ -45,7 +45,7 @@ from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph, Namespace
 from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instances
 from quiver.lifecycle.locks import ModelLocks
-from quiver.lifecycle.memory import release_free_memory
+from quiver.lifecycle.memory import TrimSchedule, release_free_memory
 from quiver.lifecycle.model import Model, ModelState
 from quiver.lifecycle.pins import Pins
 from quiver.lifecycle.pool import LoadPool, settle
@@ -102,6 +102,7 @@ class ModelLifeCycle:
         self._infer: InferFn | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
+        self._trims = TrimSchedule()
 
     def bind(self, infer: InferFn) -> None:
         self._infer = infer
@@ -514,13 +515,17 @@ class ModelLifeCycle:
     async def discard(self, models: list[Model]) -> None:
         """Drain the models' schedulers (in-flight requests finish), then free the instances
         (never during a measured load, whose RSS delta the freed memory would shrink) and,
-        under a budget, give the freed heap back to the OS before the bytes count as free."""
-        await asyncio.gather(*(m.scheduler.stop() for m in models))
+        under a budget, give the freed heap back to the OS before the bytes count as free
+        (:class:`TrimSchedule`: once enough was freed since it was last done)."""
+        if len(models) == 1:
+            await models[0].scheduler.stop()  # no task of its own to gather
+        else:
+            await asyncio.gather(*(m.scheduler.stop() for m in models))
         meter = self._admission.meter
         instances = [(m.name, instance) for m in models for instance in m.instances]
-        trim = self._admission.budget is not None
         if not instances:
             return
+        trim = self._admission.budget is not None and self._trims.freed(sum(m.size_bytes for m in models))
         if len(instances) == 1:  # the usual: one trip to a load thread frees it and trims
             await self._pool.run(meter.shared, functools.partial(unload_instances, instances, trim=trim))
             return
