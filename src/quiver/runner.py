@@ -51,6 +51,7 @@ from quiver.frontends.offload import set_codec_threads
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.sagemaker import SageMakerFrontend
 from quiver.frontends.workers import FrontendWorkers
+from quiver.heap import freeze_heap
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.lifecycle.sources import default_cache_dir
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
@@ -474,6 +475,7 @@ class Runner:
             publisher = _cloudwatch_publisher(registry, settings)
             publisher.start()
             publishers.append(publisher)
+        freeze_heap("started")  # what the start made stays: full collections skip it
         parts.service.ready = True
         for listener in listeners:
             if isinstance(listener, _WorkersListener):

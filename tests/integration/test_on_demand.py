@@ -144,7 +144,7 @@ def test_skewed_load_over_more_models_than_fit(repository: Path) -> None:
                     most = max(most, len(resident))
 
         asyncio.run(main())
-        sizes = {m: int(b) for m, b in re.findall(r"model '(m\d\d)' takes (\d+) bytes", server.log)}
+        sizes = {m: int(b) for m, b in re.findall(r"loaded model '(m\d\d)' version.* it takes (\d+) bytes", server.log)}
         limit = (3 * WEIGHT_MB + 20) * MB
         assert most < 12 and sum(sizes[m] for m in ready(client)) <= limit
         assert min(sizes.values()) > WEIGHT_MB * MB // 2  # the footprint was really measured

@@ -178,7 +178,7 @@ def test_budget_holds_a_few_of_many_archives(server: QuiverServer) -> None:
                 most = max(most, len([n for n in ready(client) if n.startswith("z")]))
 
     asyncio.run(main())
-    sizes = {m: int(b) for m, b in re.findall(r"model '(z\d\d\.tar\.gz)' takes (\d+) bytes", server.log)}
+    sizes = {m: int(b) for m, b in re.findall(r"loaded model '(z\d\d\.tar\.gz)' version.* it takes (\d+) bytes", server.log)}
     resident = [n for n in ready(client) if n in sizes]
     assert sum(sizes[m] for m in resident) <= (3 * WEIGHT_MB + 20) * MB
     assert most < len(set(trace))

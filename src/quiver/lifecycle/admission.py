@@ -31,7 +31,8 @@ from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.errors import UnavailableError
+from quiver.heap import freeze_heap
+from quiver.lifecycle.ahead import AHEAD, RoomAhead
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
@@ -57,17 +58,6 @@ from quiver.lifecycle.table import ModelTable
 from quiver.repository.local import ModelSource
 
 __all__ = ["AHEAD", "AdmissionControl", "Inspection", "Unloader"]
-
-#: The reservation evictions ahead of need are made under: not a model name (model names are
-#: checked and cannot hold a NUL), so it never meets a model's reservation or claims.
-AHEAD = "\0ahead"
-
-#: How long an eviction ahead of need waits, at most, for the requests that waited for the
-#: load that set it off to be answered (a model in steady use would otherwise hold it back).
-AHEAD_DELAY_S = 0.1
-#: Misses evictions ahead of need keep room for (when that is at most AHEAD_SHARE of the limit).
-AHEAD_LOADS = 2
-AHEAD_SHARE = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +124,8 @@ class AdmissionControl:
         #: Configurations read and prepared once per version of a model's files (the loads share it).
         self.configs = ConfigCache()
         self.evict_ahead = evict_ahead and eviction_policy != "none"  # none: nothing unloads
-        self._ahead_running = False
-        self._ahead_again: str | None = None  # a load finished while evictions ahead ran
-        self._last_size = 0  # bytes of the last model loaded: what the next miss likely needs
+        self.last_size = 0  # bytes of the last model loaded: what the next miss likely needs
+        self.ahead = RoomAhead(self, pins, table)
         self._prime_lock = asyncio.Lock()
         #: ``none``: a load that does not fit fails at once (OutOfMemoryError; 507 on the
         #: SageMaker routes) instead of unloading other models: the platform decides.
@@ -374,7 +363,7 @@ class AdmissionControl:
             wait=self.evicts,
         )
         try:
-            await self._evict(admission, name, unloader)
+            await self.evict_claimed(admission, name, unloader)
             await self.gate.covered(name, seconds(self._clock) + timeout)
             started = seconds(self._clock)
             outcome, measured, how, gpu_bytes = await self._pool.run(
@@ -443,11 +432,16 @@ class AdmissionControl:
             model.last_used = now
         self.policy.touch(name, size, now, load_cost_s=load_seconds)
         budget.commit(name, size)
-        self._last_size = size
-        logger.info(
-            "model '%s' takes %d bytes of host memory (%s %d, predicted %d from %s); "
-            "%d of %d bytes in use",
+        self.last_size = size
+        # Written in the event loop's second round from now: the requests that waited for
+        # the load run first (a log line costs 0.1 ms on a miss, its code cold by then).
+        announce = functools.partial(
+            logger.info,
+            "loaded model '%s' version(s) %s in %.3f s; it takes %d bytes of host memory (%s %d, "
+            "predicted %d from %s); %d of %d bytes in use",
             name,
+            ", ".join(m.version_str for m in outcome.models),
+            outcome.models[0].load_seconds,
             size,
             how,
             measured,
@@ -456,6 +450,8 @@ class AdmissionControl:
             budget.used,
             budget.limit_bytes,
         )
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, announce)
         return outcome
 
     async def _cover_overrun(self, name: str, size: int, unloader: Unloader) -> None:
@@ -484,7 +480,7 @@ class AdmissionControl:
                 grow=True,
                 wait=self.evicts,
             )
-            await self._evict(admission, name, unloader)
+            await self.evict_claimed(admission, name, unloader)
             await self.gate.covered(name, seconds(self._clock) + self.load_wait_timeout)
         except OutOfMemoryError as exc:
             raise OutOfMemoryError(
@@ -493,71 +489,18 @@ class AdmissionControl:
             ) from None
 
     def ahead_bytes(self) -> int:
-        """The free bytes evictions ahead of need keep: room for the next :data:`AHEAD_LOADS`
-        misses (the size of the last model loaded each), so that a miss arriving while the
-        previous one's victims still unload finds room too, as long as that is at most
-        :data:`AHEAD_SHARE` of the limit; else room for one."""
-        budget = self.budget
-        if budget is None:
-            return 0
-        size = self._last_size
-        return size * AHEAD_LOADS if size * AHEAD_LOADS <= budget.limit_bytes * AHEAD_SHARE else size
+        """The free bytes evictions ahead of need keep (:meth:`RoomAhead.bytes`)."""
+        return self.ahead.bytes()
+
+    def room_ahead_short(self) -> bool:
+        """Whether evictions ahead of need have anything to do now (:meth:`RoomAhead.short`)."""
+        return self.ahead.short()
 
     async def make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
-        """Evict ahead of need, off any request's path: after ``loaded`` loaded and the
-        requests that waited for it are answered (at most :data:`AHEAD_DELAY_S` later), when
-        fewer bytes are free than :meth:`ahead_bytes`, reserve that many under :data:`AHEAD`
-        (the policy picks victims among models not in use, never ``loaded``), unload the
-        victims, then give the reservation back, so the next misses find their room free
-        instead of waiting for an unload. The ledger stays honest throughout: a victim counts
-        until its unload has finished. One at a time (a load that finishes meanwhile has the
-        running one look again when done); nothing when the budget is off, when
-        ``evict_ahead`` is off, or when nothing but models in use could go."""
-        budget = self.budget
-        if budget is None or not self.evict_ahead or budget.available >= self.ahead_bytes():
-            return
-        if self._ahead_running:
-            self._ahead_again = loaded
-            return
-        self._ahead_running = True
-        try:
-            while True:
-                await self._make_room_ahead(loaded, unloader)
-                again, self._ahead_again = self._ahead_again, None
-                if again is None or budget.available >= self.ahead_bytes():
-                    return
-                loaded = again
-        finally:
-            self._ahead_running = False
+        """Evict ahead of need after ``loaded`` loaded (:meth:`RoomAhead.make`)."""
+        await self.ahead.make(loaded, unloader)
 
-    async def _make_room_ahead(self, loaded: str, unloader: Unloader) -> None:
-        budget = self.budget
-        assert budget is not None
-        # The requests that waited for the load are answered first: their first inference
-        # and their responses do not share the event loop and the cores with the unloads.
-        deadline = seconds(self._clock) + AHEAD_DELAY_S
-        while self._pins.pinned(loaded) or any(m.scheduler.inflight for m in self._table.loaded(loaded)):
-            try:
-                if not await self.gate.wait(deadline):
-                    break
-            except UnavailableError:
-                return  # the server stops
-        want = self.ahead_bytes()
-        if budget.available >= want:
-            return
-        try:
-            candidates = [c for c in self.candidates(loaded) if c.name != AHEAD]
-            decision = budget.admit(AHEAD, want, self.policy, candidates)
-        except OutOfMemoryError:
-            return
-        if not isinstance(decision, Admission):
-            return  # only models in use or loads under way stand in the way: the next miss waits as usual
-        try:
-            await self._evict(decision, AHEAD, unloader)
-        finally:
-            budget.cancel(AHEAD)
-
-    async def _evict(self, admission: Admission, loading: str, unloader: Unloader) -> None:
+    async def evict_claimed(self, admission: Admission, loading: str, unloader: Unloader) -> None:
         """Unload the models the admission claimed for ``loading`` (ensembles that need them
         first); their bytes come to its reservation as each unload finishes."""
         for victim in admission.victims:
@@ -578,6 +521,7 @@ class AdmissionControl:
                 logger.debug("priming framework '%s' failed: %s", backend, exc)
                 return
             self._frameworks[backend] = footprint.host_bytes
+            await self._pool.run(freeze_heap, f"framework '{backend}' primed")  # what it made stays
             logger.info(
                 "framework '%s' took %d bytes of host memory once for this process (import and "
                 "first session); not charged to any model nor to the model memory limit",

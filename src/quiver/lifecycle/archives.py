@@ -13,9 +13,11 @@ Everything here blocks (it reads the extracted files): run it on a load thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from quiver.lifecycle.dependencies import model_folders, served_folder
+from quiver.errors import AlreadyExistsError
+from quiver.lifecycle.dependencies import DependencyGraph, model_folders, served_folder
 from quiver.repository.local import ModelSource
 from quiver.repository.names import NAMESPACE_SEPARATOR, check_key_name
 
@@ -64,3 +66,29 @@ __all__ = [
     "is_namespaced",
     "namespaced",
 ]
+
+
+def check_members_free(
+    served: str,
+    key: str,
+    members: list[ModelSource],
+    graph: DependencyGraph,
+    serving: Callable[[str], bool],
+    busy: Callable[[str], bool],
+) -> None:
+    """Without model namespacing an archive's other models keep their own names: one that
+    another archive (``graph``'s namespaces) or the repository serves (``serving``), or is
+    loading (``busy``), is a conflict (AlreadyExistsError)."""
+    taken = []
+    for member in members:
+        owner = graph.namespace_of(member.name)
+        if owner is not None and owner != served:
+            taken.append(f"'{member.name}' (loaded with '{owner}')")
+        elif owner is None and (serving(member.name) or busy(member.name)):
+            taken.append(f"'{member.name}'")
+    if taken:
+        raise AlreadyExistsError(
+            f"cannot load '{served}' from '{key}': its model(s) {', '.join(taken)} are already "
+            "loaded; without model namespacing (--model-namespacing=false) no two loaded "
+            "folders may hold models of one name"
+        )

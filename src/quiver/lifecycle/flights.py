@@ -27,19 +27,40 @@ class SingleFlight:
         self._spawn = spawn
         self._clock = clock
         self._flights: dict[str, asyncio.Task[None]] = {}
+        # The callers waiting for each load, woken by the load itself as it ends: they run in
+        # the event loop's next round, not two rounds later through the task's callbacks.
+        self._waiting: dict[asyncio.Task[None], list[asyncio.Future[None]]] = {}
 
     def join(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
         """The load of ``name`` under way, or a new one started with ``start()``."""
         task = self._flights.get(name)
-        if task is None:
-            task = self._spawn(start(), f"quiver-load-{name}")
+        if task is None or task.done():
+            task = self._spawn(self._fly(name, start), f"quiver-load-{name}")
             self._flights[name] = task
             task.add_done_callback(functools.partial(self._landed, name))
         return task
 
+    async def _fly(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        try:
+            await start()
+        finally:
+            task = asyncio.current_task()
+            if task is not None:
+                # The task ends in this same step: a caller woken now that finds the model gone
+                # again (unloaded meanwhile) must start a new load, not join this one.
+                if self._flights.get(name) is task:
+                    del self._flights[name]
+                self._wake(task)
+
+    def _wake(self, task: asyncio.Task[None]) -> None:
+        for waiter in self._waiting.pop(task, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _landed(self, name: str, task: asyncio.Task[None]) -> None:
         if self._flights.get(name) is task:
             del self._flights[name]
+        self._wake(task)  # ended before it ever ran (cancelled at once): nobody woke them
         if not task.cancelled():
             task.exception()  # retrieved: waiters that timed out must not leave it unobserved
 
@@ -47,18 +68,21 @@ class SingleFlight:
         """Until ``task`` ends (its error, if it failed) or ``deadline`` (seconds on the clock:
         TimeoutError). ``task`` is never cancelled by the wait."""
         if not task.done():
-            expired: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            waiting = self._waiting.setdefault(task, [])
+            waiting.append(woken)
 
             def expire() -> None:
-                if not expired.done():
-                    expired.set_result(None)
+                if not woken.done():
+                    woken.set_result(None)
 
             timer = self._clock.call_at(int(deadline * 1e9), expire)
             try:
-                await asyncio.wait({task, expired}, return_when=asyncio.FIRST_COMPLETED)
+                await woken
             finally:
                 timer.cancel()
-                expired.cancel()
+                if woken in waiting:
+                    waiting.remove(woken)
             if not task.done():
                 raise TimeoutError
         _raise_if_stopped(task)

@@ -30,23 +30,22 @@ from typing import Any, TypeVar
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.backends.base import INLINE_THRESHOLD_NS, ModelInstance
+from quiver.backends.base import INLINE_THRESHOLD_NS
 from quiver.config import ModelConfig
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
-    AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
     QuiverError,
     UnavailableError,
 )
 from quiver.lifecycle.admission import AHEAD, AdmissionControl, Inspection
-from quiver.lifecycle.archives import archive_layout, is_namespaced
+from quiver.lifecycle.archives import archive_layout, check_members_free, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph, Namespace
-from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instance
+from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instances
 from quiver.lifecycle.locks import ModelLocks
-from quiver.lifecycle.memory import release_free_memory
+from quiver.lifecycle.memory import TrimSchedule, release_free_memory
 from quiver.lifecycle.model import Model, ModelState
 from quiver.lifecycle.pins import Pins
 from quiver.lifecycle.pool import LoadPool, settle
@@ -103,6 +102,7 @@ class ModelLifeCycle:
         self._infer: InferFn | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
+        self._trims = TrimSchedule()
 
     def bind(self, infer: InferFn) -> None:
         self._infer = infer
@@ -189,17 +189,20 @@ class ModelLifeCycle:
             return await self.load_locked(trip.source, None, inspection=trip.inspection, trip=trip)
 
     def _loader(
-        self, source: ModelSource, inspection: Inspection, override: pb.ModelConfig | None = None
+        self, source: ModelSource, inspection: Inspection, override: pb.ModelConfig | None = None,
+        starting: Callable[[], None] | None = None,
     ) -> Callable[[], LoadOutcome]:  # the blocking load of the files ``inspection`` saw
         return functools.partial(
             load_model,
             source,
             strict=self._strict,
             config_override=override,
+            starting=starting,
             inline_threshold_ns=self._inline_threshold_ns,
             clock=self._clock,
             configs=self._admission.configs,
             fingerprint=inspection.fingerprint,
+            announce=self._admission.budget is None,  # else once its size is known
         )
 
     async def load_locked(
@@ -286,8 +289,9 @@ class ModelLifeCycle:
             return failures
         old = self._table.loaded(name)
         self._table.install(name, outcome)
-        if outcome.models and self._admission.evict_ahead and self._admission.budget is not None:
-            self.spawn(self._admission.make_room_ahead(name, self), name="quiver-evict-ahead")
+        if outcome.models and self._admission.room_ahead_short():
+            # in the loop's next round: the requests that waited for the load run first
+            asyncio.get_running_loop().call_soon(self._evict_ahead, name)
         if outcome.models and composing is not None:
             self._graph.set_composing(name, composing)
         if old:
@@ -296,6 +300,10 @@ class ModelLifeCycle:
             finally:
                 self._admission.retired(name)  # the old versions' bytes, counted until now
         return failures
+
+    def _evict_ahead(self, loaded: str) -> None:
+        if not self.closed:
+            self.spawn(self._admission.make_room_ahead(loaded, self), name="quiver-evict-ahead")
 
     async def _load_ensemble(
         self,
@@ -402,7 +410,7 @@ class ModelLifeCycle:
                 functools.partial(archive_layout, namespacing=self._namespacing), served, key, lease.path
             )
             if not self._namespacing:
-                self._check_members_free(served, key, members)
+                check_members_free(served, key, members, self._graph, self._table.serving, self._locks.busy)
         except BaseException:
             lease.release()
             raise
@@ -427,23 +435,6 @@ class ModelLifeCycle:
             lease.path,
             f" with {', '.join(sorted(m.name for m in members))}" if members else "",
         )
-
-    def _check_members_free(self, served: str, key: str, members: list[ModelSource]) -> None:
-        """Without model namespacing an archive's other models keep their own names: one
-        that another archive (or the repository) serves, or is loading, is a conflict."""
-        taken = []
-        for member in members:
-            owner = self._graph.namespace_of(member.name)
-            if owner is not None and owner != served:
-                taken.append(f"'{member.name}' (loaded with '{owner}')")
-            elif owner is None and (self._table.serving(member.name) or self._locks.busy(member.name)):
-                taken.append(f"'{member.name}'")
-        if taken:
-            raise AlreadyExistsError(
-                f"cannot load '{served}' from '{key}': its model(s) {', '.join(taken)} are already "
-                "loaded; without model namespacing (--model-namespacing=false) no two loaded "
-                "folders may hold models of one name"
-            )
 
     async def _drop_namespace(self, served: str, reason: str) -> None:
         """Unload the composing models of the archive served as ``served``, forget them,
@@ -524,18 +515,22 @@ class ModelLifeCycle:
     async def discard(self, models: list[Model]) -> None:
         """Drain the models' schedulers (in-flight requests finish), then free the instances
         (never during a measured load, whose RSS delta the freed memory would shrink) and,
-        under a budget, give the freed heap back to the OS before the bytes count as free."""
-        await asyncio.gather(*(m.scheduler.stop() for m in models))
+        under a budget, give the freed heap back to the OS before the bytes count as free
+        (:class:`TrimSchedule`: once enough was freed since it was last done)."""
+        if len(models) == 1:
+            await models[0].scheduler.stop()  # no task of its own to gather
+        else:
+            await asyncio.gather(*(m.scheduler.stop() for m in models))
         meter = self._admission.meter
         instances = [(m.name, instance) for m in models for instance in m.instances]
-        trim = self._admission.budget is not None
         if not instances:
             return
+        trim = self._admission.budget is not None and self._trims.freed(sum(m.size_bytes for m in models))
         if len(instances) == 1:  # the usual: one trip to a load thread frees it and trims
-            await self._pool.run(meter.shared, functools.partial(_unload_instances, instances, trim=trim))
+            await self._pool.run(meter.shared, functools.partial(unload_instances, instances, trim=trim))
             return
         await asyncio.gather(
-            *(self._pool.run(meter.shared, functools.partial(_unload_instances, [one], trim=False)) for one in instances)
+            *(self._pool.run(meter.shared, functools.partial(unload_instances, [one], trim=False)) for one in instances)
         )
         if trim:
             await self._pool.run(meter.shared, release_free_memory)
@@ -590,11 +585,3 @@ class ModelLifeCycle:
         for namespace in self._graph.pop_namespaces():
             if namespace.release is not None:
                 namespace.release()
-
-
-def _unload_instances(instances: list[tuple[str, ModelInstance]], *, trim: bool) -> None:
-    """Blocking: unload each (model name, instance), then give the freed heap back if ``trim``."""
-    for name, instance in instances:
-        unload_instance(name, instance)
-    if trim:
-        release_free_memory()

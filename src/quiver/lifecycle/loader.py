@@ -7,6 +7,7 @@ on the manager's load threads, never on the event loop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from quiver.ensemble.scheduler import EnsembleScheduler, InferFn
 from quiver.errors import ConfigError, QuiverError
 from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
 from quiver.lifecycle.configs import ConfigCache, PreparedConfig
+from quiver.lifecycle.memory import release_free_memory
 from quiver.lifecycle.model import Model
 from quiver.lifecycle.warmup import build_warmup_samples, run_warmup
 from quiver.metrics.statistics import ModelStatistics
@@ -150,10 +152,15 @@ def load_model(
     clock: Clock = SYSTEM_CLOCK,
     configs: ConfigCache | None = None,
     fingerprint: str = "",
+    announce: bool = True,
+    starting: Callable[[], None] | None = None,
 ) -> LoadOutcome:
     """Load every version the version policy selects; failures are reported, not raised.
     With ``configs`` and the files' ``fingerprint``, the configuration is prepared (read,
-    auto-completed, validated, labels read) once per fingerprint."""
+    auto-completed, validated, labels read) once per fingerprint. ``announce``: log what
+    loaded (a load under the memory budget is announced once its size is known, in one line
+    with it). ``starting``: called once the configuration is ready, as the first instance is
+    created (a framework's session creation lets other threads run meanwhile)."""
     started = seconds(clock)
     try:
         prepared = _prepare(source, strict, config_override, configs, fingerprint)
@@ -174,6 +181,8 @@ def load_model(
 
     models: list[Model] = []
     failures: dict[int, str] = {}
+    if starting is not None:
+        starting()
     for version in selected:
         try:
             models.append(_load_version(config, backend, source, version, labels, inline_threshold_ns, clock))
@@ -186,7 +195,7 @@ def load_model(
     elapsed = seconds(clock) - started
     for model in models:
         model.load_seconds = elapsed
-    if models:
+    if models and announce:
         logger.info(
             "loaded model '%s' version(s) %s in %.3f s",
             source.name,
@@ -394,3 +403,10 @@ def unload_instance(model: str, instance: ModelInstance) -> None:
     except Exception:
         logger.exception("model '%s': instance %s failed to unload cleanly", model, instance.name)
 
+
+def unload_instances(instances: list[tuple[str, ModelInstance]], *, trim: bool) -> None:
+    """Blocking: unload each (model name, instance), then give the freed heap back if ``trim``."""
+    for name, instance in instances:
+        unload_instance(name, instance)
+    if trim:
+        release_free_memory()

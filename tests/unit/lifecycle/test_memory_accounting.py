@@ -17,6 +17,7 @@ from quiver.lifecycle.memory import (
     MemoryMeter,
     ModelIdentity,
     SizePredictor,
+    TrimSchedule,
     gpu_memory_used,
     heap_in_use,
 )
@@ -293,3 +294,10 @@ def test_predictor_defaults_and_validation() -> None:
         SizePredictor(file_factor=0)
     with pytest.raises(ValueError):
         SizePredictor(overhead_bytes=-1)
+
+
+def test_unloads_trim_the_heap_once_enough_was_freed() -> None:
+    trims = TrimSchedule(after_bytes=10)
+    assert [trims.freed(4), trims.freed(4), trims.freed(4)] == [False, False, True]
+    assert trims.freed(9) is False  # counted afresh after a trim
+    assert trims.freed(30) is True  # one large model: at once
