@@ -30,9 +30,9 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = [
     "Candidate",
@@ -304,31 +304,7 @@ def belady(trace: Sequence[str], sizes: Mapping[str, int], budget: int) -> Simul
         name = trace[index]
         next_use[index] = last_seen.get(name, never)
         last_seen[name] = index
-    resident: dict[str, float] = {}  # name -> index of its next use
-    heap: list[tuple[float, str]] = []  # (-next use, name); stale entries skipped lazily
-    used = hits = misses = loads = evictions = rejected = 0
-    for index, name in enumerate(trace):
-        size = sizes[name]
-        upcoming = next_use[index]
-        if name in resident:
-            hits += 1
-        else:
-            misses += 1
-            if size > budget:
-                rejected += 1
-                continue
-            while used + size > budget:
-                negated, victim = heapq.heappop(heap)
-                if resident.get(victim) != -negated:
-                    continue  # stale entry
-                del resident[victim]
-                used -= sizes[victim]
-                evictions += 1
-            used += size
-            loads += 1
-        resident[name] = upcoming
-        heapq.heappush(heap, (-upcoming, name))
-    return _result(hits, misses, loads, evictions, rejected)
+    return _replay(trace, sizes, budget, lambda index, name: (-next_use[index],))
 
 
 def exact_lfu(trace: Sequence[str], sizes: Mapping[str, int], budget: int) -> SimulationResult:
@@ -343,12 +319,26 @@ def exact_lfu(trace: Sequence[str], sizes: Mapping[str, int], budget: int) -> Si
     a short trace. It forgets nothing, so it is no reference when popularity shifts.
     """
     counts: dict[str, int] = {}
-    resident: dict[str, tuple[float, int]] = {}  # name -> its key in the heap
-    heap: list[tuple[float, int, str]] = []  # (requests per byte, last request, name); lazy
+
+    def key(index: int, name: str) -> tuple[float, ...]:
+        counts[name] = counts.get(name, 0) + 1
+        return (counts[name] / max(1, sizes[name]), index)
+
+    return _replay(trace, sizes, budget, key)
+
+
+def _replay(
+    trace: Sequence[str], sizes: Mapping[str, int], budget: int, key_of: Callable[[int, str], tuple[float, ...]]
+) -> SimulationResult:
+    """Replay ``trace`` through a cache that, to make room, evicts the resident model with the
+    smallest key (what ``key_of(index, name)`` said at its last request; it is asked at every
+    request, admitted or not) and always admits the requested model when it fits at all."""
+    resident: dict[str, tuple[float, ...]] = {}  # name -> its key in the heap
+    heap: list[tuple[Any, ...]] = []  # (*key, name); stale entries skipped lazily
     used = hits = misses = loads = evictions = rejected = 0
     for index, name in enumerate(trace):
+        key = key_of(index, name)
         size = sizes[name]
-        counts[name] = counts.get(name, 0) + 1
         if name in resident:
             hits += 1
         else:
@@ -357,15 +347,15 @@ def exact_lfu(trace: Sequence[str], sizes: Mapping[str, int], budget: int) -> Si
                 rejected += 1
                 continue
             while used + size > budget:
-                density, last, victim = heapq.heappop(heap)
-                if resident.get(victim) != (density, last):
+                entry = heapq.heappop(heap)
+                victim = entry[-1]
+                if resident.get(victim) != entry[:-1]:
                     continue  # stale entry
                 del resident[victim]
                 used -= sizes[victim]
                 evictions += 1
             used += size
             loads += 1
-        key = (counts[name] / max(1, size), index)
         resident[name] = key
         heapq.heappush(heap, (*key, name))
     return _result(hits, misses, loads, evictions, rejected)
