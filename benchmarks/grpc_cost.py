@@ -28,7 +28,14 @@ The targets (``--targets``):
   control, so it is a lower bound for gRPC served by Python on the event loop without
   ``grpcio``'s server, not a server;
 * ``quiver-onnx`` and ``quiver-python``: ``quiver serve`` (one process) with ``tiny`` as ONNX
-  and as Triton's Python model unchanged.
+  and as Triton's Python model unchanged;
+* ``h2-quiver-onnx`` and ``h2-quiver-python``: the same models behind ``floor-h2`` instead of
+  ``grpc.aio``: the server assembled as ``quiver serve`` does (``runner.assemble``, the models
+  loaded) and each call's message handed to Quiver's own ``ModelInfer`` handler
+  (``InferenceServicer.model_infer_bytes``: parse, decode, the service, the model, encode), its
+  answer sent as ``floor-h2`` sends the canned one. What Quiver's request path costs without
+  ``grpc.aio``'s server around it (still without header decoding, which a client's repeated
+  headers would let a real server cache).
 
 Targets alternate round by round (``--repeat``); each cell is the median of its rounds.
 Results: a markdown table on stdout and in ``benchmarks/results/grpc_cost.md``, the same as
@@ -47,6 +54,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +64,8 @@ from benchmarks.peers import Server
 from benchmarks.peers.quiver import QuiverServer
 from benchmarks.request_cpu import PAYLOAD, write_repository
 
-TARGETS = ("floor-grpcio", "floor-h2", "quiver-onnx", "quiver-python")
+TARGETS = ("floor-grpcio", "floor-h2", "quiver-onnx", "quiver-python", "h2-quiver-onnx", "h2-quiver-python")
+DEFAULT_TARGETS = TARGETS[:4]
 ROLES = ("event loop", "event_engine", "other threads", "children")
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -115,9 +124,10 @@ class _H2Floor(asyncio.Protocol):
     HEADERS = b"\x88\x0f\x10\x10application/grpc"
     TRAILERS = b"\x00\x0bgrpc-status\x010"
 
-    def __init__(self, answer: bytes) -> None:
-        message = b"\x00" + len(answer).to_bytes(4, "big") + answer
-        self.reply = (self.HEADERS, message, self.TRAILERS)
+    def __init__(self, answer: bytes | Callable[[bytes], Awaitable[bytes]]) -> None:
+        #: the canned answer, or the handler whose answer to each call's message is sent
+        self.answer = answer
+        self.bodies: dict[int, bytes] = {}
         self.buffer = b""
         self.preface = False
         self.received = 0
@@ -145,10 +155,16 @@ class _H2Floor(asyncio.Protocol):
             at += 9 + length
             if kind == 0:  # DATA: the call's message; answered at END_STREAM
                 self.received += length
+                stream &= 0x7FFFFFFF
+                if isinstance(self.answer, bytes):
+                    if flags & 1:
+                        out.append(self.reply(stream, self.answer))
+                    continue
+                body = self.bodies.pop(stream, b"") + payload
                 if flags & 1:
-                    headers, message, trailers = self.reply
-                    stream &= 0x7FFFFFFF
-                    out.append(_frame(1, 4, stream, headers) + _frame(0, 0, stream, message) + _frame(1, 5, stream, trailers))
+                    asyncio.get_running_loop().create_task(self.call(stream, self.answer, body[5:]))
+                else:
+                    self.bodies[stream] = body
             elif kind in (4, 6) and not flags & 1:  # SETTINGS, PING: acknowledged
                 out.append(_frame(kind, 1, 0, payload if kind == 6 else b""))
         self.buffer = buffer[at:]
@@ -158,8 +174,40 @@ class _H2Floor(asyncio.Protocol):
         if out:
             self.transport.write(b"".join(out))
 
+    def reply(self, stream: int, answer: bytes) -> bytes:
+        message = b"\x00" + len(answer).to_bytes(4, "big") + answer
+        return _frame(1, 4, stream, self.HEADERS) + _frame(0, 0, stream, message) + _frame(1, 5, stream, self.TRAILERS)
 
-async def _serve_h2(host: str, answer: bytes) -> tuple[int, Any]:
+    async def call(self, stream: int, handler: Callable[[bytes], Awaitable[bytes]], data: bytes) -> None:
+        self.transport.write(self.reply(stream, await handler(data)))
+
+
+async def _quiver_handler(backend: str) -> Callable[[bytes], Awaitable[bytes]]:
+    """Quiver's ModelInfer handler over ``tiny`` as ``backend``, assembled as ``quiver serve``
+    assembles it."""
+    from quiver import settings as server_settings
+    from quiver.cli import build_parser
+    from quiver.frontends.grpc import InferenceServicer
+    from quiver.heap import freeze_heap
+    from quiver.runner import assemble, load_models
+
+    repository = write_repository(Path(tempfile.mkdtemp(prefix="grpc_cost-h2-")), backend)
+    args = build_parser().parse_args(["serve", "--model-repository", str(repository), "--allow-metrics", "false"])
+    settings = server_settings.from_args(args, os.environ)
+    parts = assemble(settings)
+    await load_models(parts, settings)
+    parts.service.ready = True
+    freeze_heap("started")  # as the runner does once serving
+    servicer = InferenceServicer(parts.service)
+
+    async def handle(data: bytes) -> bytes:
+        answer: bytes = await servicer.model_infer_bytes(data, None)
+        return answer
+
+    return handle
+
+
+async def _serve_h2(host: str, answer: bytes | Callable[[bytes], Awaitable[bytes]]) -> tuple[int, Any]:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _H2Floor(answer), host, 0, backlog=1024)
 
@@ -171,7 +219,12 @@ async def _serve_h2(host: str, answer: bytes) -> tuple[int, Any]:
 
 async def _serve_floor(kind: str, host: str) -> None:
     loop = asyncio.get_running_loop()
-    port, stop = await (_serve_grpcio if kind == "grpcio" else _serve_h2)(host, canned_answer())
+    if kind == "grpcio":
+        port, stop = await _serve_grpcio(host, canned_answer())
+    elif kind == "h2":
+        port, stop = await _serve_h2(host, canned_answer())
+    else:  # h2-quiver-BACKEND
+        port, stop = await _serve_h2(host, await _quiver_handler(kind.removeprefix("h2-quiver-")))
     print(f"started GRPC service at {host}:{port}", file=sys.stderr, flush=True)  # as Quiver says it
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -209,7 +262,7 @@ def cpu_by_role(pid: int) -> dict[str, float]:
 
 def start_target(target: str, folder: Path) -> Server:
     log_path = folder / f"{target}.log"
-    if target.startswith("floor-"):
+    if target.startswith(("floor-", "h2-")):
         argv = [sys.executable, "-m", "benchmarks.grpc_cost", "--serve-floor", target.removeprefix("floor-")]
         server: Server = Server(target, argv, log=log_path, listeners=("GRPC",), cwd=ROOT, stop_timeout=30.0)
     else:
@@ -283,7 +336,7 @@ def markdown(cells: dict[tuple[str, int], dict[str, Any]], args: argparse.Namesp
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", default=",".join(TARGETS), help=f"of: {','.join(TARGETS)}")
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"of: {','.join(TARGETS)} (default: the first four)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--warmup", type=float, default=1.0)
@@ -291,7 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--stem", default="grpc_cost")
-    parser.add_argument("--serve-floor", choices=("grpcio", "h2"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", choices=("grpcio", "h2", "h2-quiver-onnx", "h2-quiver-python"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_floor is None:
         args.targets = [t for t in args.targets.split(",") if t]
