@@ -58,6 +58,10 @@ _call: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("quiver_
 #: Triton's answer to ModelInfer on a decoupled model (ModelStreamInfer serves those).
 DECOUPLED_ERROR = "ModelInfer RPC doesn't support models with decoupled transaction policy"
 
+#: Messages this small decode inline whatever they hold: at most one element per byte, at
+#: most 250 ns per element (v2_grpc.decode_cost), under OFFLOAD_NS.
+_DECODE_INLINE_BYTES = OFFLOAD_NS // 250
+
 _Reply = TypeVar("_Reply")
 _Servicer = TypeVar("_Servicer", bound="InferenceServicer")
 
@@ -289,26 +293,36 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 trace.capture("GRPC_SEND_END")  # handed to grpc, which sends it
                 trace.release()
 
-    @_rpc
     async def model_infer_bytes(self, data: bytes, context: Any) -> bytes:
-        """ModelInfer: a serialized ModelInferRequest in, a ModelInferResponse out."""
-        self._enter()
+        """ModelInfer: a serialized ModelInferRequest in, a ModelInferResponse out (errors
+        translated as :func:`_rpc` does, inline: this runs for every request)."""
+        self._in_flight += 1
+        self._idle.clear()
         try:
             return await self._infer(data, _serialized_response, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            code, message = _translated(exc, "ModelInfer")
         finally:
             self._leave()
+        await context.abort(code, message)
+        raise AssertionError("context.abort returned")  # pragma: no cover
 
     async def decode(self, data: bytes, context: Any = None) -> InferenceRequest:
         """A serialized ModelInferRequest -> the request (large ones on a codec thread), with
         its forwarded headers and its trace when sampled (the caller releases it once the
         request is answered)."""
         received = now_ns()
-        if len(data) < PARSE_INLINE_BYTES:
+        size = len(data)
+        if size < PARSE_INLINE_BYTES:
             message = _parse_request(data)
         else:
             message = await in_worker(_parse_request, data)
         _call.set((message.model_name, message.id))
-        if decode_cost(message) < OFFLOAD_NS:
+        # Decoding costs per element, and a message holds fewer elements than it has bytes:
+        # a small one is decoded inline without estimating (decode_cost walks the inputs).
+        if size < _DECODE_INLINE_BYTES or decode_cost(message) < OFFLOAD_NS:
             request = decode_infer_request(message)
         else:
             request = await in_worker(decode_infer_request, message)
