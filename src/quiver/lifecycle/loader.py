@@ -7,7 +7,6 @@ on the manager's load threads, never on the event loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,14 +152,12 @@ def load_model(
     configs: ConfigCache | None = None,
     fingerprint: str = "",
     announce: bool = True,
-    starting: Callable[[], None] | None = None,
 ) -> LoadOutcome:
     """Load every version the version policy selects; failures are reported, not raised.
     With ``configs`` and the files' ``fingerprint``, the configuration is prepared (read,
     auto-completed, validated, labels read) once per fingerprint. ``announce``: log what
     loaded (a load under the memory budget is announced once its size is known, in one line
-    with it). ``starting``: called once the configuration is ready, as the first instance is
-    created (a framework's session creation lets other threads run meanwhile)."""
+    with it)."""
     started = seconds(clock)
     try:
         prepared = _prepare(source, strict, config_override, configs, fingerprint)
@@ -181,8 +178,6 @@ def load_model(
 
     models: list[Model] = []
     failures: dict[int, str] = {}
-    if starting is not None:
-        starting()
     for version in selected:
         try:
             models.append(_load_version(config, backend, source, version, labels, inline_threshold_ns, clock))
