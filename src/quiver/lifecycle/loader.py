@@ -333,24 +333,6 @@ def _ensemble_labels(
     return labels
 
 
-def backend_name(
-    source: ModelSource,
-    *,
-    strict: bool,
-    override: pb.ModelConfig | None = None,
-    configs: ConfigCache | None = None,
-    fingerprint: str = "",
-) -> str:
-    """The backend the model's config names (``onnxruntime``, ``pytorch``, ``python``...),
-    without importing it; ``""`` when the config does not say or cannot be read (the load
-    reports why)."""
-    try:
-        proto = read_proto(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
-        return str(proto.backend)
-    except QuiverError:
-        return ""
-
-
 def load_ensemble(
     source: ModelSource,
     *,

@@ -111,6 +111,7 @@ class ModelRepositoryManager:
         predictor: SizePredictor | None = None,
         namespacing: bool = True,
         evict_ahead: bool = True,
+        inline_misses: bool = True,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -178,6 +179,7 @@ class ModelRepositoryManager:
             reload_failed_composing=control_mode in _API_MODES,
             namespacing=namespacing,
             load_retries=load_retries,
+            inline_misses=inline_misses,
         )
         self._flights = SingleFlight(self._lifecycle.spawn, clock)
         self._poll_task: asyncio.Task[None] | None = None
