@@ -31,19 +31,17 @@ from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from quiver.errors import QuiverError
 from quiver.heap import freeze_heap
 from quiver.lifecycle.ahead import AHEAD, RoomAhead
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
-from quiver.lifecycle.dependencies import DependencyGraph, ensemble_steps
+from quiver.lifecycle.dependencies import DependencyGraph, composing_of
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, LRUPolicy
-from quiver.lifecycle.frameworks import HEAP_ALLOCATING, LOADS_HOLDING_GIL, prime
-from quiver.lifecycle.loader import LoadOutcome, read_proto
+from quiver.lifecycle.frameworks import HEAP_ALLOCATING, prime
+from quiver.lifecycle.loader import LoadOutcome, backend_name
 from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import (
-    Footprint,
     GpuMemoryLimit,
     MemoryMeter,
     ModelIdentity,
@@ -69,16 +67,12 @@ class Inspection:
     """What a load needs to know of a model's files before it is admitted, read in one trip to
     a load thread (:meth:`AdmissionControl.inspect`): their fingerprint, the composing models
     when it is an ensemble, the backend its config names (``""`` when it cannot be read: the
-    load says why), the size predicted from the files (``None``: no files), and whether it
-    may load on the event loop (``inline``: its framework holds the GIL while it loads,
-    :data:`~quiver.lifecycle.frameworks.LOADS_HOLDING_GIL`, and it asks for no warm-up,
-    whose inferences let other threads run)."""
+    load says why) and the size predicted from the files (``None``: no files)."""
 
     fingerprint: str
     composing: list[str] | None
     backend: str
     from_files: int | None
-    inline: bool = False
 
 
 class Unloader(Protocol):
@@ -259,16 +253,13 @@ class AdmissionControl:
         """Blocking (a load thread): the :class:`Inspection` of ``source``'s files; the config
         is read once per fingerprint (:attr:`configs`)."""
         fingerprint, size = fingerprint_and_size(source.path)
-        try:
-            proto = read_proto(source, strict=self._strict, override=override, configs=self.configs, fingerprint=fingerprint)
-        except QuiverError:
-            proto = None  # the load says why
-        steps = ensemble_steps(proto) if proto is not None else None
-        composing = None if steps is None else sorted(steps)
-        backend = str(proto.backend) if proto is not None and steps is None else ""
-        inline = proto is not None and backend in LOADS_HOLDING_GIL and not proto.model_warmup
+        strict, configs = self._strict, self.configs
+        composing = composing_of(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
+        backend = ""
+        if composing is None:
+            backend = backend_name(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
         from_files = self._predictor.from_bytes(size) if self.budget is not None else None
-        return Inspection(fingerprint, composing, backend, from_files, inline)
+        return Inspection(fingerprint, composing, backend, from_files)
 
     async def load(
         self,
@@ -398,23 +389,7 @@ class AdmissionControl:
         their own: their memory is not the server's growth but their own unique set size."""
         if prediction.source == "measured":
             return self._meter.shared(load), prediction.bytes, "known", None
-        return self._measured(*self._meter.measure(load, heap=self.by_heap(backend)))
-
-    def measure_now(
-        self, load: Callable[[], LoadOutcome], prediction: Prediction, backend: str
-    ) -> tuple[LoadOutcome, int, str, Mapping[int, int] | None] | None:
-        """:meth:`measure` on a thread that must not wait (the event loop): ``None``, and
-        ``load`` not run, while the meter is held by a load or an unload on a load thread."""
-        if prediction.source == "measured":
-            shared = self._meter.shared_now(load)
-            return None if shared is None else (shared[0], prediction.bytes, "known", None)
-        measured = self._meter.measure_now(load, heap=self.by_heap(backend))
-        return None if measured is None else self._measured(*measured)
-
-    @staticmethod
-    def _measured(
-        outcome: LoadOutcome, footprint: Footprint
-    ) -> tuple[LoadOutcome, int, str, Mapping[int, int] | None]:
+        outcome, footprint = self._meter.measure(load, heap=self.by_heap(backend))
         measured = footprint.host_bytes + sum(m.process_memory_bytes() or 0 for m in outcome.models)
         return outcome, measured, f"measured by {footprint.by}", footprint.gpu_bytes
 

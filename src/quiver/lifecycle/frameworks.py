@@ -18,7 +18,7 @@ import warnings
 
 from quiver.backends.base import get_backend
 
-__all__ = ["HEAP_ALLOCATING", "LOADS_HOLDING_GIL", "prime"]
+__all__ = ["HEAP_ALLOCATING", "prime"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +51,6 @@ _FIRST_USE = {"onnxruntime": _prime_onnxruntime, "pytorch": _prime_pytorch}
 #: (:mod:`quiver.lifecycle.memory`). Python models (objects in pymalloc's own mappings), DALI
 #: and TensorFlow are measured by RSS.
 HEAP_ALLOCATING = frozenset({"onnxruntime", "pytorch"})
-
-
-#: Backends whose load holds the GIL from start to end: ONNX Runtime creates a session (reads
-#: the model file, builds and optimises the graph, allocates) in one call that never releases
-#: it (checked: a Python thread spinning beside ``InferenceSession(...)`` ran not once during
-#: any of 50 creations). Python code on a load thread and the event loop take turns on the
-#: GIL, so a load on a thread lets the event loop run only at the few system calls around it
-#: (finding the folder, reading the config): it costs two hand-offs across threads and a cold
-#: core for nothing. An on-demand miss of such a model is found and loaded on the event loop
-#: (:mod:`quiver.lifecycle.trip`).
-LOADS_HOLDING_GIL = frozenset({"onnxruntime"})
 
 
 def prime(backend: str) -> None:

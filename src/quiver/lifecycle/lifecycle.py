@@ -81,11 +81,8 @@ class ModelLifeCycle:
         reload_failed_composing: bool = False,
         namespacing: bool = True,
         load_retries: int = 0,
-        inline_misses: bool = True,
     ) -> None:
         self._table = table
-        #: An on-demand miss's trip (:mod:`quiver.lifecycle.trip`) is made on the event loop.
-        self._inline_misses = inline_misses
         #: --model-load-retry-count: a model whose load failed is tried this many times more.
         self._load_retries = max(0, load_retries)
         self._graph = graph
@@ -181,10 +178,7 @@ class ModelLifeCycle:
                 return self.discard(done.outcome.models if done.outcome is not None else [])
 
             try:
-                if self._inline_misses:  # on the event loop (trip.py says when it loads there)
-                    find_and_load(self._admission, trip, find, self._loader, inline=True)
-                else:
-                    await self._pool.run(find_and_load, self._admission, trip, find, self._loader, discard=discard)
+                await self._pool.run(find_and_load, self._admission, trip, find, self._loader, discard=discard)
             except BaseException as exc:
                 if trip.reserved and self._admission.budget is not None:
                     self._admission.budget.cancel(name)

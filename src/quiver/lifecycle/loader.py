@@ -1,9 +1,7 @@
 """How one model is loaded: config, auto-complete, version policy, instances, labels.
 
 Everything here blocks (file reads, framework sessions, user ``initialize`` code) and runs
-on the manager's load threads; only an on-demand miss of a framework that holds the GIL while
-it loads, which would let nothing run meanwhile anyway, loads on the event loop
-(:mod:`quiver.lifecycle.trip`).
+on the manager's load threads, never on the event loop.
 """
 
 from __future__ import annotations
@@ -334,6 +332,24 @@ def _ensemble_labels(
                 if model_output in found:
                     labels[output.name] = found[model_output]
     return labels
+
+
+def backend_name(
+    source: ModelSource,
+    *,
+    strict: bool,
+    override: pb.ModelConfig | None = None,
+    configs: ConfigCache | None = None,
+    fingerprint: str = "",
+) -> str:
+    """The backend the model's config names (``onnxruntime``, ``pytorch``, ``python``...),
+    without importing it; ``""`` when the config does not say or cannot be read (the load
+    reports why)."""
+    try:
+        proto = read_proto(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
+        return str(proto.backend)
+    except QuiverError:
+        return ""
 
 
 def load_ensemble(

@@ -112,7 +112,6 @@ class ModelRepositoryManager:
         predictor: SizePredictor | None = None,
         namespacing: bool = True,
         evict_ahead: bool = True,
-        inline_misses: bool = True,
         read_ahead: bool = True,
     ) -> None:
         if control_mode not in CONTROL_MODES:
@@ -181,7 +180,6 @@ class ModelRepositoryManager:
             reload_failed_composing=control_mode in _API_MODES,
             namespacing=namespacing,
             load_retries=load_retries,
-            inline_misses=inline_misses,
         )
         self._flights = SingleFlight(self._lifecycle.spawn, clock)
         self._poll_task: asyncio.Task[None] | None = None

@@ -310,30 +310,6 @@ class _SharedExclusiveLock:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def try_section(self, exclusive: bool) -> Iterator[bool]:
-        """A shared (or ``exclusive``) section if one can be had without waiting: yields
-        whether it was (nothing is held when it was not)."""
-        with self._cond:
-            busy = self._exclusive or self._waiting_exclusive or (exclusive and self._shared)
-            if not busy:
-                if exclusive:
-                    self._exclusive = True
-                else:
-                    self._shared += 1
-        if busy:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            with self._cond:
-                if exclusive:
-                    self._exclusive = False
-                else:
-                    self._shared -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         with self._cond:
             self._waiting_exclusive += 1
@@ -413,29 +389,20 @@ class MemoryMeter:
         return its result with its footprint; ``heap``: its memory all comes from ``malloc``
         (measured by the heap when it can be read, else by RSS). Exceptions from ``load``
         propagate."""
-        with self._lock.exclusive():
-            return self._measured(load, heap)
-
-    def measure_now(self, load: Callable[[], T], *, heap: bool = False) -> tuple[T, Footprint] | None:
-        """:meth:`measure` if no other section is under way, else ``None`` (``load`` not run):
-        for a caller that must not wait (the event loop)."""
-        with self._lock.try_section(exclusive=True) as held:
-            return self._measured(load, heap) if held else None
-
-    def _measured(self, load: Callable[[], T], heap: bool) -> tuple[T, Footprint]:  # the exclusive section held
         by: MeasuredBy = "heap" if heap and self._heap is not None else "rss"
         read = self._heap if by == "heap" and self._heap is not None else self._rss
-        if by == "rss":
-            self._settle()
-        before = read()
-        gpu_before = self._gpu_now()
-        started = seconds(self._clock)
-        result = load()
-        duration = seconds(self._clock) - started
-        if by == "rss":
-            self._settle()
-        host = max(0, read() - before)
-        gpu_after = self._gpu_now() if gpu_before is not None else None
+        with self._lock.exclusive():
+            if by == "rss":
+                self._settle()
+            before = read()
+            gpu_before = self._gpu_now()
+            started = seconds(self._clock)
+            result = load()
+            duration = seconds(self._clock) - started
+            if by == "rss":
+                self._settle()
+            host = max(0, read() - before)
+            gpu_after = self._gpu_now() if gpu_before is not None else None
         gpu: dict[int, int] | None = None
         if gpu_before is not None and gpu_after is not None:
             gpu = {d: max(0, gpu_after.get(d, 0) - gpu_before.get(d, 0)) for d in gpu_after}
@@ -447,12 +414,6 @@ class MemoryMeter:
         """Run ``load`` unmeasured: in parallel with other shared loads, never during a measured one."""
         with self._lock.shared():
             return load()
-
-    def shared_now(self, load: Callable[[], T]) -> tuple[T] | None:
-        """:meth:`shared` if no measured section is under way or waiting, else ``None``
-        (``load`` not run)."""
-        with self._lock.try_section(exclusive=False) as held:
-            return (load(),) if held else None
 
 
 # -- SizePredictor -----------------------------------------------------------------------------

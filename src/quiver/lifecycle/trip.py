@@ -13,15 +13,6 @@ bookkeeping once (:func:`settle_trip`). Otherwise the trip stops after the
 inspection and the load goes the usual way (:meth:`AdmissionControl.load`: evictions, waits
 for pinned models, priming), with the inspection taken.
 
-A model whose framework holds the GIL while it loads (ONNX Runtime:
-:data:`~quiver.lifecycle.frameworks.LOADS_HOLDING_GIL`) gains nothing from a load thread: the
-event loop cannot run while the session is created, and handing the trip to a thread and back
-costs two wake-ups and the thread's cold core (0.3-0.4 ms of a 3.4 ms miss on the benchmark's
-busy 2-core machine). The trip is then made on the event loop itself (``inline``): the folder
-is found and inspected there, and the model loaded there when its inspection allows it and
-the memory meter is free at once; otherwise the trip stops after the inspection and the load
-goes the usual way, on a load thread.
-
 Every guarantee holds as on the usual way: the model's lock is held by the caller across the
 trip (one load per model), the size is reserved before the load starts and a measurement
 above it is covered before the model serves, nothing is evicted in the trip, and the
@@ -72,23 +63,16 @@ def find_and_load(
     trip: Trip,
     find: Callable[[], ModelSource | None],
     load_for: Callable[[ModelSource, Inspection], Callable[[], LoadOutcome]],
-    *,
-    inline: bool = False,
 ) -> Trip:
-    """Blocking (a load thread, or the event loop when ``inline``): fill ``trip``: ``find()``
-    the folder, inspect it, and load it when it may be loaded here (see the module notes):
-    ``load_for(source, inspection)()``. ``inline``: only a model whose inspection allows it
-    (:attr:`Inspection.inline`) is loaded, and only when the memory meter is free now (no
-    waiting on the event loop); otherwise the trip stops after the inspection. Exceptions
-    propagate; ``trip`` says whether a reservation was made by then."""
+    """Blocking (a load thread): fill ``trip``: ``find()`` the folder, inspect it, and load it
+    when it may be loaded here (see the module notes): ``load_for(source, inspection)()``.
+    Exceptions propagate; ``trip`` says whether a reservation was made by then."""
     source = trip.source = find()
     if source is None:
         return trip
     inspection = trip.inspection = admission.inspect(source, None)
     if inspection.composing is not None or admission.gpu is not None:
         return trip
-    if inline and not inspection.inline:
-        return trip  # loaded on a load thread, the usual way
     load = load_for(source, inspection)
     budget = admission.budget
     prediction = None
@@ -112,17 +96,8 @@ def find_and_load(
     trip.started = seconds(clock)
     if prediction is None:
         trip.outcome = load()
-    elif not inline:
-        trip.outcome, trip.measured, trip.how, _ = admission.measure(load, prediction, inspection.backend)
     else:
-        measured = admission.measure_now(load, prediction, inspection.backend)
-        if measured is None:  # the meter is held on a load thread: the usual way, which waits
-            assert budget is not None
-            budget.cancel(source.name)
-            trip.loads = trip.reserved = False
-            trip.prediction = None
-            return trip
-        trip.outcome, trip.measured, trip.how, _ = measured
+        trip.outcome, trip.measured, trip.how, _ = admission.measure(load, prediction, inspection.backend)
     trip.load_seconds = seconds(clock) - trip.started
     return trip
 

@@ -1,11 +1,6 @@
 """A miss in one trip to a load thread (lifecycle/trip.py): a model folder that fits in the
 free bytes is found, inspected and loaded on one load thread; the rest loads the usual way;
-every guarantee of the usual way holds for it. A model whose framework holds the GIL while
-it loads makes the trip on the event loop instead (``inline``), with the same guarantees.
-
-The fake backend does not hold the GIL: the tests of the trip to a thread serve with
-``inline_misses=False`` (the trip is then the same for every framework), those of the trip
-on the event loop declare it one that does."""
+every guarantee of the usual way holds for it."""
 
 from __future__ import annotations
 
@@ -20,7 +15,6 @@ import pytest
 from lifecycle_fakes import World, answer, install_fake_backend, serving, until
 
 from quiver.errors import QuiverError, UnavailableError
-from quiver.lifecycle import admission as admission_module
 from quiver.lifecycle.memory import MemoryMeter
 from quiver.lifecycle.model import ModelState
 from quiver.lifecycle.pool import LoadPool
@@ -59,7 +53,7 @@ def test_a_miss_with_room_is_found_inspected_and_loaded_in_one_trip(
 
     async def main() -> None:
         sizes = {"a": 4_000, "b": 4_000, "c": 4_000}
-        async with serving(tmp_path, world, 20_000, sizes, inline_misses=False) as (service, manager):
+        async with serving(tmp_path, world, 20_000, sizes) as (service, manager):
             budget = manager.admission.budget
             assert budget is not None
             assert await answer(service, "a", 1.0) == 1.0
@@ -91,7 +85,7 @@ def test_a_miss_that_needs_room_stops_after_the_inspection_and_evicts_first(
 
     async def main() -> None:
         sizes = {"a": 8_000, "b": 8_000, "c": 8_000}
-        async with serving(tmp_path, world, 17_000, sizes, inline_misses=False) as (service, manager):
+        async with serving(tmp_path, world, 17_000, sizes) as (service, manager):
             await answer(service, "a")
             await answer(service, "b")
             del trips[:]
@@ -145,7 +139,7 @@ def test_stopping_during_a_trip_unloads_what_it_loaded_and_gives_the_bytes_back(
     tmp_path: Path, world: World, trips: list[str]
 ) -> None:
     async def main() -> None:
-        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}, inline_misses=False) as (service, manager):
+        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}) as (service, manager):
             budget = manager.admission.budget
             assert budget is not None
             await answer(service, "a")
@@ -190,88 +184,5 @@ def test_the_index_shows_loading_only_while_a_trip_can_load(tmp_path: Path, worl
             await until(lambda: state(manager, "a") is ModelState.LOADING)
             world.gates["a"].set()
             assert await waiting == 2.0 and state(manager, "a") is ModelState.READY
-
-    asyncio.run(main())
-
-
-@pytest.fixture
-def holds_gil(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fake backend declared a framework that holds the GIL while it loads."""
-    monkeypatch.setattr(admission_module, "LOADS_HOLDING_GIL", frozenset({"fakemem"}))
-
-
-def test_a_miss_of_a_framework_holding_the_gil_is_found_and_loaded_on_the_event_loop(
-    tmp_path: Path, world: World, trips: list[str], holds_gil: None
-) -> None:
-    """With room, the miss takes no trip to a load thread at all: found, inspected, reserved,
-    loaded and measured on the event loop, then committed like any load; a model that asks
-    for a warm-up is only found and inspected there, and loads on a load thread."""
-    loaded_on: dict[str, str] = {}
-    real = world.alloc
-
-    def alloc(name: str, size: int) -> None:
-        loaded_on[name] = threading.current_thread().name
-        real(name, size)
-
-    world.alloc = alloc  # type: ignore[method-assign]
-
-    async def main() -> None:
-        sizes = {"a": 4_000, "b": 4_000, "c": 4_000}
-        async with serving(tmp_path, world, 20_000, sizes) as (service, manager):
-            budget = manager.admission.budget
-            assert budget is not None
-            assert await answer(service, "a", 1.0) == 1.0  # primes the framework (a load thread)
-            del trips[:]
-            assert await answer(service, "b", 2.0) == 2.0
-            assert trips == [] and loaded_on["b"] == threading.main_thread().name
-            assert budget.resident["b"] == manager.get("b").size_bytes >= 4_000
-            assert budget.reserved == {}
-            config = tmp_path / "c" / "config.pbtxt"
-            config.write_text(
-                config.read_text()
-                + 'model_warmup [ { name: "w" batch_size: 1 inputs { key: "INPUT0" value: '
-                "{ data_type: TYPE_FP32 dims: [ 1 ] zero_data: true } } } ]\n"
-            )
-            assert await answer(service, "c", 3.0) == 3.0
-            assert trips == ["measure"] and loaded_on["c"] != threading.main_thread().name
-
-    asyncio.run(main())
-
-
-def test_an_inline_miss_never_waits_for_the_meter_on_the_event_loop(
-    tmp_path: Path, world: World, trips: list[str], holds_gil: None
-) -> None:
-    """While a load thread holds the memory meter (another load measured, an unload), the
-    miss gives its reservation back and loads the usual way, which waits on a load thread;
-    the event loop keeps serving meanwhile."""
-
-    async def main() -> None:
-        sizes = {"a": 4_000, "b": 4_000}
-        async with serving(tmp_path, world, 20_000, sizes) as (service, manager):
-            budget = manager.admission.budget
-            assert budget is not None
-            await answer(service, "a")
-            del trips[:]
-            release = threading.Event()
-            held = threading.Event()
-
-            def hold() -> None:
-                def wait() -> None:
-                    held.set()
-                    assert release.wait(10)
-
-                manager.admission.meter.measure(wait)
-
-            holder = threading.Thread(target=hold)
-            holder.start()
-            assert held.wait(5)
-            waiting = asyncio.ensure_future(answer(service, "b", 2.0))
-            await until(lambda: "measure" in trips)  # the usual way, on a load thread
-            assert await answer(service, "a", 3.0) == 3.0  # the loop is not blocked
-            assert not waiting.done() and "b" not in world.loads
-            release.set()
-            assert await waiting == 2.0
-            holder.join()
-            assert world.loads == ["a", "b"] and budget.reserved == {}
 
     asyncio.run(main())
