@@ -169,9 +169,9 @@ class ModelLifeCycle:
                 return {}  # loaded while this waited for the lock
             trip = Trip()
             # The index shows LOADING for the whole trip: set here, not from the load thread
-            # once the config is ready (that woke the event loop, which then waited for the
-            # GIL the framework holds while it creates its session). What it showed before
-            # comes back when the trip finds no folder or fails before loading.
+            # once the config is ready (that woke the event loop mid-load: a wake-up and a
+            # hand-off of the GIL on the load's path). What it showed before comes back when
+            # the trip finds no folder or fails before loading.
             before = self._table.mark_loading(name)
 
             def discard(done: Trip) -> Coroutine[Any, Any, None]:  # cancelled: what loaded goes
