@@ -262,6 +262,11 @@ _registry = _Registry()
 _EXTRAS = {"torch": "torch", "tensorflow": "tensorflow", "nvidia.dali": "dali", "nvidia": "dali"}
 
 
+def imported_backend(name: str) -> Backend | None:
+    """The backend called ``name`` if it has been imported already (nothing is imported)."""
+    return _registry.loaded.get(name)
+
+
 def get_backend(name: str) -> Backend:
     """The backend called ``name``; raises UNSUPPORTED for one Quiver does not have."""
     known = _registry.loaded.get(name)

@@ -20,6 +20,7 @@ from quiver.backends.base import (
     ModelInstance,
     ThreadedInstance,
     get_backend,
+    imported_backend,
     instance_specs,
 )
 from quiver.config import ModelConfig, parse_model_config
@@ -199,6 +200,22 @@ def load_model(
             elapsed,
         )
     return LoadOutcome(config, models, failures)
+
+
+def prepare_ahead(source: ModelSource, strict: bool, configs: ConfigCache, fingerprint: str) -> bool:
+    """Blocking: ``source``'s configuration prepared into ``configs`` (read, auto-completed,
+    validated, labels and version folders read: what :func:`load_model` starts with) when
+    that needs neither a framework import nor the model's files: its backend has been
+    imported and says its auto-complete leaves the configuration as it is
+    (``completes_without_files``; a backend without that says nothing and is not prepared
+    ahead). Whether it was; QuiverError when the configuration is wrong."""
+    proto = read_proto(source, strict=strict, configs=configs, fingerprint=fingerprint)
+    backend = imported_backend(proto.backend) if proto.backend else None
+    completes = getattr(backend, "completes_without_files", None)
+    if completes is None or not completes(proto, strict):
+        return False
+    _prepare(source, strict, None, configs, fingerprint)
+    return True
 
 
 def _prepare(

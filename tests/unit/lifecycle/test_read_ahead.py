@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from lifecycle_fakes import FakeClock, World, answer, install_fake_backend, serving, until
 
+from quiver.backends.base import _registry
 from quiver.lifecycle import loader
 from quiver.lifecycle.configs import ConfigCache
 from quiver.lifecycle.memory import MemoryMeter
@@ -95,3 +96,40 @@ def test_a_first_miss_finds_its_configuration_read_ahead(
             assert sorted(reads) == ["a", "b", "c", "c"]
 
     asyncio.run(main())
+
+
+def test_a_configuration_completed_without_the_model_files_is_prepared_ahead(
+    tmp_path: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A configuration whose framework is imported and completes it without opening the model
+    is prepared ahead too (what a load starts with); one its framework would have to open the
+    model for is only read; folders read before their framework was imported are prepared
+    once every folder was read."""
+    backend = _registry.loaded["fakemem"]
+    monkeypatch.setattr(backend, "completes_without_files", lambda config, strict: config.name != "c", raising=False)
+    sources = folders(tmp_path, ["a", "b", "c"])
+    imported: list[str] = []
+    real = loader.imported_backend
+
+    def later(name: str) -> object:
+        imported.append(name)
+        return real(name) if len(imported) > len(sources) else None  # imported after the first pass
+
+    monkeypatch.setattr(loader, "imported_backend", later)
+    configs = ConfigCache()
+    pool = LoadPool(1)
+
+    async def main() -> None:
+        clock = FakeClock()
+        ahead = ReadAhead(configs=configs, pool=pool, meter=MemoryMeter(gpu=None), clock=clock, strict=False)
+        clock.advance(IDLE_S)
+        await asyncio.wait_for(ahead.run(sources), 5)
+        assert ahead.read == 6 and ahead.prepared == 2  # a, b, c read, then again: a and b prepared
+        for source in sources:
+            found = configs.prepared(source, fingerprint(source.path), False)
+            assert (found is not None) == (source.name != "c")
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
