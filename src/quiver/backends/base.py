@@ -128,7 +128,9 @@ class ThreadedInstance(abc.ABC):
     known to cost a small fraction of creating the instance (``first_call_guess``: ONNX
     Runtime's is 0.02-0.1x for models whose weights dominate, see the README's miss path)
     guesses it from its creation time (:meth:`created_in`, divided by
-    :data:`FIRST_CALL_DIVISOR`); a first call with at most :data:`FIRST_CALL_MAX_INPUT_BYTES`
+    :data:`FIRST_CALL_DIVISOR`; the loader gives the CPU time the creation took on its thread,
+    not the wall time, which a busy machine stretches: a guess from that sent the first call
+    to a thread just when starting one is slowest, 1-7 ms); a first call with at most :data:`FIRST_CALL_MAX_INPUT_BYTES`
     of inputs runs inline when that guess is under the threshold. A model just loaded on
     demand then answers its first request without starting its thread and handing the call
     over (0.3-0.6 ms on a busy 2-core machine); the call is timed like any other, so a first
@@ -149,8 +151,8 @@ class ThreadedInstance(abc.ABC):
         self._guess_ns = -1  # the first call's guessed cost; -1: no guess
 
     def created_in(self, nanoseconds: int) -> None:
-        """Creating this instance took ``nanoseconds``: guess the first call's cost from it
-        (when ``first_call_guess``)."""
+        """Creating this instance took ``nanoseconds`` of CPU: guess the first call's cost from
+        it (when ``first_call_guess``)."""
         if self.first_call_guess and self.inline_safe:
             self._guess_ns = max(0, nanoseconds) // FIRST_CALL_DIVISOR
 
@@ -258,6 +260,11 @@ _registry = _Registry()
 
 #: Optional framework package -> the Quiver extra that installs it.
 _EXTRAS = {"torch": "torch", "tensorflow": "tensorflow", "nvidia.dali": "dali", "nvidia": "dali"}
+
+
+def imported_backend(name: str) -> Backend | None:
+    """The backend called ``name`` if it has been imported already (nothing is imported)."""
+    return _registry.loaded.get(name)
 
 
 def get_backend(name: str) -> Backend:

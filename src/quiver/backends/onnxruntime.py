@@ -272,6 +272,11 @@ def _to_bytes(value: Any) -> bytes:
 class OnnxRuntimeBackend:
     name = "onnxruntime"
 
+    def completes_without_files(self, config: pb.ModelConfig, strict: bool) -> bool:
+        """Whether :meth:`auto_complete` leaves ``config`` as it is without opening the model
+        (a configuration may then be prepared ahead of its load: lifecycle/read_ahead.py)."""
+        return strict or _complete(config)
+
     def auto_complete(self, config: pb.ModelConfig, files: ModelFiles, strict: bool) -> None:
         """Fill inputs, outputs and max_batch_size from the model, as Triton does."""
         if strict:

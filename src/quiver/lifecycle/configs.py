@@ -92,6 +92,11 @@ class ConfigCache:
     ) -> None:
         self._put(self._key("prepared", source, fingerprint, strict), prepared)
 
+    @property
+    def capacity(self) -> int:
+        """The most entries kept."""
+        return self._capacity
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)

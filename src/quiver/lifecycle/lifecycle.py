@@ -168,36 +168,37 @@ class ModelLifeCycle:
             if self._table.serving(name):
                 return {}  # loaded while this waited for the lock
             trip = Trip()
-            loop = asyncio.get_running_loop()
-
-            def loading(model: str) -> None:  # on the load thread: the index shows LOADING
-                loop.call_soon_threadsafe(self._table.mark, model, ModelState.LOADING)
+            # The index shows LOADING for the whole trip: set here, not from the load thread
+            # once the config is ready (that woke the event loop mid-load: a wake-up and a
+            # hand-off of the GIL on the load's path). What it showed before comes back when
+            # the trip finds no folder or fails before loading.
+            before = self._table.mark_loading(name)
 
             def discard(done: Trip) -> Coroutine[Any, Any, None]:  # cancelled: what loaded goes
                 return self.discard(done.outcome.models if done.outcome is not None else [])
 
             try:
-                await self._pool.run(find_and_load, self._admission, trip, find, self._loader, loading, discard=discard)
+                await self._pool.run(find_and_load, self._admission, trip, find, self._loader, discard=discard)
             except BaseException as exc:
                 if trip.reserved and self._admission.budget is not None:
                     self._admission.budget.cancel(name)
                 if not trip.loads or not isinstance(exc, Exception):
+                    self._table.restore(name, before)
                     raise  # not the load's error (or cancelled): as before any load
                 trip.error = exc  # the load's: reported as any load's failure is
             if trip.source is None:
+                self._table.restore(name, before)
                 return None
             return await self.load_locked(trip.source, None, inspection=trip.inspection, trip=trip)
 
     def _loader(
-        self, source: ModelSource, inspection: Inspection, override: pb.ModelConfig | None = None,
-        starting: Callable[[], None] | None = None,
+        self, source: ModelSource, inspection: Inspection, override: pb.ModelConfig | None = None
     ) -> Callable[[], LoadOutcome]:  # the blocking load of the files ``inspection`` saw
         return functools.partial(
             load_model,
             source,
             strict=self._strict,
             config_override=override,
-            starting=starting,
             inline_threshold_ns=self._inline_threshold_ns,
             clock=self._clock,
             configs=self._admission.configs,

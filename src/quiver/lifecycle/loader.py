@@ -7,7 +7,7 @@ on the manager's load threads, never on the event loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from quiver.backends.base import (
     ModelInstance,
     ThreadedInstance,
     get_backend,
+    imported_backend,
     instance_specs,
 )
 from quiver.config import ModelConfig, parse_model_config
@@ -153,14 +154,12 @@ def load_model(
     configs: ConfigCache | None = None,
     fingerprint: str = "",
     announce: bool = True,
-    starting: Callable[[], None] | None = None,
 ) -> LoadOutcome:
     """Load every version the version policy selects; failures are reported, not raised.
     With ``configs`` and the files' ``fingerprint``, the configuration is prepared (read,
     auto-completed, validated, labels read) once per fingerprint. ``announce``: log what
     loaded (a load under the memory budget is announced once its size is known, in one line
-    with it). ``starting``: called once the configuration is ready, as the first instance is
-    created (a framework's session creation lets other threads run meanwhile)."""
+    with it)."""
     started = seconds(clock)
     try:
         prepared = _prepare(source, strict, config_override, configs, fingerprint)
@@ -181,8 +180,6 @@ def load_model(
 
     models: list[Model] = []
     failures: dict[int, str] = {}
-    if starting is not None:
-        starting()
     for version in selected:
         try:
             models.append(_load_version(config, backend, source, version, labels, inline_threshold_ns, clock))
@@ -203,6 +200,22 @@ def load_model(
             elapsed,
         )
     return LoadOutcome(config, models, failures)
+
+
+def prepare_ahead(source: ModelSource, strict: bool, configs: ConfigCache, fingerprint: str) -> bool:
+    """Blocking: ``source``'s configuration prepared into ``configs`` (read, auto-completed,
+    validated, labels and version folders read: what :func:`load_model` starts with) when
+    that needs neither a framework import nor the model's files: its backend has been
+    imported and says its auto-complete leaves the configuration as it is
+    (``completes_without_files``; a backend without that says nothing and is not prepared
+    ahead). Whether it was; QuiverError when the configuration is wrong."""
+    proto = read_proto(source, strict=strict, configs=configs, fingerprint=fingerprint)
+    backend = imported_backend(proto.backend) if proto.backend else None
+    completes = getattr(backend, "completes_without_files", None)
+    if completes is None or not completes(proto, strict):
+        return False
+    _prepare(source, strict, None, configs, fingerprint)
+    return True
 
 
 def _prepare(
@@ -252,11 +265,11 @@ def _load_version(
     instances: list[ModelInstance] = []
     try:
         for spec in instance_specs(config):
-            started = clock.now()
+            cpu = time.thread_time_ns()  # the creation's own work: a busy machine stretches wall time
             instance = backend.create_instance(config, files, spec)
             if isinstance(instance, ThreadedInstance):
                 instance.inline_threshold_ns = inline_threshold_ns
-                instance.created_in(clock.now() - started)
+                instance.created_in(time.thread_time_ns() - cpu)
             instances.append(instance)
         run_warmup(config, version, instances, samples, clock=clock)
     except BaseException:

@@ -58,6 +58,7 @@ from quiver.lifecycle.model import Model, ModelState, VersionStatus
 from quiver.lifecycle.pins import Pins
 from quiver.lifecycle.policies import DEFAULT_POLICY
 from quiver.lifecycle.pool import LoadPool
+from quiver.lifecycle.read_ahead import ReadAhead
 from quiver.lifecycle.sources import DEFAULT_CACHE_BYTES, ModelSources
 from quiver.lifecycle.table import ModelTable
 from quiver.metrics.statistics import MultiModelStatistics
@@ -111,6 +112,7 @@ class ModelRepositoryManager:
         predictor: SizePredictor | None = None,
         namespacing: bool = True,
         evict_ahead: bool = True,
+        read_ahead: bool = True,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -181,6 +183,13 @@ class ModelRepositoryManager:
         )
         self._flights = SingleFlight(self._lifecycle.spawn, clock)
         self._poll_task: asyncio.Task[None] | None = None
+        #: on_demand: the local model folders' configurations read while idle (read_ahead.py)
+        self._read_ahead = (
+            ReadAhead(configs=self.admission.configs, pool=self._pool, meter=self.admission.meter, clock=clock, strict=strict_config)
+            if read_ahead and control_mode == "on_demand"
+            else None
+        )
+        self._read_ahead_task: asyncio.Task[None] | None = None
 
     def add_residency_listener(self, listener: Callable[[str, bool], None]) -> None:
         """Call ``listener(name, resident)`` whenever a model becomes READY (True) or stops
@@ -238,6 +247,9 @@ class ModelRepositoryManager:
                     failures.update(result)
         if self.control_mode == "poll" and poll_seconds > 0:
             self._poll_task = asyncio.create_task(self._poll_forever(poll_seconds), name="quiver-poll")
+        if self._read_ahead is not None:
+            ahead = [source for name, source in sorted(sources.items()) if not self._table.known(name)]
+            self._read_ahead_task = asyncio.create_task(self._read_ahead.run(ahead), name="quiver-read-ahead")
         return failures
 
     async def _poll_forever(self, seconds: float) -> None:
@@ -377,6 +389,8 @@ class ModelRepositoryManager:
                 raise
         check_model_name(name)
         self.multi_model.cache_misses += 1
+        if self._read_ahead is not None:
+            self._read_ahead.busy()
         waited_from = seconds(self._clock)
         try:
             # A request waiting for its model's load pins it: once loaded, the model is not
@@ -461,6 +475,8 @@ class ModelRepositoryManager:
         """A request on ``model`` finished (its pin may be released): loads waiting for room
         look again."""
         self.admission.notify()
+        if self._read_ahead is not None:
+            self._read_ahead.busy()
 
     # -- statistics ----------------------------------------------------------------------
 
@@ -497,10 +513,11 @@ class ModelRepositoryManager:
     async def stop(self) -> None:
         """Stop polling, cancel and await the loads in flight, drain every model's scheduler
         and unload the instances (``finalize`` runs), close the disk cache."""
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll_task
+        for task in (self._poll_task, self._read_ahead_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self._lifecycle.stop(timeout=self._load_wait_timeout)
         await self._sources.close()
         self._pool.shutdown()

@@ -168,6 +168,20 @@ class ModelTable:
         """One index entry for the whole model (no version)."""
         self._status[name] = [VersionStatus(name, "", state, reason)]
 
+    def mark_loading(self, name: str) -> list[VersionStatus] | None:
+        """One LOADING entry for ``name``; returns what the index showed before (None: nothing),
+        for :meth:`restore`."""
+        before = self._status.get(name)
+        self._status[name] = [VersionStatus(name, "", ModelState.LOADING)]
+        return before
+
+    def restore(self, name: str, statuses: list[VersionStatus] | None) -> None:
+        """Show ``statuses`` for ``name`` again (what :meth:`mark_loading` returned)."""
+        if statuses is None:
+            self._status.pop(name, None)
+        else:
+            self._status[name] = statuses
+
     def mark_versions(self, name: str, models: list[Model], state: ModelState, reason: str = "") -> None:
         self._status[name] = [VersionStatus(name, m.version_str, state, reason) for m in models]
 

@@ -21,7 +21,6 @@ reservation is given back on the event loop when the load fails or is cancelled.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,22 +62,18 @@ def find_and_load(
     admission: AdmissionControl,
     trip: Trip,
     find: Callable[[], ModelSource | None],
-    load_for: Callable[[ModelSource, Inspection, None, Callable[[], None]], Callable[[], LoadOutcome]],
-    loading: Callable[[str], None],
+    load_for: Callable[[ModelSource, Inspection], Callable[[], LoadOutcome]],
 ) -> Trip:
     """Blocking (a load thread): fill ``trip``: ``find()`` the folder, inspect it, and load it
-    when it may be loaded here (see the module notes): ``load_for(source, inspection, None,
-    starting)()``, which calls ``starting()`` once the configuration is ready: then
-    ``loading(name)`` (the index shows LOADING; the event loop does that while the framework
-    creates its session). Exceptions propagate; ``trip`` says whether a reservation was made
-    by then."""
+    when it may be loaded here (see the module notes): ``load_for(source, inspection)()``.
+    Exceptions propagate; ``trip`` says whether a reservation was made by then."""
     source = trip.source = find()
     if source is None:
         return trip
     inspection = trip.inspection = admission.inspect(source, None)
     if inspection.composing is not None or admission.gpu is not None:
         return trip
-    load = load_for(source, inspection, None, functools.partial(loading, source.name))
+    load = load_for(source, inspection)
     budget = admission.budget
     prediction = None
     if budget is not None:

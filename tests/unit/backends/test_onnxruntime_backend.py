@@ -62,6 +62,17 @@ def test_auto_complete_reads_the_model_when_something_is_missing(tmp_path: Path,
     assert list(bad.input[0].dims) == [4] and bad.output[0].data_type == pb.TYPE_FP32
 
 
+def test_it_says_which_configurations_it_completes_without_the_model(tmp_path: Path) -> None:
+    """What the lifecycle's read-ahead asks before preparing a configuration: complete ones
+    (and any under --strict-model-config, which auto-completes nothing) need no model file;
+    one with something to fill in does."""
+    complete, _ = folder(tmp_path / "a", COMPLETE, b"not an onnx model")
+    partial, _ = folder(tmp_path / "b", 'name: "m" backend: "onnxruntime"', b"not an onnx model")
+    assert ob.BACKEND.completes_without_files(complete, strict=False)
+    assert not ob.BACKEND.completes_without_files(partial, strict=False)
+    assert ob.BACKEND.completes_without_files(partial, strict=True)
+
+
 def test_an_instance_serves_then_frees_its_session_on_unload(tmp_path: Path) -> None:
     model = add_constant_onnx(2.0)
     onnx.checker.check_model(model)

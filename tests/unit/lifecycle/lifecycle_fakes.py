@@ -202,9 +202,11 @@ async def serving(
     over the fake backend; at the end, the ledger is checked and the manager stopped, and no
     task it started is left. The eviction policy is LRU unless ``eviction_policy`` names
     another, and nothing is evicted ahead of need unless ``evict_ahead=True``: the scenarios
-    name their victims by recency, and which are resident when."""
+    name their victims by recency, and which are resident when; configurations are not read
+    ahead unless ``read_ahead=True`` (the scenarios count trips and reads)."""
     options.setdefault("eviction_policy", "lru")
     options.setdefault("evict_ahead", False)
+    options.setdefault("read_ahead", False)
     for name, size in sizes.items():
         write_model(tmp_path, name, size)
     manager = ModelRepositoryManager(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from lifecycle_fakes import World, answer, install_fake_backend, serving, until
 
-from quiver.errors import UnavailableError
+from quiver.errors import QuiverError, UnavailableError
 from quiver.lifecycle.memory import MemoryMeter
 from quiver.lifecycle.model import ModelState
 from quiver.lifecycle.pool import LoadPool
@@ -157,5 +157,32 @@ def test_stopping_during_a_trip_unloads_what_it_loaded_and_gives_the_bytes_back(
                 await waiting
             assert world.loads == ["a", "b"] and sorted(world.unloads) == ["a", "b"] and world.bytes == 0
             assert budget.reserved == {} and manager.memory == (0, 20_000)
+
+    asyncio.run(main())
+
+
+def test_the_index_shows_loading_only_while_a_trip_can_load(tmp_path: Path, world: World) -> None:
+    """A miss shows LOADING from the start of its trip; a name with no folder (nor key), or a
+    trip that fails before loading, leaves the index as it was."""
+
+    async def main() -> None:
+        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}) as (service, manager):
+            await answer(service, "a")
+            with pytest.raises(QuiverError):
+                await answer(service, "nope")
+            assert state(manager, "nope") is None
+            config = tmp_path / "b" / "config.pbtxt"
+            config.write_text("this is { not a configuration")
+            with pytest.raises(QuiverError):
+                await answer(service, "b")
+            assert state(manager, "b") is not ModelState.LOADING
+            await manager.unload("a")
+            before = [s for s in manager.index() if s.name == "a"]
+            assert before and before[0].state is ModelState.UNAVAILABLE
+            world.gates["a"] = threading.Event()
+            waiting = asyncio.ensure_future(answer(service, "a", 2.0))
+            await until(lambda: state(manager, "a") is ModelState.LOADING)
+            world.gates["a"].set()
+            assert await waiting == 2.0 and state(manager, "a") is ModelState.READY
 
     asyncio.run(main())

@@ -1,0 +1,135 @@
+"""Configurations read ahead (lifecycle/read_ahead.py): the local model folders' configurations
+parsed while the server is idle, so a model's first miss finds its configuration read."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from lifecycle_fakes import FakeClock, World, answer, install_fake_backend, serving, until
+
+from quiver.backends.base import _registry
+from quiver.lifecycle import loader
+from quiver.lifecycle.configs import ConfigCache
+from quiver.lifecycle.memory import MemoryMeter
+from quiver.lifecycle.pool import LoadPool
+from quiver.lifecycle.read_ahead import IDLE_S, ReadAhead
+from quiver.lifecycle.sources import fingerprint
+from quiver.repository.local import LocalRepository, ModelSource
+
+CONFIG = 'name: "{name}"\nbackend: "fakemem"\nmax_batch_size: 0\n'
+
+
+@pytest.fixture
+def world(monkeypatch: pytest.MonkeyPatch) -> World:
+    return install_fake_backend(monkeypatch)
+
+
+def folders(repo: Path, names: list[str]) -> list[ModelSource]:
+    for name in names:
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name))
+    found = [LocalRepository([repo]).find(name) for name in names]
+    assert all(s is not None for s in found)
+    return [s for s in found if s is not None]
+
+
+def test_configurations_are_read_only_while_the_server_is_idle_and_up_to_half_the_cache(
+    tmp_path: Path,
+) -> None:
+    """Nothing is read until no request came or went for IDLE_S; then each folder's
+    configuration is read under its files' fingerprint, a broken one skipped, until the cache
+    holds half its capacity."""
+    sources = folders(tmp_path, ["a", "b", "c", "d", "e"])
+    (tmp_path / "b" / "config.pbtxt").write_text("not { a configuration")
+    configs = ConfigCache(capacity=6)
+    clock = FakeClock()
+    pool = LoadPool(1)
+
+    async def main() -> None:
+        ahead = ReadAhead(configs=configs, pool=pool, meter=MemoryMeter(gpu=None), clock=clock, strict=False)
+        running = asyncio.ensure_future(ahead.run(sources))
+        await asyncio.sleep(0.05)
+        assert len(configs) == 0  # the start counts as activity: not idle yet
+        clock.advance(IDLE_S / 2)
+        ahead.busy()  # a request came
+        clock.advance(IDLE_S / 2 + 1e-6)
+        await asyncio.sleep(0.05)
+        assert len(configs) == 0  # idle only IDLE_S / 2 since that request
+        clock.advance(IDLE_S)
+        await asyncio.wait_for(running, 5)
+        assert ahead.read == 3 and len(configs) == 3  # a, c, d: b is broken, then the cache is half full
+        for source in (sources[0], sources[2], sources[3]):
+            assert configs.read(source, fingerprint(source.path), False) is not None
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
+
+
+def test_a_first_miss_finds_its_configuration_read_ahead(
+    tmp_path: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In on_demand mode the manager reads ahead the folders the index does not know; a model's
+    first load then parses nothing, and a configuration changed since is read again."""
+    reads: list[str] = []
+    real = loader._read_proto
+
+    def counting(source: ModelSource, **kwargs: object) -> object:
+        reads.append(source.name)
+        return real(source, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "_read_proto", counting)
+
+    async def main() -> None:
+        sizes = {"a": 4_000, "b": 4_000, "c": 4_000}
+        async with serving(tmp_path, world, 40_000, sizes, read_ahead=True) as (service, _manager):
+            await until(lambda: sorted(reads) == ["a", "b", "c"])
+            assert await answer(service, "a", 1.0) == 1.0
+            assert await answer(service, "b", 2.0) == 2.0
+            assert sorted(reads) == ["a", "b", "c"]  # nothing parsed by the loads
+            config = tmp_path / "c" / "config.pbtxt"
+            config.write_text(config.read_text() + "\n# edited\n")
+            assert await answer(service, "c", 3.0) == 3.0
+            assert sorted(reads) == ["a", "b", "c", "c"]
+
+    asyncio.run(main())
+
+
+def test_a_configuration_completed_without_the_model_files_is_prepared_ahead(
+    tmp_path: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A configuration whose framework is imported and completes it without opening the model
+    is prepared ahead too (what a load starts with); one its framework would have to open the
+    model for is only read; folders read before their framework was imported are prepared
+    once every folder was read."""
+    backend = _registry.loaded["fakemem"]
+    monkeypatch.setattr(backend, "completes_without_files", lambda config, strict: config.name != "c", raising=False)
+    sources = folders(tmp_path, ["a", "b", "c"])
+    imported: list[str] = []
+    real = loader.imported_backend
+
+    def later(name: str) -> object:
+        imported.append(name)
+        return real(name) if len(imported) > len(sources) else None  # imported after the first pass
+
+    monkeypatch.setattr(loader, "imported_backend", later)
+    configs = ConfigCache()
+    pool = LoadPool(1)
+
+    async def main() -> None:
+        clock = FakeClock()
+        ahead = ReadAhead(configs=configs, pool=pool, meter=MemoryMeter(gpu=None), clock=clock, strict=False)
+        clock.advance(IDLE_S)
+        await asyncio.wait_for(ahead.run(sources), 5)
+        assert ahead.read == 6 and ahead.prepared == 2  # a, b, c read, then again: a and b prepared
+        for source in sources:
+            found = configs.prepared(source, fingerprint(source.path), False)
+            assert (found is not None) == (source.name != "c")
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
