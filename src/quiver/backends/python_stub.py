@@ -285,13 +285,28 @@ class Worker:
                 return
             if self.decoupled or senders.used:
                 senders.respond(result)
+            elif type(result) is list and len(result) == len(ids) and not self.outbox:
+                # the usual: one response per request, sent with the batch's done (one write)
+                arena, where = self.arena, self.where
+                responses = []
+                for index, item in enumerate(result):
+                    answer = response_message(item, index, arena, where)
+                    answer["id"] = ids[index]  # with the done: the response itself, named
+                    responses.append(answer)
+                self.outbox = None
+                self.channel.send({"op": msg.DONE, "batch": batch, "responses": responses})
+                if self.cancelled:
+                    for request_id in ids:
+                        self.cancelled.discard(request_id)
+                return
             else:
                 self._respond(ids, result)
         finally:
-            self._flush(batch)
-            if self.cancelled and not self.decoupled and not senders.used:
-                for request_id in ids:
-                    self.cancelled.discard(request_id)
+            if self.outbox is not None:
+                self._flush(batch)
+                if self.cancelled and not self.decoupled and not senders.used:
+                    for request_id in ids:
+                        self.cancelled.discard(request_id)
 
     def _flush(self, batch: int) -> None:
         """The batch's ``done``, carrying its responses: one message, one write."""
@@ -319,18 +334,9 @@ class Worker:
             self.channel.send({"op": msg.RESPONSE, "id": request_id, "response": response, "flags": msg.FINAL})
 
     def _respond(self, ids: list[str], result: Any) -> None:
+        """What ``execute`` returned, each response on its own (execute() sends the usual
+        list of one response per request with the done itself)."""
         count = len(ids)
-        if type(result) is list and len(result) == count:  # the common case: checked per item
-            outbox, response = self.outbox, self._response
-            if outbox is not None:
-                for index, item in enumerate(result):
-                    answer = response(item, index)
-                    answer["id"] = ids[index]  # with the done: the response itself, named
-                    outbox.append(answer)
-            else:
-                for index, item in enumerate(result):
-                    self._send_response(ids[index], response(item, index))
-            return
         expected = (
             f"a model that is not decoupled must return a list with one "
             f"pb_utils.InferenceResponse per request ({count} requests)"
