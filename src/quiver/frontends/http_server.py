@@ -174,7 +174,9 @@ class HttpProtocol(asyncio.Protocol):
         method = parser.get_method()
         raw_path = self.url
         query = b""
-        if b"?" in raw_path or b"%" in raw_path or raw_path[:1] != b"/":
+        # find(), not ``in``: bytes' ``in`` tries the operand as an integer first (a TypeError
+        # raised and cleared each time)
+        if raw_path.find(b"?") >= 0 or raw_path.find(b"%") >= 0 or raw_path[:1] != b"/":
             url = httptools.parse_url(raw_path)  # raises HttpParserInvalidURLError: a 400
             raw_path, query = url.path, url.query or b""
         path = raw_path.decode("ascii")
