@@ -60,17 +60,9 @@ DECOUPLED_ERROR = (
 
 #: Extensions Quiver implements, by Triton's names (server metadata lists them).
 EXTENSIONS = [
-    "classification",
-    "model_repository",
-    "model_repository(unload_dependents)",
-    "model_configuration",
-    "binary_tensor_data",
-    "system_shared_memory",
-    "cuda_shared_memory",
-    "parameters",
-    "statistics",
-    "trace",
-    "logging",
+    "classification", "model_repository", "model_repository(unload_dependents)", "model_configuration",
+    "binary_tensor_data", "system_shared_memory", "cuda_shared_memory", "parameters", "statistics",
+    "trace", "logging",
 ]
 
 
@@ -444,18 +436,26 @@ class InferenceService:
                 raise
             return (await self.manager.acquire(name, version, use=False)).config  # the request counts
 
-    async def _admit(self, request: InferenceRequest) -> Model:
-        """The READY model for ``request`` (loaded first, on demand), the request checked."""
+    def _found(self, request: InferenceRequest) -> Model | None:
+        """The READY model for ``request``, the request checked; None if it loads first (on demand)."""
         manager = self.manager
         try:
             model = manager.get(request.model_name, request.model_version, use=True)
         except (NotFoundError, UnavailableError):
             if not manager.on_demand:
                 raise
-            model = await manager.acquire(request.model_name, request.model_version)
-        else:
-            if manager.on_demand:
-                manager.multi_model.cache_hits += 1
+            return None
+        if manager.on_demand:
+            manager.multi_model.cache_hits += 1
+        return self._checked(model, request)
+
+    async def _admit(self, request: InferenceRequest) -> Model:
+        """The READY model for ``request`` (loaded first, on demand), the request checked."""
+        if (found := self._found(request)) is not None:
+            return found
+        return self._checked(await self.manager.acquire(request.model_name, request.model_version), request)
+
+    def _checked(self, model: Model, request: InferenceRequest) -> Model:
         try:
             if request.raw:
                 deduce_raw_input(model.config, request)
@@ -483,14 +483,25 @@ class InferenceService:
         finally:
             self.shared_memory.release(lease)
 
-    async def _infer(self, request: InferenceRequest, decoupled_error: str, watch: Watch | None = None) -> InferenceResponse:
+    def _infer(self, request: InferenceRequest, decoupled_error: str, watch: Watch | None = None) -> Awaitable[InferenceResponse]:
+        """The answer to await; a model found READY admits the request now (no coroutine)."""
         started = time.monotonic_ns() if request.trace is not None else 0
-        model = await self._admit(request)
+        model = self._found(request)
+        if model is None:
+            return self._infer_loaded(request, decoupled_error, watch, started)
+        self._refuse_decoupled(model, decoupled_error)
+        return self._execute(model, request, started, watch)
+
+    async def _infer_loaded(self, request: InferenceRequest, decoupled_error: str, watch: Watch | None, started: int) -> InferenceResponse:
+        model = await self._admit(request)  # loaded on demand
+        self._refuse_decoupled(model, decoupled_error)
+        return await self._execute(model, request, started, watch)
+
+    def _refuse_decoupled(self, model: Model, decoupled_error: str) -> None:
         if model.config.proto.model_transaction_policy.decoupled:
             model.stats.record_failure(0, "REJECTED")
             self.manager.request_done(model)
             raise UnsupportedError(decoupled_error.replace("{model}", model.name))
-        return await self._execute(model, request, started, watch)
 
     async def _execute(
         self, model: Model, request: InferenceRequest, started: int, watch: Watch | None = None
@@ -580,13 +591,4 @@ class InferenceService:
             self.manager.request_done(model)
 
 
-
-
-__all__ = [
-    "CAPACITY_ERRORS",
-    "CacheFullError",
-    "InferenceService",
-    "OutOfMemoryError",
-    "QuiverError",
-    "Registration",
-]
+__all__ = ["CAPACITY_ERRORS", "CacheFullError", "InferenceService", "OutOfMemoryError", "QuiverError", "Registration"]

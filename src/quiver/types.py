@@ -52,14 +52,14 @@ class DataType(enum.Enum):
     BYTES = "BYTES"
     BF16 = "BF16"
 
-    @property
-    def numpy_dtype(self) -> np.dtype[Any]:
-        return _NUMPY[self]
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element; 0 for BYTES, whose elements have their own lengths."""
-        return _ITEMSIZE[self]
+    # Plain attributes of each member, set below (a property costs a call and a lookup, and
+    # the request path reads them for every tensor):
+    #: The numpy dtype (object for BYTES).
+    numpy_dtype: np.dtype[Any]
+    #: Bytes per element; 0 for BYTES, whose elements have their own lengths.
+    itemsize: int
+    #: The wire name, ``value`` (which is a property of every enum: slower to read).
+    wire: str
 
     @property
     def config_name(self) -> str:
@@ -110,6 +110,11 @@ _NUMPY: dict[DataType, np.dtype[Any]] = {
     DataType.BF16: _BF16,
 }
 _ITEMSIZE = {dt: (0 if dt is DataType.BYTES else npd.itemsize) for dt, npd in _NUMPY.items()}
+for _member in DataType:
+    _member.numpy_dtype = _NUMPY[_member]
+    _member.itemsize = _ITEMSIZE[_member]
+    _member.wire = _member.value
+del _member
 _WIRE = {dt.value: dt for dt in DataType}
 #: wire name -> datatype, for the protocol modules' lookups (``.get`` on the request path).
 BY_WIRE_NAME: Mapping[str, DataType] = MappingProxyType(_WIRE)

@@ -112,14 +112,16 @@ class ModelConfig:
     parameters: dict[str, str] = field(default_factory=dict)
     input_map: dict[str, TensorConfig] = field(default_factory=dict)
     output_map: dict[str, TensorConfig] = field(default_factory=dict)
+    #: ``proto.name`` and ``proto.max_batch_size``, read once (every request reads them;
+    #: reading the message costs more than a plain attribute).
+    name: str = field(init=False)
+    max_batch_size: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.input_map = {t.name: t for t in self.inputs}
         self.output_map = {t.name: t for t in self.outputs}
-
-    @property
-    def name(self) -> str:
-        return str(self.proto.name)
+        self.name = str(self.proto.name)
+        self.max_batch_size = int(self.proto.max_batch_size)
 
     @property
     def platform(self) -> str:
@@ -128,10 +130,6 @@ class ModelConfig:
     @property
     def backend(self) -> str:
         return str(self.proto.backend)
-
-    @property
-    def max_batch_size(self) -> int:
-        return int(self.proto.max_batch_size)
 
     @property
     def default_model_filename(self) -> str:

@@ -25,11 +25,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from quiver import messages
 from quiver.errors import InvalidArgumentError, QuiverError
+from quiver.frontends.content_encoding import MIN_COMPRESS_BYTES
 from quiver.frontends.content_encoding import compress_for as _compress
-from quiver.frontends.content_encoding import decompress as _decompress
 from quiver.frontends.headers import HeaderForwarding
+from quiver.frontends.http_body import _watch, _whole, read_body
 from quiver.frontends.http_generate import GenerateEndpoint
-from quiver.frontends.offload import INFLATE_INLINE_BYTES, OFFLOAD_NS, in_worker
+from quiver.frontends.offload import OFFLOAD_NS, in_worker
 from quiver.frontends.restrictions import Restrictions, http_group
 from quiver.frontends.status import BodyTooLarge, http_error
 from quiver.protocol.limits import check_body_depth
@@ -41,10 +42,8 @@ from quiver.protocol.v2_json import (
     encode_response,
 )
 from quiver.raw_input import raw_request
-from quiver.service import InferenceService, Watch
-from quiver.streaming import Cancellation
-from quiver.tracing import Trace
-from quiver.types import InferenceRequest, InferenceResponse
+from quiver.service import InferenceService
+from quiver.tracing import Trace, TraceManager
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
@@ -78,6 +77,8 @@ class HttpFrontend:
         self.forwarding = HeaderForwarding(header_forward_pattern, ignore_case=True)
         self.max_input_size = max_input_size
         self.generate = GenerateEndpoint(service, max_input_size, read_body)
+        #: The service's trace settings (None: a service that traces nothing, a worker's).
+        self._tracing: TraceManager | None = getattr(service, "tracing", None)
         self._app = Starlette(
             routes=self.routes(),
             exception_handlers={
@@ -321,7 +322,7 @@ class HttpFrontend:
     # -- inference: a lean ASGI path, no router or request objects -----------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.restrictions and scope["type"] == "http":
+        if self.restrictions.required and scope["type"] == "http":
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             denied = self.restrictions.denied(http_group(scope["method"], scope["path"]), headers)
             if denied is not None:
@@ -352,7 +353,14 @@ class HttpFrontend:
         with contextlib.suppress(Exception):  # answered and logged by _failed already
             await self._app(scope, receive, send)
 
-    async def _infer(self, scope: Scope, receive: Receive, send: Send, model: str, version: str) -> None:
+    def _infer(self, scope: Scope, receive: Receive, send: Send, model: str, version: str) -> Awaitable[None]:
+        """The inference route: the way with trace timestamps only while tracing is on."""
+        tracing = self._tracing
+        if tracing is None or not tracing.active:
+            return self._infer_traced(scope, receive, send, model, version, None)
+        return self._infer_sampled(scope, receive, send, model, version)
+
+    async def _infer_sampled(self, scope: Scope, receive: Receive, send: Send, model: str, version: str) -> None:
         received = now_ns()
         trace = self.service.start_trace(model, lambda: _trace_headers(scope))
         if trace is None:
@@ -371,6 +379,7 @@ class HttpFrontend:
         content_length = raw_length = encoding = accept = None
         extensions = scope.get("extensions")
         respond = extensions.get(RESPOND) if extensions else None
+        at_hand = extensions.get(BODY) if extensions else None
         for key, value in scope["headers"]:
             if key == b"content-length":
                 content_length = value
@@ -382,7 +391,9 @@ class HttpFrontend:
                 accept = value
         try:
             try:
-                body = await self._read_body(receive, content_length, encoding)
+                body = _whole(at_hand, content_length, self.max_input_size) if at_hand and encoding is None else None
+                if body is None:
+                    body = await self._read_body(receive, content_length, encoding)
             except BodyTooLarge:
                 if raw_length is None or raw_length.strip() != b"0":
                     raise
@@ -410,7 +421,7 @@ class HttpFrontend:
             if trace is not None:
                 trace.capture("HTTP_RECV_END")
                 infer_request.trace = trace
-            if self.forwarding:
+            if self.forwarding.regex is not None:
                 self.forwarding.apply(
                     ((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
                     infer_request,
@@ -430,6 +441,11 @@ class HttpFrontend:
             status, message = http_error(exc, model=model, where=f"inference on model '{model}'")
             await _send(send, status, _error_body(message), respond=respond)
             return
+        if respond is not None and (accept is None or len(payload) < MIN_COMPRESS_BYTES):
+            if trace is not None:
+                trace.capture("HTTP_SEND_START")
+            respond(200, _JSON_LINES if json_length is None else _BINARY_LINES % json_length, payload)
+            return
         headers: list[tuple[bytes, bytes]] = []
         content_type = _JSON
         if json_length is not None:
@@ -445,82 +461,6 @@ class HttpFrontend:
         return await read_body(receive, content_length, encoding, self.max_input_size)
 
 
-async def read_body(
-    receive: Receive, content_length: bytes | None, encoding: bytes | None, limit: int
-) -> bytes:
-    """The whole request body from ASGI ``receive``, refused past ``limit`` bytes (before and
-    after undoing ``Content-Encoding``); the SageMaker frontend reads its bodies with it too."""
-    if content_length is not None and content_length.isdigit() and int(content_length) > limit:
-        raise BodyTooLarge(limit)
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        raise ClientDisconnect()
-    body: bytes = message.get("body", b"")
-    if message.get("more_body", False):
-        chunks = [body]
-        size = len(body)
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientDisconnect()
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(limit)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-    elif len(body) > limit:
-        raise BodyTooLarge(limit)
-    if encoding is not None:
-        name = encoding.decode("latin-1").strip().lower()
-        if name != "identity":
-            if len(body) < INFLATE_INLINE_BYTES:
-                body = _decompress(body, name, limit)
-            else:
-                body = await in_worker(_decompress, body, name, limit)
-    return body
-
-
-def _watch(receive: Receive, request: InferenceRequest) -> Watch:
-    """The service's ``watch`` for one request: the wait for a queued request's answer is
-    cancelled when the client disconnects (the request told it is cancelled, as the model
-    may read)."""
-
-    def watch(work: Awaitable[InferenceResponse]) -> Awaitable[InferenceResponse]:
-        return _unless_disconnected(work, receive, request)
-
-    return watch
-
-
-async def _unless_disconnected(
-    work: Awaitable[InferenceResponse], receive: Receive, request: InferenceRequest | None = None
-) -> InferenceResponse:
-    """Run ``work`` but cancel it if the client disconnects first: a request still waiting
-    in a queue then leaves it without costing compute."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(receive())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            message = watcher.result()
-            if message.get("type") == "http.disconnect":
-                if request is not None:
-                    request.cancellation = request.cancellation or Cancellation()  # the model reads it
-                    request.cancellation.cancel()
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise ClientDisconnect()
-            await task
-        return task.result()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
 _JSON = JSON.encode()
 _BINARY = BINARY.encode()
 
@@ -532,7 +472,12 @@ def _error_body(message: str) -> bytes:
 #: The ASGI scope extension of Quiver's HTTP server (``http_server.py``): a callable that
 #: answers the request at once, ``respond(status, header_lines, payload)``.
 RESPOND = "quiver.respond"
+#: Its extension that gives the whole request body at once when it has all of it and the
+#: app has read none of it (else None): ``body()``.
+BODY = "quiver.body"
 _CONTENT_TYPES = {_JSON: b"content-type: application/json\r\n", _BINARY: b"content-type: application/octet-stream\r\n"}
+_JSON_LINES = _CONTENT_TYPES[_JSON]
+_BINARY_LINES = _CONTENT_TYPES[_BINARY] + b"inference-header-content-length: %d\r\n"
 
 
 async def _send(

@@ -1,7 +1,7 @@
 """One HTTP request and its response on Quiver's HTTP server (``http_server.py``): the ASGI
-``receive`` and ``send`` of one app call, and the ``quiver.respond`` extension that answers
-at once. The response head is held until the first body message so that head and body leave
-in one ``transport.write``."""
+``receive`` and ``send`` of one app call, the ``quiver.body`` extension that gives a body all
+here at once, and the ``quiver.respond`` extension that answers at once. The response head is
+held until the first body message so that head and body leave in one ``transport.write``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ class Exchange:
         "keep_alive",
         "length",
         "parts",
+        "reading",
         "scope",
         "sent",
         "started",
@@ -72,6 +73,7 @@ class Exchange:
         self.buffered = 0
         self.body_done = False  # the parser has seen the whole body
         self.body_given = False  # the app has been given the last of it
+        self.reading = False  # the app has asked for the body
         self.waiter: asyncio.Future[None] | None = None
         self.expect_continue = expect_continue
         self.keep_alive = keep_alive
@@ -98,7 +100,24 @@ class Exchange:
 
     # -- ASGI ----------------------------------------------------------------------------
 
+    def body_now(self) -> bytes | None:
+        """The whole body when the parser has all of it and the app has asked for none of it
+        yet (the ``quiver.body`` extension: no ASGI message, no coroutine); else None, and
+        the app reads it with ``receive``."""
+        if self.reading or not self.body_done or self.disconnected or self.done:
+            return None
+        self.reading = self.body_given = True
+        self.expect_continue = False  # the body is here: nothing to ask the client for
+        parts = self.parts
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.parts = []
+        if self.buffered > HIGH_WATER:
+            self.conn.resume_reading()
+        self.buffered = 0
+        return body
+
     async def receive(self) -> dict[str, Any]:
+        self.reading = True
         if self.expect_continue:
             self.expect_continue = False
             if not self.started and not self.body_done and not self.disconnected:

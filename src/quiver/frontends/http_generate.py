@@ -40,7 +40,7 @@ NOT_ONE = (
 )
 
 
-#: ``quiver.frontends.http.read_body``: the whole body, bounded, Content-Encoding undone.
+#: ``quiver.frontends.http_body.read_body``: the whole body, bounded, Content-Encoding undone.
 ReadBody = Callable[[Receive, bytes | None, bytes | None, int], Awaitable[bytes]]
 
 

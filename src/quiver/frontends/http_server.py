@@ -11,8 +11,9 @@ per request:
 - the response head is held until the first body message, then head and body leave in ONE
   ``transport.write`` (one syscall, one packet, one wake-up of the client); a body sent in
   parts (``more_body``) without a ``content-length`` goes out chunked (server-sent events);
-  the scope's ``quiver.respond`` extension answers in one call, with no ASGI messages (the
-  v2 inference route uses it);
+  the scope's ``quiver.respond`` extension answers in one call, with no ASGI messages, and
+  its ``quiver.body`` extension gives a body that is all here in one call, with no
+  ``receive()`` (the v2 inference route uses both);
 - HTTP/1.1 keep-alive and pipelining (answers in order, reading paused while requests wait),
   HTTP/1.0 (the connection closes after the answer), ``Transfer-Encoding: chunked`` request
   bodies (more than :data:`MAX_CHUNKS` chunks refused as Triton does), ``Expect:
@@ -173,7 +174,9 @@ class HttpProtocol(asyncio.Protocol):
         method = parser.get_method()
         raw_path = self.url
         query = b""
-        if b"?" in raw_path or b"%" in raw_path or raw_path[:1] != b"/":
+        # find(), not ``in``: bytes' ``in`` tries the operand as an integer first (a TypeError
+        # raised and cleared each time)
+        if raw_path.find(b"?") >= 0 or raw_path.find(b"%") >= 0 or raw_path[:1] != b"/":
             url = httptools.parse_url(raw_path)  # raises HttpParserInvalidURLError: a 400
             raw_path, query = url.path, url.query or b""
         path = raw_path.decode("ascii")
@@ -195,7 +198,7 @@ class HttpProtocol(asyncio.Protocol):
         }
         keep_alive = version != "1.0" and parser.should_keep_alive() and not self.server.stopping
         request = Exchange(self, scope, keep_alive, self.expect_continue and version == "1.1")
-        scope["extensions"] = {"quiver.respond": request.respond}
+        scope["extensions"] = {"quiver.respond": request.respond, "quiver.body": request.body_now}
         self.url = b""
         self.headers = []
         self.head_bytes = self.chunks = 0

@@ -18,7 +18,8 @@ from __future__ import annotations
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from quiver.frontends.http import HttpFrontend, _send, read_body
+from quiver.frontends.http import HttpFrontend, _send
+from quiver.frontends.http_body import read_body
 from quiver.frontends.http_generate import until_disconnect
 from quiver.frontends.remote_service import RemoteService
 from quiver.frontends.restrictions import Restrictions

@@ -50,7 +50,8 @@ from quiver.errors import (
     QuiverError,
     UnavailableError,
 )
-from quiver.frontends.http import DECOUPLED_ERROR, _trace_headers, _watch, read_body
+from quiver.frontends.http import DECOUPLED_ERROR, _trace_headers
+from quiver.frontends.http_body import _watch, read_body
 from quiver.frontends.http_generate import GenerateEndpoint
 from quiver.frontends.offload import OFFLOAD_NS, in_worker
 from quiver.frontends.status import http_error, http_status

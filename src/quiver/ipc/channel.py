@@ -66,7 +66,7 @@ def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> tuple[byte
             pass
         else:
             # orjson writes a non-finite float as null: such a value goes the exact way
-            if b"null" not in body or not _non_finite(value):
+            if body.find(b"null") < 0 or not _non_finite(value):  # find(): see encode()
                 return body, False
     return json.dumps(value, separators=(",", ":"), default=default).encode("utf-8"), True
 
@@ -78,7 +78,9 @@ def encode(message: dict[str, Any]) -> bytes:
         except TypeError:
             pass
         else:
-            if b"null" not in body or not _non_finite(message):
+            # find(), not ``in`` (which tries the operand as an integer first, raising and
+            # clearing a TypeError each time)
+            if body.find(b"null") < 0 or not _non_finite(message):
                 return _LENGTH.pack(len(body)) + body
     body, exact = dumps(message)
     return _LENGTH.pack(len(body) | _EXACT if exact else len(body)) + body

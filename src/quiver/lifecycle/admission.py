@@ -181,8 +181,10 @@ class AdmissionControl:
 
     @property
     def tracks_use(self) -> bool:
-        """Whether the policy counts uses (LRU needs only the last use, which models keep)."""
-        return not isinstance(self.policy, LRUPolicy)
+        """Whether the policy counts uses: only under a memory budget or GPU limit (without
+        one nothing is ever evicted, and a count per request would cost every request for
+        nothing), and not for LRU (which needs only the last use, which models keep)."""
+        return (self.budget is not None or self._gpu is not None) and not isinstance(self.policy, LRUPolicy)
 
     def used(self, model: Model) -> None:
         """A request looked ``model`` up (the policy's use count)."""

@@ -31,14 +31,14 @@ def array_from_raw(
     ``size_source`` names where the size came from in the error for a wrong size
     ("binary_data_size is", "its raw_input_contents has").
     """
-    if datatype is DataType.BYTES:
-        return deserialize_bytes(buffer, count, name).reshape(shape)
     expected = count * datatype.itemsize
+    if not expected and datatype is DataType.BYTES:  # (itemsize 0 first: reading DataType.X costs)
+        return deserialize_bytes(buffer, count, name).reshape(shape)
     if len(buffer) != expected:
         raise InvalidArgumentError(
             f"input '{name}': shape {list(shape)} of {datatype.value} needs {expected} bytes "
             f"but {size_source} {len(buffer)}"
         )
-    if datatype is DataType.BF16 and not HAVE_BF16:
+    if not HAVE_BF16 and datatype is DataType.BF16:
         raise InvalidArgumentError(f"input '{name}': BF16 needs the ml_dtypes package on the server")
     return np.frombuffer(buffer, dtype=datatype.numpy_dtype).reshape(shape)

@@ -223,7 +223,9 @@ def decode_request(
         if datatype is None:
             raise _bad(f"input '{name}': unknown datatype {wire_type!r}")
         shape, count = _shape(raw.get("shape"), name, datatype)
-        params = _parameters(raw.get("parameters"), f"input '{name}'")
+        params = raw.get("parameters")
+        if type(params) is not dict:  # (the message is built only when it is needed)
+            params = {} if params is None else _parameters(params, f"input '{name}'")
         binary_size = params.get("binary_data_size")
         where = placement(params, name, grpc=False) if params and REGION in params else None
         has_data = "data" in raw
@@ -267,7 +269,9 @@ def decode_request(
             if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
                 raise _bad("each of 'outputs' must be an object with a 'name'")
             out_name = raw["name"]
-            out_params = _parameters(raw.get("parameters"), f"output '{out_name}'")
+            out_params = raw.get("parameters")
+            if type(out_params) is not dict:
+                out_params = {} if out_params is None else _parameters(out_params, f"output '{out_name}'")
             if out_params and REGION in out_params:
                 if "classification" in out_params:
                     raise _bad(messages.shm_with_classification())
@@ -351,7 +355,7 @@ def _json_strings(flat: np.ndarray[Any, Any]) -> list[str]:
 
 
 def _binary_data(tensor: Tensor) -> bytes:
-    if tensor.datatype is DataType.BYTES:
+    if not tensor.datatype.itemsize:  # BYTES (reading DataType.BYTES costs more than this)
         return serialize_bytes(tensor.data)
     return np.ascontiguousarray(tensor.data).tobytes()
 
@@ -427,7 +431,7 @@ def encode_response(
     for tensor in response.outputs:
         entry: dict[str, Any] = {
             "name": tensor.name,
-            "datatype": tensor.datatype.value,
+            "datatype": tensor.datatype.wire,
             "shape": list(tensor.shape),
         }
         if in_regions and tensor.name in in_regions:

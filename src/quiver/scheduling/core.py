@@ -323,6 +323,10 @@ class InstancePool:
         )
         self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
 
+    def take(self) -> ModelInstance | None:
+        """A free instance now, or None (then :meth:`acquire` waits for one)."""
+        return self._free.popleft() if self._free else None
+
     async def acquire(self) -> ModelInstance:
         if self._free:
             return self._free.popleft()

@@ -39,9 +39,12 @@ class DirectScheduler(CoreScheduler):
         start = core.clock.now()
         rows = batch_rows(request, self._batching)
         with core.accept(start, error_reason="OTHER"):
-            instance = await self._pool.acquire()
+            pool = self._pool
+            instance = pool.take()  # no coroutine when one is free
+            if instance is None:
+                instance = await pool.acquire()
             try:
                 execution = await Execution.run(instance, [request], rows, core.stats, core.clock)
             finally:
-                self._pool.release(instance)
+                pool.release(instance)
         return execution.outcome(execution.results[0], start, rows)

@@ -135,7 +135,8 @@ class TraceManager:
         self._global = TraceSetting(self, start)
         self._models: dict[str, TraceSetting] = {}
         self._fallback: set[str] = set()  # models with settings that follow some global values
-        self._active = self._any_active()
+        #: Whether any setting traces (else no request is sampled: the frontends skip asking).
+        self.active = self._any_active()
 
     # -- the settings API ------------------------------------------------------------------
 
@@ -194,7 +195,7 @@ class TraceManager:
         if not model:
             for name in sorted(self._fallback):
                 self._update(name, {}, set())
-        self._active = self._any_active()
+        self.active = self._any_active()
         return self.settings_json(model)
 
     def _update(self, model: str, new: dict[str, Any], cleared: set[str]) -> None:
@@ -240,7 +241,7 @@ class TraceManager:
         """The trace for a request to ``model``, or None if it is not traced. ``carrier()``:
         the request's headers (OpenTelemetry mode: a propagated ``traceparent`` forces a
         trace)."""
-        if not self._active:
+        if not self.active:
             return None
         setting = self._models.get(model, self._global)
         if setting.level == LEVEL_OFF:
