@@ -219,15 +219,18 @@ class Worker:
         return ready
 
     def serve(self) -> None:
-        jobs = self.jobs
+        jobs, take = self.jobs, self.inbox.take
 
         def waiting() -> bool:
             return bool(jobs)
 
         while True:
-            if not jobs:
-                self.inbox.wait(waiting, spin=self.spin if self.spin and spare_core() else 0.0)
-            job = jobs.popleft()
+            if self.spin and spare_core():
+                if not jobs:
+                    self.inbox.wait(waiting, spin=self.spin)
+                job = jobs.popleft()
+            else:  # the usual: the next batch, read here (or queued by a thread that read it)
+                job = take(msg.EXECUTE, jobs)
             release = job.get("release")
             if release:
                 self.arena.free_many(release)
