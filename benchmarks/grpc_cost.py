@@ -27,6 +27,10 @@ The targets (``--targets``):
   the connection's receive window. It decodes no headers and keeps no per-stream flow
   control, so it is a lower bound for gRPC served by Python on the event loop without
   ``grpcio``'s server, not a server;
+* ``floor-h2lib``: the same answer from a server on uvloop whose HTTP/2 is the ``h2``
+  package's connection (python-hyper's state machine: every header block decoded and
+  validated, both flow-control windows and each stream's state kept), one write per batch of
+  events: what a correct HTTP/2 layer from a well-kept library costs per call before any gRPC;
 * ``quiver-onnx`` and ``quiver-python``: ``quiver serve`` (one process) with ``tiny`` as ONNX
   and as Triton's Python model unchanged;
 * ``h2-quiver-onnx`` and ``h2-quiver-python``: the same models behind ``floor-h2`` instead of
@@ -64,8 +68,8 @@ from benchmarks.peers import Server
 from benchmarks.peers.quiver import QuiverServer
 from benchmarks.request_cpu import PAYLOAD, write_repository
 
-TARGETS = ("floor-grpcio", "floor-h2", "quiver-onnx", "quiver-python", "h2-quiver-onnx", "h2-quiver-python")
-DEFAULT_TARGETS = TARGETS[:4]
+TARGETS = ("floor-grpcio", "floor-h2", "floor-h2lib", "quiver-onnx", "quiver-python", "h2-quiver-onnx", "h2-quiver-python")
+DEFAULT_TARGETS = ("floor-grpcio", "floor-h2", "quiver-onnx", "quiver-python")
 ROLES = ("event loop", "event_engine", "other threads", "children")
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -182,6 +186,49 @@ class _H2Floor(asyncio.Protocol):
         self.transport.write(self.reply(stream, await handler(data)))
 
 
+class _H2LibFloor(asyncio.Protocol):
+    """``floor-h2lib``: the canned answer from a server whose HTTP/2 is the ``h2`` package's
+    connection state machine (headers decoded and validated, both flow-control windows kept,
+    each stream's state tracked), one write per batch of events."""
+
+    def __init__(self, answer: bytes) -> None:
+        import h2.config
+        import h2.connection
+
+        self.message = b"\x00" + len(answer).to_bytes(4, "big") + answer
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        self.conn = h2.connection.H2Connection(config=config)
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.conn.initiate_connection()
+        self.conn.increment_flow_control_window(1 << 30)
+        transport.write(self.conn.data_to_send())
+
+    def data_received(self, data: bytes) -> None:
+        import h2.events
+
+        conn = self.conn
+        for event in conn.receive_data(data):
+            kind = type(event)
+            if kind is h2.events.DataReceived:
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                if event.stream_ended is not None:
+                    self.reply(event.stream_id)
+            elif kind is h2.events.StreamEnded:
+                pass
+        out = conn.data_to_send()
+        if out:
+            self.transport.write(out)
+
+    def reply(self, stream: int) -> None:
+        conn = self.conn
+        conn.send_headers(stream, ((b":status", b"200"), (b"content-type", b"application/grpc")))
+        conn.send_data(stream, self.message)
+        conn.send_headers(stream, ((b"grpc-status", b"0"),), end_stream=True)
+
+
 async def _quiver_handler(backend: str) -> Callable[[bytes], Awaitable[bytes]]:
     """Quiver's ModelInfer handler over ``tiny`` as ``backend``, assembled as ``quiver serve``
     assembles it."""
@@ -223,6 +270,13 @@ async def _serve_floor(kind: str, host: str) -> None:
         port, stop = await _serve_grpcio(host, canned_answer())
     elif kind == "h2":
         port, stop = await _serve_h2(host, canned_answer())
+    elif kind == "h2lib":
+        answer = canned_answer()
+        server = await loop.create_server(lambda: _H2LibFloor(answer), host, 0, backlog=1024)
+        port = int(server.sockets[0].getsockname()[1])
+
+        async def stop() -> None:
+            server.close()
     else:  # h2-quiver-BACKEND
         port, stop = await _serve_h2(host, await _quiver_handler(kind.removeprefix("h2-quiver-")))
     print(f"started GRPC service at {host}:{port}", file=sys.stderr, flush=True)  # as Quiver says it
@@ -344,7 +398,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--stem", default="grpc_cost")
-    parser.add_argument("--serve-floor", choices=("grpcio", "h2", "h2-quiver-onnx", "h2-quiver-python"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", choices=("grpcio", "h2", "h2lib", "h2-quiver-onnx", "h2-quiver-python"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_floor is None:
         args.targets = [t for t in args.targets.split(",") if t]
