@@ -1,0 +1,249 @@
+"""A stream of Quiver's HTTP/2 server connection (:mod:`quiver.frontends.http2`): its state, the
+handler it is given to, and the sending half of the connection (:class:`StreamWriter`): header
+blocks, DATA under both of the client's flow-control windows in frames no larger than the
+client's ``MAX_FRAME_SIZE``, trailers after the last byte, stream resets, and the credit a
+stream's reader gives back (``consume``)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import Any, Protocol
+
+from quiver.frontends import http2_frames as h2
+from quiver.frontends.http2_frames import StreamError
+
+logger = logging.getLogger(__name__)
+
+#: The flow-control window this server grants each stream (SETTINGS_INITIAL_WINDOW_SIZE).
+STREAM_WINDOW = 1 << 20
+#: A writer waits (:meth:`StreamWriter.writable`) while its stream holds more unsent bytes.
+WRITE_HIGH_WATER = 256 * 1024
+#: Streams reset by this server whose late frames are ignored rather than refused.
+RESET_MEMORY = 256
+
+
+class StreamHandler(Protocol):
+    """What a stream's handler (a gRPC call) is told."""
+
+    def data_received(self, data: memoryview, end_stream: bool) -> None:
+        """Bytes of the stream (the view is valid during the call only); ``end_stream``: the
+        client has sent all. The handler calls :meth:`Http2Connection.consume` for what it took."""
+
+    def stream_reset(self, code: int) -> None:
+        """The stream is gone (the client reset it, the connection closed, or a stream error)."""
+
+
+class Stream:
+    """One stream's state on this connection."""
+
+    __slots__ = ("drained", "handler", "id", "local_closed", "pending", "pending_bytes", "recv_window",
+                 "remote_closed", "reset", "send_window", "trailers", "unacked")
+
+    def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
+        self.id = stream_id
+        self.handler: StreamHandler | None = None
+        self.send_window = send_window
+        self.recv_window = recv_window
+        self.unacked = 0  # consumed, not yet returned with WINDOW_UPDATE
+        self.remote_closed = False
+        self.local_closed = False
+        self.reset = False
+        self.pending: collections.deque[memoryview] = collections.deque()  # DATA waiting for window
+        self.pending_bytes = 0
+        self.trailers: bytes | None = None  # framed trailers, sent once pending is empty
+        self.drained: asyncio.Future[None] | None = None  # a writer waiting for room
+
+
+class StreamWriter:
+    """The sending half of :class:`~quiver.frontends.http2.Http2Connection`."""
+
+    loop: asyncio.AbstractEventLoop
+    transport: Any
+    peer: str
+    closed: bool
+    streams: dict[int, Stream]
+    _out: list[bytes] | None
+    _blocked: dict[int, Stream]
+    _send_window: int
+    _peer_max_frame: int
+    _table_update: bool
+    _pings_without_data: int
+    _ping_strikes: int
+    _last_ping_received: float | None
+    _write_paused: bool
+    _reset_ids: collections.deque[int]
+
+    def _maybe_close(self) -> None:
+        raise NotImplementedError
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        if self._out is not None:
+            self._out.append(data)
+        elif not self.closed:
+            self.transport.write(data)
+
+    def _block_of(self, block: bytes) -> bytes:
+        if self._table_update:
+            self._table_update = False
+            return h2.TABLE_SIZE_ZERO + block
+        return block
+
+    def respond(self, stream: Stream, headers: bytes, body: bytes, trailers: bytes) -> None:
+        """A whole answer: the header block, the body as DATA, the trailer block (END_STREAM);
+        in one write when the windows allow."""
+        if stream.reset or stream.local_closed or self.closed:
+            return
+        size = len(body)
+        limit = self._peer_max_frame
+        if (
+            stream.pending or size > stream.send_window or size > self._send_window
+            or size > limit or len(headers) > limit or len(trailers) > limit or self._table_update
+        ):
+            self.send_headers(stream, headers)
+            self.send_data(stream, body)
+            self.send_trailers(stream, trailers)
+            return
+        stream.send_window -= size
+        self._send_window -= size
+        self._pings_without_data = 0
+        self._ping_strikes, self._last_ping_received = 0, None
+        sid = stream.id
+        self._write(
+            h2.frame(h2.HEADERS, h2.END_HEADERS, sid, headers)
+            + h2.data_frame_header(sid, size) + body
+            + h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, sid, trailers)
+        )
+        self._local_close(stream)
+
+    def send_headers(self, stream: Stream, block: bytes, end_stream: bool = False) -> None:
+        """The response's header block (``end_stream``: a trailers-only answer)."""
+        if stream.reset or stream.local_closed or self.closed:
+            return
+        self._ping_strikes, self._last_ping_received = 0, None
+        self._write(h2.headers_frames(stream.id, self._block_of(block), end_stream, self._peer_max_frame))
+        if end_stream:
+            self._local_close(stream)
+
+    def send_data(self, stream: Stream, data: bytes | memoryview) -> None:
+        """Body bytes, sent as the windows allow (the rest waits for WINDOW_UPDATE)."""
+        if stream.reset or stream.local_closed or self.closed or not data:
+            return
+        stream.pending.append(memoryview(data))
+        stream.pending_bytes += len(data)
+        self._flush_stream(stream)
+
+    def send_trailers(self, stream: Stream, block: bytes) -> None:
+        """The trailer block, with END_STREAM, once every byte before it has been sent."""
+        if stream.reset or stream.local_closed or self.closed or stream.trailers is not None:
+            return
+        stream.trailers = block
+        self._flush_stream(stream)
+
+    def _flush_stream(self, stream: Stream) -> None:
+        pending = stream.pending
+        limit = self._peer_max_frame
+        sent = False
+        while pending:
+            window = min(stream.send_window, self._send_window)
+            if window <= 0:
+                self._blocked[stream.id] = stream
+                break
+            chunk = pending[0]
+            size = min(len(chunk), window, limit)
+            if size == len(chunk):
+                pending.popleft()
+            else:
+                pending[0] = chunk[size:]
+                chunk = chunk[:size]
+            stream.send_window -= size
+            self._send_window -= size
+            stream.pending_bytes -= size
+            self._write(h2.data_frame_header(stream.id, size) + bytes(chunk))
+            sent = True
+        if sent:
+            self._pings_without_data = 0
+            self._ping_strikes, self._last_ping_received = 0, None
+        if not pending:
+            self._blocked.pop(stream.id, None)
+            if stream.trailers is not None:
+                block, stream.trailers = stream.trailers, None
+                self._write(h2.headers_frames(stream.id, self._block_of(block), True, limit))
+                self._local_close(stream)
+        if stream.pending_bytes <= WRITE_HIGH_WATER and not self._write_paused:
+            self._wake(stream)
+
+    def _flush_blocked(self) -> None:
+        for stream in list(self._blocked.values()):
+            if self._send_window <= 0:
+                break
+            self._flush_stream(stream)
+
+    async def writable(self, stream: Stream) -> None:
+        """Until ``stream`` has room for more (few bytes waiting for window, the transport
+        not paused) or has ended."""
+        while not stream.reset and not self.closed and (stream.pending_bytes > WRITE_HIGH_WATER or self._write_paused):
+            if stream.drained is None or stream.drained.done():
+                stream.drained = self.loop.create_future()
+            await stream.drained
+
+    def _wake(self, stream: Stream) -> None:
+        waiter = stream.drained
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def consume(self, stream: Stream, size: int) -> None:
+        """``size`` bytes of the stream were taken by its reader: the client may send more."""
+        if stream.remote_closed or stream.reset:
+            return
+        stream.unacked += size
+        if stream.unacked >= STREAM_WINDOW // 4:
+            self._write(h2.window_update(stream.id, stream.unacked))
+            stream.recv_window += stream.unacked
+            stream.unacked = 0
+
+    def reset_stream(self, stream: Stream, code: int = h2.CANCEL) -> None:
+        """End ``stream`` with RST_STREAM (its handler is not told: it asked)."""
+        if stream.reset or self.closed:
+            return
+        stream.reset = True
+        self._reset_ids.append(stream.id)
+        self._write(h2.rst_stream(stream.id, code))
+        self._forget(stream)
+
+    def _local_close(self, stream: Stream) -> None:
+        stream.local_closed = True
+        if stream.remote_closed:
+            self._forget(stream)
+        else:
+            # The answer is complete before the request: the client may stop sending.
+            self.reset_stream(stream, h2.NO_ERROR)
+
+    def _forget(self, stream: Stream) -> None:
+        self.streams.pop(stream.id, None)
+        self._blocked.pop(stream.id, None)
+        self._wake(stream)
+        self._maybe_close()
+
+    def _gone(self, stream: Stream, code: int) -> None:
+        stream.reset = True
+        self._wake(stream)
+        handler, stream.handler = stream.handler, None
+        if handler is not None:
+            handler.stream_reset(code)
+
+    def _stream_error(self, exc: StreamError) -> None:
+        logger.debug("gRPC client %s: stream %d reset: %s", self.peer, exc.stream_id, exc.message)
+        stream = self.streams.pop(exc.stream_id, None)
+        self._reset_ids.append(exc.stream_id)
+        self._write(h2.rst_stream(exc.stream_id, exc.code))
+        if stream is not None:
+            self._blocked.pop(stream.id, None)
+            self._gone(stream, exc.code)
+            self._maybe_close()
+
+
+__all__ = ["RESET_MEMORY", "STREAM_WINDOW", "WRITE_HIGH_WATER", "Stream", "StreamHandler", "StreamWriter"]
