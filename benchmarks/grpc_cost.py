@@ -31,8 +31,13 @@ The targets (``--targets``):
   package's connection (python-hyper's state machine: every header block decoded and
   validated, both flow-control windows and each stream's state kept), one write per batch of
   events: what a correct HTTP/2 layer from a well-kept library costs per call before any gRPC;
+* ``floor-quiver``: the same answer from Quiver's own gRPC server (``quiver.frontends.grpc_server``,
+  what ``quiver serve`` runs by default): HTTP/2 and gRPC as a server must do them (headers
+  decoded, flow control, a task per call, a context for the handler) around a handler that
+  returns the canned bytes;
 * ``quiver-onnx`` and ``quiver-python``: ``quiver serve`` (one process) with ``tiny`` as ONNX
-  and as Triton's Python model unchanged;
+  and as Triton's Python model unchanged; ``grpcio-quiver-onnx`` and ``grpcio-quiver-python``:
+  the same with ``--grpc-server grpcio`` (``grpc.aio``'s server, as before Quiver had its own);
 * ``h2-quiver-onnx`` and ``h2-quiver-python``: the same models behind ``floor-h2`` instead of
   ``grpc.aio``: the server assembled as ``quiver serve`` does (``runner.assemble``, the models
   loaded) and each call's message handed to Quiver's own ``ModelInfer`` handler
@@ -68,8 +73,11 @@ from benchmarks.peers import Server
 from benchmarks.peers.quiver import QuiverServer
 from benchmarks.request_cpu import PAYLOAD, write_repository
 
-TARGETS = ("floor-grpcio", "floor-h2", "floor-h2lib", "quiver-onnx", "quiver-python", "h2-quiver-onnx", "h2-quiver-python")
-DEFAULT_TARGETS = ("floor-grpcio", "floor-h2", "quiver-onnx", "quiver-python")
+TARGETS = (
+    "floor-grpcio", "floor-h2", "floor-h2lib", "floor-quiver", "quiver-onnx", "quiver-python", "grpcio-quiver-onnx",
+    "grpcio-quiver-python", "h2-quiver-onnx", "h2-quiver-python",
+)
+DEFAULT_TARGETS = ("floor-grpcio", "floor-h2", "floor-quiver", "quiver-onnx", "quiver-python", "grpcio-quiver-onnx", "grpcio-quiver-python")
 ROLES = ("event loop", "event_engine", "other threads", "children")
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -270,6 +278,21 @@ async def _serve_floor(kind: str, host: str) -> None:
         port, stop = await _serve_grpcio(host, canned_answer())
     elif kind == "h2":
         port, stop = await _serve_h2(host, canned_answer())
+    elif kind == "quiver":
+        from quiver.frontends.grpc_plumbing import raw_method
+        from quiver.frontends.grpc_server import GrpcServer
+
+        answer = canned_answer()
+
+        async def model_infer(data: bytes, context: Any) -> bytes:
+            return answer
+
+        method = raw_method("ModelInfer", model_infer)
+        server = GrpcServer({method.name: method}, max_receive_message_size=1 << 26, max_send_message_size=1 << 26)
+        port = await server.start(host, 0)
+
+        async def stop() -> None:
+            await server.close()
     elif kind == "h2lib":
         answer = canned_answer()
         server = await loop.create_server(lambda: _H2LibFloor(answer), host, 0, backlog=1024)
@@ -320,11 +343,12 @@ def start_target(target: str, folder: Path) -> Server:
         argv = [sys.executable, "-m", "benchmarks.grpc_cost", "--serve-floor", target.removeprefix("floor-")]
         server: Server = Server(target, argv, log=log_path, listeners=("GRPC",), cwd=ROOT, stop_timeout=30.0)
     else:
-        backend = target.removeprefix("quiver-")
+        backend = target.removeprefix("grpcio-").removeprefix("quiver-")
         repository = folder / f"repository-{backend}"
         if not repository.exists():
             repository = write_repository(folder, backend)
-        server = QuiverServer(repository, ["--frontend-workers", "0"], log=log_path, cwd=folder, name=target,
+        extra = ["--grpc-server", "grpcio"] if target.startswith("grpcio-") else []
+        server = QuiverServer(repository, ["--frontend-workers", "0", *extra], log=log_path, cwd=folder, name=target,
                               ready_path=f"/v2/models/{PAYLOAD.model}/ready", stop_timeout=30.0)
     server.start()
     return server
@@ -390,7 +414,7 @@ def markdown(cells: dict[tuple[str, int], dict[str, Any]], args: argparse.Namesp
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"of: {','.join(TARGETS)} (default: the first four)")
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"of: {','.join(TARGETS)} (default: {','.join(DEFAULT_TARGETS)})")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--warmup", type=float, default=1.0)
@@ -398,7 +422,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--stem", default="grpc_cost")
-    parser.add_argument("--serve-floor", choices=("grpcio", "h2", "h2lib", "h2-quiver-onnx", "h2-quiver-python"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", choices=("grpcio", "h2", "h2lib", "quiver", "h2-quiver-onnx", "h2-quiver-python"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_floor is None:
         args.targets = [t for t in args.targets.split(",") if t]

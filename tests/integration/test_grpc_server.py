@@ -432,3 +432,36 @@ def test_the_grpcio_server_is_still_there(repository: Path) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 channel.unary_unary("/nothing.Here/Method")(b"", timeout=10)
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_an_ipv6_address(repository: Path) -> None:
+    with QuiverServer(repository, args=("--grpc-server", "quiver", "--grpc-address", "::1")) as running:
+        assert f"started GRPC service at ::1:{running.grpc_port}" in running.log
+        client = grpcclient.InferenceServerClient(f"[::1]:{running.grpc_port}")
+        assert client.is_server_live() and client.is_model_ready("simple")
+        assert client.get_model_metadata("simple").platform == "onnxruntime_onnx"
+
+
+def test_a_reset_in_the_middle_of_a_stream_cancels_its_requests(server: QuiverServer, raw: RawGrpc) -> None:
+    """ModelStreamInfer: the first response has come, the client resets the stream, the
+    decoupled model sees its request cancelled; the connection serves on."""
+    stream_id = raw.start("ModelStreamInfer")
+    request = pb.ModelInferRequest.FromString(count_request("streamer", "wait_cancel"))
+    request.raw_input_contents[0] = np.array([1], dtype=np.int32).tobytes()
+    raw.send(stream_id, framed(request.SerializeToString()), end=False)
+    reply = raw.replies[stream_id]
+    while len(reply.body) < 5 or len(reply.body) < 5 + int.from_bytes(reply.body[1:5], "big"):
+        raw.read()
+    first = pb.ModelStreamInferResponse.FromString(reply.messages()[0])
+    assert not first.error_message and first.infer_response.model_name == "streamer"
+    raw.conn.reset_stream(stream_id)
+    raw.flush()
+    deadline, seen = time.monotonic() + 30, 0
+    while time.monotonic() < deadline and not seen:
+        check = raw.start("ModelStreamInfer")
+        report = pb.ModelInferRequest.FromString(count_request("streamer", "report"))
+        raw.send(check, framed(report.SerializeToString()))
+        answers = [pb.ModelStreamInferResponse.FromString(m) for m in raw.wait(check).messages()]
+        seen = int(np.frombuffer(answers[0].infer_response.raw_output_contents[0], dtype=np.int32)[0])
+        time.sleep(0.05)
+    assert seen == 1, "the model never saw is_cancelled() after the client reset the stream"

@@ -116,7 +116,9 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         self._buffer = b""  # what remains of the last read (an incomplete frame)
         self._preface = False
         self._settings_seen = False
-        self._out: list[bytes] | None = None  # writes batched while a read is processed
+        self._out: list[bytes] = []  # frames not yet written (see StreamWriter._write)
+        self._receiving = False
+        self._flush_soon = False
         self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
         self._heads: dict[bytes, Any] = {}
         self._block: list[bytes] = []  # a header block in CONTINUATION frames
@@ -196,8 +198,7 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
             return
         self._read_since_ping = True
         buffer = self._buffer + data if self._buffer else data
-        out: list[bytes] = []
-        self._out = out
+        self._receiving = True
         try:
             at = self._frames(buffer)
         except H2ConnectionError as exc:
@@ -208,10 +209,9 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
             self._fail(h2.INTERNAL_ERROR, "internal error")
             at = len(buffer)
         finally:
-            self._out = None
+            self._receiving = False
         self._buffer = bytes(buffer[at:]) if at < len(buffer) else b""
-        if out and not self.closed:
-            self.transport.write(b"".join(out))
+        self._flush_out()
 
     # -- reading frames ---------------------------------------------------------------------
 
@@ -579,6 +579,7 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         if not self.streams and (self._goaway_state == 2 or self.remote_goaway) and not self.closed:
             self._flush_out()
             self.transport.close()
+            self.closed = True
 
     def _fail(self, code: int, message: str) -> None:
         """A connection error: GOAWAY with ``code`` and ``message``, then close."""
@@ -598,9 +599,11 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
             self.closed = True
 
     def _flush_out(self) -> None:
-        if self._out:
-            self.transport.write(b"".join(self._out))
-            self._out.clear()
+        self._flush_soon = False
+        out = self._out
+        if out and not self.closed:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
 
 
 __all__ = ["CONNECTION_WINDOW", "STREAM_WINDOW", "Http2Connection", "Http2Owner", "Keepalive", "Stream", "StreamHandler"]
