@@ -265,6 +265,8 @@ def test_compressed_requests_and_gzip_answers(server: QuiverServer, raw: RawGrpc
     assert reply.body[0] == 1 and len(reply.body) < len(request) // 10
     response = pb.ModelInferResponse.FromString(reply.messages()[0])
     np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], dtype=np.float32), values)
+    tiny = raw.call("ModelInfer", identity_request(np.ones(2, dtype=np.float32)).SerializeToString())
+    assert tiny.status == 0 and tiny.body[0] == 0  # gzip would make it longer: sent as it is
     metadata = raw.call("ServerMetadata", b"")  # as Triton: only inference answers are compressed
     assert b"grpc-encoding" not in metadata.headers and metadata.body[0] == 0
     client = grpcclient.InferenceServerClient(server.grpc_url)

@@ -235,13 +235,12 @@ class GrpcCall:
                               f"Sent message larger than max ({size} vs. {server.max_send_message_size})")
             if self._done:
                 return
-            if self._gzip and size:
-                compressed = await self._compressed(response)
+            headers = HEADERS_GZIP if self._gzip else HEADERS
+            compressed = await self._compressed(response) if self._gzip and size else None
+            if compressed is not None:
                 body = b"\x01" + len(compressed).to_bytes(4, "big") + compressed
-                headers = HEADERS_GZIP
             else:
                 body = b"\x00" + size.to_bytes(4, "big") + response
-                headers = HEADERS
             if self._initial:
                 headers = h2.header_block((*_RESPONSE_HEAD, *((b"grpc-encoding", b"gzip"),)[: self._gzip],
                                            *metadata_fields(self._initial)))
@@ -306,11 +305,15 @@ class GrpcCall:
             return await in_worker(_inflate, data, encoding, limit)
         return _inflate(data, encoding, limit)
 
-    async def _compressed(self, data: bytes) -> bytes:
+    async def _compressed(self, data: bytes) -> bytes | None:
+        """``data`` gzip'd, or ``None`` when that is no smaller (the message goes as it is,
+        its flag says so, as grpcio does)."""
         level = ZLIB_LEVELS.get(self.server.compression_level, 6)
         if len(data) >= THREAD_CODEC_BYTES:
-            return await in_worker(gzip.compress, data, level, mtime=0)
-        return gzip.compress(data, level, mtime=0)
+            compressed = await in_worker(gzip.compress, data, level, mtime=0)
+        else:
+            compressed = gzip.compress(data, level, mtime=0)
+        return compressed if len(compressed) < len(data) else None
 
     def _unexpected(self, exc: Exception) -> None:
         logger.error("gRPC %s failed unexpectedly", self.method.name, exc_info=exc)
@@ -369,9 +372,9 @@ class GrpcCall:
                           f"Sent message larger than max ({size} vs. {self.server.max_send_message_size})")
         if self._done:
             raise asyncio.CancelledError()
-        if self._gzip and size:
-            data = await self._compressed(data)
-            flag = b"\x01"
+        compressed = await self._compressed(data) if self._gzip and size else None
+        if compressed is not None:
+            data, flag = compressed, b"\x01"
         else:
             flag = b"\x00"
         if self._done:
