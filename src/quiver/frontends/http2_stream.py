@@ -85,8 +85,12 @@ class StreamWriter:
     def _write(self, data: bytes) -> None:
         """Frames go out in the order they were made, in one write per read processed (what
         answering it made) or per turn of the event loop (what calls finishing in that turn
-        sent): fewer system calls and wake-ups of the client."""
+        sent): fewer system calls and wake-ups of the client. A connection with one stream
+        writes at once."""
         if self.closed:
+            return
+        if not self._receiving and not self._flush_soon and len(self.streams) <= 1:
+            self.transport.write(data)  # nothing else could finish in this turn: no need to wait
             return
         self._out.append(data)
         if not self._receiving and not self._flush_soon:
