@@ -530,10 +530,13 @@ class GrpcFrontend:
         if server is None:
             return
         if isinstance(server, GrpcServer):
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace
             server.begin_stop()  # GOAWAY: no new calls
             idle = asyncio.gather(self.servicer.wait_idle(), server.wait_unary_calls())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(idle, grace)
+            await server.drain(deadline - loop.time())  # answers on their way finish
             await server.close()
             return
         stopping = asyncio.create_task(server.stop(grace))  # refuses new RPCs now

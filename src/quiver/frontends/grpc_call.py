@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import collections
 import gzip
 import logging
 import zlib
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from quiver.frontends import http2_frames as h2
+from quiver.frontends.grpc_receive import PROGRESS_SECONDS, RequestBuffer
 from quiver.frontends.offload import INFLATE_INLINE_BYTES, in_worker
 
 if TYPE_CHECKING:
@@ -111,10 +111,11 @@ class GrpcCall:
         self.head = head
         self.method: RpcMethod = head.method  # type: ignore[assignment]  # a call has one
         self.loop = connection.loop
-        self._buffer: bytearray | None = None  # the start of a message not yet whole
+        self._request: RequestBuffer | None = None  # what was received and not yet taken
         self._message: tuple[int, bytes] | None = None  # a unary request: (flag, bytes)
-        self._queue: collections.deque[tuple[int, bytes]] | None = None  # a streaming request's
-        self._uncredited = 0  # bytes held back from the client's window while messages queue
+        self._received = 0.0  # when bytes last came (a message with bytes missing must progress)
+        self._progress: asyncio.TimerHandle | None = None
+        self._zombie = False  # the stream is gone, the handler still works
         self._reader: asyncio.Future[None] | None = None
         self._ended = False  # the client has sent all
         self._task: asyncio.Task[None] | None = None
@@ -134,7 +135,6 @@ class GrpcCall:
             self._deadline = self.loop.time() + head.timeout
             self._timer = self.loop.call_at(self._deadline, self._expire)
         if self.method.request_streaming:
-            self._queue = collections.deque()
             self._start()
 
     # -- the stream (http2.StreamHandler) ---------------------------------------------------
@@ -144,71 +144,92 @@ class GrpcCall:
         if self._done:
             connection.consume(stream, len(data))
             return
-        if self._buffer:
-            self._buffer += data
-            buffer: bytearray | memoryview = self._buffer
-        else:
-            buffer = data
-        at, size, limit = 0, len(buffer), self.server.max_receive_message_size
-        while size - at >= _PREFIX:
-            length = int.from_bytes(buffer[at + 1 : at + 5], "big")
-            if length > limit:
-                self._finish(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({length} vs. {limit})")
-                connection.consume(stream, len(data))
-                return
-            if size - at - _PREFIX < length:
-                break
-            flag = buffer[at]
-            message = bytes(buffer[at + _PREFIX : at + _PREFIX + length])
-            at += _PREFIX + length
-            if not self._message_in(flag, message):
-                connection.consume(stream, len(data))
-                return
-        if at == 0:  # a message not yet whole: keep what came (no copy of what was kept already)
-            if buffer is not self._buffer:
-                self._buffer = bytearray(buffer)
-        else:
-            self._buffer = bytearray(buffer[at:]) if at < size else None
-        if self._queue:
-            self._uncredited += len(data)  # the reader is behind: the client waits for it
-        else:
-            connection.consume(stream, len(data))
-        if end_stream:
+        limit = self.server.max_receive_message_size
+        request = self._request
+        if request is None:
+            size = len(data)
+            if end_stream and size >= _PREFIX and not self.method.request_streaming:
+                length = int.from_bytes(data[1:5], "big")
+                if _PREFIX + length == size and length <= limit:  # a whole unary request at once
+                    connection.discard(size)
+                    self._ended = True
+                    if self._flag_ok(data[0]):
+                        self._message = (data[0], bytes(data[_PREFIX:]))
+                        self._start()
+                    return
+            request = self._request = RequestBuffer(self.server.budget, connection, stream)
+        if data:
+            request.add(data)
+            self._received = self.loop.time()
+        head = request.head()
+        if head is not None and head[1] > limit:
+            self._finish(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({head[1]} vs. {limit})")
+            return
+        if self.method.request_streaming:
+            request.credit()
+            self._ended = end_stream
+            self._wake_reader()
+        elif head is not None and request.pending() > _PREFIX + head[1]:
+            self._finish(grpc.StatusCode.INTERNAL, f"more than one request message for unary method {self.method.name}")
+            return
+        elif end_stream:
             self._ended = True
-            if self._buffer:
-                self._finish(grpc.StatusCode.INTERNAL, "the request ended inside a message")
-            elif self._queue is not None:
-                self._wake_reader()
-            elif self._message is None:
-                self._finish(grpc.StatusCode.INTERNAL, "the request carried no message")
-            else:
+            if not request.whole():
+                gone = "carried no message" if not request.pending() else "ended inside a message"
+                self._finish(grpc.StatusCode.INTERNAL, f"the request {gone}")
+                return
+            flag, message = request.take()
+            if self._flag_ok(flag):
+                self._message = (flag, message)
                 self._start()
+            return
+        else:
+            request.credit()
+        if request.pending() and not request.whole() and self._progress is None:
+            self._progress = self.loop.call_later(PROGRESS_SECONDS, self._check_progress)
 
-    def _message_in(self, flag: int, message: bytes) -> bool:
+    def _flag_ok(self, flag: int) -> bool:
         if flag > 1:
             self._finish(grpc.StatusCode.INTERNAL, f"invalid message flags {flag:#x}")
             return False
         if flag and self.head.encoding == "identity":
             self._finish(grpc.StatusCode.INTERNAL, "a compressed message without grpc-encoding")
             return False
-        if self._queue is not None:
-            self._queue.append((flag, message))
-            self._wake_reader()
-        elif self._message is not None:
-            self._finish(grpc.StatusCode.INTERNAL, f"more than one request message for unary method {self.method.name}")
-            return False
-        else:
-            self._message = (flag, message)
         return True
 
-    def stream_reset(self, code: int) -> None:
-        """The client reset the stream or went away: the handler is cancelled."""
-        if self._done:
+    def _check_progress(self) -> None:
+        self._progress = None
+        request = self._request
+        if self._done or request is None or not request.pending() or request.whole():
+            return
+        idle = self.loop.time() - self._received
+        if idle < PROGRESS_SECONDS:
+            self._progress = self.loop.call_later(PROGRESS_SECONDS - idle, self._check_progress)
             return
         self._cancelled = True
-        self._complete()
+        self._finish(grpc.StatusCode.UNAVAILABLE,
+                     f"the request message stalled: no bytes for {PROGRESS_SECONDS:.0f} s with {request.pending()} held")
         if self._task is not None:
             self._task.cancel()
+
+    def stream_reset(self, code: int) -> bool:
+        """The client reset the stream or went away: the handler is cancelled; True while
+        its task still runs (it tells the connection when it has ended)."""
+        if self._done:
+            return False
+        self._cancelled = True
+        self._complete()
+        task = self._task
+        if task is None or task.done():
+            return False
+        task.cancel()
+        self._zombie = True
+        return True
+
+    def _ended_work(self) -> None:
+        if self._zombie:
+            self._zombie = False
+            self.connection.stream_done()
 
     # -- running the handler ------------------------------------------------------------
 
@@ -222,6 +243,7 @@ class GrpcCall:
         server.calls_started()
         try:
             flag, data = self._message  # type: ignore[misc]
+            self._message = None  # the handler has it now
             if flag:
                 data = await self._inflated(data)
             response = await method.handler(data if method.parse is None else method.parse(data), self)
@@ -261,6 +283,7 @@ class GrpcCall:
             self._unexpected(exc)
         finally:
             server.calls_ended()
+            self._ended_work()
 
     async def _run(self) -> None:
         """A call with a streaming request or response."""
@@ -272,6 +295,7 @@ class GrpcCall:
                 request = self._requests()
             else:
                 flag, data = self._message  # type: ignore[misc]
+                self._message = None
                 if flag:
                     data = await self._inflated(data)
                 request = data if method.parse is None else method.parse(data)
@@ -296,8 +320,11 @@ class GrpcCall:
         except Exception as exc:
             self._unexpected(exc)
         finally:
-            if generator is not None:
-                await generator.aclose()
+            try:
+                if generator is not None:
+                    await generator.aclose()
+            finally:
+                self._ended_work()
 
     async def _inflated(self, data: bytes) -> bytes:
         encoding, limit = self.head.encoding, self.server.max_receive_message_size
@@ -356,6 +383,12 @@ class GrpcCall:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._progress is not None:
+            self._progress.cancel()
+            self._progress = None
+        if self._request is not None:
+            self._request.release()
+            self._request = None
         self._wake_reader()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
@@ -399,22 +432,31 @@ class GrpcCall:
 
     async def _next(self) -> Any:
         """The next request message, or :data:`grpc.aio.EOF`."""
-        queue = self._queue
-        if queue is None:
+        if not self.method.request_streaming:
             raise grpc.aio.UsageError("this method's request is not a stream")
-        while not queue:
-            if self._ended or self._done:
+        while True:
+            request = self._request
+            if request is not None and request.whole():
+                flag, data = request.take()
+                head = request.head()
+                limit = self.server.max_receive_message_size
+                if head is not None and head[1] > limit:
+                    raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({head[1]} vs. {limit})")
+                request.credit()
+                if not self._flag_ok(flag):
+                    raise CallFailed(self._code or grpc.StatusCode.INTERNAL, self._details)
+                if flag:
+                    data = await self._inflated(data)
+                parse = self.method.parse
+                return data if parse is None else parse(data)
+            if self._done:
+                return grpc.aio.EOF
+            if self._ended:
+                if request is not None and request.pending():
+                    raise CallFailed(grpc.StatusCode.INTERNAL, "the request ended inside a message")
                 return grpc.aio.EOF
             self._reader = self.loop.create_future()
             await self._reader
-        flag, data = queue.popleft()
-        if not queue and self._uncredited:
-            self.connection.consume(self.stream, self._uncredited)
-            self._uncredited = 0
-        if flag:
-            data = await self._inflated(data)
-        parse = self.method.parse
-        return data if parse is None else parse(data)
 
     async def _requests(self) -> AsyncIterator[Any]:
         while (message := await self._next()) is not grpc.aio.EOF:

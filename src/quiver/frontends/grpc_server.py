@@ -35,14 +35,21 @@ import grpc
 
 from quiver.frontends import http2_frames as h2
 from quiver.frontends.grpc_call import GrpcCall, metadata_fields, percent_encoded
+from quiver.frontends.grpc_receive import ReceiveBudget
 from quiver.frontends.http2 import Http2Connection, Keepalive, Stream
 from quiver.frontends.restrictions import Restrictions
 from quiver.triton_flags import GrpcTls
 
 #: Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
 MAX_CONCURRENT_STREAMS = 1024
-#: The largest request header list (names, values and 32 bytes per field, as HTTP/2 counts).
+#: The largest request header list (names, values and 32 bytes per field, as HTTP/2 counts);
+#: announced, and a larger one ends the connection (HPACK must stay in step).
 MAX_HEADER_LIST_SIZE = 64 * 1024
+#: Connections served at once; more are answered GOAWAY and closed.
+MAX_CONNECTIONS = 10_000
+#: Answer bytes one connection may have waiting for its client's windows before its new
+#: streams are refused (their answers could not go out either).
+MAX_PENDING_SEND = 64 << 20
 #: Request fields that are the transport's, not the call's metadata.
 _TRANSPORT_FIELDS = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"))
 _TIMEOUT = re.compile(rb"(\d{1,8})([HMSmun])")
@@ -81,6 +88,11 @@ class RequestHead:
     encoding: str
     accepts_gzip: bool
     refusal: tuple[int, grpc.StatusCode, str] | None  # HTTP status, gRPC status and message
+
+    @property
+    def cacheable(self) -> bool:
+        """Refusals are read again each time (they are rare, and may be large)."""
+        return self.refusal is None
 
 
 def keepalive_from(options: Sequence[tuple[str, int]]) -> Keepalive:
@@ -163,6 +175,11 @@ class GrpcServer:
         self.keepalive = keepalive or Keepalive()
         self.max_concurrent_streams = max_concurrent_streams
         self.max_header_list_size = max_header_list_size
+        #: Request bytes received and not yet taken by handlers, at most: twice the largest
+        #: message (at least 256 MiB) in all, and a message and a window per connection.
+        self.budget = ReceiveBudget(
+            max(2 * max_receive_message_size, 256 << 20), max_receive_message_size + (2 << 20)
+        )
         self.connections: set[Http2Connection] = set()
         self._listeners: list[asyncio.AbstractServer] = []
         self._unary_calls = 0
@@ -203,11 +220,7 @@ class GrpcServer:
             else:
                 metadata.append((key, value.decode("latin-1")))
         method = self.methods.get(pseudo[b":path"].decode("latin-1"))
-        size = sum(len(name) + len(value) + 32 for name, value in headers)
-        if size > self.max_header_list_size:
-            refusal = (200, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"received metadata size exceeds limit ({size} vs. {self.max_header_list_size})")
-        elif pseudo[b":method"] != b"POST":
+        if pseudo[b":method"] != b"POST":
             refusal = (405, grpc.StatusCode.UNIMPLEMENTED, "a gRPC request must be a POST")
         elif not (content_type == b"application/grpc" or content_type.startswith((b"application/grpc+", b"application/grpc;"))):
             refusal = (415, grpc.StatusCode.INTERNAL, f"content-type '{content_type.decode('latin-1')}' is not gRPC's")
@@ -222,6 +235,9 @@ class GrpcServer:
             if denied is not None:
                 refusal = (200, grpc.StatusCode.PERMISSION_DENIED, denied)
         return RequestHead(method, tuple(metadata), timeout, encoding, accepts_gzip, refusal)
+
+    def accepting(self, connection: Http2Connection) -> bool:
+        return self.budget.room(connection) and connection.pending_send < MAX_PENDING_SEND
 
     def open_stream(self, connection: Http2Connection, stream: Stream, head: RequestHead, end_stream: bool) -> GrpcCall | None:
         if head.refusal is not None:
@@ -244,6 +260,9 @@ class GrpcServer:
 
     def _connection(self) -> Http2Connection:
         connection = Http2Connection(self)
+        if len(self.connections) >= MAX_CONNECTIONS:
+            connection.refuse("too many connections")
+            return connection
         self.connections.add(connection)
         self._no_connections.clear()
         return connection
@@ -305,6 +324,15 @@ class GrpcServer:
         for connection in list(self.connections):
             connection.shutdown()
 
+    async def drain(self, timeout: float) -> None:
+        """After :meth:`begin_stop` and the calls: streams with nothing on their way to the
+        client (open streams, health watches) are reset, answers still being sent finish
+        within ``timeout`` (each connection closes once its streams are done)."""
+        for connection in list(self.connections):
+            connection.cancel_idle_streams()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_connections.wait(), max(timeout, 0.0))
+
     async def close(self, timeout: float = 5.0) -> None:
         """Close every connection now (the calls still in progress are cancelled)."""
         self.begin_stop()
@@ -315,4 +343,4 @@ class GrpcServer:
         self._listeners.clear()
 
 
-__all__ = ["MAX_CONCURRENT_STREAMS", "GrpcServer", "RequestHead", "RpcMethod", "keepalive_from", "metadata_fields", "tls_context"]
+__all__ = ["MAX_CONCURRENT_STREAMS", "MAX_CONNECTIONS", "GrpcServer", "RequestHead", "RpcMethod", "keepalive_from", "metadata_fields", "tls_context"]

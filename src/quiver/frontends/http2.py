@@ -20,8 +20,14 @@ handler (:class:`StreamHandler`, a gRPC call). What the protocol asks of a serve
   error answered with GOAWAY before the connection closes;
 - a graceful stop as gRPC servers do it (GOAWAY with the largest stream id and a PING, then
   GOAWAY with the last stream taken once the PING is answered; the streams in progress
-  finish), keepalive pings and the client-ping policy of gRPC's channel arguments
-  (:class:`Keepalive`), and a maximum connection age.
+  finish); keepalive, time limits and flood limits are :mod:`quiver.frontends.http2_guard`'s.
+
+What a client can make a connection hold is bounded: header blocks by the header list size
+the server announces (a larger one is a connection error, as HPACK must stay in step), the
+request bytes its calls have not taken by the windows (credit goes back as they are taken),
+and the owner refuses new streams while its budgets are spent (:meth:`Http2Owner.accepting`).
+Streams a client resets count against the stream limit until their work has ended, and at
+most :data:`NEW_STREAMS_PER_READ` streams open per read before other connections get a turn.
 
 Header blocks a client repeats (a gRPC client sends the same few fields with every call, by
 index into its HPACK table) are decoded once: the owner's reading of a block is kept, keyed by
@@ -34,8 +40,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import random
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import hpack
@@ -43,7 +47,10 @@ import hpack
 from quiver.frontends import http2_frames as h2
 from quiver.frontends.http2_frames import ConnectionError as H2ConnectionError
 from quiver.frontends.http2_frames import StreamError
+from quiver.frontends.http2_guard import GOAWAY_PING as _GOAWAY_PING
+from quiver.frontends.http2_guard import HEADER_BLOCK_SECONDS, ConnectionGuard, Keepalive
 from quiver.frontends.http2_stream import (
+    CONNECTION_WINDOW,
     RESET_MEMORY,
     STREAM_WINDOW,
     WRITE_HIGH_WATER,
@@ -54,35 +61,17 @@ from quiver.frontends.http2_stream import (
 
 logger = logging.getLogger(__name__)
 
-#: The flow-control window this server grants the whole connection (each stream's:
-#: http2_stream.STREAM_WINDOW).
-CONNECTION_WINDOW = 16 << 20
-#: A header block (HEADERS and CONTINUATION) past this many bytes ends the connection.
-MAX_HEADER_BLOCK = 1 << 20
-#: A connection that has not sent its preface and SETTINGS within this many seconds is closed.
-HANDSHAKE_SECONDS = 20.0
 #: How long the graceful stop waits for the answer to its PING before the final GOAWAY.
 GOAWAY_PING_SECONDS = 5.0
-#: Decoded header blocks kept per connection (see the module's docstring).
+#: Decoded header blocks kept per connection (see the module's docstring), and the largest kept.
 HEAD_CACHE_SIZE = 64
+HEAD_CACHE_BLOCK = 1024
+#: Streams opened per read before the connection lets others have the event loop.
+NEW_STREAMS_PER_READ = 64
+#: A CONTINUATION frame counts as at least this many bytes against the header block limit.
+CONTINUATION_COST = 1024
 
-_GOAWAY_PING = b"qgoaway\x00"
-_KEEPALIVE_PING = b"qkeepal\x00"
 _HPACK_ERRORS = (hpack.HPACKError, IndexError, ValueError)
-
-
-@dataclass(frozen=True)
-class Keepalive:
-    """gRPC's keepalive and ping channel arguments, in seconds (``None``: never)."""
-
-    time: float | None = 7200.0  # grpc.keepalive_time_ms (2 hours for a server)
-    timeout: float = 20.0  # grpc.keepalive_timeout_ms
-    permit_without_calls: bool = False  # grpc.keepalive_permit_without_calls
-    max_pings_without_data: int = 2  # grpc.http2.max_pings_without_data (0: unlimited)
-    min_recv_ping_interval: float = 300.0  # grpc.http2.min_ping_interval_without_data_ms
-    max_ping_strikes: int = 2  # grpc.http2.max_ping_strikes (0: unlimited)
-    max_connection_age: float | None = None  # grpc.max_connection_age_ms
-    max_connection_age_grace: float | None = None  # grpc.max_connection_age_grace_ms
 
 
 class Http2Owner(Protocol):
@@ -92,9 +81,13 @@ class Http2Owner(Protocol):
     max_header_list_size: int
     keepalive: Keepalive
 
+    def accepting(self, connection: Http2Connection) -> bool:
+        """Whether a new stream may open now (False: it is refused, and the client retries)."""
+
     def parse_head(self, headers: list[tuple[bytes, bytes]], stream_id: int) -> Any:
         """A request's decoded header list -> what :meth:`open_stream` gets (kept for blocks
-        the client repeats, so it must not depend on anything but the headers)."""
+        the client repeats, so it must not depend on anything but the headers, unless its
+        ``cacheable`` attribute is false)."""
 
     def open_stream(self, connection: Http2Connection, stream: Stream, head: Any, end_stream: bool) -> StreamHandler | None:
         """A new request; ``None`` when it was answered at once (no handler needed)."""
@@ -102,7 +95,7 @@ class Http2Owner(Protocol):
     def connection_closed(self, connection: Http2Connection) -> None: ...
 
 
-class Http2Connection(StreamWriter, asyncio.Protocol):
+class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
     """One client connection (see the module's docstring)."""
 
     def __init__(self, owner: Http2Owner) -> None:
@@ -119,14 +112,20 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         self._out: list[bytes] = []  # frames not yet written (see StreamWriter._write)
         self._receiving = False
         self._flush_soon = False
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_BLOCK)
+        self._max_block = max(2 * owner.max_header_list_size, 16 * 1024)
+        self._decoder = hpack.Decoder(max_header_list_size=owner.max_header_list_size)
         self._heads: dict[bytes, Any] = {}
+        self._table_changed = False
         self._block: list[bytes] = []  # a header block in CONTINUATION frames
         self._block_stream = 0
         self._block_flags = 0
         self._block_size = 0
         self._reset_ids: collections.deque[int] = collections.deque(maxlen=RESET_MEMORY)
         self._table_update = False  # the next header block sent starts with a table size update
+        self._zombies = 0  # streams gone whose handlers still work
+        self._opened = 0  # streams opened in this read
+        self.buffered = 0  # request bytes this connection's calls hold (kept by the owner)
+        self.pending_send = 0
         # the client's settings
         self._peer_window = h2.DEFAULT_WINDOW
         self._peer_max_frame = h2.DEFAULT_MAX_FRAME
@@ -137,21 +136,24 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         self._recv_unacked = 0
         self._blocked: dict[int, Stream] = {}  # streams with data waiting for window
         self._write_paused = False
-        # keepalive, pings, age, stop
+        # keepalive, pings, limits, stop
         self._keepalive = owner.keepalive
-        self._read_since_ping = False
-        self._pings_without_data = 0
-        self._ping_strikes = 0
-        self._last_ping_received: float | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._guard_init()
         self._goaway_state = 0  # 1: first GOAWAY sent, 2: final GOAWAY sent
         self._goaway_last = h2.MAX_WINDOW
         self.remote_goaway = False
+        self._refused = ""
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        if self._refused:
+            transport.write(h2.settings_frame({}) + h2.goaway(0, h2.ENHANCE_YOUR_CALM, self._refused.encode()))
+            transport.close()
+            self.closed = True
+            return
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             host, port = peer[0], peer[1]
@@ -165,13 +167,7 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         transport.write(
             h2.settings_frame(settings) + h2.window_update(0, CONNECTION_WINDOW - h2.DEFAULT_WINDOW)
         )
-        self._timer("handshake", HANDSHAKE_SECONDS, self._handshake_expired)
-        keepalive = self._keepalive
-        if keepalive.time is not None:
-            self._timer("keepalive", keepalive.time, self._keepalive_tick)
-        if keepalive.max_connection_age is not None:
-            age = keepalive.max_connection_age * random.uniform(0.9, 1.1)  # jitter, as gRPC
-            self._timer("age", age, self._age_reached)
+        self._guard_start()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -186,9 +182,11 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self._pause_reading("write")  # a client that does not read is not answered into memory
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._resume_reading("write")
         for stream in list(self.streams.values()):
             if stream.pending_bytes <= WRITE_HIGH_WATER:
                 self._wake(stream)
@@ -199,6 +197,7 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         self._read_since_ping = True
         buffer = self._buffer + data if self._buffer else data
         self._receiving = True
+        self._opened = 0
         try:
             at = self._frames(buffer)
         except H2ConnectionError as exc:
@@ -212,6 +211,16 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
             self._receiving = False
         self._buffer = bytes(buffer[at:]) if at < len(buffer) else b""
         self._flush_out()
+        if self._opened >= NEW_STREAMS_PER_READ and self._buffer and not self.closed:
+            # More streams wait in what was read: other connections and the calls just
+            # opened get the event loop first.
+            self._pause_reading("yield")
+            self.loop.call_soon(self._read_on)
+
+    def _read_on(self) -> None:
+        self._resume_reading("yield")
+        if not self.closed:
+            self.data_received(b"")
 
     # -- reading frames ---------------------------------------------------------------------
 
@@ -257,6 +266,8 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
                 self._stream_error(exc)
             if self.closed:
                 return end
+            if self._opened >= NEW_STREAMS_PER_READ:
+                break
         return at
 
     def _on_data(self, flags: int, stream_id: int, payload: memoryview) -> None:
@@ -271,19 +282,17 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         self._recv_window -= length
         if self._recv_window < 0:
             raise H2ConnectionError(h2.FLOW_CONTROL_ERROR, "the connection's flow-control window was exceeded")
-        self._recv_unacked += length
-        if self._recv_unacked >= CONNECTION_WINDOW // 4:
-            self._write(h2.window_update(0, self._recv_unacked))
-            self._recv_window += self._recv_unacked
-            self._recv_unacked = 0
         stream = self.streams.get(stream_id)
         if stream is None:
+            self.discard(length)
             self._closed_stream_frame(stream_id, "DATA")
             return
         if stream.remote_closed:
+            self.discard(length)
             raise StreamError(stream_id, h2.STREAM_CLOSED, "DATA after the end of the stream")
         stream.recv_window -= length
         if stream.recv_window < 0:
+            self.discard(length)
             raise StreamError(stream_id, h2.FLOW_CONTROL_ERROR, "the stream's flow-control window was exceeded")
         if length > len(data):
             self.consume(stream, length - len(data))  # padding is nobody's to read
@@ -314,17 +323,22 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         if flags & h2.END_HEADERS:
             self._header_block(stream_id, flags, block)
         else:
-            self._block, self._block_stream, self._block_flags, self._block_size = [block], stream_id, flags, len(block)
+            self._block, self._block_stream, self._block_flags = [block], stream_id, flags
+            self._block_size = max(len(block), CONTINUATION_COST)
+            self._timer("header-block", HEADER_BLOCK_SECONDS, self._header_block_expired)
 
     def _on_continuation(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if not self._block or stream_id != self._block_stream:
             raise H2ConnectionError(h2.PROTOCOL_ERROR, "CONTINUATION without a header block in progress")
-        self._block_size += len(payload)
-        if self._block_size > MAX_HEADER_BLOCK:
+        if not payload and not flags & h2.END_HEADERS:
+            raise H2ConnectionError(h2.ENHANCE_YOUR_CALM, "an empty CONTINUATION frame")
+        self._block_size += max(len(payload), CONTINUATION_COST)  # many small frames cost too
+        if self._block_size > self._max_block:
             raise H2ConnectionError(h2.ENHANCE_YOUR_CALM, "header block too large")
         self._block.append(bytes(payload))
         if flags & h2.END_HEADERS:
             block, self._block = b"".join(self._block), []
+            self._cancel_timer("header-block")
             self._header_block(stream_id, self._block_flags, block)
 
     def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
@@ -351,18 +365,32 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         head = self._head(block, stream_id)
         if stream_id > self._goaway_last:
             raise StreamError(stream_id, h2.REFUSED_STREAM, "the server is going away")
-        if len(self.streams) >= self.owner.max_concurrent_streams:
+        if len(self.streams) + self._zombies >= self.owner.max_concurrent_streams:
             raise StreamError(stream_id, h2.REFUSED_STREAM, "too many concurrent streams")
+        if not self.owner.accepting(self):
+            raise StreamError(stream_id, h2.REFUSED_STREAM, "the server's buffers are full")
+        self._opened += 1
+        self._idle_since = None
         stream = Stream(stream_id, self._peer_window, STREAM_WINDOW)
         stream.remote_closed = end_stream
         self.streams[stream_id] = stream
         stream.handler = self.owner.open_stream(self, stream, head, end_stream)
 
     def _decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """Decode a header block (every one: the HPACK table must follow the client's); a block
+        that changes the table drops the kept readings (see the module's docstring)."""
+        table = self._decoder.header_table
+        entries = table.dynamic_entries
+        first, count, size = entries[0] if entries else None, len(entries), table.maxsize
         try:
             headers: list[tuple[bytes, bytes]] = self._decoder.decode(block, raw=True)  # type: ignore[assignment]
         except _HPACK_ERRORS as exc:
             raise H2ConnectionError(h2.COMPRESSION_ERROR, f"header block does not decode: {exc}") from None
+        finally:
+            entries = table.dynamic_entries
+            if (entries[0] if entries else None) is not first or len(entries) != count or table.maxsize != size:
+                self._heads.clear()
+                self._table_changed = True
         return headers
 
     def _head(self, block: bytes, stream_id: int) -> Any:
@@ -370,18 +398,12 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         head = self._heads.get(block)
         if head is not None:
             return head
-        table = self._decoder.header_table
-        entries = table.dynamic_entries
-        first, count, size = entries[0] if entries else None, len(entries), table.maxsize
-        headers = self._decode(block)
-        head = self.owner.parse_head(headers, stream_id)
-        entries = table.dynamic_entries
-        if (entries[0] if entries else None) is first and len(entries) == count and table.maxsize == size:
+        self._table_changed = False
+        head = self.owner.parse_head(self._decode(block), stream_id)
+        if not self._table_changed and len(block) <= HEAD_CACHE_BLOCK and getattr(head, "cacheable", True):
             if len(self._heads) >= HEAD_CACHE_SIZE:
                 self._heads.clear()
             self._heads[block] = head
-        else:
-            self._heads.clear()
         return head
 
     def _on_control(self, kind: int, flags: int, stream_id: int, payload: memoryview) -> None:
@@ -399,7 +421,8 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
                 raise H2ConnectionError(h2.FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6")
             for key, value in h2.parse_settings(payload):
                 self._setting(key, value)
-            self._write(h2.frame(h2.SETTINGS, h2.ACK, 0))
+            if self._induced_frame():
+                self._write(h2.frame(h2.SETTINGS, h2.ACK, 0))
         elif kind == h2.WINDOW_UPDATE:
             if length != 4:
                 raise H2ConnectionError(h2.FRAME_SIZE_ERROR, "WINDOW_UPDATE of a length other than 4")
@@ -415,11 +438,14 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
                 raise H2ConnectionError(h2.FRAME_SIZE_ERROR, "RST_STREAM of a length other than 4")
             if stream_id == 0 or stream_id > self.last_stream_id:
                 raise H2ConnectionError(h2.PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
-            stream = self.streams.pop(stream_id, None)
+            stream = self.streams.get(stream_id)
             if stream is not None:
-                self._blocked.pop(stream_id, None)
+                answered = stream.local_closed
+                stream.reset = True
+                self._forget(stream)
                 self._gone(stream, h2.u32(payload))
-                self._maybe_close()
+                if not answered:
+                    self._client_reset()
         elif kind == h2.GOAWAY:
             if stream_id:
                 raise H2ConnectionError(h2.PROTOCOL_ERROR, "GOAWAY on a stream")
@@ -433,6 +459,8 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         elif kind == h2.PRIORITY:
             if stream_id == 0:
                 raise H2ConnectionError(h2.PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if stream_id > self.last_stream_id and length == 5 and h2.u32(payload) & h2.MAX_WINDOW != stream_id:
+                return  # a priority for a stream not yet open: allowed, and ignored
             if length != 5:
                 raise StreamError(stream_id, h2.FRAME_SIZE_ERROR, "PRIORITY of a length other than 5")
             if h2.u32(payload) & h2.MAX_WINDOW == stream_id:
@@ -491,70 +519,6 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         if stream_id not in self._reset_ids:
             raise StreamError(stream_id, h2.STREAM_CLOSED, f"{kind} on closed stream {stream_id}")
 
-    # -- pings, keepalive, age ------------------------------------------------------------
-
-    def _ping(self, flags: int, payload: bytes) -> None:
-        if flags & h2.ACK:
-            if payload == _KEEPALIVE_PING:
-                self._cancel_timer("keepalive-timeout")
-            elif payload == _GOAWAY_PING and self._goaway_state == 1:
-                self._final_goaway()
-            return
-        # gRPC's ping abuse policy: a client pinging more often than allowed earns strikes
-        keepalive = self._keepalive
-        now = self.loop.time()
-        idle = not self.streams
-        interval = 7200.0 if idle and not keepalive.permit_without_calls else keepalive.min_recv_ping_interval
-        last, self._last_ping_received = self._last_ping_received, now
-        if last is not None and last + interval > now:
-            self._ping_strikes += 1
-            if keepalive.max_ping_strikes and self._ping_strikes > keepalive.max_ping_strikes:
-                self._fail(h2.ENHANCE_YOUR_CALM, "too_many_pings")
-                return
-        self._write(h2.frame(h2.PING, h2.ACK, 0, payload))
-
-    def _keepalive_tick(self) -> None:
-        keepalive = self._keepalive
-        assert keepalive.time is not None
-        self._timer("keepalive", keepalive.time, self._keepalive_tick)
-        if self._read_since_ping:
-            self._read_since_ping = False
-            return
-        if not self.streams and not keepalive.permit_without_calls:
-            return
-        if "keepalive-timeout" in self._timers:
-            return  # the last PING is still unanswered
-        if keepalive.max_pings_without_data and self._pings_without_data >= keepalive.max_pings_without_data:
-            return
-        self._pings_without_data += 1
-        self._write(h2.frame(h2.PING, 0, 0, _KEEPALIVE_PING))
-        self._timer("keepalive-timeout", keepalive.timeout, self._keepalive_expired)
-
-    def _keepalive_expired(self) -> None:
-        logger.debug("gRPC client %s did not answer a keepalive ping: closing its connection", self.peer)
-        self.abort()
-
-    def _handshake_expired(self) -> None:
-        self._fail(h2.SETTINGS_TIMEOUT if self._preface else h2.PROTOCOL_ERROR, "no preface and SETTINGS in time")
-
-    def _age_reached(self) -> None:
-        self.shutdown()
-        grace = self._keepalive.max_connection_age_grace
-        if grace is not None:
-            self._timer("age-grace", grace, self.abort)
-
-    def _timer(self, name: str, delay: float, callback: Any) -> None:
-        previous = self._timers.pop(name, None)
-        if previous is not None:
-            previous.cancel()
-        if not self.closed:
-            self._timers[name] = self.loop.call_later(delay, callback)
-
-    def _cancel_timer(self, name: str) -> None:
-        timer = self._timers.pop(name, None)
-        if timer is not None:
-            timer.cancel()
-
     # -- the connection's end -----------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -565,6 +529,18 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         self._goaway_state = 1
         self._write(h2.goaway(h2.MAX_WINDOW, h2.NO_ERROR) + h2.frame(h2.PING, 0, 0, _GOAWAY_PING))
         self._timer("goaway", GOAWAY_PING_SECONDS, self._final_goaway)
+
+    def refuse(self, message: str) -> None:
+        """A connection the server will not serve: GOAWAY (ENHANCE_YOUR_CALM) once it is made."""
+        self._refused = message
+
+    def cancel_idle_streams(self) -> None:
+        """Reset the streams with nothing on their way to the client (open streams and health
+        watches that wait for more): a stop must not wait for them."""
+        for stream in list(self.streams.values()):
+            if not stream.local_closed and not stream.pending and stream.trailers is None:
+                self.reset_stream(stream, h2.CANCEL)
+                self._gone(stream, h2.CANCEL)
 
     def _final_goaway(self) -> None:
         if self._goaway_state != 1 or self.closed:
@@ -606,4 +582,7 @@ class Http2Connection(StreamWriter, asyncio.Protocol):
         out.clear()
 
 
-__all__ = ["CONNECTION_WINDOW", "STREAM_WINDOW", "Http2Connection", "Http2Owner", "Keepalive", "Stream", "StreamHandler"]
+__all__ = [
+    "CONNECTION_WINDOW", "STREAM_WINDOW", "WRITE_HIGH_WATER", "Http2Connection", "Http2Owner", "Keepalive", "Stream",
+    "StreamHandler",
+]

@@ -11,6 +11,7 @@ encoder per answer.
 
 from __future__ import annotations
 
+import re
 import struct
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -188,23 +189,31 @@ def header_block(headers: list[tuple[bytes, bytes]] | tuple[tuple[bytes, bytes],
 # -- request heads ------------------------------------------------------------------------------
 
 _PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
+#: A field name of other than lower-case token characters (RFC 9110 5.1, RFC 9113 8.2.1).
+_BAD_NAME = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9a-z]")
+#: A field value with NUL, CR or LF, or white space at either end (RFC 9113 8.2.1).
+_BAD_VALUE = re.compile(rb"[\x00\r\n]|\A[ \t]|[ \t]\Z")
 #: Connection-specific fields HTTP/2 forbids (RFC 9113 8.2.2).
 _CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
 
 
 def request_head(stream_id: int, headers: list[tuple[bytes, bytes]]) -> tuple[dict[bytes, bytes], list[tuple[bytes, bytes]]]:
     """The pseudo-header fields and the other fields of a request's header list, checked as
-    RFC 9113 8.2 and 8.3.1 say (a malformed request is a :class:`StreamError`)."""
+    RFC 9113 8.2 and 8.3.1 say: names of lower-case token characters, no connection-specific
+    fields, values without NUL, CR, LF or white space at either end (a malformed request is a
+    :class:`StreamError`, after the block was decoded, so HPACK stays in step)."""
     pseudo: dict[bytes, bytes] = {}
     fields: list[tuple[bytes, bytes]] = []
     for name, value in headers:
         if name[:1] == b":":
-            if fields or name not in _PSEUDO or name in pseudo:
+            if fields or name not in _PSEUDO or name in pseudo or _BAD_VALUE.search(value):
                 raise StreamError(stream_id, PROTOCOL_ERROR, f"malformed request: pseudo-header {name!r}")
             pseudo[name] = value
             continue
-        if name != name.lower() or not name or name in _CONNECTION_SPECIFIC:
+        if not name or _BAD_NAME.search(name) or name in _CONNECTION_SPECIFIC:
             raise StreamError(stream_id, PROTOCOL_ERROR, f"malformed request: header {name!r}")
+        if _BAD_VALUE.search(value):
+            raise StreamError(stream_id, PROTOCOL_ERROR, f"malformed request: the value of header {name!r}")
         if name == b"te" and value != b"trailers":
             raise StreamError(stream_id, PROTOCOL_ERROR, "malformed request: te other than 'trailers'")
         fields.append((name, value))

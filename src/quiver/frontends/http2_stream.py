@@ -1,23 +1,29 @@
 """A stream of Quiver's HTTP/2 server connection (:mod:`quiver.frontends.http2`): its state, the
 handler it is given to, and the sending half of the connection (:class:`StreamWriter`): header
 blocks, DATA under both of the client's flow-control windows in frames no larger than the
-client's ``MAX_FRAME_SIZE``, trailers after the last byte, stream resets, and the credit a
-stream's reader gives back (``consume``)."""
+client's ``MAX_FRAME_SIZE``, trailers after the last byte, stream resets, and the credit given
+back to the client: for a stream, as its handler takes what it received (``consume``); for the
+connection, as well as for bytes nobody holds (``discard``: padding, frames of ended streams),
+so what a connection's calls hold is bounded by the windows the server granted."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from quiver.frontends import http2_frames as h2
+from quiver.frontends.http2_frames import ConnectionError as H2ConnectionError
 from quiver.frontends.http2_frames import StreamError
 
 logger = logging.getLogger(__name__)
 
-#: The flow-control window this server grants each stream (SETTINGS_INITIAL_WINDOW_SIZE).
+#: The flow-control windows this server grants: each stream (SETTINGS_INITIAL_WINDOW_SIZE) and
+#: the whole connection. Credit goes back as received bytes are taken, so they bound what a
+#: client can make a connection hold beyond what its calls have been granted.
 STREAM_WINDOW = 1 << 20
+CONNECTION_WINDOW = 1 << 20
 #: A writer waits (:meth:`StreamWriter.writable`) while its stream holds more unsent bytes.
 WRITE_HIGH_WATER = 256 * 1024
 #: Streams reset by this server whose late frames are ignored rather than refused.
@@ -29,17 +35,19 @@ class StreamHandler(Protocol):
 
     def data_received(self, data: memoryview, end_stream: bool) -> None:
         """Bytes of the stream (the view is valid during the call only); ``end_stream``: the
-        client has sent all. The handler calls :meth:`Http2Connection.consume` for what it took."""
+        client has sent all. The handler calls :meth:`StreamWriter.consume` for what it took."""
 
-    def stream_reset(self, code: int) -> None:
-        """The stream is gone (the client reset it, the connection closed, or a stream error)."""
+    def stream_reset(self, code: int) -> bool:
+        """The stream is gone (the client reset it, the connection closed, a stream error, or
+        its answer stalled); True while its work goes on, in which case the handler calls
+        :meth:`StreamWriter.stream_done` once it has ended."""
 
 
 class Stream:
     """One stream's state on this connection."""
 
-    __slots__ = ("drained", "handler", "id", "local_closed", "pending", "pending_bytes", "recv_window",
-                 "remote_closed", "reset", "send_window", "trailers", "unacked")
+    __slots__ = ("blocked_since", "drained", "handler", "id", "local_closed", "pending", "pending_bytes",
+                 "recv_window", "remote_closed", "reset", "send_window", "trailers", "unacked")
 
     def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
         self.id = stream_id
@@ -52,6 +60,7 @@ class Stream:
         self.reset = False
         self.pending: collections.deque[memoryview] = collections.deque()  # DATA waiting for window
         self.pending_bytes = 0
+        self.blocked_since: float | None = None  # since when its data waits for window
         self.trailers: bytes | None = None  # framed trailers, sent once pending is empty
         self.drained: asyncio.Future[None] | None = None  # a writer waiting for room
 
@@ -64,21 +73,31 @@ class StreamWriter:
     peer: str
     closed: bool
     streams: dict[int, Stream]
+    last_stream_id: int
+    pending_send: int  # bytes of DATA waiting for the client's windows, on every stream
     _out: list[bytes]
     _receiving: bool
     _flush_soon: bool
     _blocked: dict[int, Stream]
     _send_window: int
+    _recv_window: int
+    _recv_unacked: int
     _peer_max_frame: int
     _table_update: bool
-    _pings_without_data: int
-    _ping_strikes: int
-    _last_ping_received: float | None
     _write_paused: bool
     _reset_ids: collections.deque[int]
+    _zombies: int
+    _idle_since: float | None
 
-    def _maybe_close(self) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the connection's and the guard's (quiver.frontends.http2, http2_guard)
+
+        def _maybe_close(self) -> None: ...
+
+        def _flush_out(self) -> None: ...
+
+        def _sent_stream_data(self) -> None: ...
+
+        def _induced_frame(self) -> bool: ...
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -96,9 +115,6 @@ class StreamWriter:
         if not self._receiving and not self._flush_soon:
             self._flush_soon = True
             self.loop.call_soon(self._flush_out)
-
-    def _flush_out(self) -> None:
-        raise NotImplementedError
 
     def _block_of(self, block: bytes) -> bytes:
         if self._table_update:
@@ -123,8 +139,7 @@ class StreamWriter:
             return
         stream.send_window -= size
         self._send_window -= size
-        self._pings_without_data = 0
-        self._ping_strikes, self._last_ping_received = 0, None
+        self._sent_stream_data()
         sid = stream.id
         self._write(
             h2.frame(h2.HEADERS, h2.END_HEADERS, sid, headers)
@@ -137,7 +152,7 @@ class StreamWriter:
         """The response's header block (``end_stream``: a trailers-only answer)."""
         if stream.reset or stream.local_closed or self.closed:
             return
-        self._ping_strikes, self._last_ping_received = 0, None
+        self._sent_stream_data()
         self._write(h2.headers_frames(stream.id, self._block_of(block), end_stream, self._peer_max_frame))
         if end_stream:
             self._local_close(stream)
@@ -148,6 +163,7 @@ class StreamWriter:
             return
         stream.pending.append(memoryview(data))
         stream.pending_bytes += len(data)
+        self.pending_send += len(data)
         self._flush_stream(stream)
 
     def send_trailers(self, stream: Stream, block: bytes) -> None:
@@ -165,6 +181,8 @@ class StreamWriter:
             window = min(stream.send_window, self._send_window)
             if window <= 0:
                 self._blocked[stream.id] = stream
+                if stream.blocked_since is None:
+                    stream.blocked_since = self.loop.time()
                 break
             chunk = pending[0]
             size = min(len(chunk), window, limit)
@@ -176,13 +194,16 @@ class StreamWriter:
             stream.send_window -= size
             self._send_window -= size
             stream.pending_bytes -= size
+            self.pending_send -= size
             self._write(h2.data_frame_header(stream.id, size) + bytes(chunk))
             sent = True
         if sent:
-            self._pings_without_data = 0
-            self._ping_strikes, self._last_ping_received = 0, None
+            self._sent_stream_data()
+            if pending:
+                stream.blocked_since = self.loop.time()  # progress: the stall clock starts again
         if not pending:
             self._blocked.pop(stream.id, None)
+            stream.blocked_since = None
             if stream.trailers is not None:
                 block, stream.trailers = stream.trailers, None
                 self._write(h2.headers_frames(stream.id, self._block_of(block), True, limit))
@@ -209,8 +230,12 @@ class StreamWriter:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    # -- credit -------------------------------------------------------------------------------
+
     def consume(self, stream: Stream, size: int) -> None:
-        """``size`` bytes of the stream were taken by its reader: the client may send more."""
+        """``size`` bytes of the stream were taken by its reader: the client may send more, on
+        the stream and on the connection."""
+        self.discard(size)
         if stream.remote_closed or stream.reset:
             return
         stream.unacked += size
@@ -218,6 +243,16 @@ class StreamWriter:
             self._write(h2.window_update(stream.id, stream.unacked))
             stream.recv_window += stream.unacked
             stream.unacked = 0
+
+    def discard(self, size: int) -> None:
+        """``size`` received bytes nobody holds: the connection's window gets them back."""
+        self._recv_unacked += size
+        if self._recv_unacked >= CONNECTION_WINDOW // 4:
+            self._write(h2.window_update(0, self._recv_unacked))
+            self._recv_window += self._recv_unacked
+            self._recv_unacked = 0
+
+    # -- a stream's end -------------------------------------------------------------------------
 
     def reset_stream(self, stream: Stream, code: int = h2.CANCEL) -> None:
         """End ``stream`` with RST_STREAM (its handler is not told: it asked)."""
@@ -238,26 +273,47 @@ class StreamWriter:
 
     def _forget(self, stream: Stream) -> None:
         self.streams.pop(stream.id, None)
-        self._blocked.pop(stream.id, None)
+        if self._blocked.pop(stream.id, None) is not None or stream.pending_bytes:
+            self.pending_send -= stream.pending_bytes
+            stream.pending.clear()
+            stream.pending_bytes = 0
         self._wake(stream)
+        if not self.streams:
+            self._idle_since = self.loop.time()
         self._maybe_close()
 
     def _gone(self, stream: Stream, code: int) -> None:
+        """Tell ``stream``'s handler it has ended (the stream is out of :attr:`streams`)."""
         stream.reset = True
         self._wake(stream)
         handler, stream.handler = stream.handler, None
-        if handler is not None:
-            handler.stream_reset(code)
+        if handler is not None and handler.stream_reset(code):
+            self._zombies += 1  # its work goes on: it counts against the stream limit until done
+
+    def stream_done(self) -> None:
+        """A handler told of its stream's end has finished its work."""
+        self._zombies -= 1
+
+    def _stall_reset(self, stream: Stream) -> None:
+        """A stream whose answer waited too long for window: reset, and what it holds freed."""
+        self.reset_stream(stream, h2.CANCEL)
+        self._gone(stream, h2.CANCEL)
 
     def _stream_error(self, exc: StreamError) -> None:
+        if exc.stream_id > self.last_stream_id:  # no RST_STREAM on an idle stream (RFC 9113 5.1)
+            raise H2ConnectionError(exc.code, exc.message)
         logger.debug("gRPC client %s: stream %d reset: %s", self.peer, exc.stream_id, exc.message)
-        stream = self.streams.pop(exc.stream_id, None)
-        self._reset_ids.append(exc.stream_id)
-        self._write(h2.rst_stream(exc.stream_id, exc.code))
-        if stream is not None:
-            self._blocked.pop(stream.id, None)
-            self._gone(stream, exc.code)
-            self._maybe_close()
+        if not self._induced_frame():
+            return
+        stream = self.streams.get(exc.stream_id)
+        if stream is None:
+            self._reset_ids.append(exc.stream_id)
+            self._write(h2.rst_stream(exc.stream_id, exc.code))
+            return
+        self.reset_stream(stream, exc.code)
+        self._gone(stream, exc.code)
 
 
-__all__ = ["RESET_MEMORY", "STREAM_WINDOW", "WRITE_HIGH_WATER", "Stream", "StreamHandler", "StreamWriter"]
+__all__ = [
+    "CONNECTION_WINDOW", "RESET_MEMORY", "STREAM_WINDOW", "WRITE_HIGH_WATER", "Stream", "StreamHandler", "StreamWriter",
+]
