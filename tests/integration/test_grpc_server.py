@@ -18,6 +18,8 @@ from typing import Any
 
 import grpc
 import h2.events
+import hpack
+import hyperframe.frame as hf
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -467,3 +469,46 @@ def test_a_reset_in_the_middle_of_a_stream_cancels_its_requests(server: QuiverSe
         seen = int(np.frombuffer(answers[0].infer_response.raw_output_contents[0], dtype=np.int32)[0])
         time.sleep(0.05)
     assert seen == 1, "the model never saw is_cancelled() after the client reset the stream"
+
+
+def test_a_stop_lets_an_answer_on_its_way_finish(repository: Path) -> None:
+    """SIGTERM while a 1 MB answer waits for its client's window: the client gets GOAWAY, then,
+    once it opens its window, the whole answer and its trailers; then the server exits."""
+    import signal
+
+    with QuiverServer(repository, args=("--grpc-server", "quiver")) as running:
+        values = np.arange(250_000, dtype=np.float32)
+        raw = RawGrpc(running.grpc_port, auto_ack=False)
+        try:
+            stream_id = raw.start("ModelInfer")
+            raw.send(stream_id, framed(identity_request(values).SerializeToString()))
+            reply = raw.replies[stream_id]
+            while len(reply.body) < 65535:
+                raw.read()
+            assert running.process is not None
+            running.process.send_signal(signal.SIGTERM)
+            time.sleep(1.0)  # the server is stopping; the answer waits for the window
+            # From here on frames are read raw: h2 takes the first of the two GOAWAYs as the end.
+            raw.sock.sendall(hf.WindowUpdateFrame(0, 4 << 20).serialize() + hf.WindowUpdateFrame(stream_id, 4 << 20).serialize())
+            body, buffer, trailers, goaway = bytearray(reply.body), bytearray(), None, False
+            while trailers is None and (chunk := raw.sock.recv(1 << 16)):
+                buffer += chunk
+                while len(buffer) >= 9 and len(buffer) >= 9 + (length := int.from_bytes(buffer[:3], "big")):
+                    kind, flags, sid = buffer[3], buffer[4], int.from_bytes(buffer[5:9], "big")
+                    payload = bytes(buffer[9 : 9 + length])
+                    del buffer[: 9 + length]
+                    if kind == 0x0 and sid == stream_id:
+                        body += payload
+                    elif kind == 0x1 and sid == stream_id:
+                        trailers = dict(hpack.Decoder().decode(payload, raw=True))
+                    elif kind == 0x6 and not flags & 1:
+                        raw.sock.sendall(hf.PingFrame(0, payload, flags=["ACK"]).serialize())
+                    elif kind == 0x7:
+                        goaway = True
+            assert goaway and trailers is not None and trailers[b"grpc-status"] == b"0"
+            reply.body = body
+            response = pb.ModelInferResponse.FromString(reply.messages()[0])
+            np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], dtype=np.float32), values)
+        finally:
+            raw.close()
+        assert running.wait(30) == 0

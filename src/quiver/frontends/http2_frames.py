@@ -206,7 +206,8 @@ def request_head(stream_id: int, headers: list[tuple[bytes, bytes]]) -> tuple[di
     fields: list[tuple[bytes, bytes]] = []
     for name, value in headers:
         if name[:1] == b":":
-            if fields or name not in _PSEUDO or name in pseudo or _BAD_VALUE.search(value):
+            # (a :path that names no method is answered UNIMPLEMENTED whatever its bytes, as grpcio does)
+            if fields or name not in _PSEUDO or name in pseudo or (name != b":path" and _BAD_VALUE.search(value)):
                 raise StreamError(stream_id, PROTOCOL_ERROR, f"malformed request: pseudo-header {name!r}")
             pseudo[name] = value
             continue

@@ -6,7 +6,7 @@ transport; its owner and stream handlers are small recorders."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import h2.config
@@ -20,28 +20,7 @@ import pytest
 from quiver.frontends import http2_frames as frames
 from quiver.frontends.http2 import CONNECTION_WINDOW, Http2Connection, Keepalive
 from quiver.frontends.http2_stream import STREAM_WINDOW, Stream
-
-REQUEST = [(":method", "POST"), (":scheme", "http"), (":path", "/svc/Echo"), (":authority", "x"),
-           ("content-type", "application/grpc"), ("te", "trailers")]
-
-
-class Transport:
-    def __init__(self, protocol: Http2Connection) -> None:
-        self.protocol = protocol
-        self.out = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        assert not self.closed, "a write after close"
-        self.out += data
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 5555)}.get(name, default)
+from support.h2pair import REQUEST, Pair, Transport, frames_of, of, raw_frame, run
 
 
 class Handler:
@@ -104,82 +83,9 @@ class Owner:
         self.closed = True
 
 
-class Pair:
-    """The server connection and an h2 client connection, pumped by hand."""
-
-    def __init__(self, owner: Owner | None = None, **client_settings: int) -> None:
-        self.owner = owner or Owner()
-        self.server = Http2Connection(self.owner)  # type: ignore[arg-type]
-        self.transport = Transport(self.server)
-        self.server.connection_made(self.transport)
-        config = h2.config.H2Configuration(client_side=True, header_encoding=None)
-        self.client = h2.connection.H2Connection(config)
-        self.client.initiate_connection()
-        if client_settings:
-            self.client.update_settings(client_settings)
-        self.events: list[Any] = []
-        self.pump()
-
-    def pump(self) -> list[Any]:
-        """Client bytes to the server, the server's answer to the client; the new events."""
-        outgoing = self.client.data_to_send()
-        if outgoing:
-            self.server.data_received(outgoing)
-        return self.receive()
-
-    def receive(self) -> list[Any]:
-        events = self.client.receive_data(bytes(self.transport.out)) if self.transport.out else []
-        self.transport.out.clear()
-        self.events += events
-        outgoing = self.client.data_to_send()  # the client's acknowledgements
-        if outgoing and not self.transport.closed:
-            self.server.data_received(outgoing)
-        return events
-
-    def raw(self, data: bytes) -> None:
-        self.server.data_received(data)
-
-    def goaway(self) -> tuple[int, int, bytes]:
-        """The (last stream id, error code, debug data) of the GOAWAY the server sent."""
-        for frame in _frames(bytes(self.transport.out)):
-            if isinstance(frame, hf.GoAwayFrame):
-                return frame.last_stream_id, frame.error_code, frame.additional_data
-        raise AssertionError("no GOAWAY")
-
-    def request(self, body: bytes = b"", headers: list[tuple[str, str]] | None = None, end: bool = True) -> int:
-        stream_id: int = self.client.get_next_available_stream_id()
-        self.client.send_headers(stream_id, headers or REQUEST, end_stream=not body and end)
-        if body:
-            self.client.send_data(stream_id, body, end_stream=end)
-        return stream_id
-
-
-def raw_frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
-    """A frame as bytes, for the ones hyperframe will not build (they break the rules)."""
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
-
-
-def _frames(data: bytes) -> list[Any]:
-    found, at = [], 0
-    while len(data) - at >= 9:
-        frame, length = hf.Frame.parse_frame_header(memoryview(data[at : at + 9]))
-        frame.parse_body(memoryview(data[at + 9 : at + 9 + length]))
-        found.append(frame)
-        at += 9 + length
-    return found
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(test())
-
-
-def of(events: list[Any], kind: type) -> list[Any]:
-    return [event for event in events if isinstance(event, kind)]
-
-
 def test_settings_are_exchanged_and_a_request_is_answered() -> None:
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         changed = of(pair.events, h2.events.RemoteSettingsChanged)[0].changed_settings
         assert changed[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value == 8
         assert changed[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE].new_value == STREAM_WINDOW
@@ -198,7 +104,7 @@ def test_settings_are_exchanged_and_a_request_is_answered() -> None:
 
 def test_pings_are_answered_with_their_payload() -> None:
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         pair.client.ping(b"12345678")
         assert of(pair.pump(), h2.events.PingAckReceived)[0].ping_data == b"12345678"
 
@@ -207,7 +113,7 @@ def test_pings_are_answered_with_their_payload() -> None:
 
 def test_a_header_block_in_continuation_frames_and_padded_data() -> None:
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         big = [*REQUEST, ("x-big", "v" * 40_000)]  # past 16 KiB: HEADERS + CONTINUATION
         stream_id = pair.client.get_next_available_stream_id()
         pair.client.send_headers(stream_id, big)
@@ -227,7 +133,7 @@ def test_what_is_sent_waits_for_the_clients_windows() -> None:
     until the client gives credit; trailers follow the last byte."""
 
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         body = bytes(range(256)) * 800  # 204,800 bytes
         pair.owner.answer = lambda h: h.connection.respond(
             h.stream, frames.header_block([(b":status", b"200")]), body, frames.header_block([(b"grpc-status", b"0")])
@@ -255,7 +161,7 @@ def test_what_is_sent_waits_for_the_clients_windows() -> None:
 
 def test_a_window_the_client_shrinks_to_zero_holds_the_data() -> None:
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         pair.client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
         pair.pump()
         stream_id = pair.request(b"abc")
@@ -275,7 +181,7 @@ def test_a_stream_nobody_reads_stops_its_sender() -> None:
     WINDOW_UPDATE was sent meanwhile."""
 
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         pair.owner.consume = False
         stream_id = pair.request(b"", end=False)
         pair.pump()
@@ -284,7 +190,7 @@ def test_a_stream_nobody_reads_stops_its_sender() -> None:
         raw = b"".join(hf.DataFrame(stream_id, chunk).serialize() for _ in range(STREAM_WINDOW // 16384))
         pair.raw(raw)
         assert pair.owner.handlers[stream_id].reset is None
-        assert not [f for f in _frames(bytes(pair.transport.out)) if isinstance(f, hf.WindowUpdateFrame)]
+        assert not [f for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.WindowUpdateFrame)]
         pair.raw(hf.DataFrame(stream_id, b"!").serialize())
         assert pair.goaway()[1] == h2.errors.ErrorCodes.FLOW_CONTROL_ERROR
 
@@ -301,7 +207,7 @@ def test_streams_past_the_limit_are_refused() -> None:
         pair.pump()
         # the h2 client keeps to the limit the server announced: the third stream goes raw
         pair.raw(hf.HeadersFrame(5, pair.client.encoder.encode(REQUEST), flags=["END_HEADERS", "END_STREAM"]).serialize())
-        resets = [f for f in _frames(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
+        resets = [f for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
         assert [(f.stream_id, f.error_code) for f in resets] == [(5, h2.errors.ErrorCodes.REFUSED_STREAM)]
         assert sorted(owner.handlers) == [1, 3]
 
@@ -328,7 +234,7 @@ def test_a_client_reset_reaches_the_handler() -> None:
 
 def test_repeated_header_blocks_are_read_once() -> None:
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         for _ in range(5):
             pair.request(b"x")
             pair.pump()
@@ -350,12 +256,12 @@ def test_a_smaller_header_table_is_honoured() -> None:
     with a table size update (to 0: its encoder never uses the table)."""
 
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         pair.client.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 0})
         pair.pump()
         pair.request(b"x")
         pair.server.data_received(pair.client.data_to_send())
-        blocks = [f.data for f in _frames(bytes(pair.transport.out)) if isinstance(f, hf.HeadersFrame)]
+        blocks = [f.data for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.HeadersFrame)]
         assert blocks[0][:1] == b"\x20" and blocks[1][:1] != b"\x20"
         events = pair.receive()
         assert of(events, h2.events.ResponseReceived)[0].headers == [(b":status", b"200")]
@@ -365,7 +271,7 @@ def test_a_smaller_header_table_is_honoured() -> None:
 
 def test_trailers_from_the_client_end_its_stream() -> None:
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         stream_id = pair.request(b"abc", end=False)
         pair.client.send_headers(stream_id, [("x-trailer", "1")], end_stream=True)
         assert of(pair.pump(), h2.events.StreamEnded)
@@ -384,7 +290,7 @@ def test_graceful_stop_finishes_the_streams_in_progress_and_refuses_new_ones() -
         pair.server.shutdown()
         await asyncio.sleep(0)  # what is sent outside a read goes out once per turn of the loop
         # GOAWAY(2^31-1) and a PING (h2 takes any GOAWAY as the end: the rest goes raw)
-        goaway, ping = _frames(bytes(pair.transport.out))
+        goaway, ping = frames_of(bytes(pair.transport.out))
         assert isinstance(goaway, hf.GoAwayFrame) and (goaway.last_stream_id, goaway.error_code) == (2**31 - 1, 0)
         assert isinstance(ping, hf.PingFrame) and "ACK" not in ping.flags
         pair.transport.out.clear()
@@ -395,7 +301,7 @@ def test_graceful_stop_finishes_the_streams_in_progress_and_refuses_new_ones() -
         # the client saw GOAWAY, so its h2 refuses new streams: a raw HEADERS goes past that
         encoder = pair.client.encoder
         pair.raw(hf.HeadersFrame(first + 2, encoder.encode(REQUEST), flags=["END_HEADERS", "END_STREAM"]).serialize())
-        assert [(f.stream_id, f.error_code) for f in _frames(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)] == [
+        assert [(f.stream_id, f.error_code) for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)] == [
             (first + 2, h2.errors.ErrorCodes.REFUSED_STREAM)
         ]
         answer_small(owner.handlers[first])
@@ -429,7 +335,7 @@ def test_graceful_stop_finishes_the_streams_in_progress_and_refuses_new_ones() -
 )
 def test_protocol_errors_get_goaway_and_close(raw: bytes, code: int) -> None:
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         if raw.startswith(b"GET"):
             pair = Pair.__new__(Pair)
             pair.owner = Owner()
@@ -449,12 +355,12 @@ def test_protocol_errors_get_goaway_and_close(raw: bytes, code: int) -> None:
 
 def test_a_malformed_request_resets_its_stream_only() -> None:
     async def main() -> None:
-        pair = Pair()
+        pair = Pair(Owner())
         stream_id = pair.client.get_next_available_stream_id()
         encoder = pair.client.encoder
         block = encoder.encode([(":method", "POST"), (":path", "/svc/Echo")])  # no :scheme
         pair.raw(hf.HeadersFrame(stream_id, block, flags=["END_HEADERS", "END_STREAM"]).serialize())
-        resets = [f for f in _frames(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
+        resets = [f for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
         assert [(f.stream_id, f.error_code) for f in resets] == [(stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
         assert not pair.transport.closed
 
@@ -490,5 +396,164 @@ def test_keepalive_pings_and_a_client_that_does_not_answer() -> None:
             if pair.transport.closed:
                 break
         assert pair.transport.closed
+
+    run(main)
+
+
+# -- what a hostile client cannot make the connection hold or spend (review of the server) ----
+
+
+def test_empty_or_many_continuation_frames_end_the_connection() -> None:
+    """CVE-2024-27316's flood: empty CONTINUATION frames, or many small ones, never make a
+    header block; the connection ends with ENHANCE_YOUR_CALM."""
+
+    async def main() -> None:
+        for payload, count in ((b"", 1), (b"\x00", 200)):
+            pair = Pair(Owner())
+            pair.transport.out.clear()
+            pair.raw(hf.HeadersFrame(1, b"\x82", flags=[]).serialize())
+            for _ in range(count):
+                if pair.transport.closed:
+                    break
+                pair.raw(raw_frame(0x9, 0, 1, payload))
+            assert pair.goaway()[1] == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+            assert pair.transport.closed
+
+    run(main)
+
+
+def test_a_client_that_does_not_read_is_not_answered_into_memory() -> None:
+    """CVE-2019-9515: SETTINGS the client never reads the acknowledgements of. Reading stops
+    while the transport cannot write, and past the induced-frame limit the connection ends."""
+
+    async def main() -> None:
+        pair = Pair(Owner())
+        paused: list[str] = []
+        pair.transport.pause_reading = lambda: paused.append("pause")  # type: ignore[attr-defined]
+        pair.transport.resume_reading = lambda: paused.append("resume")  # type: ignore[attr-defined]
+        pair.server.pause_writing()
+        assert paused == ["pause"]
+        pair.server.resume_writing()
+        assert paused == ["pause", "resume"]
+        pair.transport.out.clear()
+        flood = hf.SettingsFrame(0).serialize() * 10_001
+        pair.raw(flood)
+        assert pair.goaway()[1] == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+
+    run(main)
+
+
+def test_a_header_list_past_the_announced_size_ends_the_connection() -> None:
+    async def main() -> None:
+        pair = Pair(Owner())
+        encoder = pair.client.encoder
+        block = encoder.encode([*REQUEST, ("x-big", "v" * 70_000)])  # past 64 KiB
+        pair.transport.out.clear()
+        frames_ = [hf.HeadersFrame(1, block[:16384], flags=[]).serialize()]
+        rest = block[16384:]
+        while rest:
+            chunk, rest = rest[:16384], rest[16384:]
+            frames_.append(hf.ContinuationFrame(1, chunk, flags=[] if rest else ["END_HEADERS"]).serialize())
+        pair.raw(b"".join(frames_))
+        assert pair.goaway()[1] in (h2.errors.ErrorCodes.COMPRESSION_ERROR, h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+        assert pair.owner.heads == []
+
+    run(main)
+
+
+def test_rapid_resets_end_the_connection_and_count_until_their_work_ends() -> None:
+    """CVE-2023-44487: streams opened and reset at once. A reset stream whose handler still
+    works counts against the stream limit; past the reset budget the connection ends."""
+
+    async def main() -> None:
+        owner = Owner(max_concurrent_streams=4)
+        owner.answer = lambda handler: None
+        pair = Pair(owner)
+        busy = {"yes": True}
+        Handler.stream_reset = lambda self, code: (setattr(self, "reset", code), busy["yes"])[1]  # type: ignore[method-assign]
+        try:
+            for _ in range(4):  # four streams reset whose work goes on: the limit is reached
+                stream_id = pair.request(b"x")
+                pair.client.reset_stream(stream_id)
+            pair.pump()
+            assert pair.server.streams == {} and pair.server._zombies == 4
+            pair.transport.out.clear()
+            pair.raw(hf.HeadersFrame(9, pair.client.encoder.encode(REQUEST), flags=["END_HEADERS", "END_STREAM"]).serialize())
+            resets = [(f.stream_id, f.error_code) for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
+            assert resets == [(9, h2.errors.ErrorCodes.REFUSED_STREAM)]
+            for _ in range(4):
+                pair.server.stream_done()
+            busy["yes"] = False
+            pair.transport.out.clear()
+            encoder, stream_id = pair.client.encoder, 11
+            flood = b""
+            for _ in range(400):
+                flood += hf.HeadersFrame(stream_id, encoder.encode(REQUEST), flags=["END_HEADERS"]).serialize()
+                flood += hf.RstStreamFrame(stream_id, 8).serialize()
+                stream_id += 2
+            for at in range(0, len(flood), 4096):
+                if pair.transport.closed:
+                    break
+                pair.raw(flood[at : at + 4096])
+                await asyncio.sleep(0)  # the reads yield after 64 new streams
+            assert pair.goaway()[1] == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        finally:
+            del Handler.stream_reset
+
+    run(main)
+
+
+def test_a_block_that_changes_the_table_is_never_served_from_the_cache() -> None:
+    """A cached reading must not outlive the HPACK table it was decoded with: a malformed
+    request that inserts an entry, then the bytes of a cached block again, which now decode
+    differently (here: two :path fields), is reset, not answered from the cache."""
+
+    async def main() -> None:
+        pair = Pair(Owner())
+        import hpack
+
+        encoder = hpack.Encoder()
+        first = encoder.encode(REQUEST)  # fills the table
+        pair.raw(hf.HeadersFrame(1, first, flags=["END_HEADERS", "END_STREAM"]).serialize())
+        again = encoder.encode(REQUEST)  # all indexes
+        pair.raw(hf.HeadersFrame(3, again, flags=["END_HEADERS", "END_STREAM"]).serialize())
+        pair.raw(hf.HeadersFrame(5, again, flags=["END_HEADERS", "END_STREAM"]).serialize())
+        assert len(pair.owner.heads) == 2  # the third was read from the cache
+        # a malformed request (no :method) that inserts a :path entry into the table
+        bad = encoder.encode([(":scheme", "http"), (":path", "/other")])
+        pair.raw(hf.HeadersFrame(7, bad, flags=["END_HEADERS", "END_STREAM"]).serialize())
+        pair.transport.out.clear()
+        pair.raw(hf.HeadersFrame(9, again, flags=["END_HEADERS", "END_STREAM"]).serialize())
+        resets = [(f.stream_id, f.error_code) for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
+        assert resets == [(9, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
+
+    run(main)
+
+
+@pytest.mark.parametrize("value", ["a\r\nx-injected: 1", "a\x00b", " padded", "trailing\t"])
+def test_field_values_with_nul_cr_lf_or_edge_white_space_are_malformed(value: str) -> None:
+    async def main() -> None:
+        pair = Pair(Owner())
+        import hpack
+
+        block = hpack.Encoder().encode([*REQUEST, ("x-meta", value)])
+        pair.transport.out.clear()
+        pair.raw(hf.HeadersFrame(1, block, flags=["END_HEADERS", "END_STREAM"]).serialize())
+        resets = [(f.stream_id, f.error_code) for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
+        assert resets == [(1, h2.errors.ErrorCodes.PROTOCOL_ERROR)]
+        assert pair.owner.handlers == {} and not pair.transport.closed
+
+    run(main)
+
+
+def test_no_reset_of_an_idle_stream_for_a_bad_priority() -> None:
+    async def main() -> None:
+        pair = Pair(Owner())
+        pair.transport.out.clear()
+        pair.raw(raw_frame(0x2, 0, 101, bytes(5)))  # a fine PRIORITY for a stream not yet open
+        assert not pair.transport.out and not pair.transport.closed
+        pair.raw(raw_frame(0x2, 0, 101, bytes(4)))  # a bad one: a connection error, not RST_STREAM
+        assert not [f for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
+        assert pair.goaway()[1] == h2.errors.ErrorCodes.FRAME_SIZE_ERROR
 
     run(main)
