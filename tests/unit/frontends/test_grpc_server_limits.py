@@ -154,3 +154,52 @@ def test_an_answer_that_waits_too_long_for_window_is_reset(monkeypatch: pytest.M
         assert pair.server.pending_send == 0 and pair.server.streams == {}
 
     run(main)
+
+
+def test_a_request_message_that_stalls_ends_its_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message with bytes missing and none arriving: the call ends (UNAVAILABLE) and what it
+    held leaves the budget."""
+    from quiver.frontends import grpc_call
+
+    monkeypatch.setattr(grpc_call, "PROGRESS_SECONDS", 0.1)
+
+    async def main() -> None:
+        server, _ = _server()
+        pair = Pair(server)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+        pair.client.send_data(stream_id, b"\x00" + (1000).to_bytes(4, "big") + b"x" * 10)
+        pair.pump()
+        assert server.budget.used == 15
+        await asyncio.sleep(0.3)
+        (headers,) = of(pair.receive(), h2.events.ResponseReceived)
+        assert dict(headers.headers)[b"grpc-status"] == b"14"
+        assert server.budget.used == 0
+
+    run(main)
+
+
+def test_connections_past_the_cap_and_idle_ones_are_sent_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quiver.frontends import grpc_server
+
+    monkeypatch.setattr(grpc_server, "MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(http2_guard, "IDLE_SECONDS", 0.1)
+    monkeypatch.setattr(http2_guard, "HOUSEKEEPING_SECONDS", 0.05)
+
+    async def main() -> None:
+        server, _ = _server()
+        first = server._connection()
+        second = server._connection()  # past the cap: refused once made
+        from support.h2pair import Transport
+
+        refused = Transport(second)
+        second.connection_made(refused)
+        goaway = [f for f in frames_of(bytes(refused.out)) if isinstance(f, hf.GoAwayFrame)]
+        assert refused.closed and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        kept = Transport(first)
+        first.connection_made(kept)
+        await asyncio.sleep(0.3)  # no stream for longer than the idle limit: GOAWAY (NO_ERROR)
+        goaway = [f for f in frames_of(bytes(kept.out)) if isinstance(f, hf.GoAwayFrame)]
+        assert goaway and goaway[0].error_code == 0
+
+    run(main)
