@@ -142,7 +142,6 @@ class GrpcCall:
     def data_received(self, data: memoryview, end_stream: bool) -> None:
         connection, stream = self.connection, self.stream
         if self._done:
-            connection.consume(stream, len(data))
             return
         limit = self.server.max_receive_message_size
         request = self._request
@@ -151,7 +150,6 @@ class GrpcCall:
             if end_stream and size >= _PREFIX and not self.method.request_streaming:
                 length = int.from_bytes(data[1:5], "big")
                 if _PREFIX + length == size and length <= limit:  # a whole unary request at once
-                    connection.discard(size)
                     self._ended = True
                     if self._flag_ok(data[0]):
                         self._message = (data[0], bytes(data[_PREFIX:]))

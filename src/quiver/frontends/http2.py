@@ -9,8 +9,8 @@ handler (:class:`StreamHandler`, a gRPC call). What the protocol asks of a serve
   streams, its stream window, the header list size) and a large connection window;
 - flow control both ways: received DATA is charged to the connection's and the stream's
   window (a client past either is a FLOW_CONTROL_ERROR); the connection's is returned as data
-  arrives, a stream's as its handler consumes it (:meth:`Http2Connection.consume`), so a
-  stream nobody reads stops its sender. What is sent waits for both of the client's windows
+  arrives, a stream's as its handler asks (:meth:`Http2Connection.top_up`), so a stream nobody
+  reads stops its sender. What is sent waits for both of the client's windows
   and goes out in frames no larger than the client's ``MAX_FRAME_SIZE``; a writer can wait
   until its stream has room (:meth:`Http2Connection.writable`);
 - HEADERS with CONTINUATION, padding on DATA and HEADERS, PRIORITY read and ignored, PING
@@ -282,28 +282,22 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
         self._recv_window -= length
         if self._recv_window < 0:
             raise H2ConnectionError(h2.FLOW_CONTROL_ERROR, "the connection's flow-control window was exceeded")
+        self.discard(length)  # streams' windows bound what the connection holds
         stream = self.streams.get(stream_id)
         if stream is None:
-            self.discard(length)
             self._closed_stream_frame(stream_id, "DATA")
             return
         if stream.remote_closed:
-            self.discard(length)
             raise StreamError(stream_id, h2.STREAM_CLOSED, "DATA after the end of the stream")
         stream.recv_window -= length
         if stream.recv_window < 0:
-            self.discard(length)
             raise StreamError(stream_id, h2.FLOW_CONTROL_ERROR, "the stream's flow-control window was exceeded")
-        if length > len(data):
-            self.consume(stream, length - len(data))  # padding is nobody's to read
         end_stream = bool(flags & h2.END_STREAM)
         if end_stream:
             stream.remote_closed = True
         handler = stream.handler
         if handler is not None:
             handler.data_received(data, end_stream)
-        else:
-            self.consume(stream, len(data))
         if end_stream and stream.local_closed:
             self._forget(stream)
 

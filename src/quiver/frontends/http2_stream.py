@@ -2,9 +2,10 @@
 handler it is given to, and the sending half of the connection (:class:`StreamWriter`): header
 blocks, DATA under both of the client's flow-control windows in frames no larger than the
 client's ``MAX_FRAME_SIZE``, trailers after the last byte, stream resets, and the credit given
-back to the client: for a stream, as its handler takes what it received (``consume``); for the
-connection, as well as for bytes nobody holds (``discard``: padding, frames of ended streams),
-so what a connection's calls hold is bounded by the windows the server granted."""
+back to the client: for the connection as DATA arrives (``discard``; streams' windows bound
+what each holds), for a stream as its handler wants more (``top_up``: its window back to
+:data:`STREAM_WINDOW` once it took what came, or enough for a whole message the server has
+made room for)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,9 @@ from quiver.frontends.http2_frames import StreamError
 
 logger = logging.getLogger(__name__)
 
-#: The flow-control windows this server grants: each stream (SETTINGS_INITIAL_WINDOW_SIZE) and
-#: the whole connection. Credit goes back as received bytes are taken, so they bound what a
-#: client can make a connection hold beyond what its calls have been granted.
-STREAM_WINDOW = 1 << 20
+#: The flow-control windows this server grants: each stream (SETTINGS_INITIAL_WINDOW_SIZE; what a
+#: stream may send before its handler makes room) and the whole connection.
+STREAM_WINDOW = 65535
 CONNECTION_WINDOW = 1 << 20
 #: A writer waits (:meth:`StreamWriter.writable`) while its stream holds more unsent bytes.
 WRITE_HIGH_WATER = 256 * 1024
@@ -35,7 +35,7 @@ class StreamHandler(Protocol):
 
     def data_received(self, data: memoryview, end_stream: bool) -> None:
         """Bytes of the stream (the view is valid during the call only); ``end_stream``: the
-        client has sent all. The handler calls :meth:`StreamWriter.consume` for what it took."""
+        client has sent all. The handler calls :meth:`StreamWriter.top_up` when it wants more."""
 
     def stream_reset(self, code: int) -> bool:
         """The stream is gone (the client reset it, the connection closed, a stream error, or
@@ -47,14 +47,13 @@ class Stream:
     """One stream's state on this connection."""
 
     __slots__ = ("blocked_since", "drained", "handler", "id", "local_closed", "pending", "pending_bytes",
-                 "recv_window", "remote_closed", "reset", "send_window", "trailers", "unacked")
+                 "recv_window", "remote_closed", "reset", "send_window", "trailers")
 
     def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
         self.id = stream_id
         self.handler: StreamHandler | None = None
         self.send_window = send_window
         self.recv_window = recv_window
-        self.unacked = 0  # consumed, not yet returned with WINDOW_UPDATE
         self.remote_closed = False
         self.local_closed = False
         self.reset = False
@@ -232,17 +231,15 @@ class StreamWriter:
 
     # -- credit -------------------------------------------------------------------------------
 
-    def consume(self, stream: Stream, size: int) -> None:
-        """``size`` bytes of the stream were taken by its reader: the client may send more, on
-        the stream and on the connection."""
-        self.discard(size)
+    def top_up(self, stream: Stream, target: int = STREAM_WINDOW) -> None:
+        """Let the client send up to ``target`` more bytes on ``stream`` (a WINDOW_UPDATE when
+        its window is a quarter or more short of it)."""
         if stream.remote_closed or stream.reset:
             return
-        stream.unacked += size
-        if stream.unacked >= STREAM_WINDOW // 4:
-            self._write(h2.window_update(stream.id, stream.unacked))
-            stream.recv_window += stream.unacked
-            stream.unacked = 0
+        short = min(target, h2.MAX_WINDOW) - stream.recv_window
+        if short > 0 and (short >= STREAM_WINDOW // 4 or target > STREAM_WINDOW):
+            self._write(h2.window_update(stream.id, short))
+            stream.recv_window += short
 
     def discard(self, size: int) -> None:
         """``size`` received bytes nobody holds: the connection's window gets them back."""

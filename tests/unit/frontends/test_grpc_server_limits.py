@@ -63,28 +63,60 @@ def _fill(pair: Pair, stream_id: int, data: bytes) -> int:
 
 
 def test_request_bytes_held_are_bounded_by_the_budget() -> None:
-    """Streams that announce large messages and never finish them: the server gives back
-    credit only while the connection's share of the budget lasts, then refuses new streams;
-    what was held goes back when the streams end."""
+    """Streams that announce large messages and send them slowly: a message gets credit only
+    once the budget has room for all of it, so what a connection holds stays within its share
+    (and the windows it was granted), and admitted messages finish before others start; what
+    a stream held goes back when it ends."""
 
     async def main() -> None:
         server, _ = _server(max_message=4 * MB)
         pair = Pair(server)
-        held, refused = 0, []
-        for _ in range(8):
+        body = b"\x00" + (4 * MB - 1).to_bytes(4, "big") + bytes(4 * MB - 100)
+        streams, held = [], 0
+        for _ in range(4):
             stream_id = pair.client.get_next_available_stream_id()
             pair.client.send_headers(stream_id, _headers("/svc/Echo"))
-            refused = of(pair.pump(), h2.events.StreamReset)
-            if refused:
-                break
-            held += _fill(pair, stream_id, b"\x00" + (4 * MB - 1).to_bytes(4, "big") + bytes(4 * MB - 100))
-        assert [(e.stream_id, e.error_code) for e in refused] == [(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)]
-        assert held <= server.budget.per_connection + 2 * MB  # its share, and windows granted before
-        assert server.budget.used == held and pair.server.buffered == held
-        for open_id in list(pair.server.streams):
-            pair.client.reset_stream(open_id)
+            if of(pair.pump(), h2.events.StreamReset):
+                continue  # refused: the connection's share was spent
+            streams.append(stream_id)
+            held += _fill(pair, stream_id, body)
+        assert len(streams) >= 2
+        assert held <= server.budget.per_connection + 2 * MB
+        assert server.budget.used <= server.budget.per_connection and pair.server.buffered == server.budget.used
+        first = streams[0]
+        calls = {sid: pair.server.streams[sid].handler for sid in streams}
+        assert calls[first]._request._admitted == 4 * MB + 4  # type: ignore[union-attr]
+        assert not any(calls[sid]._request and calls[sid]._request._admitted for sid in streams[1:])  # type: ignore[union-attr]
+        # the first message finishes: the second is admitted once its prefix is here, and gets credit
+        pair.client.send_data(first, bytes(99), end_stream=True)
         pair.pump()
-        assert server.budget.used == 0 and pair.server.buffered == 0
+        for _ in range(10):
+            await asyncio.sleep(0)
+        second = streams[1]
+        held = _fill(pair, second, body[:5] if calls[second]._request is None else b"")  # type: ignore[union-attr]
+        pair.pump()
+        assert calls[second]._request._admitted == 4 * MB + 4  # type: ignore[union-attr]
+        assert _fill(pair, second, body[5 : 5 + 2 * MB]) > 1 * MB  # credit keeps coming
+        for sid in streams[1:]:
+            pair.client.reset_stream(sid)
+        pair.pump()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert server.budget.used == pair.server.buffered  # only what the first call's answer holds
+
+    run(main)
+
+
+def test_new_streams_are_refused_while_the_budget_is_spent() -> None:
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        pair = Pair(server)
+        pair.server.buffered = server.budget.per_connection  # this connection's share is spent
+        server.budget.used = server.budget.per_connection
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"), end_stream=True)
+        refused = of(pair.pump(), h2.events.StreamReset)
+        assert [(e.stream_id, e.error_code) for e in refused] == [(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)]
 
     run(main)
 
@@ -170,7 +202,7 @@ def test_a_request_message_that_stalls_ends_its_call(monkeypatch: pytest.MonkeyP
         pair.client.send_headers(stream_id, _headers("/svc/Echo"))
         pair.client.send_data(stream_id, b"\x00" + (1000).to_bytes(4, "big") + b"x" * 10)
         pair.pump()
-        assert server.budget.used == 15
+        assert server.budget.used == 1005  # the whole message, reserved once admitted
         await asyncio.sleep(0.3)
         (headers,) = of(pair.receive(), h2.events.ResponseReceived)
         assert dict(headers.headers)[b"grpc-status"] == b"14"

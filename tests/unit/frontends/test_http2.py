@@ -35,7 +35,7 @@ class Handler:
     def data_received(self, data: memoryview, end_stream: bool) -> None:
         self.data += data
         if self.owner.consume:
-            self.connection.consume(self.stream, len(data))
+            self.connection.top_up(self.stream)
         if end_stream:
             self.ended = True
             self.owner.answer(self)
@@ -176,9 +176,9 @@ def test_a_window_the_client_shrinks_to_zero_holds_the_data() -> None:
 
 
 def test_a_stream_nobody_reads_stops_its_sender() -> None:
-    """Credit goes back as a stream's handler takes what it received: a client past the
-    windows of a stream whose reader took nothing is a flow-control error, and no
-    WINDOW_UPDATE was sent meanwhile."""
+    """A stream's window comes back as its handler asks: a client past the window of a stream
+    whose reader took nothing has the stream reset (FLOW_CONTROL_ERROR), and no WINDOW_UPDATE
+    was sent for it meanwhile."""
 
     async def main() -> None:
         pair = Pair(Owner())
@@ -186,13 +186,16 @@ def test_a_stream_nobody_reads_stops_its_sender() -> None:
         stream_id = pair.request(b"", end=False)
         pair.pump()
         pair.transport.out.clear()
-        chunk = b"z" * 16384
-        raw = b"".join(hf.DataFrame(stream_id, chunk).serialize() for _ in range(STREAM_WINDOW // 16384))
+        raw = b"".join(hf.DataFrame(stream_id, b"z" * 16384).serialize() for _ in range(3))
+        raw += hf.DataFrame(stream_id, b"z" * (STREAM_WINDOW - 3 * 16384)).serialize()
         pair.raw(raw)
         assert pair.owner.handlers[stream_id].reset is None
-        assert not [f for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.WindowUpdateFrame)]
+        assert not [f for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.WindowUpdateFrame) and f.stream_id]
         pair.raw(hf.DataFrame(stream_id, b"!").serialize())
-        assert pair.goaway()[1] == h2.errors.ErrorCodes.FLOW_CONTROL_ERROR
+        resets = [f for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
+        assert resets[0].error_code == h2.errors.ErrorCodes.FLOW_CONTROL_ERROR
+        assert pair.owner.handlers[stream_id].reset == h2.errors.ErrorCodes.FLOW_CONTROL_ERROR
+        assert not pair.transport.closed
 
     run(main)
 
