@@ -32,13 +32,14 @@ from typing import Protocol
 from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.heap import freeze_heap
-from quiver.lifecycle.ahead import AHEAD, RoomAhead
+from quiver.lifecycle.ahead import AHEAD, AHEAD_LULL_S, RoomAhead
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
 from quiver.lifecycle.dependencies import DependencyGraph, composing_of
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, LRUPolicy
 from quiver.lifecycle.frameworks import HEAP_ALLOCATING, prime
+from quiver.lifecycle.idle import Activity
 from quiver.lifecycle.loader import LoadOutcome, backend_name
 from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import (
@@ -124,6 +125,8 @@ class AdmissionControl:
         #: Configurations read and prepared once per version of a model's files (the loads share it).
         self.configs = ConfigCache()
         self.evict_ahead = evict_ahead and eviction_policy != "none"  # none: nothing unloads
+        #: When a request last came or went (told by the manager): evictions ahead wait for a lull.
+        self.activity = Activity(clock)
         self.last_size = 0  # bytes of the last model loaded: what the next miss likely needs
         self.ahead = RoomAhead(self, pins, table)
         self._prime_lock = asyncio.Lock()
@@ -423,7 +426,8 @@ class AdmissionControl:
             size = self._predictor.counted(measured, inspection.from_files)  # never below its files
             self._predictor.record(identity, size)
         try:
-            await self._cover_overrun(name, size, unloader)
+            if size > budget.reservation(name):
+                await self._cover_overrun(name, size, unloader)
         except BaseException:
             budget.cancel(name)
             await unloader.discard(outcome.models)
@@ -435,8 +439,9 @@ class AdmissionControl:
         self.policy.touch(name, size, now, load_cost_s=load_seconds)
         budget.commit(name, size)
         self.last_size = size
-        # Written in the event loop's second round from now: the requests that waited for
-        # the load run first (a log line costs 0.1 ms on a miss, its code cold by then).
+        # Written AHEAD_LULL_S from now: the requests that waited for the load run and their
+        # answers go out first (a log line costs 0.1 ms on a miss, its code cold by then, and on
+        # a busy machine the core a client on the same machine needs to take its answer).
         announce = functools.partial(
             logger.info,
             "loaded model '%s' version(s) %s in %.3f s; it takes %d bytes of host memory (%s %d, "
@@ -452,19 +457,16 @@ class AdmissionControl:
             budget.used,
             budget.limit_bytes,
         )
-        loop = asyncio.get_running_loop()
-        loop.call_soon(loop.call_soon, announce)
+        asyncio.get_running_loop().call_later(AHEAD_LULL_S, announce)
         return outcome
 
     async def _cover_overrun(self, name: str, size: int, unloader: Unloader) -> None:
-        """The model measured ``size`` bytes: if that is more than its reservation, reserve the
+        """The model measured ``size`` bytes, more than its reservation: reserve the
         excess as a load would (free bytes, evictions, waiting for pins) before it is READY;
         if that cannot be had, OutOfMemoryError (the caller unloads the model)."""
         budget = self.budget
         assert budget is not None
         granted = budget.reservation(name)
-        if size <= granted:
-            return
         logger.warning(
             "model '%s' measured %d bytes, %d more than its reservation; reserving the excess "
             "before it is served",

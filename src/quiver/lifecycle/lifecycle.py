@@ -258,7 +258,7 @@ class ModelLifeCycle:
     ) -> dict[str, str]:
         name = source.name
         serving = self._table.serving(name)
-        if not serving:
+        if not serving and trip is None:  # a trip showed LOADING from its start
             self._table.mark(name, ModelState.LOADING)
         if trip is not None:
             inspection = trip.inspection

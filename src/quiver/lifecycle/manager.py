@@ -185,11 +185,20 @@ class ModelRepositoryManager:
         self._poll_task: asyncio.Task[None] | None = None
         #: on_demand: the local model folders' configurations read while idle (read_ahead.py)
         self._read_ahead = (
-            ReadAhead(configs=self.admission.configs, pool=self._pool, meter=self.admission.meter, clock=clock, strict=strict_config)
+            ReadAhead(
+                configs=self.admission.configs,
+                pool=self._pool,
+                meter=self.admission.meter,
+                clock=clock,
+                strict=strict_config,
+                activity=self.admission.activity,
+            )
             if read_ahead and control_mode == "on_demand"
             else None
         )
         self._read_ahead_task: asyncio.Task[None] | None = None
+        #: Who waits for a lull between requests: configurations read ahead, evictions ahead.
+        self._tells_activity = self._read_ahead is not None or self.admission.budget is not None
 
     def add_residency_listener(self, listener: Callable[[str, bool], None]) -> None:
         """Call ``listener(name, resident)`` whenever a model becomes READY (True) or stops
@@ -376,21 +385,22 @@ class ModelRepositoryManager:
 
     # -- on demand -----------------------------------------------------------------------
 
-    async def acquire(self, name: str, version: str = "", *, use: bool = True) -> Model:
+    async def acquire(self, name: str, version: str = "", *, use: bool = True, missed: bool = False) -> Model:
         """The READY model for ``name``, loading it first in on-demand mode. Concurrent
         requests for a model that is not loaded wait for one load (single flight); a request
         gives up after the load wait timeout with UNAVAILABLE while the load goes on; a failed
         load is reported to every waiting request, and the next request tries again. ``use``:
-        the caller runs a request on it (see :meth:`get`)."""
-        try:
-            return self._table.get(name, version, use=use)
-        except (NotFoundError, UnavailableError):
-            if not self.on_demand:
-                raise
+        the caller runs a request on it (see :meth:`get`). ``missed``: the caller's own
+        :meth:`get` just found it not READY, in on-demand mode, with no await since."""
+        if not missed:
+            try:
+                return self._table.get(name, version, use=use)
+            except (NotFoundError, UnavailableError):
+                if not self.on_demand:
+                    raise
         check_model_name(name)
         self.multi_model.cache_misses += 1
-        if self._read_ahead is not None:
-            self._read_ahead.busy()
+        self.admission.activity.busy()
         waited_from = seconds(self._clock)
         try:
             # A request waiting for its model's load pins it: once loaded, the model is not
@@ -474,9 +484,10 @@ class ModelRepositoryManager:
     def request_done(self, model: Model) -> None:
         """A request on ``model`` finished (its pin may be released): loads waiting for room
         look again."""
-        self.admission.notify()
-        if self._read_ahead is not None:
-            self._read_ahead.busy()
+        admission = self.admission
+        admission.notify()
+        if self._tells_activity:
+            admission.activity.busy()
 
     # -- statistics ----------------------------------------------------------------------
 

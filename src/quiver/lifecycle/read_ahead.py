@@ -25,26 +25,22 @@ already (loaded, or tried), are read by their loads.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-from collections.abc import Awaitable
 
 from quiver.errors import QuiverError
 from quiver.lifecycle.clock import Clock
 from quiver.lifecycle.configs import ConfigCache
+from quiver.lifecycle.idle import IDLE_S, Activity
 from quiver.lifecycle.loader import prepare_ahead
 from quiver.lifecycle.memory import MemoryMeter
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.sources import fingerprint_and_size
 from quiver.repository.local import ModelSource
 
-__all__ = ["IDLE_S", "ReadAhead", "read_config"]
+__all__ = ["IDLE_S", "ReadAhead", "read_config"]  # IDLE_S: lifecycle/idle.py's, re-exported
 
 logger = logging.getLogger(__name__)
-
-#: The server is idle when no request came or went for this long.
-IDLE_S = 0.005
 
 
 def read_config(source: ModelSource, configs: ConfigCache, strict: bool) -> str:
@@ -63,20 +59,26 @@ class ReadAhead:
     (:meth:`busy` is told of every request)."""
 
     def __init__(
-        self, *, configs: ConfigCache, pool: LoadPool, meter: MemoryMeter, clock: Clock, strict: bool
+        self,
+        *,
+        configs: ConfigCache,
+        pool: LoadPool,
+        meter: MemoryMeter,
+        clock: Clock,
+        strict: bool,
+        activity: Activity | None = None,
     ) -> None:
         self._configs = configs
         self._pool = pool
         self._meter = meter
-        self._clock = clock
         self._strict = strict
-        self._last = clock.now()
+        self._activity = activity if activity is not None else Activity(clock)
         self.read = 0  # configurations read ahead
         self.prepared = 0  # ...and prepared too
 
     def busy(self) -> None:
         """A request came or went: the server is not idle for :data:`IDLE_S`."""
-        self._last = self._clock.now()
+        self._activity.busy()
 
     async def run(self, sources: list[ModelSource]) -> None:
         """Read the configurations of ``sources``, in order, each when the server is idle,
@@ -92,7 +94,7 @@ class ReadAhead:
         holds half its capacity, or the folder could not be walked)."""
         if len(self._configs) >= self._configs.capacity // 2:
             return ""
-        await self._idle()
+        await self._activity.idle(IDLE_S)
         read = functools.partial(read_config, source, self._configs, self._strict)
         try:
             done: str = await self._pool.run(self._meter.shared, read)
@@ -102,23 +104,3 @@ class ReadAhead:
         self.read += bool(done)
         self.prepared += done == "prepared"
         return done
-
-    async def _idle(self) -> None:
-        """Until no request came or went for :data:`IDLE_S`."""
-        wait = int(IDLE_S * 1e9)
-        while (due := self._last + wait) > self._clock.now():
-            await _until(self._clock, due)
-
-
-def _until(clock: Clock, when: int) -> Awaitable[None]:
-    """A future done when ``clock`` reaches ``when`` (ns)."""
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def fire() -> None:
-        if not done.done():
-            done.set_result(None)
-
-    timer = clock.call_at(when, fire)
-    done.add_done_callback(lambda _: timer.cancel())
-    return done
-
