@@ -56,6 +56,7 @@ from quiver.lifecycle.policies import DEFAULT_POLICY, make_policy
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.sources import fingerprint_and_size
 from quiver.lifecycle.table import ModelTable
+from quiver.lifecycle.watch import FolderWatch
 from quiver.repository.local import ModelSource
 
 __all__ = ["AHEAD", "AdmissionControl", "Inspection", "Unloader"]
@@ -124,6 +125,8 @@ class AdmissionControl:
         self._frameworks: dict[str, int] = {}  # framework -> its one-time bytes, measured once
         #: Configurations read and prepared once per version of a model's files (the loads share it).
         self.configs = ConfigCache()
+        #: Local model folders unchanged since their last walk (set in on_demand mode: watch.py).
+        self.watch: FolderWatch | None = None
         self.evict_ahead = evict_ahead and eviction_policy != "none"  # none: nothing unloads
         #: When a request last came or went (told by the manager): evictions ahead wait for a lull.
         self.activity = Activity(clock)
@@ -257,7 +260,11 @@ class AdmissionControl:
     def inspect(self, source: ModelSource, override: pb.ModelConfig | None) -> Inspection:
         """Blocking (a load thread): the :class:`Inspection` of ``source``'s files; the config
         is read once per fingerprint (:attr:`configs`)."""
-        fingerprint, size = fingerprint_and_size(source.path)
+        watch = self.watch
+        if watch is not None and override is None:
+            fingerprint, size = watch.walk(source, fingerprint_and_size)
+        else:
+            fingerprint, size = fingerprint_and_size(source.path)
         strict, configs = self._strict, self.configs
         composing = composing_of(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
         backend = ""
@@ -265,6 +272,21 @@ class AdmissionControl:
             backend = backend_name(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
         from_files = self._predictor.from_bytes(size) if self.budget is not None else None
         return Inspection(fingerprint, composing, backend, from_files)
+
+    def unchanged(self, name: str) -> tuple[ModelSource, Inspection] | None:
+        """Blocking (a load thread): ``name``'s folder and its :class:`Inspection` without
+        walking it, when its files are unchanged since their last walk (:attr:`watch`) and
+        their configuration was prepared then (so not an ensemble): nothing is read."""
+        watch = self.watch
+        kept = watch.unchanged(name) if watch is not None else None
+        if kept is None:
+            return None
+        source, fingerprint, size = kept
+        prepared = self.configs.prepared(source, fingerprint, self._strict)
+        if prepared is None:
+            return None
+        from_files = self._predictor.from_bytes(size) if self.budget is not None else None
+        return source, Inspection(fingerprint, None, prepared.proto.backend, from_files)
 
     async def load(
         self,

@@ -61,6 +61,7 @@ from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.read_ahead import ReadAhead
 from quiver.lifecycle.sources import DEFAULT_CACHE_BYTES, ModelSources
 from quiver.lifecycle.table import ModelTable
+from quiver.lifecycle.watch import FolderWatch
 from quiver.metrics.statistics import MultiModelStatistics
 from quiver.repository.archive import ExtractLimits
 from quiver.repository.cache import CACHE_REVALIDATE, DEFAULT_REVALIDATE_TIMEOUT, CacheStats
@@ -113,6 +114,7 @@ class ModelRepositoryManager:
         namespacing: bool = True,
         evict_ahead: bool = True,
         read_ahead: bool = True,
+        watch_folders: bool = True,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -123,6 +125,9 @@ class ModelRepositoryManager:
         #: the background ("background") or first ("always").
         self._check_later = cache_revalidate == "background"
         self._startup_models = list(startup_models)
+        self._local_roots = list(repositories)
+        #: on_demand: local model folders watched for changes after a walk (watch.py)
+        self._watch_folders = watch_folders
         self._strict = strict_config
         self._load_wait_timeout = load_wait_timeout
         self._clock = clock
@@ -223,6 +228,11 @@ class ModelRepositoryManager:
         """Load what the control mode loads at start; returns name -> reason for failures."""
         SERVER.loop = asyncio.get_running_loop()
         SERVER.health = self._table.set_health
+        if self.on_demand and self._watch_folders and self.admission.watch is None:
+            # misses of local folders unchanged since their last walk walk nothing (watch.py)
+            self.admission.watch = FolderWatch(self._local_roots)
+            if self._read_ahead is not None:
+                self._read_ahead.watch = self.admission.watch
         sources, clashes = await self._sources.scan()
         failures = dict(clashes)
         for name, reason in clashes.items():
@@ -431,7 +441,10 @@ class ModelRepositoryManager:
 
     async def _load_on_demand(self, name: str) -> None:
         # The folder found, its files inspected (fingerprint, config, size) and the model
-        # often loaded too, in one trip to a load thread.
+        # often loaded too, in one trip to a load thread; neither found nor inspected when
+        # its files did not change since they were (watch.py: the changes read here first).
+        if self.admission.watch is not None:
+            self.admission.watch.read_changes()
         failures = await self._lifecycle.load_on_demand(name, functools.partial(self._sources.find, name))
         if failures is None:  # no folder found by a direct look: a scan, then a key
             source = (await self._sources.scan())[0].get(name)
@@ -530,6 +543,8 @@ class ModelRepositoryManager:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self._lifecycle.stop(timeout=self._load_wait_timeout)
+        if self.admission.watch is not None:
+            self.admission.watch.close()
         await self._sources.close()
         self._pool.shutdown()
 

@@ -36,6 +36,7 @@ from quiver.lifecycle.loader import prepare_ahead
 from quiver.lifecycle.memory import MemoryMeter
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.sources import fingerprint_and_size
+from quiver.lifecycle.watch import FolderWatch
 from quiver.repository.local import ModelSource
 
 __all__ = ["IDLE_S", "ReadAhead", "read_config"]  # IDLE_S: lifecycle/idle.py's, re-exported
@@ -43,11 +44,15 @@ __all__ = ["IDLE_S", "ReadAhead", "read_config"]  # IDLE_S: lifecycle/idle.py's,
 logger = logging.getLogger(__name__)
 
 
-def read_config(source: ModelSource, configs: ConfigCache, strict: bool) -> str:
+def read_config(source: ModelSource, configs: ConfigCache, strict: bool, watch: FolderWatch | None = None) -> str:
     """Blocking (a load thread): ``source``'s configuration read, and prepared where it can be
     (:func:`~quiver.lifecycle.loader.prepare_ahead`), into ``configs`` under the fingerprint of
-    its files: "prepared", "read", or "" (it cannot be read: its load says why)."""
-    fingerprint, _ = fingerprint_and_size(source.path)
+    its files: "prepared", "read", or "" (it cannot be read: its load says why). ``watch``:
+    the walk of the folder goes through it (its first miss then walks nothing)."""
+    if watch is not None:
+        fingerprint, _ = watch.walk(source, fingerprint_and_size)
+    else:
+        fingerprint, _ = fingerprint_and_size(source.path)
     try:
         return "prepared" if prepare_ahead(source, strict, configs, fingerprint) else "read"
     except QuiverError:
@@ -73,6 +78,8 @@ class ReadAhead:
         self._meter = meter
         self._strict = strict
         self._activity = activity if activity is not None else Activity(clock)
+        #: The walks of the folders go through it (set by the manager once started).
+        self.watch: FolderWatch | None = None
         self.read = 0  # configurations read ahead
         self.prepared = 0  # ...and prepared too
 
@@ -95,7 +102,7 @@ class ReadAhead:
         if len(self._configs) >= self._configs.capacity // 2:
             return ""
         await self._activity.idle(IDLE_S)
-        read = functools.partial(read_config, source, self._configs, self._strict)
+        read = functools.partial(read_config, source, self._configs, self._strict, self.watch)
         try:
             done: str = await self._pool.run(self._meter.shared, read)
         except Exception as exc:  # an OS error: that folder is its load's business
