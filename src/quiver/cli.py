@@ -500,8 +500,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     if settings.ray is not None:
         return _run_ray(settings)
+    from quiver import profiling
     from quiver.runner import Runner
 
+    profiling.start("server")
     try:
         import uvloop
 
