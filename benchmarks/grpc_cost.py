@@ -27,8 +27,17 @@ The targets (``--targets``):
   the connection's receive window. It decodes no headers and keeps no per-stream flow
   control, so it is a lower bound for gRPC served by Python on the event loop without
   ``grpcio``'s server, not a server;
+* ``floor-h2lib``: the same answer from a server on uvloop whose HTTP/2 is the ``h2``
+  package's connection (python-hyper's state machine: every header block decoded and
+  validated, both flow-control windows and each stream's state kept), one write per batch of
+  events: what a correct HTTP/2 layer from a well-kept library costs per call before any gRPC;
+* ``floor-quiver``: the same answer from Quiver's own gRPC server (``quiver.frontends.grpc_server``,
+  what ``quiver serve`` runs by default): HTTP/2 and gRPC as a server must do them (headers
+  decoded, flow control, a task per call, a context for the handler) around a handler that
+  returns the canned bytes;
 * ``quiver-onnx`` and ``quiver-python``: ``quiver serve`` (one process) with ``tiny`` as ONNX
-  and as Triton's Python model unchanged;
+  and as Triton's Python model unchanged; ``grpcio-quiver-onnx`` and ``grpcio-quiver-python``:
+  the same with ``--grpc-server grpcio`` (``grpc.aio``'s server, as before Quiver had its own);
 * ``h2-quiver-onnx`` and ``h2-quiver-python``: the same models behind ``floor-h2`` instead of
   ``grpc.aio``: the server assembled as ``quiver serve`` does (``runner.assemble``, the models
   loaded) and each call's message handed to Quiver's own ``ModelInfer`` handler
@@ -64,8 +73,11 @@ from benchmarks.peers import Server
 from benchmarks.peers.quiver import QuiverServer
 from benchmarks.request_cpu import PAYLOAD, write_repository
 
-TARGETS = ("floor-grpcio", "floor-h2", "quiver-onnx", "quiver-python", "h2-quiver-onnx", "h2-quiver-python")
-DEFAULT_TARGETS = TARGETS[:4]
+TARGETS = (
+    "floor-grpcio", "floor-h2", "floor-h2lib", "floor-quiver", "quiver-onnx", "quiver-python", "grpcio-quiver-onnx",
+    "grpcio-quiver-python", "h2-quiver-onnx", "h2-quiver-python",
+)
+DEFAULT_TARGETS = ("floor-grpcio", "floor-h2", "floor-quiver", "quiver-onnx", "quiver-python", "grpcio-quiver-onnx", "grpcio-quiver-python")
 ROLES = ("event loop", "event_engine", "other threads", "children")
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -182,6 +194,49 @@ class _H2Floor(asyncio.Protocol):
         self.transport.write(self.reply(stream, await handler(data)))
 
 
+class _H2LibFloor(asyncio.Protocol):
+    """``floor-h2lib``: the canned answer from a server whose HTTP/2 is the ``h2`` package's
+    connection state machine (headers decoded and validated, both flow-control windows kept,
+    each stream's state tracked), one write per batch of events."""
+
+    def __init__(self, answer: bytes) -> None:
+        import h2.config
+        import h2.connection
+
+        self.message = b"\x00" + len(answer).to_bytes(4, "big") + answer
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        self.conn = h2.connection.H2Connection(config=config)
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.conn.initiate_connection()
+        self.conn.increment_flow_control_window(1 << 30)
+        transport.write(self.conn.data_to_send())
+
+    def data_received(self, data: bytes) -> None:
+        import h2.events
+
+        conn = self.conn
+        for event in conn.receive_data(data):
+            kind = type(event)
+            if kind is h2.events.DataReceived:
+                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                if event.stream_ended is not None:
+                    self.reply(event.stream_id)
+            elif kind is h2.events.StreamEnded:
+                pass
+        out = conn.data_to_send()
+        if out:
+            self.transport.write(out)
+
+    def reply(self, stream: int) -> None:
+        conn = self.conn
+        conn.send_headers(stream, ((b":status", b"200"), (b"content-type", b"application/grpc")))
+        conn.send_data(stream, self.message)
+        conn.send_headers(stream, ((b"grpc-status", b"0"),), end_stream=True)
+
+
 async def _quiver_handler(backend: str) -> Callable[[bytes], Awaitable[bytes]]:
     """Quiver's ModelInfer handler over ``tiny`` as ``backend``, assembled as ``quiver serve``
     assembles it."""
@@ -223,6 +278,28 @@ async def _serve_floor(kind: str, host: str) -> None:
         port, stop = await _serve_grpcio(host, canned_answer())
     elif kind == "h2":
         port, stop = await _serve_h2(host, canned_answer())
+    elif kind == "quiver":
+        from quiver.frontends.grpc_plumbing import raw_method
+        from quiver.frontends.grpc_server import GrpcServer
+
+        answer = canned_answer()
+
+        async def model_infer(data: bytes, context: Any) -> bytes:
+            return answer
+
+        method = raw_method("ModelInfer", model_infer)
+        server = GrpcServer({method.name: method}, max_receive_message_size=1 << 26, max_send_message_size=1 << 26)
+        port = await server.start(host, 0)
+
+        async def stop() -> None:
+            await server.close()
+    elif kind == "h2lib":
+        answer = canned_answer()
+        server = await loop.create_server(lambda: _H2LibFloor(answer), host, 0, backlog=1024)
+        port = int(server.sockets[0].getsockname()[1])
+
+        async def stop() -> None:
+            server.close()
     else:  # h2-quiver-BACKEND
         port, stop = await _serve_h2(host, await _quiver_handler(kind.removeprefix("h2-quiver-")))
     print(f"started GRPC service at {host}:{port}", file=sys.stderr, flush=True)  # as Quiver says it
@@ -266,11 +343,12 @@ def start_target(target: str, folder: Path) -> Server:
         argv = [sys.executable, "-m", "benchmarks.grpc_cost", "--serve-floor", target.removeprefix("floor-")]
         server: Server = Server(target, argv, log=log_path, listeners=("GRPC",), cwd=ROOT, stop_timeout=30.0)
     else:
-        backend = target.removeprefix("quiver-")
+        backend = target.removeprefix("grpcio-").removeprefix("quiver-")
         repository = folder / f"repository-{backend}"
         if not repository.exists():
             repository = write_repository(folder, backend)
-        server = QuiverServer(repository, ["--frontend-workers", "0"], log=log_path, cwd=folder, name=target,
+        extra = ["--grpc-server", "grpcio"] if target.startswith("grpcio-") else []
+        server = QuiverServer(repository, ["--frontend-workers", "0", *extra], log=log_path, cwd=folder, name=target,
                               ready_path=f"/v2/models/{PAYLOAD.model}/ready", stop_timeout=30.0)
     server.start()
     return server
@@ -336,7 +414,7 @@ def markdown(cells: dict[tuple[str, int], dict[str, Any]], args: argparse.Namesp
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"of: {','.join(TARGETS)} (default: the first four)")
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"of: {','.join(TARGETS)} (default: {','.join(DEFAULT_TARGETS)})")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--warmup", type=float, default=1.0)
@@ -344,7 +422,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check-every", type=int, default=50)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--stem", default="grpc_cost")
-    parser.add_argument("--serve-floor", choices=("grpcio", "h2", "h2-quiver-onnx", "h2-quiver-python"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", choices=("grpcio", "h2", "h2lib", "quiver", "h2-quiver-onnx", "h2-quiver-python"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_floor is None:
         args.targets = [t for t in args.targets.split(",") if t]

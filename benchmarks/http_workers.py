@@ -13,7 +13,11 @@ window, per answered request, and split by process: the model side (the server p
 itself), the frontend workers, and the Python model's own processes. The model side is the
 one part that does not grow with the workers, so the rate a machine with more cores could
 reach is about 1e6 / (the model side's microseconds per request): the table's "model-side
-ceiling".
+ceiling". ``--triton`` adds Triton's Python model (``benchmarks.peers.triton``: the same
+``model.py`` and config) to every round, for ratios taken in the same run; its rows count the
+``tritonserver`` process as the model side and its Python stubs as the model's processes.
+Every row also has the machine's busy cores over the window (everything that ran: the server,
+the load generator, anything else).
 
 Writes ``benchmarks/results/http_workers.md`` and ``.json`` (``--output-name``).
 """
@@ -21,18 +25,20 @@ Writes ``benchmarks/results/http_workers.md`` and ``.json`` (``--output-name``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks import common, loadgen
 from benchmarks.common import ROOT
-from benchmarks.peers import tiny
+from benchmarks.peers import Endpoints, tiny
 from benchmarks.peers.quiver import QuiverServer
 from benchmarks.request_cpu import PAYLOAD, write_repository
 
@@ -70,6 +76,28 @@ def _mark(marks: list[dict[str, float]], pid: int) -> None:
     marks.append(cpu_by_part(pid))
 
 
+TRITON = "triton"
+
+
+@contextlib.contextmanager
+def _server(backend: str, count: int | str, repository: Path, folder: Path) -> Iterator[Endpoints]:
+    """The endpoints of Quiver with ``count`` frontend workers serving ``repository``, or of
+    Triton (``count == "triton"``) serving the same tiny Python model."""
+    if count == TRITON:
+        from benchmarks.peers.triton import TritonPeer
+
+        peer = TritonPeer()
+        peer.setup()
+        try:
+            yield peer.start("tiny")
+        finally:
+            peer.stop()
+        return
+    with QuiverServer(repository, ["--frontend-workers", str(count)], log=folder / "server.log", cwd=folder,
+                      ready_path=f"/v2/models/{tiny.MODEL}/ready", name=f"workers={count}") as server:
+        yield server.endpoints
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="0,2", help="worker counts to compare (default: 0,2)")
@@ -81,56 +109,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--output-name", default="http_workers", help="results file name (default: http_workers)")
+    parser.add_argument("--triton", action="store_true",
+                        help="also run Triton's Python model (benchmarks.peers.triton) in every round")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.workers.split(",")]
+    counts: list[int | str] = [int(n) for n in args.workers.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     backends = args.backends.split(",")
     encodings = args.encodings.split(",")
     work = Path(tempfile.mkdtemp(prefix="http_workers-"))
     repositories = {b: write_repository(work, b) for b in backends}
-    samples: dict[tuple[str, str, int, int], list[dict[str, float]]] = {}
+    samples: dict[tuple[str, str, int | str, int], list[dict[str, float]]] = {}
+    configurations = [(b, n) for b in backends for n in counts]
+    if args.triton:
+        configurations.append(("python", TRITON))
     for round_ in range(args.repeat):
-        for backend in backends:
-            for count in counts:
-                folder = work / f"{backend}-{count}-{round_}"
-                folder.mkdir()
-                flags = ["--frontend-workers", str(count)]
-                with QuiverServer(repositories[backend], flags, log=folder / "server.log", cwd=folder,
-                                  ready_path=f"/v2/models/{tiny.MODEL}/ready", name=f"workers={count}") as server:
-                    endpoints = server.endpoints
-                    for encoding in encodings:
-                        loadgen.sanity_check(*endpoints.address(encoding), encoding, PAYLOAD)
-                        for c in levels:
-                            marks: list[dict[str, float]] = []
-                            mark = functools.partial(_mark, marks, endpoints.pid)
-                            res = loadgen.run_trial(
-                                *endpoints.address(encoding), encoding, c, args.warmup, args.duration, PAYLOAD,
-                                endpoints.pid, 50, progress=None, on_begin=mark, on_end=mark,
-                            )
-                            if res.errors or not res.requests or res.server_cpu_s is None:
-                                raise SystemExit(f"{backend} workers={count} {encoding} c={c}: {res.errors} errors, {res.first_error}")
-                            got = {"req_per_s": res.req_per_s, "p99_ms": res.p99_ms or 0.0,
-                                   "server_us": 1e6 * res.server_cpu_s / res.requests,
-                                   **{part: 1e6 * (marks[1][part] - marks[0][part]) / res.requests for part in PARTS},
-                                   "server_cpu_pct": res.server_cpu_pct or 0.0, "client_cpu_pct": res.client_cpu_pct}
-                            samples.setdefault((backend, encoding, count, c), []).append(got)
-                            log(f"round {round_ + 1} {backend} workers={count} {encoding} c={c}: {got}")
+        for backend, count in configurations:
+            folder = work / f"{backend}-{count}-{round_}"
+            folder.mkdir()
+            with _server(backend, count, repositories.get(backend, work), folder) as endpoints:
+                for encoding in encodings:
+                    loadgen.sanity_check(*endpoints.address(encoding), encoding, PAYLOAD)
+                    for c in levels:
+                        marks: list[dict[str, float]] = []
+                        mark = functools.partial(_mark, marks, endpoints.pid)
+                        res = loadgen.run_trial(
+                            *endpoints.address(encoding), encoding, c, args.warmup, args.duration, PAYLOAD,
+                            endpoints.pid, 50, progress=None, on_begin=mark, on_end=mark,
+                        )
+                        if res.errors or not res.requests or res.server_cpu_s is None:
+                            raise SystemExit(f"{backend} workers={count} {encoding} c={c}: {res.errors} errors, {res.first_error}")
+                        got = {"req_per_s": res.req_per_s, "p99_ms": res.p99_ms or 0.0,
+                               "server_us": 1e6 * res.server_cpu_s / res.requests,
+                               **{part: 1e6 * (marks[1][part] - marks[0][part]) / res.requests for part in PARTS},
+                               "server_cpu_pct": res.server_cpu_pct or 0.0, "client_cpu_pct": res.client_cpu_pct,
+                               "machine_busy_cores": res.machine_busy_cores or 0.0}
+                        samples.setdefault((backend, encoding, count, c), []).append(got)
+                        log(f"round {round_ + 1} {backend} workers={count} {encoding} c={c}: {got}")
     lines = [
         "| model | encoding | frontend workers | c | req/s | p99 ms | server CPU us/request | model side us | "
-        "frontend workers us | Python model process us | model-side ceiling req/s | server CPU % | client CPU % |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "frontend workers us | Python model process us | model-side ceiling req/s | server CPU % | client CPU % | "
+        "machine busy cores |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows: list[dict[str, Any]] = []
-    for (backend, encoding, count, c), got in samples.items():
-        med = {k: statistics.median(s[k] for s in got) for k in got[0]}
+    for (backend, encoding, count, c), trials in samples.items():
+        med = {k: statistics.median(s[k] for s in trials) for k in trials[0]}
         med["model_side_ceiling_req_per_s"] = 1e6 / med["model_side_us"] if med["model_side_us"] else 0.0
         lines.append(
             f"| {backend} | {encoding} | {count} | {c} | {med['req_per_s']:,.0f} | {med['p99_ms']:.2f} | "
             f"{med['server_us']:.0f} | {med['model_side_us']:.0f} | {med['frontend_us']:.0f} | "
             f"{med['model_processes_us']:.0f} | {med['model_side_ceiling_req_per_s']:,.0f} | "
-            f"{med['server_cpu_pct']:.0f} | {med['client_cpu_pct']:.0f} |"
+            f"{med['server_cpu_pct']:.0f} | {med['client_cpu_pct']:.0f} | {med['machine_busy_cores']:.2f} |"
         )
-        rows.append({"model": backend, "encoding": encoding, "workers": count, "concurrency": c, "median": med, "samples": got})
+        rows.append({"model": backend, "encoding": encoding, "workers": count, "concurrency": c, "median": med, "samples": trials})
     markdown = "\n".join(lines)
     print(markdown)
     header = (

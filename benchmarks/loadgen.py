@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import struct
 import sys
@@ -362,6 +363,8 @@ class TrialResult:
     ``timeouts``: requests unanswered after ``request_timeout_s``; ``errors`` is the sum of
     ``non_200``, ``wrong_answers``, ``connection_errors`` and ``timeouts``.
     ``reconnects``: connections opened again in the window (a server's ``Connection: close``).
+    ``machine_busy_cores``: the whole machine's busy CPU over the window (``/proc/stat``), in
+    cores: the server, this load generator and whatever else runs.
     ``to_dict()`` gives every field but the latencies (for JSON).
     """
 
@@ -385,6 +388,7 @@ class TrialResult:
     server_cpu_s: float | None = None
     client_cpu_pct: float = 0.0
     server_cpu_pct: float | None = None
+    machine_busy_cores: float | None = None
     first_error: str | None = None
     model_requests: dict[str, int] = field(default_factory=dict)
     model_errors: dict[str, int] = field(default_factory=dict)
@@ -450,14 +454,14 @@ class _Run:
         await asyncio.sleep(warmup_s)
         if on_begin is not None:
             await loop.run_in_executor(None, on_begin)
-        marks: dict[str, float | None] = {"server0": _server_cpu(server_pid)}
+        marks: dict[str, float | None] = {"server0": _server_cpu(server_pid), "busy0": machine_busy_seconds()}
         marks["cpu0"], marks["t0"] = time.process_time(), time.perf_counter()
         self.measuring = True
         await asyncio.sleep(duration_s)
         marks["t1"], marks["cpu1"] = time.perf_counter(), time.process_time()
         self.measuring = False
         self.stopping = True
-        marks["server1"] = _server_cpu(server_pid)
+        marks["server1"], marks["busy1"] = _server_cpu(server_pid), machine_busy_seconds()
         self.on_stopping()
         if on_end is not None:
             await loop.run_in_executor(None, on_end)
@@ -465,6 +469,18 @@ class _Run:
 
     def on_stopping(self) -> None:
         pass
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every core of the machine has spent busy so far (``/proc/stat``: all but idle
+    and iowait), whoever ran: the server, the load generator and anything else."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks[:8]) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _server_cpu(pid: int | None) -> float | None:
@@ -998,6 +1014,9 @@ def _finish(run: _Run, marks: dict[str, float | None]) -> None:
     if server0 is not None and server1 is not None:
         res.server_cpu_s = server1 - server0
         res.server_cpu_pct = 100 * res.server_cpu_s / seconds
+    busy0, busy1 = marks.get("busy0"), marks.get("busy1")
+    if busy0 is not None and busy1 is not None:
+        res.machine_busy_cores = (busy1 - busy0) / seconds
     res.model_requests, res.model_errors = {}, {}
     for payload, count, errors in zip(run.payloads, run.counts, run.errors_by, strict=True):
         res.model_requests[payload.model] = res.model_requests.get(payload.model, 0) + count

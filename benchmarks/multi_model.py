@@ -710,6 +710,8 @@ def main() -> int:
             f"| floor created and run back to back (hot), p50 ms | {floor['hot_ms']:.2f} |",
             f"| what a miss adds (miss - hit p50), p50 / p99 ms (x floor) | {extra['p50']:.2f} ({extra['p50'] / floor['session_ms']:.1f}x) / "
             f"{extra['p99']:.2f} ({extra['p99'] / floor['session_ms']:.1f}x) |",
+            f"| what a miss adds at p99 against the floor's own p99 (like for like: the machine's tail in both) | "
+            f"{extra['p99'] / floor['replayed_p99_ms']:.1f}x |",
             f"| the same against the hot floor (x hot floor), p50 / p99 | {extra['p50'] / floor['hot_ms']:.1f}x / {extra['p99'] / floor['hot_ms']:.1f}x |",
         ]
     else:

@@ -21,6 +21,10 @@ uvicorn's httptools protocol as ``frontends/asgi.py`` configured it. ``--encodin
 drives the checkout's gRPC servicer the same way: its ``ModelInfer`` handler called with the
 serialized ``ModelInferRequest`` ``benchmarks/loadgen.py`` sends, one call after another, with
 ``grpc.aio`` itself taken out (what is left is Quiver's own gRPC code and everything behind it).
+``--encodings binary-linked`` (or ``json-linked``) takes the way a frontend worker serves
+(``--frontend-workers``): the worker's HTTP code, the link to the model side over a Unix socket
+pair in the same process, the model side's handling of the linked request, and back; both
+ends' code in one process, the link's system calls included, no process wake-ups.
 
 Results: a markdown table on stdout and in ``benchmarks/results/request_path.md``, the same as
 JSON in ``request_path.json``.
@@ -45,7 +49,7 @@ from benchmarks import common
 from benchmarks.common import ROOT
 
 MODELS = ("onnx", "simple", "python")
-ENCODINGS = ("binary", "json", "grpc")
+ENCODINGS = ("binary", "json", "grpc", "binary-linked", "json-linked")
 
 
 class _Transport:
@@ -128,6 +132,46 @@ def _http_driver(parts: Any, payload: Any, encoding: str) -> Callable[[], Awaita
     return one
 
 
+async def _linked_driver(parts: Any, payload: Any, encoding: str) -> Callable[[], Awaitable[bytes]]:
+    """One request through a frontend worker's HTTP path (``--frontend-workers``): the
+    checkout's HTTP protocol and ``WorkerFrontend``, the link to the model side over a Unix
+    socket pair in this same process, the model side's handling of a linked request
+    (``FrontendWorkers``), and back. Both ends' code in one process, the link's two system
+    calls each way included, no process wake-ups."""
+    import socket as socket_
+
+    from quiver.frontends.http_worker import WorkerFrontend
+    from quiver.frontends.remote_service import RemoteService
+    from quiver.frontends.restrictions import Restrictions
+    from quiver.frontends.worker_link import Link
+    from quiver.frontends.workers import FrontendWorkers, _Worker
+
+    loop = asyncio.get_running_loop()
+    model_side = FrontendWorkers(parts.service, parts.http.app(), None, 0, max_input_size=1 << 26, restricted_api=[])
+    ours, theirs = socket_.socketpair(socket_.AF_UNIX, socket_.SOCK_STREAM)
+    holder: list[Any] = []
+    _, model_link = await loop.create_unix_connection(
+        lambda: Link(lambda m: model_side._on_message(holder[0], m), lambda: None), sock=ours
+    )
+    holder.append(_Worker(0, None, model_link, loop.create_future(), 0.0))  # type: ignore[arg-type]
+    remote = RemoteService()
+    _, remote.link = await loop.create_unix_connection(lambda: Link(remote.on_message, remote.on_lost), sock=theirs)
+    frontend = WorkerFrontend(remote, max_input_size=1 << 26, restrictions=Restrictions([]))
+    protocol = _protocol(frontend.app(), loop)
+    transport = _Transport()
+    protocol.connection_made(transport)
+    request = payload.http_request(encoding.removesuffix("-linked"), "127.0.0.1", 8000)
+
+    async def one() -> bytes:
+        transport.data.clear()
+        transport.waiter = loop.create_future()
+        protocol.data_received(request)
+        await transport.waiter
+        return b"" if transport.data.startswith(b"HTTP/1.1 200") else bytes(transport.data) or b"(nothing)"
+
+    return one
+
+
 def _grpc_driver(parts: Any, payload: Any) -> Callable[[], Awaitable[bytes]]:
     """One ``ModelInfer`` through the checkout's gRPC servicer (no grpc.aio): b"" when it
     answered (a failure raises)."""
@@ -157,7 +201,12 @@ async def _child(model: str, encoding: str, requests: int, rounds: int) -> list[
     await load_models(parts, settings)
     parts.service.ready = True
     payload = PAYLOADS[model]
-    one = _grpc_driver(parts, payload) if encoding == "grpc" else _http_driver(parts, payload, encoding)
+    if encoding == "grpc":
+        one = _grpc_driver(parts, payload)
+    elif encoding.endswith("-linked"):
+        one = await _linked_driver(parts, payload, encoding)
+    else:
+        one = _http_driver(parts, payload, encoding)
     problem = await one()
     if problem:
         raise SystemExit(f"{model} {encoding}: {problem[:300]!r}")

@@ -94,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
             "(default: 64M)"
         ),
     )
+    net.add_argument(
+        "--grpc-server",
+        choices=("quiver", "grpcio"),
+        default="quiver",
+        help=(
+            "the gRPC server: quiver (Quiver's own HTTP/2 server on the event loop) or grpcio "
+            "(grpc.aio's, kept for one release) (default: quiver)"
+        ),
+    )
     _flag(net, "--allow-http", True, "serve KServe v2 over HTTP")
     _flag(net, "--allow-grpc", True, "serve KServe v2 over gRPC")
     net.add_argument(
@@ -491,8 +500,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     if settings.ray is not None:
         return _run_ray(settings)
+    from quiver import profiling
     from quiver.runner import Runner
 
+    profiling.start("server")
     try:
         import uvloop
 

@@ -315,6 +315,7 @@ async def _serve_workers(
             tls=settings.grpc_tls,
             options=list(settings.grpc_options),
             compression_level=settings.grpc_compression_level,
+            server=settings.grpc_server,
         )
     workers = FrontendWorkers(
         parts.service,
@@ -463,6 +464,7 @@ class Runner:
                     options=settings.grpc_options,
                     compression_level=settings.grpc_compression_level,
                     reuse_port=settings.reuse_grpc_port,
+                    server_kind=settings.grpc_server,
                 )
                 grpc_port = await grpc.start(settings.grpc_address, settings.grpc_port)
                 opened(_GrpcListener(grpc, settings.exit_timeout_secs))

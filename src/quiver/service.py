@@ -493,7 +493,8 @@ class InferenceService:
         return self._execute(model, request, started, watch)
 
     async def _infer_loaded(self, request: InferenceRequest, decoupled_error: str, watch: Watch | None, started: int) -> InferenceResponse:
-        model = await self._admit(request)  # loaded on demand
+        # loaded on demand: _found just missed it (no await since), so no second look first
+        model = self._checked(await self.manager.acquire(request.model_name, request.model_version, missed=True), request)
         self._refuse_decoupled(model, decoupled_error)
         return await self._execute(model, request, started, watch)
 

@@ -119,6 +119,7 @@ class Settings:
     http_max_input_size: int = 64 * 1024 * 1024
     frontend_workers: int = 0  # HTTP and gRPC frontend worker processes; 0 or 1: served in this process
     grpc_max_message_size: int = 64 * 1024 * 1024
+    grpc_server: str = "quiver"  # quiver: Quiver's own gRPC server; grpcio: grpc.aio's
     http_restricted_api: tuple[str, ...] = ()
     grpc_restricted_protocol: tuple[str, ...] = ()
     # SageMaker: sagemaker is the routes' settings when allow_sagemaker (or --ray), else None
@@ -461,6 +462,7 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         http_max_input_size=args.http_max_input_size,
         frontend_workers=workers,
         grpc_max_message_size=args.grpc_max_message_size,
+        grpc_server=args.grpc_server,
         http_restricted_api=tuple(args.http_restricted_api),
         grpc_restricted_protocol=tuple(args.grpc_restricted_protocol),
         **sagemaker,  # type: ignore[arg-type]

@@ -34,9 +34,9 @@ NO_EFFECT: dict[str, str] = {
         "the HTTP frontend runs on one asyncio event loop per process (large bodies are decoded "
         "and encoded on codec threads); --frontend-workers N serves HTTP, gRPC and SageMaker from N processes"
     ),
-    "--grpc-infer-thread-count": "the gRPC frontend (grpc.aio) runs on the asyncio event loop",
-    "--grpc-infer-allocation-pool-size": "grpc.aio allocates responses as it needs them",
-    "--grpc-max-response-pool-size": "grpc.aio allocates responses as it needs them",
+    "--grpc-infer-thread-count": "the gRPC frontend runs on the asyncio event loop",
+    "--grpc-infer-allocation-pool-size": "the gRPC frontend allocates responses as it needs them",
+    "--grpc-max-response-pool-size": "the gRPC frontend allocates responses as it needs them",
     "--allow-vertex-ai": "Quiver has no Vertex AI frontend",
     "--vertex-ai-port": "Quiver has no Vertex AI frontend",
     "--vertex-ai-thread-count": "Quiver has no Vertex AI frontend",

@@ -39,6 +39,7 @@ WORKER_MODULES = (
     "triton_python_backend_utils.py",
     "quiver/__init__.py",
     "quiver/errors.py",
+    "quiver/profiling.py",
     "quiver/types.py",
     "quiver/streaming.py",
     "quiver/protocol/__init__.py",

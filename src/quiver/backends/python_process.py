@@ -142,6 +142,9 @@ class Worker:
         self.mapper = mapper
         self.tag = tag
         self.achannel: AsyncChannel | None = None
+        #: joining its pipes to the loop, once (two batches in flight may both find them not
+        #: joined yet, and a second registration of a pipe fails: EEXIST)
+        self.joining: asyncio.Future[None] | None = None
         self.finalized = False  # it answered ``finalize``: its channel's end is expected
         #: batches sent and not answered ``done``, in the order the worker runs them
         self.inflight: deque[int] = deque()

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
+from quiver import profiling
 from quiver.backends.python_convert import _error_code, _json_ready
 from quiver.backends.python_loading import _import_model_file, _model_class
 from quiver.backends.python_readiness import call_is_ready
@@ -152,6 +153,7 @@ class Worker:
     def channel_ended(self) -> None:
         """The server is gone or dropped this worker: the process ends."""
         self.arena.close()
+        profiling.dump()
         os._exit(0)
 
     def is_cancelled(self, request_id: str) -> bool:
@@ -235,6 +237,7 @@ class Worker:
             if release:
                 self.arena.free_many(release)
             if job["op"] == msg.FINALIZE:
+                profiling.dump()  # now: once FINALIZED is sent, the server may end this process
                 self.finalize()
                 return
             self.execute(job)
@@ -451,6 +454,7 @@ def main() -> None:
     for fd in (read_fd, write_fd):  # not for processes the model starts: they would keep them open
         os.set_inheritable(fd, False)
     channel = Channel((read_fd, write_fd), buffered=True)
+    profiling.start("python-model")
     init = channel.recv()
     if init is None:
         return
@@ -479,6 +483,7 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     worker.arena.close()
+    profiling.dump()
     os._exit(0)
 
 

@@ -112,9 +112,6 @@ class WorkerInstance(WorkerStreamsMixin):
         self._batch_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._restarting: asyncio.Task[None] | None = None
-        # The worker's pipes join the loop once: two batches in flight (slots) may both find
-        # them not joined yet, and a second registration of a pipe fails (EEXIST).
-        self._joining = asyncio.Lock()
         self._down_reason = ""
         self._served = False  # the current worker answered a batch
         self._failures = 0  # starts in a row that failed or died before serving
@@ -339,14 +336,25 @@ class WorkerInstance(WorkerStreamsMixin):
         if worker is None or self._closed:
             return UnavailableError(f"{self._where} is not available: {self._down_reason or 'its worker is not running'}")
         if worker.achannel is None:
-            async with self._joining:
-                if worker.achannel is None:
-                    worker.achannel = await AsyncChannel.open(
-                        worker.channel.fds,
-                        partial(self._on_message, worker),
-                        partial(self._on_end, worker),
-                    )
+            # One joining per worker, shielded: a request cancelled while it waits (a client
+            # gone) must not stop it halfway, with one pipe's end owned by a transport and the
+            # other not, for the next request to register again (EBADF, then EEXIST).
+            if worker.joining is None:
+                worker.joining = asyncio.ensure_future(self._join(worker))
+            await asyncio.shield(worker.joining)
         return worker
+
+    async def _join(self, worker: Worker) -> None:
+        """The worker's pipes joined to the running loop (once: :meth:`_ready_worker`)."""
+        try:
+            worker.achannel = await AsyncChannel.open(
+                worker.channel.fds,
+                partial(self._on_message, worker),
+                partial(self._on_end, worker),
+            )
+        except BaseException:
+            worker.joining = None  # the next request tries again
+            raise
 
     # ---- messages from the worker
 

@@ -29,6 +29,7 @@ import socket
 import sys
 from typing import Any
 
+from quiver import profiling
 from quiver.frontends.asgi import AsgiServer, serve
 from quiver.frontends.grpc_worker import GrpcWorkerSetup, WorkerGrpcFrontend
 from quiver.frontends.http_worker import WorkerFrontend
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    profiling.start("frontend")
     try:
         import uvloop
 

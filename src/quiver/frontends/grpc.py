@@ -31,7 +31,10 @@ from quiver.frontends.grpc_plumbing import (
     SERVICE_NAME,
     GenericHandlersOnly,
     RestrictionInterceptor,
+    raw_method,
+    service_methods,
 )
+from quiver.frontends.grpc_server import GrpcServer, RpcMethod, keepalive_from, tls_context
 from quiver.frontends.grpc_stream import StreamAborted, serve_stream
 from quiver.frontends.headers import HeaderForwarding
 from quiver.frontends.offload import OFFLOAD_NS, PARSE_INLINE_BYTES, in_worker
@@ -384,8 +387,28 @@ class RawInferHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
         return self._handlers.get(handler_call_details.method)
 
 
+def inference_methods(servicer: InferenceServicer) -> dict[str, RpcMethod]:
+    """ModelInfer and ModelStreamInfer with bytes in and out (see InferenceServicer), their
+    answers compressed at --grpc-infer-response-compression-level (Triton compresses those)."""
+    methods = (
+        raw_method("ModelInfer", servicer.model_infer_bytes, compressed=True),
+        raw_method("ModelStreamInfer", servicer.model_stream_infer_bytes, streaming=True, compressed=True),
+    )
+    return {method.name: method for method in methods}
+
+
+def health_methods(servicer: Any) -> dict[str, RpcMethod]:
+    """The standard health service (``grpc.health.v1.Health``) on ``servicer``."""
+    return service_methods(health_pb2.DESCRIPTOR.services_by_name["Health"], servicer)
+
+
+#: --grpc-server: Quiver's own HTTP/2 server on the event loop, or grpcio's grpc.aio server.
+GRPC_SERVERS = ("quiver", "grpcio")
+
+
 class GrpcFrontend:
-    """The ``grpc.aio`` server: the inference service, the health service, start and stop."""
+    """The gRPC server (Quiver's own, or ``grpc.aio``'s with ``server_kind="grpcio"``): the
+    inference service, the health service, start and stop."""
 
     def __init__(
         self,
@@ -398,7 +421,11 @@ class GrpcFrontend:
         options: Sequence[tuple[str, int]] = (),
         compression_level: int = 0,
         reuse_port: bool = False,
+        server_kind: str = "quiver",
     ) -> None:
+        if server_kind not in GRPC_SERVERS:
+            raise ValueError(f"unknown gRPC server '{server_kind}'; known: {', '.join(GRPC_SERVERS)}")
+        self.server_kind = server_kind
         self.service = service
         self.max_message_size = max_message_size
         self.restrictions = restrictions or Restrictions()
@@ -411,8 +438,31 @@ class GrpcFrontend:
         self.health = health.aio.HealthServicer()
         self.server: Any = None
 
+    def methods(self) -> dict[str, RpcMethod]:
+        """What Quiver's own server dispatches to: Triton's service and the health service."""
+        skip = frozenset(("ModelInfer", "ModelStreamInfer"))
+        triton = service_methods(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.servicer, skip)
+        return {**triton, **inference_methods(self.servicer), **health_methods(self.health)}
+
     async def start(self, address: str, port: int) -> int:
         """Bind and start serving (health NOT_SERVING until :meth:`set_serving`); returns the port."""
+        if self.server_kind == "grpcio":
+            return await self._start_grpcio(address, port)
+        server = GrpcServer(
+            self.methods(),
+            max_receive_message_size=self.max_message_size,
+            max_send_message_size=self.max_message_size,
+            restrictions=self.restrictions,
+            compression_level=self.compression_level,
+            keepalive=keepalive_from(self.options),
+        )
+        context = tls_context(self.tls) if self.tls is not None else None
+        bound = await server.start(address, port, ssl_context=context, reuse_port=self.reuse_port)
+        await self.set_serving(False)
+        self.server = server
+        return bound
+
+    async def _start_grpcio(self, address: str, port: int) -> int:
         options: list[tuple[str, int]] = [
             ("grpc.max_receive_message_length", self.max_message_size),
             ("grpc.max_send_message_length", self.max_message_size),
@@ -479,6 +529,16 @@ class GrpcFrontend:
         server, self.server = self.server, None
         if server is None:
             return
+        if isinstance(server, GrpcServer):
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace
+            server.begin_stop()  # GOAWAY: no new calls
+            idle = asyncio.gather(self.servicer.wait_idle(), server.wait_unary_calls())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(idle, grace)
+            await server.drain(deadline - loop.time())  # answers on their way finish
+            await server.close()
+            return
         stopping = asyncio.create_task(server.stop(grace))  # refuses new RPCs now
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.servicer.wait_idle(), grace)
@@ -492,4 +552,7 @@ class GrpcFrontend:
         await asyncio.sleep(0)
 
 
-__all__ = ["DECOUPLED_ERROR", "GrpcFrontend", "InferenceServicer", "RawInferHandler"]
+__all__ = [
+    "DECOUPLED_ERROR", "GRPC_SERVERS", "GrpcFrontend", "InferenceServicer", "RawInferHandler", "health_methods",
+    "inference_methods",
+]

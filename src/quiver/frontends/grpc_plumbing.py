@@ -1,14 +1,19 @@
 """The gRPC server's plumbing around Triton's service: the restriction interceptor
 (``--grpc-restricted-protocol``), request parsing that answers a malformed message
-INVALID_ARGUMENT, and the generic-handler-only registration (see each class)."""
+INVALID_ARGUMENT, and the generic-handler-only registration (see each class) for ``grpc.aio``;
+the method tables Quiver's own server dispatches to (:func:`service_methods`)."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf import message_factory
 
+from quiver.frontends.grpc_call import CallFailed
+from quiver.frontends.grpc_server import RpcMethod
 from quiver.frontends.restrictions import Restrictions
 
 #: The service name of Triton's inference service.
@@ -160,4 +165,56 @@ class GenericHandlersOnly:
         pass
 
 
-__all__ = ["RPC_GROUPS", "SERVICE_NAME", "GenericHandlersOnly", "ParsedByUs", "RestrictionInterceptor"]
+def _parser(message_class: Any, method: str) -> Callable[[bytes], Any]:
+    """``message_class.FromString``, a message that does not parse answered INVALID_ARGUMENT
+    naming the message type (as :class:`ParsedByUs` does for ``grpc.aio``)."""
+    parse = message_class.FromString
+
+    def tolerant(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # DecodeError, or what a parser raises instead
+            raise CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method} request message: {exc}") from None
+
+    return tolerant
+
+
+def _serialized(message: Any) -> bytes:
+    data: bytes = message.SerializeToString()
+    return data
+
+
+def service_methods(descriptor: Any, servicer: Any, skip: frozenset[str] = frozenset()) -> dict[str, RpcMethod]:
+    """Every method of the service ``descriptor`` describes (but ``skip``), on ``servicer``'s
+    methods of the same names, with protobuf messages in and out; Triton's methods carry their
+    API group for ``--grpc-restricted-protocol``."""
+    methods = {}
+    triton = descriptor.full_name == SERVICE_NAME
+    for method in descriptor.methods:
+        if method.name in skip:
+            continue
+        path = f"/{descriptor.full_name}/{method.name}"
+        methods[path] = RpcMethod(
+            path,
+            getattr(servicer, method.name),
+            request_streaming=method.client_streaming,
+            response_streaming=method.server_streaming,
+            parse=_parser(message_factory.GetMessageClass(method.input_type), method.name),
+            serialize=_serialized,
+            group=RPC_GROUPS.get(method.name) if triton else None,
+        )
+    return methods
+
+
+def raw_method(name: str, handler: Callable[..., Any], *, streaming: bool = False, compressed: bool = False) -> RpcMethod:
+    """A method of Triton's service with bytes in and out (the inferences, the workers' relays)."""
+    return RpcMethod(
+        f"/{SERVICE_NAME}/{name}", handler, request_streaming=streaming, response_streaming=streaming,
+        compressed=compressed, group=RPC_GROUPS.get(name),
+    )
+
+
+__all__ = [
+    "RPC_GROUPS", "SERVICE_NAME", "GenericHandlersOnly", "ParsedByUs", "RestrictionInterceptor", "raw_method",
+    "service_methods",
+]

@@ -30,9 +30,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from quiver.frontends.grpc import DEFAULT_MAX_MESSAGE_SIZE, GrpcFrontend, RawInferHandler
-from quiver.frontends.grpc_plumbing import SERVICE_NAME, GenericHandlersOnly
+from quiver.frontends.grpc import (
+    DEFAULT_MAX_MESSAGE_SIZE,
+    GrpcFrontend,
+    RawInferHandler,
+    health_methods,
+    inference_methods,
+)
+from quiver.frontends.grpc_plumbing import SERVICE_NAME, GenericHandlersOnly, raw_method
 from quiver.frontends.grpc_relay import RELAYED_RPCS
+from quiver.frontends.grpc_server import RpcMethod
 from quiver.frontends.remote_service import RelayedStatus, RemoteService
 from quiver.frontends.restrictions import Restrictions
 from quiver.frontends.status import grpc_error
@@ -52,6 +59,7 @@ class GrpcWorkerSetup:
     tls: GrpcTls | None = None
     options: list[tuple[str, int]] = field(default_factory=list)
     compression_level: int = 0
+    server: str = "quiver"  # --grpc-server
 
 
 class RelayHandler(grpc.GenericRpcHandler):  # type: ignore[misc]
@@ -114,8 +122,17 @@ class WorkerGrpcFrontend(GrpcFrontend):
             options=setup.options,
             compression_level=setup.compression_level,
             reuse_port=True,  # every worker listens on the port (see the module's docstring)
+            server_kind=setup.server,
         )
         self.remote = remote
+
+    def methods(self) -> dict[str, RpcMethod]:
+        relayed = (raw_method(method, _relay(self.remote, method)) for method in RELAYED_RPCS)
+        return {
+            **{method.name: method for method in relayed},
+            **inference_methods(self.servicer),
+            **health_methods(self.health),
+        }
 
     def add_handlers(self, server: Any) -> None:
         server.add_generic_rpc_handlers((RawInferHandler(self.servicer), RelayHandler(self.remote)))

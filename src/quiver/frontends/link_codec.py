@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from quiver.types import BY_WIRE_NAME, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
-_DATATYPES = {datatype.value: datatype for datatype in DataType}
 _DTYPES: dict[str, np.dtype[Any]] = {}
 
 # A packed tensor: (name, datatype wire name, shape, numpy dtype str, array shape, buffer,
@@ -32,11 +31,12 @@ _Packed = tuple[Any, ...]
 
 def _pack_tensor(tensor: Tensor) -> _Packed:
     data = tensor.data
-    parameters = tensor.parameters or None
-    if data.dtype.hasobject:
-        return (tensor.name, tensor.datatype.value, tensor.shape, None, None, data, parameters)
+    dtype = data.dtype
+    if dtype.hasobject:
+        return (tensor.name, tensor.datatype.wire, tensor.shape, None, None, data, tensor.parameters or None)
+    # A PickleBuffer: no extra copy, and the array comes back writable if it was.
     buffer = pickle.PickleBuffer(data) if data.flags.c_contiguous else data.tobytes()  # type: ignore[arg-type]
-    return (tensor.name, tensor.datatype.value, tensor.shape, data.dtype.str, data.shape, buffer, parameters)
+    return (tensor.name, tensor.datatype.wire, tensor.shape, dtype.str, data.shape, buffer, tensor.parameters or None)
 
 
 def _unpack_tensor(packed: _Packed) -> Tensor:
@@ -48,7 +48,7 @@ def _unpack_tensor(packed: _Packed) -> Tensor:
         if dtype is None:
             dtype = _DTYPES[dtype_str] = np.dtype(dtype_str)
         data = np.frombuffer(buffer, dtype=dtype).reshape(array_shape)
-    return Tensor(name, _DATATYPES[datatype], shape, data, parameters if parameters is not None else {})
+    return Tensor(name, BY_WIRE_NAME[datatype], shape, data, parameters if parameters is not None else {})
 
 
 def pack_request(request: InferenceRequest) -> tuple[Any, ...] | InferenceRequest:
@@ -56,14 +56,15 @@ def pack_request(request: InferenceRequest) -> tuple[Any, ...] | InferenceReques
     if (request.trace is not None or request.input_placements is not None or request.output_placements is not None
             or request.cancellation is not None or request.stream is not None):
         return request
-    outputs = None if request.outputs is None else tuple((o.name, o.parameters or None) for o in request.outputs)
-    return (request.model_name, request.model_version, tuple(_pack_tensor(t) for t in request.inputs), outputs,
+    outputs = request.outputs
+    return (request.model_name, request.model_version, [_pack_tensor(t) for t in request.inputs],
+            None if outputs is None else [(o.name, o.parameters or None) for o in outputs],
             request.id, request.parameters or None, request.raw)
 
 
 def unpack_request(packed: tuple[Any, ...] | InferenceRequest) -> InferenceRequest:
-    if isinstance(packed, InferenceRequest):
-        return packed
+    if type(packed) is not tuple:
+        return packed  # type: ignore[return-value]
     model_name, model_version, inputs, outputs, ident, parameters, raw = packed
     return InferenceRequest(
         model_name, model_version, [_unpack_tensor(t) for t in inputs],
@@ -73,13 +74,13 @@ def unpack_request(packed: tuple[Any, ...] | InferenceRequest) -> InferenceReque
 
 
 def pack_response(response: InferenceResponse) -> tuple[Any, ...]:
-    return (response.model_name, response.model_version, tuple(_pack_tensor(t) for t in response.outputs),
+    return (response.model_name, response.model_version, [_pack_tensor(t) for t in response.outputs],
             response.id, response.parameters or None, response.shared_memory_outputs or None)
 
 
 def unpack_response(packed: tuple[Any, ...] | InferenceResponse) -> InferenceResponse:
-    if isinstance(packed, InferenceResponse):
-        return packed
+    if type(packed) is not tuple:
+        return packed  # type: ignore[return-value]
     model_name, model_version, outputs, ident, parameters, shared = packed
     return InferenceResponse(
         model_name, model_version, [_unpack_tensor(t) for t in outputs], ident,

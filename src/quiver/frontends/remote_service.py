@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from quiver.errors import ErrorCode, QuiverError, UnavailableError, error_for_code
@@ -135,11 +135,19 @@ class RemoteService:
     async def infer(
         self, request: InferenceRequest, *, decoupled_error: str = "", watch: Watch | None = None
     ) -> InferenceResponse:
-        work: Awaitable[InferenceResponse] = self._call("infer", pack_request(request), decoupled_error)
-        if watch is not None and self.queues(request.model_name, request.model_version):
-            work = watch(work)
-        response: InferenceResponse = await work
-        return response
+        # One coroutine, no _call/_call_as frames: this is every inference's way.
+        ident = next(self._ids)
+        future: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
+        link = self._send(("infer", ident, pack_request(request), decoupled_error))
+        self._waiting[ident] = future
+        try:
+            if watch is not None and self.queues(request.model_name, request.model_version):
+                return await watch(future)  # a client that leaves cancels the future
+            return await future
+        except BaseException:
+            if self._waiting.pop(ident, None) is not None:
+                link.send(("cancel", ident))  # the client went away: leave the queue
+            raise
 
     async def open_stream(self, request: InferenceRequest) -> tuple[bool, AsyncGenerator[StreamResponse, None]]:
         """As ``InferenceService.open_stream``: the model side says whether the model is

@@ -1,8 +1,9 @@
 """The link between a frontend worker process and the model side: framed messages over
 a Unix socket pair the model side made.
 
-A frame is a 4-byte little-endian length and a pickled tuple whose first item names the
-message. Pickle is safe here, unlike in the Python-model transport (:mod:`quiver.ipc`): both
+A frame is a 4-byte little-endian length and a pickled list of messages: those sent in one
+turn of the event loop, pickled and written together at its end. A message is a tuple whose
+first item names it. Pickle is safe here, unlike in the Python-model transport (:mod:`quiver.ipc`): both
 ends are the server's own processes, started from the same installation by the model side,
 and no client or model code writes to this socket; what a client sent arrives as the values
 the worker decoded (arrays, strings), never as something that is unpickled.
@@ -36,58 +37,74 @@ from typing import Any
 _LENGTH = struct.Struct("<I")
 #: A frame past this is a broken peer (inference bodies are bounded by --http-max-input-size).
 MAX_FRAME = 1 << 31
+#: A frame up to this size is written as one joined bytes object, a larger one as two parts.
+_JOIN_UP_TO = 1 << 16
 
 
 class Link(asyncio.Protocol):
-    """One end: ``send(message)``; ``on_message(message)`` for each frame received;
+    """One end: ``send(message)``; ``on_message(message)`` for each message received;
     ``on_lost()`` once when the other end is gone.
 
-    Frames sent in one turn of the event loop go out together at its end (one ``writev``):
-    with many requests in flight, one system call and one wake-up of the other end carry
-    several of them."""
+    Messages sent in one turn of the event loop go out together at its end, one pickled list
+    in one frame and one system call: with many requests in flight, one wake-up of the other
+    end carries several of them, and each costs the pickling of a list item, not of a frame."""
 
     def __init__(self, on_message: Callable[[tuple[Any, ...]], None], on_lost: Callable[[], None]) -> None:
         self.on_message = on_message
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._outgoing: list[bytes] = []
+        self._outgoing: list[tuple[Any, ...]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def send(self, message: tuple[Any, ...]) -> None:
-        if self.closed or self.transport is None or self.transport.is_closing():
-            return
-        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        if not self._outgoing:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._outgoing += (_LENGTH.pack(len(body)), body)
+        outgoing = self._outgoing
+        outgoing.append(message)
+        if len(outgoing) == 1:
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         outgoing, self._outgoing = self._outgoing, []
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(outgoing)
+        transport = self.transport
+        if not outgoing or self.closed or transport is None or transport.is_closing():
+            return
+        body = pickle.dumps(outgoing, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(body) <= _JOIN_UP_TO:
+            transport.write(_LENGTH.pack(len(body)) + body)
+        else:
+            transport.writelines((_LENGTH.pack(len(body)), body))
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
-        buffer += data
+        if buffer:
+            buffer += data
+            data = buffer  # type: ignore[assignment]
         offset = 0
-        size = len(buffer)
+        size = len(data)
+        on_message = self.on_message
         while size - offset >= 4:
-            (length,) = _LENGTH.unpack_from(buffer, offset)
+            (length,) = _LENGTH.unpack_from(data, offset)
             if length > MAX_FRAME:
                 self.close()
                 return
             end = offset + 4 + length
             if end > size:
                 break
-            message = pickle.loads(buffer[offset + 4 : end])
+            messages = pickle.loads(memoryview(data)[offset + 4 : end])
             offset = end
-            self.on_message(message)
-        if offset:
+            for message in messages:
+                on_message(message)
+        if data is buffer:
             del buffer[:offset]
+        elif offset < size:
+            buffer += memoryview(data)[offset:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed:

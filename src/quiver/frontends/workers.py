@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from quiver import eager
 from quiver.errors import ErrorCode, QuiverError
 from quiver.frontends.grpc import InferenceServicer
 from quiver.frontends.grpc_relay import answer_rpc
@@ -178,9 +179,11 @@ class FrontendWorkers:
         if kind == "infer":
             ident = message[1]
             decoupled_error = message[3] if len(message) > 3 and message[3] else DECOUPLED_ERROR
-            worker.tasks[ident] = asyncio.create_task(
-                self._infer(worker, ident, unpack_request(message[2]), decoupled_error)
-            )
+            # Started now, in this turn: a request answered without waiting (a model run
+            # inline, an instance free) needs no task; one that waits gets one.
+            task = eager.start(self._infer(worker, ident, unpack_request(message[2]), decoupled_error))
+            if task is not None:
+                worker.tasks[ident] = task
         elif kind == "cancel":
             task = worker.tasks.get(message[1])
             if task is not None:

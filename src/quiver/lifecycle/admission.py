@@ -32,13 +32,14 @@ from typing import Protocol
 from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.heap import freeze_heap
-from quiver.lifecycle.ahead import AHEAD, RoomAhead
+from quiver.lifecycle.ahead import AHEAD, AHEAD_LULL_S, RoomAhead
 from quiver.lifecycle.budget import Admission, BudgetGate, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.configs import ConfigCache
 from quiver.lifecycle.dependencies import DependencyGraph, composing_of
 from quiver.lifecycle.eviction import Candidate, EvictionPolicy, LRUPolicy
 from quiver.lifecycle.frameworks import HEAP_ALLOCATING, prime
+from quiver.lifecycle.idle import Activity
 from quiver.lifecycle.loader import LoadOutcome, backend_name
 from quiver.lifecycle.locks import ModelLocks
 from quiver.lifecycle.memory import (
@@ -55,6 +56,7 @@ from quiver.lifecycle.policies import DEFAULT_POLICY, make_policy
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.sources import fingerprint_and_size
 from quiver.lifecycle.table import ModelTable
+from quiver.lifecycle.watch import FolderWatch
 from quiver.repository.local import ModelSource
 
 __all__ = ["AHEAD", "AdmissionControl", "Inspection", "Unloader"]
@@ -123,7 +125,11 @@ class AdmissionControl:
         self._frameworks: dict[str, int] = {}  # framework -> its one-time bytes, measured once
         #: Configurations read and prepared once per version of a model's files (the loads share it).
         self.configs = ConfigCache()
+        #: Local model folders unchanged since their last walk (set in on_demand mode: watch.py).
+        self.watch: FolderWatch | None = None
         self.evict_ahead = evict_ahead and eviction_policy != "none"  # none: nothing unloads
+        #: When a request last came or went (told by the manager): evictions ahead wait for a lull.
+        self.activity = Activity(clock)
         self.last_size = 0  # bytes of the last model loaded: what the next miss likely needs
         self.ahead = RoomAhead(self, pins, table)
         self._prime_lock = asyncio.Lock()
@@ -254,7 +260,11 @@ class AdmissionControl:
     def inspect(self, source: ModelSource, override: pb.ModelConfig | None) -> Inspection:
         """Blocking (a load thread): the :class:`Inspection` of ``source``'s files; the config
         is read once per fingerprint (:attr:`configs`)."""
-        fingerprint, size = fingerprint_and_size(source.path)
+        watch = self.watch
+        if watch is not None and override is None:
+            fingerprint, size = watch.walk(source, fingerprint_and_size)
+        else:
+            fingerprint, size = fingerprint_and_size(source.path)
         strict, configs = self._strict, self.configs
         composing = composing_of(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
         backend = ""
@@ -262,6 +272,21 @@ class AdmissionControl:
             backend = backend_name(source, strict=strict, override=override, configs=configs, fingerprint=fingerprint)
         from_files = self._predictor.from_bytes(size) if self.budget is not None else None
         return Inspection(fingerprint, composing, backend, from_files)
+
+    def unchanged(self, name: str) -> tuple[ModelSource, Inspection] | None:
+        """Blocking (a load thread): ``name``'s folder and its :class:`Inspection` without
+        walking it, when its files are unchanged since their last walk (:attr:`watch`) and
+        their configuration was prepared then (so not an ensemble): nothing is read."""
+        watch = self.watch
+        kept = watch.unchanged(name) if watch is not None else None
+        if kept is None:
+            return None
+        source, fingerprint, size = kept
+        prepared = self.configs.prepared(source, fingerprint, self._strict)
+        if prepared is None:
+            return None
+        from_files = self._predictor.from_bytes(size) if self.budget is not None else None
+        return source, Inspection(fingerprint, None, prepared.proto.backend, from_files)
 
     async def load(
         self,
@@ -423,7 +448,8 @@ class AdmissionControl:
             size = self._predictor.counted(measured, inspection.from_files)  # never below its files
             self._predictor.record(identity, size)
         try:
-            await self._cover_overrun(name, size, unloader)
+            if size > budget.reservation(name):
+                await self._cover_overrun(name, size, unloader)
         except BaseException:
             budget.cancel(name)
             await unloader.discard(outcome.models)
@@ -435,8 +461,9 @@ class AdmissionControl:
         self.policy.touch(name, size, now, load_cost_s=load_seconds)
         budget.commit(name, size)
         self.last_size = size
-        # Written in the event loop's second round from now: the requests that waited for
-        # the load run first (a log line costs 0.1 ms on a miss, its code cold by then).
+        # Written AHEAD_LULL_S from now: the requests that waited for the load run and their
+        # answers go out first (a log line costs 0.1 ms on a miss, its code cold by then, and on
+        # a busy machine the core a client on the same machine needs to take its answer).
         announce = functools.partial(
             logger.info,
             "loaded model '%s' version(s) %s in %.3f s; it takes %d bytes of host memory (%s %d, "
@@ -452,19 +479,16 @@ class AdmissionControl:
             budget.used,
             budget.limit_bytes,
         )
-        loop = asyncio.get_running_loop()
-        loop.call_soon(loop.call_soon, announce)
+        asyncio.get_running_loop().call_later(AHEAD_LULL_S, announce)
         return outcome
 
     async def _cover_overrun(self, name: str, size: int, unloader: Unloader) -> None:
-        """The model measured ``size`` bytes: if that is more than its reservation, reserve the
+        """The model measured ``size`` bytes, more than its reservation: reserve the
         excess as a load would (free bytes, evictions, waiting for pins) before it is READY;
         if that cannot be had, OutOfMemoryError (the caller unloads the model)."""
         budget = self.budget
         assert budget is not None
         granted = budget.reservation(name)
-        if size <= granted:
-            return
         logger.warning(
             "model '%s' measured %d bytes, %d more than its reservation; reserving the excess "
             "before it is served",

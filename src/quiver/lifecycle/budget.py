@@ -110,6 +110,7 @@ class MemoryBudget:
         self._reserved: dict[str, int] = {}
         self._shortfall: dict[str, int] = {}
         self._claims: dict[str, str] = {}  # victim -> the load it is unloaded for
+        self._total = 0  # resident + retiring + reserved, kept as they change (read on every load)
         self._listener = listener
         self._lock = threading.RLock()
         self.peak = 0  # the highest committed total seen (never above the limit)
@@ -179,7 +180,7 @@ class MemoryBudget:
             return self._claims.get(victim)
 
     def _committed(self) -> int:
-        return sum(self._resident.values()) + sum(self._retiring.values()) + sum(self._reserved.values())
+        return self._total
 
     # -- deciding
 
@@ -244,6 +245,7 @@ class MemoryBudget:
 
     def _grant(self, name: str, now: int, later: int, victims: list[str]) -> None:
         self._reserved[name] = self._reserved.get(name, 0) + now
+        self._total += now
         if later:
             self._shortfall[name] = self._shortfall.get(name, 0) + later
         for victim in victims:
@@ -276,6 +278,7 @@ class MemoryBudget:
             if old is not None:
                 self._retiring[name] = self._retiring.get(name, 0) + old
             self._resident[name] = measured
+            self._total += measured - granted  # the old resident bytes now retire
             self._check()
         self._changed()
 
@@ -283,6 +286,7 @@ class MemoryBudget:
         """The old versions of a reloaded ``name`` finished unloading; returns the bytes freed."""
         with self._lock:
             freed = self._retiring.pop(name, 0)
+            self._total -= freed
         if freed:
             self._changed()
         return freed
@@ -292,12 +296,14 @@ class MemoryBudget:
         to that load's shortfall), the rest becomes free. Returns the bytes freed."""
         with self._lock:
             size = self._resident.pop(name, 0)
+            self._total -= size
             claimant = self._claims.pop(name, None)
             moved = 0
             if claimant is not None and claimant in self._reserved:
                 moved = min(size, self._shortfall.get(claimant, 0))
                 if moved:
                     self._reserved[claimant] += moved
+                    self._total += moved
                     self._shortfall[claimant] -= moved
                     if not self._shortfall[claimant]:
                         del self._shortfall[claimant]
@@ -310,6 +316,7 @@ class MemoryBudget:
         victims stay resident until someone unloads them). Returns the bytes freed."""
         with self._lock:
             freed = self._reserved.pop(name, 0)
+            self._total -= freed
             self._shortfall.pop(name, None)
             self._drop_claims(name)
         self._changed()

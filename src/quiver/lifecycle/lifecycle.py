@@ -167,7 +167,7 @@ class ModelLifeCycle:
         async with self._locks.hold(name):
             if self._table.serving(name):
                 return {}  # loaded while this waited for the lock
-            trip = Trip()
+            trip = Trip(name)
             # The index shows LOADING for the whole trip: set here, not from the load thread
             # once the config is ready (that woke the event loop mid-load: a wake-up and a
             # hand-off of the GIL on the load's path). What it showed before comes back when
@@ -258,7 +258,7 @@ class ModelLifeCycle:
     ) -> dict[str, str]:
         name = source.name
         serving = self._table.serving(name)
-        if not serving:
+        if not serving and trip is None:  # a trip showed LOADING from its start
             self._table.mark(name, ModelState.LOADING)
         if trip is not None:
             inspection = trip.inspection

@@ -61,6 +61,7 @@ from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.read_ahead import ReadAhead
 from quiver.lifecycle.sources import DEFAULT_CACHE_BYTES, ModelSources
 from quiver.lifecycle.table import ModelTable
+from quiver.lifecycle.watch import FolderWatch
 from quiver.metrics.statistics import MultiModelStatistics
 from quiver.repository.archive import ExtractLimits
 from quiver.repository.cache import CACHE_REVALIDATE, DEFAULT_REVALIDATE_TIMEOUT, CacheStats
@@ -113,6 +114,7 @@ class ModelRepositoryManager:
         namespacing: bool = True,
         evict_ahead: bool = True,
         read_ahead: bool = True,
+        watch_folders: bool = True,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise InvalidArgumentError(f"unknown model control mode '{control_mode}'")
@@ -123,6 +125,9 @@ class ModelRepositoryManager:
         #: the background ("background") or first ("always").
         self._check_later = cache_revalidate == "background"
         self._startup_models = list(startup_models)
+        self._local_roots = list(repositories)
+        #: on_demand: local model folders watched for changes after a walk (watch.py)
+        self._watch_folders = watch_folders
         self._strict = strict_config
         self._load_wait_timeout = load_wait_timeout
         self._clock = clock
@@ -185,11 +190,20 @@ class ModelRepositoryManager:
         self._poll_task: asyncio.Task[None] | None = None
         #: on_demand: the local model folders' configurations read while idle (read_ahead.py)
         self._read_ahead = (
-            ReadAhead(configs=self.admission.configs, pool=self._pool, meter=self.admission.meter, clock=clock, strict=strict_config)
+            ReadAhead(
+                configs=self.admission.configs,
+                pool=self._pool,
+                meter=self.admission.meter,
+                clock=clock,
+                strict=strict_config,
+                activity=self.admission.activity,
+            )
             if read_ahead and control_mode == "on_demand"
             else None
         )
         self._read_ahead_task: asyncio.Task[None] | None = None
+        #: Who waits for a lull between requests: configurations read ahead, evictions ahead.
+        self._tells_activity = self._read_ahead is not None or self.admission.budget is not None
 
     def add_residency_listener(self, listener: Callable[[str, bool], None]) -> None:
         """Call ``listener(name, resident)`` whenever a model becomes READY (True) or stops
@@ -214,6 +228,11 @@ class ModelRepositoryManager:
         """Load what the control mode loads at start; returns name -> reason for failures."""
         SERVER.loop = asyncio.get_running_loop()
         SERVER.health = self._table.set_health
+        if self.on_demand and self._watch_folders and self.admission.watch is None:
+            # misses of local folders unchanged since their last walk walk nothing (watch.py)
+            self.admission.watch = FolderWatch(self._local_roots)
+            if self._read_ahead is not None:
+                self._read_ahead.watch = self.admission.watch
         sources, clashes = await self._sources.scan()
         failures = dict(clashes)
         for name, reason in clashes.items():
@@ -376,21 +395,22 @@ class ModelRepositoryManager:
 
     # -- on demand -----------------------------------------------------------------------
 
-    async def acquire(self, name: str, version: str = "", *, use: bool = True) -> Model:
+    async def acquire(self, name: str, version: str = "", *, use: bool = True, missed: bool = False) -> Model:
         """The READY model for ``name``, loading it first in on-demand mode. Concurrent
         requests for a model that is not loaded wait for one load (single flight); a request
         gives up after the load wait timeout with UNAVAILABLE while the load goes on; a failed
         load is reported to every waiting request, and the next request tries again. ``use``:
-        the caller runs a request on it (see :meth:`get`)."""
-        try:
-            return self._table.get(name, version, use=use)
-        except (NotFoundError, UnavailableError):
-            if not self.on_demand:
-                raise
+        the caller runs a request on it (see :meth:`get`). ``missed``: the caller's own
+        :meth:`get` just found it not READY, in on-demand mode, with no await since."""
+        if not missed:
+            try:
+                return self._table.get(name, version, use=use)
+            except (NotFoundError, UnavailableError):
+                if not self.on_demand:
+                    raise
         check_model_name(name)
         self.multi_model.cache_misses += 1
-        if self._read_ahead is not None:
-            self._read_ahead.busy()
+        self.admission.activity.busy()
         waited_from = seconds(self._clock)
         try:
             # A request waiting for its model's load pins it: once loaded, the model is not
@@ -421,7 +441,10 @@ class ModelRepositoryManager:
 
     async def _load_on_demand(self, name: str) -> None:
         # The folder found, its files inspected (fingerprint, config, size) and the model
-        # often loaded too, in one trip to a load thread.
+        # often loaded too, in one trip to a load thread; neither found nor inspected when
+        # its files did not change since they were (watch.py: the changes read here first).
+        if self.admission.watch is not None:
+            self.admission.watch.read_changes()
         failures = await self._lifecycle.load_on_demand(name, functools.partial(self._sources.find, name))
         if failures is None:  # no folder found by a direct look: a scan, then a key
             source = (await self._sources.scan())[0].get(name)
@@ -474,9 +497,10 @@ class ModelRepositoryManager:
     def request_done(self, model: Model) -> None:
         """A request on ``model`` finished (its pin may be released): loads waiting for room
         look again."""
-        self.admission.notify()
-        if self._read_ahead is not None:
-            self._read_ahead.busy()
+        admission = self.admission
+        admission.notify()
+        if self._tells_activity:
+            admission.activity.busy()
 
     # -- statistics ----------------------------------------------------------------------
 
@@ -519,6 +543,8 @@ class ModelRepositoryManager:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self._lifecycle.stop(timeout=self._load_wait_timeout)
+        if self.admission.watch is not None:
+            self.admission.watch.close()
         await self._sources.close()
         self._pool.shutdown()
 

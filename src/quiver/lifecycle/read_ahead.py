@@ -25,33 +25,52 @@ already (loaded, or tried), are read by their loads.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-from collections.abc import Awaitable
+from collections.abc import Callable
 
 from quiver.errors import QuiverError
 from quiver.lifecycle.clock import Clock
 from quiver.lifecycle.configs import ConfigCache
+from quiver.lifecycle.idle import IDLE_S, Activity
 from quiver.lifecycle.loader import prepare_ahead
 from quiver.lifecycle.memory import MemoryMeter
 from quiver.lifecycle.pool import LoadPool
 from quiver.lifecycle.sources import fingerprint_and_size
+from quiver.lifecycle.watch import FolderWatch
 from quiver.repository.local import ModelSource
 
-__all__ = ["IDLE_S", "ReadAhead", "read_config"]
+__all__ = ["BUSY", "IDLE_S", "ReadAhead", "read_config"]  # IDLE_S: lifecycle/idle.py's, re-exported
 
 logger = logging.getLogger(__name__)
 
-#: The server is idle when no request came or went for this long.
-IDLE_S = 0.005
+
+#: What :func:`read_config` says when a request came before it was done (it stopped: again later).
+BUSY = "busy"
 
 
-def read_config(source: ModelSource, configs: ConfigCache, strict: bool) -> str:
+def read_config(
+    source: ModelSource,
+    configs: ConfigCache,
+    strict: bool,
+    watch: FolderWatch | None = None,
+    idle: Callable[[], bool] | None = None,
+) -> str:
     """Blocking (a load thread): ``source``'s configuration read, and prepared where it can be
     (:func:`~quiver.lifecycle.loader.prepare_ahead`), into ``configs`` under the fingerprint of
-    its files: "prepared", "read", or "" (it cannot be read: its load says why)."""
-    fingerprint, _ = fingerprint_and_size(source.path)
+    its files: "prepared", "read", or "" (it cannot be read: its load says why). ``watch``:
+    the walk of the folder goes through it (its first miss then walks nothing). ``idle``:
+    asked before the walk and before the configuration is parsed; :data:`BUSY` when it says
+    no (a request came: reading a configuration takes 0.3-0.4 ms of a core and of the GIL,
+    which a miss arriving meanwhile waited for)."""
+    if idle is not None and not idle():
+        return BUSY
+    if watch is not None:
+        fingerprint, _ = watch.walk(source, fingerprint_and_size)
+    else:
+        fingerprint, _ = fingerprint_and_size(source.path)
+    if idle is not None and not idle():
+        return BUSY
     try:
         return "prepared" if prepare_ahead(source, strict, configs, fingerprint) else "read"
     except QuiverError:
@@ -63,20 +82,28 @@ class ReadAhead:
     (:meth:`busy` is told of every request)."""
 
     def __init__(
-        self, *, configs: ConfigCache, pool: LoadPool, meter: MemoryMeter, clock: Clock, strict: bool
+        self,
+        *,
+        configs: ConfigCache,
+        pool: LoadPool,
+        meter: MemoryMeter,
+        clock: Clock,
+        strict: bool,
+        activity: Activity | None = None,
     ) -> None:
         self._configs = configs
         self._pool = pool
         self._meter = meter
-        self._clock = clock
         self._strict = strict
-        self._last = clock.now()
+        self._activity = activity if activity is not None else Activity(clock)
+        #: The walks of the folders go through it (set by the manager once started).
+        self.watch: FolderWatch | None = None
         self.read = 0  # configurations read ahead
         self.prepared = 0  # ...and prepared too
 
     def busy(self) -> None:
         """A request came or went: the server is not idle for :data:`IDLE_S`."""
-        self._last = self._clock.now()
+        self._activity.busy()
 
     async def run(self, sources: list[ModelSource]) -> None:
         """Read the configurations of ``sources``, in order, each when the server is idle,
@@ -92,33 +119,21 @@ class ReadAhead:
         holds half its capacity, or the folder could not be walked)."""
         if len(self._configs) >= self._configs.capacity // 2:
             return ""
-        await self._idle()
-        read = functools.partial(read_config, source, self._configs, self._strict)
-        try:
-            done: str = await self._pool.run(self._meter.shared, read)
-        except Exception as exc:  # an OS error: that folder is its load's business
-            logger.debug("reading the configuration of '%s' ahead failed: %s", source.name, exc)
-            return ""
+        activity = self._activity
+        done = BUSY
+        while done == BUSY:  # stopped by a request: again at the next lull
+            await activity.idle(IDLE_S)
+            since = activity.last
+
+            def still_idle() -> bool:
+                return activity.last == since  # noqa: B023 - read while this round lasts
+
+            read = functools.partial(read_config, source, self._configs, self._strict, self.watch, still_idle)
+            try:
+                done = await self._pool.run(self._meter.shared, read)
+            except Exception as exc:  # an OS error: that folder is its load's business
+                logger.debug("reading the configuration of '%s' ahead failed: %s", source.name, exc)
+                return ""
         self.read += bool(done)
         self.prepared += done == "prepared"
         return done
-
-    async def _idle(self) -> None:
-        """Until no request came or went for :data:`IDLE_S`."""
-        wait = int(IDLE_S * 1e9)
-        while (due := self._last + wait) > self._clock.now():
-            await _until(self._clock, due)
-
-
-def _until(clock: Clock, when: int) -> Awaitable[None]:
-    """A future done when ``clock`` reaches ``when`` (ns)."""
-    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def fire() -> None:
-        if not done.done():
-            done.set_result(None)
-
-    timer = clock.call_at(when, fire)
-    done.add_done_callback(lambda _: timer.cancel())
-    return done
-

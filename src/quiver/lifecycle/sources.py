@@ -21,7 +21,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError
 from quiver.lifecycle.archives import is_namespaced
@@ -66,17 +66,28 @@ def fingerprint(path: Path) -> str:
     return fingerprint_and_size(path)[0]
 
 
-def fingerprint_and_size(path: Path) -> tuple[str, int]:
+class WalkObserver(Protocol):
+    def folder(self, path: str) -> None:
+        """``path`` (a folder) is about to be read."""
+
+    def link(self, path: str) -> None:
+        """``path`` is a symbolic link."""
+
+
+def fingerprint_and_size(path: Path, observer: WalkObserver | None = None) -> tuple[str, int]:
     """:func:`fingerprint` of ``path``, and the bytes of the regular files under it (symbolic
     links not counted: :func:`quiver.lifecycle.memory.file_bytes`), in one walk: one ``stat``
     per file. Folders are walked top-down in name order, linked folders not entered (as
     ``os.walk``); a linked file counts in the fingerprint by what it names, a dangling one
-    not at all."""
+    not at all. ``observer``: told of each folder before it is read and of each link met
+    (:class:`~quiver.lifecycle.watch.FolderWatch`)."""
     digest = hashlib.blake2b(digest_size=16)
     total = 0
 
     def walk(folder: str, prefix: str) -> None:
         nonlocal total
+        if observer is not None:
+            observer.folder(folder)
         try:
             with os.scandir(folder) as listing:
                 entries = sorted(listing, key=lambda e: e.name)
@@ -89,6 +100,8 @@ def fingerprint_and_size(path: Path) -> tuple[str, int]:
                     folders.append(entry)
                     continue
                 if entry.is_symlink():
+                    if observer is not None:
+                        observer.link(entry.path)
                     if os.path.isdir(entry.path):
                         continue  # a linked folder: not entered, as os.walk does
                     st = os.stat(entry.path)

@@ -39,12 +39,13 @@ __all__ = ["Trip", "find_and_load", "settle_trip"]
 
 @dataclass(slots=True)
 class Trip:
-    """What one trip did: the folder found (``None``: no model folder of that name), its files'
-    inspection, whether it went on to load the model (``loads``) and then: the prediction
+    """What one trip did, for the model ``name``: the folder found (``None``: no model folder
+    of that name), its files' inspection, whether it went on to load the model (``loads``) and then: the prediction
     reserved (``reserved``: the event loop settles or cancels that reservation), the outcome or
     the load's ``error``, the bytes measured (``how``: "known" when its size was, else how it
     was measured), when the load started and how long it took."""
 
+    name: str = ""
     source: ModelSource | None = None
     inspection: Inspection | None = None
     loads: bool = False
@@ -64,13 +65,19 @@ def find_and_load(
     find: Callable[[], ModelSource | None],
     load_for: Callable[[ModelSource, Inspection], Callable[[], LoadOutcome]],
 ) -> Trip:
-    """Blocking (a load thread): fill ``trip``: ``find()`` the folder, inspect it, and load it
-    when it may be loaded here (see the module notes): ``load_for(source, inspection)()``.
+    """Blocking (a load thread): fill ``trip``: ``find()`` the folder, inspect it (or neither,
+    when its files are unchanged since they were: :meth:`AdmissionControl.unchanged`), and load
+    it when it may be loaded here (see the module notes): ``load_for(source, inspection)()``.
     Exceptions propagate; ``trip`` says whether a reservation was made by then."""
-    source = trip.source = find()
-    if source is None:
-        return trip
-    inspection = trip.inspection = admission.inspect(source, None)
+    unchanged = admission.unchanged(trip.name) if trip.name else None
+    if unchanged is not None:  # found and inspected before, nothing changed since: no walk
+        source, inspection = unchanged
+    else:
+        found = find()
+        if found is None:
+            return trip
+        source, inspection = found, admission.inspect(found, None)
+    trip.source, trip.inspection = source, inspection
     if inspection.composing is not None or admission.gpu is not None:
         return trip
     load = load_for(source, inspection)

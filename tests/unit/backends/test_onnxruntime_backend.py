@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from quiver.backends import onnxruntime as ob
 from quiver.backends.base import ModelFiles, instance_specs
 from quiver.config import ModelConfig, parse_model_config
-from quiver.errors import InternalError
+from quiver.errors import InternalError, InvalidArgumentError
 from quiver.types import DataType, InferenceRequest, Tensor
 from support.models import add_constant_onnx
 
@@ -86,3 +86,15 @@ def test_an_instance_serves_then_frees_its_session_on_unload(tmp_path: Path) -> 
     instance.unload()
     assert not hasattr(instance, "_session")
     instance.unload()  # twice: nothing left to free, no error
+
+
+def test_a_missing_model_file_and_a_broken_one_are_told_apart(tmp_path: Path) -> None:
+    """The file is looked for only when ONNX Runtime could not open it: a missing one is
+    INVALID_ARG naming the file, one that is not a model is ONNX Runtime's own error."""
+    proto, files = folder(tmp_path, COMPLETE, b"not a model")
+    config = ModelConfig.from_proto(proto, str(tmp_path / "m" / "config.pbtxt"))
+    with pytest.raises(InternalError, match=r"model 'm': onnxruntime could not load .*model\.onnx"):
+        ob.BACKEND.create_instance(config, files, instance_specs(config)[0])
+    (tmp_path / "m" / "1" / "model.onnx").unlink()
+    with pytest.raises(InvalidArgumentError, match=r"model 'm' version 1: model file .*model\.onnx does not exist"):
+        ob.BACKEND.create_instance(config, files, instance_specs(config)[0])

@@ -210,3 +210,25 @@ def test_responses_sent_after_execute_returned_complete_their_batch(late: Any) -
     answers = asyncio.run(run())
     assert all(isinstance(answer, InferenceResponse) for answer in answers), answers
     assert [answer.outputs[0].data.tolist() for answer in answers] == [[[2.0]], [[6.0]], [[9.0]]]
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 3])
+def test_a_request_cancelled_while_the_worker_joins_the_loop_leaves_it_joinable(instance: Any, turns: int) -> None:
+    """The first request joins the worker's pipes to the loop; cancelled partway through that
+    (its client gone), the join still completes once, and the next request is answered, not
+    refused with EBADF or EEXIST from a pipe half-registered."""
+
+    async def run() -> Any:
+        first = asyncio.create_task(instance.run([_request(1.0)]))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        try:
+            return await asyncio.wait_for(instance.run([_request(4.0)]), 10)
+        finally:
+            instance.unload()  # on the loop its channel lives on
+
+    answer = asyncio.run(run())
+    assert answer[0].outputs[0].data.tolist() == [8.0]

@@ -1,4 +1,4 @@
-"""The worker <-> model side link: framed messages, whole however the bytes arrive."""
+"""The worker <-> model side link: framed lists of messages, whole however the bytes arrive."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from quiver.frontends.worker_link import Link
 from quiver.types import DataType, InferenceRequest, Tensor
 
 
-def _frame(message: tuple[Any, ...]) -> bytes:
-    body = pickle.dumps(message)
+def _frame(*messages: tuple[Any, ...]) -> bytes:
+    body = pickle.dumps(list(messages))
     return struct.pack("<I", len(body)) + body
 
 
@@ -23,11 +23,13 @@ def test_frames_split_and_joined_anyhow_arrive_whole_and_in_order() -> None:
     got: list[tuple[Any, ...]] = []
     link = Link(got.append, lambda: None)
     stream = b"".join(_frame(("infer", i, "x" * i)) for i in range(50))
+    stream += _frame(*(("infer", i, "y" * i) for i in range(50, 60)))  # one frame, several messages
+    expected = [("infer", i, "x" * i) for i in range(50)] + [("infer", i, "y" * i) for i in range(50, 60)]
     for size in (1, 3, 7, 64, len(stream)):
         got.clear()
         for start in range(0, len(stream), size):
             link.data_received(stream[start : start + size])
-        assert got == [("infer", i, "x" * i) for i in range(50)]
+        assert got == expected
 
 
 def test_messages_cross_a_socket_pair_with_tensors_and_the_end_is_noticed() -> None:
@@ -41,15 +43,18 @@ def test_messages_cross_a_socket_pair_with_tensors_and_the_end_is_noticed() -> N
         request = InferenceRequest("simple", "", [Tensor("INPUT0", DataType.INT32, (1, 16), np.arange(16, dtype=np.int32).reshape(1, 16))])
         for i in range(100):  # sent in one loop turn: they leave together
             sender.send(("infer", i, request))
-        while len(received) < 100:
+        big = np.arange(1 << 18, dtype=np.float32)  # a frame past what is written joined
+        sender.send(("infer", 100, InferenceRequest("simple", "", [Tensor("BIG", DataType.FP32, big.shape, big)])))
+        while len(received) < 101:
             await asyncio.sleep(0.01)
         sender.close()
         await asyncio.wait_for(lost.wait(), 10)
         return received, lost.is_set()
 
     received, lost = asyncio.run(main())
-    assert [m[1] for m in received] == list(range(100))
-    tensor = received[-1][2].inputs[0]
+    assert [m[1] for m in received] == list(range(101))
+    np.testing.assert_array_equal(received[-1][2].inputs[0].data, np.arange(1 << 18, dtype=np.float32))
+    tensor = received[-2][2].inputs[0]
     assert tensor.datatype is DataType.INT32
     np.testing.assert_array_equal(tensor.data, np.arange(16, dtype=np.int32).reshape(1, 16))
     assert lost

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from lifecycle_fakes import (
+    CONFIG,
     FakeClock,
     World,
     answer,
@@ -427,3 +428,41 @@ def test_eviction_ahead_keeps_room_for_two_small_misses(tmp_path: Path, world: W
 
     asyncio.run(main())
     assert world.peak <= 100_000
+
+
+def test_eviction_ahead_waits_for_a_lull_unless_the_next_miss_would_find_no_room(
+    tmp_path: Path, world: World
+) -> None:
+    """Evictions ahead of need start once no request came or went for AHEAD_LULL_S, so a miss's
+    answer goes out before the unloads take the cores: with the clock standing still, nothing
+    is evicted ahead while the next miss still finds room, and the victim goes once the clock
+    has moved on. A miss that leaves no room for the next one has them start at once."""
+    from quiver.lifecycle.ahead import AHEAD_LULL_S
+
+    async def main() -> None:
+        clock = FakeClock()
+        names = [f"m{i:02d}" for i in range(26)]
+        size = len(CONFIG.format(name="m00").encode()) + 4_000  # what each counts: its files
+        limit = 25 * size  # 24 loaded leave room for one; two are kept ahead (8% of the limit)
+        async with serving(
+            tmp_path, world, limit, dict.fromkeys(names, 4_000), evict_ahead=True, clock=clock
+        ) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            for name in names[:24]:
+                assert await answer(service, name, 2.0) == 2.0
+            assert manager.admission.last_size == size and manager.admission.ahead_bytes() == 2 * size
+            await asyncio.sleep(0.05)
+            assert budget.available == size and world.unloads == []  # room for one: a lull first
+            clock.advance(AHEAD_LULL_S)
+            await until(lambda: budget.available >= 2 * size)
+            assert world.unloads == ["m00"]
+            assert await answer(service, names[24], 2.0) == 2.0
+            await asyncio.sleep(0.05)
+            assert budget.available == size and world.unloads == ["m00"]  # waits for a lull again
+            assert await answer(service, names[25], 2.0) == 2.0  # no room left for the next miss:
+            await until(lambda: len(world.unloads) == 3)  # the victims go now, the clock still
+            assert budget.available >= 2 * size and manager.is_ready("m24") and manager.is_ready("m25")
+            assert budget.peak <= limit
+
+    asyncio.run(main())

@@ -11,6 +11,7 @@ from lifecycle_fakes import FakeClock, World, answer, install_fake_backend, serv
 
 from quiver.backends.base import _registry
 from quiver.lifecycle import loader
+from quiver.lifecycle import read_ahead as read_ahead_module
 from quiver.lifecycle.configs import ConfigCache
 from quiver.lifecycle.memory import MemoryMeter
 from quiver.lifecycle.pool import LoadPool
@@ -128,6 +129,53 @@ def test_a_configuration_completed_without_the_model_files_is_prepared_ahead(
         for source in sources:
             found = configs.prepared(source, fingerprint(source.path), False)
             assert (found is not None) == (source.name != "c")
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
+
+
+def test_a_read_stops_when_a_request_comes_and_is_done_again_later(tmp_path: Path) -> None:
+    """A request arriving while a folder is read ahead stops the read before the walk or
+    before the configuration is parsed (BUSY: nothing kept); the folder is read at the next
+    lull, not skipped."""
+    from quiver.lifecycle.read_ahead import BUSY, read_config
+
+    (source,) = folders(tmp_path, ["a"])
+    configs = ConfigCache()
+    assert read_config(source, configs, False, idle=lambda: False) == BUSY
+    answers = iter([True, False])
+    assert read_config(source, configs, False, idle=lambda: next(answers)) == BUSY  # after the walk
+    assert len(configs) == 0
+    clock = FakeClock()
+    pool = LoadPool(1)
+    asked: list[bool] = []
+
+    async def main() -> None:
+        ahead = ReadAhead(configs=configs, pool=pool, meter=MemoryMeter(gpu=None), clock=clock, strict=False)
+        real = read_ahead_module.read_config
+
+        def first_busy(*args: object) -> str:
+            asked.append(True)
+            if len(asked) == 1:
+                ahead.busy()  # a request came while the first round read
+            return real(*args)  # type: ignore[arg-type]
+
+        read_ahead_module.read_config = first_busy  # type: ignore[assignment]
+        try:
+            clock.advance(IDLE_S + 1e-6)
+            running = asyncio.ensure_future(ahead.run([source]))
+            await until(lambda: len(asked) == 1)
+            await asyncio.sleep(0.05)
+            assert len(configs) == 0 and not running.done()  # waits for the next lull
+            clock.advance(IDLE_S + 1e-6)
+            await asyncio.wait_for(running, 5)
+        finally:
+            read_ahead_module.read_config = real
+        # stopped once, then read (and read once more at the end: its framework, never
+        # imported here, might have been since)
+        assert len(asked) == 3 and ahead.read == 2 and len(configs) == 1
 
     try:
         asyncio.run(main())

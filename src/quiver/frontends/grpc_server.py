@@ -1,0 +1,346 @@
+"""Quiver's own gRPC server: HTTP/2 on the asyncio event loop (:mod:`quiver.frontends.http2`),
+gRPC's semantics per call (:mod:`quiver.frontends.grpc_call`), methods dispatched by ``:path``.
+
+It replaces ``grpc.aio.server`` (``--grpc-server quiver``, the default; ``grpcio`` keeps the
+old one): a ``grpc.aio`` server spends about 100-140 us of event-loop time per call in its
+own machinery before any of Quiver's code runs, plus gRPC core's threads and a poller that
+wakes the loop per completion; this server reads and writes the socket on the loop itself.
+
+What a request's header block says is read once per distinct block (:meth:`GrpcServer.parse_head`,
+kept by the connection for blocks a client repeats): the method, the call metadata (``-bin``
+values base64-decoded, as grpcio gives them), ``grpc-timeout``, ``grpc-encoding`` and whether the
+client accepts gzip, and what refuses the call before it starts: a request that is not a gRPC
+POST, an unknown method (UNIMPLEMENTED, ``Method not found!`` as grpcio says), an encoding
+this server does not speak, metadata past the header list size, and the restricted protocols
+(``--grpc-restricted-protocol``, by the method's API group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import os
+import re
+import socket
+import ssl
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from quiver.frontends import http2_frames as h2
+from quiver.frontends.grpc_call import GrpcCall, metadata_fields, percent_encoded
+from quiver.frontends.grpc_receive import ReceiveBudget
+from quiver.frontends.http2 import Http2Connection, Keepalive, Stream
+from quiver.frontends.restrictions import Restrictions
+from quiver.triton_flags import GrpcTls
+
+#: Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
+MAX_CONCURRENT_STREAMS = 1024
+#: The largest request header list (names, values and 32 bytes per field, as HTTP/2 counts);
+#: announced, and a larger one ends the connection (HPACK must stay in step).
+MAX_HEADER_LIST_SIZE = 64 * 1024
+#: Connections served at once; more are answered GOAWAY and closed.
+MAX_CONNECTIONS = 10_000
+#: Answer bytes one connection may have waiting for its client's windows before its new
+#: streams are refused (their answers could not go out either).
+MAX_PENDING_SEND = 64 << 20
+#: Request fields that are the transport's, not the call's metadata.
+_TRANSPORT_FIELDS = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"))
+_TIMEOUT = re.compile(rb"(\d{1,8})([HMSmun])")
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_ENCODINGS = ("identity", "gzip", "deflate")
+
+
+@dataclass(frozen=True, slots=True)
+class RpcMethod:
+    """A method the server dispatches to: ``handler(request, context)``, a coroutine function
+    (or, for a streaming response, an async generator function or one that writes with
+    ``context.write``). ``parse`` and ``serialize`` turn message bytes into objects and back
+    (``None``: the handler takes and returns bytes)."""
+
+    name: str  # the :path, "/package.Service/Method"
+    handler: Callable[..., Any]
+    request_streaming: bool = False
+    response_streaming: bool = False
+    parse: Callable[[bytes], Any] | None = None
+    serialize: Callable[[Any], bytes] | None = None
+    compressed: bool = False  # answered gzip'd at --grpc-infer-response-compression-level
+    group: str | None = None  # the API group --grpc-restricted-protocol names
+
+    @property
+    def unary(self) -> bool:
+        return not (self.request_streaming or self.response_streaming)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    """What a request's header block says (see the module's docstring)."""
+
+    method: RpcMethod | None
+    metadata: tuple[tuple[str, Any], ...]
+    timeout: float | None
+    encoding: str
+    accepts_gzip: bool
+    refusal: tuple[int, grpc.StatusCode, str] | None  # HTTP status, gRPC status and message
+
+    @property
+    def cacheable(self) -> bool:
+        """Refusals are read again each time (they are rare, and may be large)."""
+        return self.refusal is None
+
+
+def keepalive_from(options: Sequence[tuple[str, int]]) -> Keepalive:
+    """The keepalive and ping channel arguments (``--grpc-keepalive-*`` ...) as :class:`Keepalive`."""
+    given = dict(options)
+    default = Keepalive()
+
+    def seconds(name: str, fallback: float | None) -> float | None:
+        value = given.get(name)
+        if value is None:
+            return fallback
+        return None if value >= 2**31 - 1 else value / 1000.0
+
+    time = seconds("grpc.keepalive_time_ms", default.time)
+    timeout = seconds("grpc.keepalive_timeout_ms", default.timeout)
+    interval = seconds("grpc.http2.min_ping_interval_without_data_ms", default.min_recv_ping_interval)
+    return Keepalive(
+        time=time,
+        timeout=timeout if timeout is not None else default.timeout,
+        permit_without_calls=bool(given.get("grpc.keepalive_permit_without_calls", 0)),
+        max_pings_without_data=int(given.get("grpc.http2.max_pings_without_data", default.max_pings_without_data)),
+        min_recv_ping_interval=interval if interval is not None else default.min_recv_ping_interval,
+        max_ping_strikes=int(given.get("grpc.http2.max_ping_strikes", default.max_ping_strikes)),
+        max_connection_age=seconds("grpc.max_connection_age_ms", None),
+        max_connection_age_grace=seconds("grpc.max_connection_age_grace_ms", None),
+    )
+
+
+def tls_context(tls: GrpcTls) -> ssl.SSLContext:
+    """A server TLS context for ``tls`` (ALPN ``h2``; client certificates signed by the root
+    certificate required when mutual)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2"])
+    with tempfile.TemporaryDirectory(prefix="quiver-tls-") as folder:  # load_cert_chain reads files
+        cert, key = Path(folder) / "cert.pem", Path(folder) / "key.pem"
+        for path, data in ((cert, tls.server_cert), (key, tls.server_key)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+        context.load_cert_chain(cert, key)
+    if tls.root_cert is not None:
+        context.load_verify_locations(cadata=tls.root_cert.decode("ascii", "replace"))
+    context.verify_mode = ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE
+    return context
+
+
+def _timeout(value: bytes) -> float | None:
+    match = _TIMEOUT.fullmatch(value)
+    if match is None:
+        return None
+    return int(match.group(1)) * _TIMEOUT_UNITS[match.group(2)]
+
+
+def _binary(value: bytes) -> bytes:
+    value = value.strip()
+    return base64.b64decode(value + b"=" * (-len(value) % 4), validate=True)
+
+
+class GrpcServer:
+    """The listener(s) and the connections of one gRPC server (an :class:`http2.Http2Owner`)."""
+
+    def __init__(
+        self,
+        methods: dict[str, RpcMethod],
+        *,
+        max_receive_message_size: int,
+        max_send_message_size: int,
+        restrictions: Restrictions | None = None,
+        compression_level: int = 0,
+        keepalive: Keepalive | None = None,
+        max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
+        max_header_list_size: int = MAX_HEADER_LIST_SIZE,
+    ) -> None:
+        self.methods = methods
+        self.max_receive_message_size = max_receive_message_size
+        self.max_send_message_size = max_send_message_size
+        self.restrictions = restrictions or Restrictions()
+        self.compression_level = compression_level
+        self.keepalive = keepalive or Keepalive()
+        self.max_concurrent_streams = max_concurrent_streams
+        self.max_header_list_size = max_header_list_size
+        #: Request bytes received and not yet taken by handlers, at most: twice the largest
+        #: message (at least 256 MiB) in all, and a message and a window per connection.
+        self.budget = ReceiveBudget(
+            max(2 * max_receive_message_size, 256 << 20), max_receive_message_size + (2 << 20)
+        )
+        self.connections: set[Http2Connection] = set()
+        self._listeners: list[asyncio.AbstractServer] = []
+        self._unary_calls = 0
+        self._no_unary_calls = asyncio.Event()
+        self._no_unary_calls.set()
+        self._no_connections = asyncio.Event()
+        self._no_connections.set()
+
+    # -- http2.Http2Owner ---------------------------------------------------------------------
+
+    def parse_head(self, headers: list[tuple[bytes, bytes]], stream_id: int) -> RequestHead:
+        pseudo, fields = h2.request_head(stream_id, headers)
+        metadata: list[tuple[str, Any]] = []
+        timeout: float | None = None
+        encoding = "identity"
+        accepts_gzip = False
+        content_type = b""
+        refusal: tuple[int, grpc.StatusCode, str] | None = None
+        for name, value in fields:
+            if name in _TRANSPORT_FIELDS:
+                if name == b"content-type":
+                    content_type = value
+                elif name == b"grpc-timeout":
+                    timeout = _timeout(value)
+                    if timeout is None:
+                        refusal = (200, grpc.StatusCode.INTERNAL, f"invalid grpc-timeout {value.decode('latin-1')!r}")
+                elif name == b"grpc-encoding":
+                    encoding = value.decode("latin-1").strip().lower()
+                elif name == b"grpc-accept-encoding":
+                    accepts_gzip = b"gzip" in (part.strip().lower() for part in value.split(b","))
+                continue
+            key = name.decode("latin-1")
+            if key.endswith("-bin"):
+                try:
+                    metadata.append((key, _binary(value)))
+                except (binascii.Error, ValueError):
+                    refusal = refusal or (200, grpc.StatusCode.INTERNAL, f"metadata '{key}' is not base64")
+            else:
+                metadata.append((key, value.decode("latin-1")))
+        method = self.methods.get(pseudo[b":path"].decode("latin-1"))
+        if pseudo[b":method"] != b"POST":
+            refusal = (405, grpc.StatusCode.UNIMPLEMENTED, "a gRPC request must be a POST")
+        elif not (content_type == b"application/grpc" or content_type.startswith((b"application/grpc+", b"application/grpc;"))):
+            refusal = (415, grpc.StatusCode.INTERNAL, f"content-type '{content_type.decode('latin-1')}' is not gRPC's")
+        elif method is None:
+            refusal = (200, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        elif encoding not in _ENCODINGS:
+            refusal = (200, grpc.StatusCode.UNIMPLEMENTED, f"Compression algorithm '{encoding}' is not supported")
+        elif refusal is None and method.group is not None and self.restrictions:
+            denied = self.restrictions.denied(
+                method.group, {key: value for key, value in metadata if isinstance(value, str)}, grpc=True
+            )
+            if denied is not None:
+                refusal = (200, grpc.StatusCode.PERMISSION_DENIED, denied)
+        return RequestHead(method, tuple(metadata), timeout, encoding, accepts_gzip, refusal)
+
+    def accepting(self, connection: Http2Connection) -> bool:
+        return self.budget.room(connection) and connection.pending_send < MAX_PENDING_SEND
+
+    def open_stream(self, connection: Http2Connection, stream: Stream, head: RequestHead, end_stream: bool) -> GrpcCall | None:
+        if head.refusal is not None:
+            status, code, details = head.refusal
+            block = h2.header_block([
+                (b":status", str(status).encode()), (b"content-type", b"application/grpc"),
+                (b"grpc-status", str(code.value[0]).encode()), (b"grpc-message", percent_encoded(details)),
+            ])
+            connection.send_headers(stream, block, end_stream=True)
+            return None
+        call = GrpcCall(self, connection, stream, head)
+        if end_stream:
+            call.data_received(memoryview(b""), True)
+        return call
+
+    def connection_closed(self, connection: Http2Connection) -> None:
+        self.connections.discard(connection)
+        if not self.connections:
+            self._no_connections.set()
+
+    def _connection(self) -> Http2Connection:
+        connection = Http2Connection(self)
+        if len(self.connections) >= MAX_CONNECTIONS:
+            connection.refuse("too many connections")
+            return connection
+        self.connections.add(connection)
+        self._no_connections.clear()
+        return connection
+
+    # -- calls in progress ------------------------------------------------------------------
+
+    def calls_started(self) -> None:
+        self._unary_calls += 1
+        self._no_unary_calls.clear()
+
+    def calls_ended(self) -> None:
+        self._unary_calls -= 1
+        if not self._unary_calls:
+            self._no_unary_calls.set()
+
+    async def wait_unary_calls(self) -> None:
+        """Until no unary call is in progress."""
+        await self._no_unary_calls.wait()
+
+    # -- listening and stopping ----------------------------------------------------------------
+
+    async def start(self, address: str, port: int, *, ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False) -> int:
+        """Listen on ``address:port`` (every address it resolves to; port 0: a free one, the
+        same for all); returns the port."""
+        target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        loop = asyncio.get_running_loop()
+        sockets: list[socket.socket] = []
+        try:
+            infos = await loop.getaddrinfo(address or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            addresses = list(dict.fromkeys((family, sockaddr[0]) for family, _, _, _, sockaddr in infos))
+            both = len({family for family, _ in addresses}) > 1
+            for family, host in addresses:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6 and both:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind((host, port))
+                port = port or sock.getsockname()[1]
+            for sock in sockets:
+                self._listeners.append(
+                    await loop.create_server(self._connection, sock=sock, ssl=ssl_context, backlog=1024)
+                )
+        except OSError as exc:
+            for listener in self._listeners:
+                listener.close()
+            for sock in sockets:
+                sock.close()
+            raise OSError(f"cannot listen on {target} (gRPC): {exc.strerror or exc}") from None
+        return port
+
+    def begin_stop(self) -> None:
+        """Accept no more connections; each connection refuses new calls (GOAWAY) and closes
+        once its calls have ended."""
+        for listener in self._listeners:
+            listener.close()
+        for connection in list(self.connections):
+            connection.shutdown()
+
+    async def drain(self, timeout: float) -> None:
+        """After :meth:`begin_stop` and the calls: streams with nothing on their way to the
+        client (open streams, health watches) are reset, answers still being sent finish
+        within ``timeout`` (each connection closes once its streams are done)."""
+        for connection in list(self.connections):
+            connection.cancel_idle_streams()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_connections.wait(), max(timeout, 0.0))
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Close every connection now (the calls still in progress are cancelled)."""
+        self.begin_stop()
+        for connection in list(self.connections):
+            connection.abort()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_connections.wait(), timeout)
+        self._listeners.clear()
+
+
+__all__ = ["MAX_CONCURRENT_STREAMS", "MAX_CONNECTIONS", "GrpcServer", "RequestHead", "RpcMethod", "keepalive_from", "metadata_fields", "tls_context"]

@@ -1,0 +1,237 @@
+"""What a client can make Quiver's gRPC server hold: request bytes under the receive budget,
+streaming requests as raw bytes, answers that wait for a window. The real ``GrpcServer`` (no
+listener) owns an in-process HTTP/2 connection driven by the ``h2`` client (tests/support/h2pair.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h2.errors
+import h2.events
+import h2.settings
+import hyperframe.frame as hf
+import pytest
+
+from quiver.frontends import http2_guard
+from quiver.frontends.grpc_server import GrpcServer, RpcMethod
+from support.h2pair import REQUEST, Pair, frames_of, of, run
+
+MB = 1 << 20
+
+
+def _server(max_message: int = 4 * MB) -> tuple[GrpcServer, dict[str, Any]]:
+    seen: dict[str, Any] = {"stream_reads": 0, "release": None}
+
+    async def echo(data: bytes, context: Any) -> bytes:
+        return data
+
+    async def big(data: bytes, context: Any) -> bytes:
+        return b"a" * 100_000
+
+    async def never_reads(requests: Any, context: Any) -> Any:
+        seen["release"] = asyncio.get_running_loop().create_future()
+        await seen["release"]
+        async for _ in requests:
+            seen["stream_reads"] += 1
+        yield b"done"
+
+    methods = {
+        "/svc/Echo": RpcMethod("/svc/Echo", echo),
+        "/svc/Big": RpcMethod("/svc/Big", big),
+        "/svc/Stream": RpcMethod("/svc/Stream", never_reads, request_streaming=True, response_streaming=True),
+    }
+    server = GrpcServer(methods, max_receive_message_size=max_message, max_send_message_size=max_message)
+    return server, seen
+
+
+def _headers(path: str) -> list[tuple[str, str]]:
+    return [(name, path if name == ":path" else value) for name, value in REQUEST]
+
+
+def _fill(pair: Pair, stream_id: int, data: bytes) -> int:
+    """Send as much of ``data`` as the server's windows allow; how much went."""
+    sent = 0
+    while sent < len(data):
+        room = min(pair.client.local_flow_control_window(stream_id), pair.client.max_outbound_frame_size, len(data) - sent)
+        if room <= 0:
+            break
+        pair.client.send_data(stream_id, data[sent : sent + room])
+        sent += room
+        pair.pump()
+    return sent
+
+
+def test_request_bytes_held_are_bounded_by_the_budget() -> None:
+    """Streams that announce large messages and send them slowly: a message gets credit only
+    once the budget has room for all of it, so what a connection holds stays within its share
+    (and the windows it was granted), and admitted messages finish before others start; what
+    a stream held goes back when it ends."""
+
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        pair = Pair(server)
+        body = b"\x00" + (4 * MB - 1).to_bytes(4, "big") + bytes(4 * MB - 100)
+        streams, held = [], 0
+        for _ in range(4):
+            stream_id = pair.client.get_next_available_stream_id()
+            pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+            if of(pair.pump(), h2.events.StreamReset):
+                continue  # refused: the connection's share was spent
+            streams.append(stream_id)
+            held += _fill(pair, stream_id, body)
+        assert len(streams) >= 2
+        assert held <= server.budget.per_connection + 2 * MB
+        assert server.budget.used <= server.budget.per_connection and pair.server.buffered == server.budget.used
+        first = streams[0]
+        calls = {sid: pair.server.streams[sid].handler for sid in streams}
+        assert calls[first]._request._admitted == 4 * MB + 4  # type: ignore[union-attr]
+        assert not any(calls[sid]._request and calls[sid]._request._admitted for sid in streams[1:])  # type: ignore[union-attr]
+        # the first message finishes: the second is admitted once its prefix is here, and gets credit
+        pair.client.send_data(first, bytes(99), end_stream=True)
+        pair.pump()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        second = streams[1]
+        held = _fill(pair, second, body[:5] if calls[second]._request is None else b"")  # type: ignore[union-attr]
+        pair.pump()
+        assert calls[second]._request._admitted == 4 * MB + 4  # type: ignore[union-attr]
+        assert _fill(pair, second, body[5 : 5 + 2 * MB]) > 1 * MB  # credit keeps coming
+        for sid in streams[1:]:
+            pair.client.reset_stream(sid)
+        pair.pump()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert server.budget.used == pair.server.buffered  # only what the first call's answer holds
+
+    run(main)
+
+
+def test_new_streams_are_refused_while_the_budget_is_spent() -> None:
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        pair = Pair(server)
+        pair.server.buffered = server.budget.per_connection  # this connection's share is spent
+        server.budget.used = server.budget.per_connection
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"), end_stream=True)
+        refused = of(pair.pump(), h2.events.StreamReset)
+        assert [(e.stream_id, e.error_code) for e in refused] == [(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)]
+
+    run(main)
+
+
+def test_a_message_past_the_limit_is_refused_from_its_prefix() -> None:
+    async def main() -> None:
+        server, _ = _server(max_message=1 * MB)
+        pair = Pair(server)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+        pair.client.send_data(stream_id, b"\x00" + (2 * MB).to_bytes(4, "big") + b"xx")
+        events = pair.pump()
+        (headers,) = of(events, h2.events.ResponseReceived)
+        assert dict(headers.headers)[b"grpc-status"] == b"8"
+        assert server.budget.used == 0
+
+    run(main)
+
+
+def test_a_streaming_request_nobody_reads_holds_its_raw_bytes_only() -> None:
+    """Tiny messages queue as the bytes they came in (no object per message), within the
+    stream's window: the server gives no credit back until the reader takes them."""
+
+    async def main() -> None:
+        server, seen = _server()
+        pair = Pair(server)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Stream"))
+        pair.pump()
+        await asyncio.sleep(0)
+        sent = _fill(pair, stream_id, b"\x00\x00\x00\x00\x00" * 400_000)
+        assert sent < 400_000 * 5  # the window ran out: no credit while nobody reads
+        assert server.budget.used == sent and sent <= 2 * MB
+        call = pair.server.streams[stream_id].handler
+        assert call is not None and call._request.pending() == sent  # type: ignore[attr-defined]
+        seen["release"].set_result(None)  # the reader takes them: credit comes back
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert seen["stream_reads"] == sent // 5
+        assert server.budget.used == sent % 5  # a message cut short by the window
+        assert [e for e in of(pair.receive(), h2.events.WindowUpdated) if e.stream_id == stream_id]
+
+    run(main)
+
+
+def test_an_answer_that_waits_too_long_for_window_is_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that never opens its window: the answer waits, then the stream is reset and
+    what it held is freed; its request was dropped as soon as the handler had it."""
+    monkeypatch.setattr(http2_guard, "STALL_SECONDS", 0.1)
+    monkeypatch.setattr(http2_guard, "HOUSEKEEPING_SECONDS", 0.05)
+
+    async def main() -> None:
+        server, _ = _server()
+        pair = Pair(server, {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Big"))
+        pair.client.send_data(stream_id, b"\x00\x00\x00\x00\x03abc", end_stream=True)
+        pair.pump()
+        call = pair.server.streams[stream_id].handler
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert pair.server.pending_send == 100_005
+        assert call is not None and call._message is None  # type: ignore[attr-defined]
+        await asyncio.sleep(0.3)
+        resets = [(f.stream_id, f.error_code) for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.RstStreamFrame)]
+        assert resets == [(stream_id, h2.errors.ErrorCodes.CANCEL)]
+        assert pair.server.pending_send == 0 and pair.server.streams == {}
+
+    run(main)
+
+
+def test_a_request_message_that_stalls_ends_its_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message with bytes missing and none arriving: the call ends (UNAVAILABLE) and what it
+    held leaves the budget."""
+    from quiver.frontends import grpc_call
+
+    monkeypatch.setattr(grpc_call, "PROGRESS_SECONDS", 0.1)
+
+    async def main() -> None:
+        server, _ = _server()
+        pair = Pair(server)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+        pair.client.send_data(stream_id, b"\x00" + (1000).to_bytes(4, "big") + b"x" * 10)
+        pair.pump()
+        assert server.budget.used == 1005  # the whole message, reserved once admitted
+        await asyncio.sleep(0.3)
+        (headers,) = of(pair.receive(), h2.events.ResponseReceived)
+        assert dict(headers.headers)[b"grpc-status"] == b"14"
+        assert server.budget.used == 0
+
+    run(main)
+
+
+def test_connections_past_the_cap_and_idle_ones_are_sent_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    from quiver.frontends import grpc_server
+
+    monkeypatch.setattr(grpc_server, "MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(http2_guard, "IDLE_SECONDS", 0.1)
+    monkeypatch.setattr(http2_guard, "HOUSEKEEPING_SECONDS", 0.05)
+
+    async def main() -> None:
+        server, _ = _server()
+        first = server._connection()
+        second = server._connection()  # past the cap: refused once made
+        from support.h2pair import Transport
+
+        refused = Transport(second)
+        second.connection_made(refused)
+        goaway = [f for f in frames_of(bytes(refused.out)) if isinstance(f, hf.GoAwayFrame)]
+        assert refused.closed and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        kept = Transport(first)
+        first.connection_made(kept)
+        await asyncio.sleep(0.3)  # no stream for longer than the idle limit: GOAWAY (NO_ERROR)
+        goaway = [f for f in frames_of(bytes(kept.out)) if isinstance(f, hf.GoAwayFrame)]
+        assert goaway and goaway[0].error_code == 0
+
+    run(main)
