@@ -3,10 +3,14 @@ trip in a worker (Quiver's default), in the server's process (``--backend-config
 in-process=true``, the model's ``EXECUTE_ON_EVENT_LOOP`` fast path) and in Triton's Python backend
 (its stub process; the real ``tritonserver`` of ``peers/triton.py``), all in one run.
 
-Two measurements:
+Three measurements:
 
 - **over the wire**: ``benchmarks/loadgen.py`` trials (HTTP with the binary extension, gRPC) at
   each concurrency, against each server started in turn; latency percentiles and throughput;
+- **placed alike**: HTTP binary at concurrency 1 and paced with Quiver's worker and Triton's stub
+  each placed on the vCPUs the same way (``--placements``, ``--repeat`` rounds taken in turn): left
+  to itself the scheduler puts a worker on its server's vCPU or on another one, run by run, and
+  that choice moves the CPU a request costs more than either server's code does;
 - **the hop alone**: the backend's ``run()`` called in this process for one request, in a
   worker vs in-process, without HTTP; what the process boundary adds (shared-memory write, two
   control messages, copy out).
@@ -24,6 +28,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +44,8 @@ from benchmarks.peers.quiver import QuiverServer
 RESULTS = Path(__file__).parent / "results"
 IN_PROCESS = "--backend-config=python,in-process=true"
 SPINNING = "quiver worker, spinning"
+TRITON = "triton (python backend stub)"
+PLACEMENTS = ("same", "split")
 
 
 def log(message: str) -> None:
@@ -58,6 +66,17 @@ def _payload() -> loadgen.Payload:
     return loadgen.Payload(tiny.MODEL, {tiny.INPUT: x}, expected={tiny.OUTPUT: x * 2})
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid``, its ended threads included: its CPU-time
+    clock where Linux offers it (nanoseconds), else psutil (clock ticks); 0 once it is gone."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+    except OSError:
+        with contextlib.suppress(psutil.Error):
+            return float(sum(psutil.Process(pid).cpu_times()[:2]))
+    return 0.0
+
+
 def _children_cpu(pid: int | None) -> float:
     """CPU seconds of ``pid``'s live child processes (the Python workers of a Quiver server)."""
     if pid is None:
@@ -65,9 +84,54 @@ def _children_cpu(pid: int | None) -> float:
     total = 0.0
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process(pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                total += sum(child.cpu_times()[:2])
+            total += _cpu_seconds(child.pid)
     return total
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (the threads it starts later inherit it)."""
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task), cpus)
+
+
+def _place(server_pid: int, placement: str, cpus: list[int]) -> None:
+    """The server's threads on the first vCPU, its child processes (Quiver's workers, Triton's
+    stubs) on the same one (``same``) or the second (``split``), this load generator on the
+    second: the same placement for every server."""
+    first, second = {cpus[0]}, {cpus[1]}
+    _pin(server_pid, first)
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(server_pid).children(recursive=True):
+            _pin(child.pid, first if placement == "same" else second)
+    _pin(os.getpid(), second)
+
+
+def _trial(
+    name: str, endpoints: Any, encoding: str, concurrency: int, rate: float | None, args: argparse.Namespace,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One loadgen trial, with the CPU per request of the server's process and of its workers."""
+    marks: dict[str, float] = {}
+    result = loadgen.run_trial(
+        *endpoints.address(encoding), encoding, concurrency, args.warmup, args.duration, _payload(),
+        server_pid=endpoints.pid, progress=None, rate=rate,
+        on_begin=lambda: marks.__setitem__("begin", _children_cpu(endpoints.pid)),
+        on_end=lambda: marks.__setitem__("end", _children_cpu(endpoints.pid)),
+    )
+    row = {"server": name, **result.to_dict(), "rate": rate, **extra}
+    # CPU per request over the measured window: the server's process, its workers
+    if result.requests and result.server_cpu_s is not None:
+        children = max(0.0, marks.get("end", 0.0) - marks.get("begin", 0.0))
+        row["server_cpu_us"] = (result.server_cpu_s - children) / result.requests * 1e6
+        row["worker_cpu_us"] = children / result.requests * 1e6
+    paced = f" at {rate:g}/s" if rate else ""
+    where = f" [{extra['placement']}]" if extra.get("placement") else ""
+    log(f"{name}{where} {encoding} c={concurrency}{paced}: {result.req_per_s:.0f} req/s, p50 {result.p50_ms:.3f} ms, "
+        f"CPU/request server {row.get('server_cpu_us', 0):.0f} us + workers {row.get('worker_cpu_us', 0):.0f} us, "
+        f"errors {result.errors}")
+    return row
 
 
 def _trials(name: str, endpoints: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -81,37 +145,53 @@ def _trials(name: str, endpoints: Any, args: argparse.Namespace) -> list[dict[st
         plan: list[tuple[int, float | None]] = [(c, None) for c in args.concurrency]
         plan += [(1, float(args.rate))] if args.rate else []
         for concurrency, rate in plan:
-            marks: dict[str, float] = {}
-            result = loadgen.run_trial(
-                *endpoints.address(encoding), encoding, concurrency, args.warmup, args.duration, payload,
-                server_pid=endpoints.pid, progress=None, rate=rate,
-                on_begin=lambda marks=marks: marks.__setitem__("begin", _children_cpu(endpoints.pid)),
-                on_end=lambda marks=marks: marks.__setitem__("end", _children_cpu(endpoints.pid)),
-            )
-            row = {"server": name, **result.to_dict(), "rate": rate}
-            # CPU per request over the measured window: the server's process, its workers
-            if result.requests and result.server_cpu_s is not None:
-                children = max(0.0, marks.get("end", 0.0) - marks.get("begin", 0.0))
-                row["server_cpu_us"] = (result.server_cpu_s - children) / result.requests * 1e6
-                row["worker_cpu_us"] = children / result.requests * 1e6
-            rows.append(row)
-            paced = f" at {rate:g}/s" if rate else ""
-            log(f"{name} {encoding} c={concurrency}{paced}: {result.req_per_s:.0f} req/s, p50 {result.p50_ms:.3f} ms, "
-                f"CPU/request server {row.get('server_cpu_us', 0):.0f} us + workers {row.get('worker_cpu_us', 0):.0f} us, "
-                f"errors {result.errors}")
+            rows.append(_trial(name, endpoints, encoding, concurrency, rate, args))
     return rows
 
 
-def _quiver(name: str, flags: tuple[str, ...], args: argparse.Namespace) -> list[dict[str, Any]]:
+def _placed(name: str, endpoints: Any, args: argparse.Namespace, cpus: list[int], round_: int) -> list[dict[str, Any]]:
+    """HTTP binary at concurrency 1 and paced, the server placed as each of ``--placements`` says."""
+    loadgen.sanity_check(*endpoints.address("binary"), "binary", _payload())
+    rows = []
+    for placement in args.placements:
+        _place(endpoints.pid, placement, cpus)
+        for rate in [None] + ([float(args.rate)] if args.rate else []):
+            rows.append(_trial(name, endpoints, "binary", 1, rate, args, placement=placement, round=round_))
+    return rows
+
+
+def _placements(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    """``--repeat`` rounds, each Quiver's worker then Triton's stub, at each placement."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return [], "needs two CPUs"
+    rows: list[dict[str, Any]] = []
+    error = ""
+    try:
+        for round_ in range(args.repeat):
+            run = partial(_placed, args=args, cpus=cpus, round_=round_)
+            rows += _quiver("quiver worker", (), args, run)
+            if not args.no_triton:
+                placed, error = _triton(args, run)
+                rows += placed
+    finally:
+        _pin(os.getpid(), set(cpus))
+    return rows, error
+
+
+Run = Callable[[str, Any], list[dict[str, Any]]]
+
+
+def _quiver(name: str, flags: tuple[str, ...], args: argparse.Namespace, run: Run | None = None) -> list[dict[str, Any]]:
     folder = PEERS_HOME / "python_worker" / name.replace(" ", "_")
     folder.mkdir(parents=True, exist_ok=True)
     server = QuiverServer(_repository(folder), flags, log=folder / "server.log", cwd=folder,
                           ready_path=f"/v2/models/{tiny.MODEL}/ready", name=name)
     with server:
-        return _trials(name, server.endpoints, args)
+        return run(name, server.endpoints) if run else _trials(name, server.endpoints, args)
 
 
-def _triton(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+def _triton(args: argparse.Namespace, run: Run | None = None) -> tuple[list[dict[str, Any]], str]:
     from benchmarks.peers.triton import TritonPeer
 
     peer = TritonPeer()
@@ -122,7 +202,7 @@ def _triton(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         peer.stop()
         return [], str(exc)
     try:
-        return _trials("triton (python backend stub)", endpoints, args), ""
+        return (run(TRITON, endpoints) if run else _trials(TRITON, endpoints, args)), ""
     finally:
         peer.stop()
 
@@ -215,6 +295,30 @@ def markdown(report: dict[str, Any]) -> str:
         for r in ratios:
             lines.append(f"| {r.get('server', 'quiver worker')} | {r['encoding']} | {r['concurrency']} | "
                          f"{common.dash(r['vs_triton'], '.2f')} | {common.dash(r['vs_in_process'], '.2f')} |")
+    summary = report.get("placed_summary") or []
+    if summary:
+        rounds = report["settings"].get("repeat")
+        lines += [
+            "", f"Worker CPU per request with the servers placed alike (HTTP binary, one connection; "
+            f"median of {rounds} rounds taken in turn, range in brackets; req/s the median): `same`: the "
+            "server's threads and its workers (Triton: its stub) on one vCPU, the load generator on the "
+            "other; `split`: the workers on the load generator's vCPU. Left to itself the scheduler "
+            "picks either, run by run, and a process woken on another vCPU than the one that woke it "
+            "costs both more (the rows above mix them):", "",
+            "| placement | concurrency | quiver worker us/req | req/s | triton stub us/req | req/s | quiver / triton |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        rate = report["settings"].get("rate")
+        for cell in summary:
+            parts = []
+            for key in ("quiver", "triton"):
+                got = cell.get(key)
+                parts += ([f"{got['worker_cpu_us']:.0f} [{got['min']:.0f}-{got['max']:.0f}]", f"{got['req_per_s']:.0f}"]
+                          if got else ["-", "-"])
+            paced = f"1 at {rate:g}/s" if cell["paced"] else "1"
+            lines.append(f"| {cell['placement']} | {paced} | {' | '.join(parts)} | {common.dash(cell.get('ratio'), '.2f')} |")
+    if report.get("placed_error"):
+        lines += ["", f"Placed trials: {report['placed_error']}"]
     hop = report.get("hop")
     if hop:
         lines += [
@@ -226,6 +330,29 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {mode} | {row['p50_us']} | {row['p99_us']} | {row['mean_us']} | "
                          f"{common.dash(row.get('server_cpu_us'))} | {common.dash(row.get('worker_cpu_us'))} |")
     return "\n".join(lines)
+
+
+def _placed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Worker CPU per request at each placement and pacing: each server's median over the
+    rounds (and its range), and Quiver's over Triton's."""
+    out = []
+    for placement in PLACEMENTS:
+        for paced in (False, True):
+            cell: dict[str, Any] = {"placement": placement, "paced": paced}
+            for key, server in (("quiver", "quiver worker"), ("triton", TRITON)):
+                mine = [r for r in rows if r["server"] == server and r.get("placement") == placement
+                        and bool(r.get("rate")) == paced and r.get("worker_cpu_us") is not None]
+                if mine:
+                    cpu = [r["worker_cpu_us"] for r in mine]
+                    cell[key] = {
+                        "worker_cpu_us": statistics.median(cpu), "min": min(cpu), "max": max(cpu),
+                        "req_per_s": statistics.median(r["req_per_s"] for r in mine), "rounds": len(mine),
+                    }
+            if "quiver" in cell or "triton" in cell:
+                if "quiver" in cell and "triton" in cell:
+                    cell["ratio"] = cell["quiver"]["worker_cpu_us"] / cell["triton"]["worker_cpu_us"]
+                out.append(cell)
+    return out
 
 
 def _ratios(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -263,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hop-calls", type=int, default=3000, help="calls of the hop measurement (default 3000)")
     parser.add_argument("--spin-us", type=int, default=200,
                         help="also a worker with --backend-config=python,spin-microseconds=N (0: not run; default 200)")
+    parser.add_argument("--placements", nargs="*", default=list(PLACEMENTS), choices=PLACEMENTS,
+                        help="also HTTP binary at concurrency 1 and paced with Quiver's worker and Triton's stub "
+                             "placed alike: the server's threads on one vCPU, its workers (stubs) on the same one "
+                             "(same) or the other (split), the load generator on the other (default: same split; "
+                             "none: not run)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds of the placed trials, the servers taken in turn (default 3)")
     parser.add_argument("--no-triton", action="store_true", help="skip Triton (no download)")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     return parser
@@ -279,15 +413,20 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_triton:
         rows, triton_error = _triton(args)
         trials += rows
+    placed, placed_error = _placements(args) if args.placements and args.repeat > 0 else ([], "")
     report = {
         "command": common.command_line(),
         "environment": common.environment(["numpy", "tritonclient"]),
         "settings": {"duration": args.duration, "warmup": args.warmup, "concurrency": args.concurrency,
-                     "encodings": args.encodings, "spin_us": args.spin_us, "rate": args.rate},
+                     "encodings": args.encodings, "spin_us": args.spin_us, "rate": args.rate,
+                     "placements": args.placements, "repeat": args.repeat},
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "trials": trials,
         "triton_error": triton_error,
         "ratios": _ratios(trials),
+        "placed": placed,
+        "placed_error": placed_error,
+        "placed_summary": _placed_summary(placed),
         "hop": _hop(args.hop_calls),
     }
     text = markdown(report)

@@ -221,15 +221,18 @@ class Worker:
         return ready
 
     def serve(self) -> None:
-        jobs = self.jobs
+        jobs, take = self.jobs, self.inbox.take
 
         def waiting() -> bool:
             return bool(jobs)
 
         while True:
-            if not jobs:
-                self.inbox.wait(waiting, spin=self.spin if self.spin and spare_core() else 0.0)
-            job = jobs.popleft()
+            if self.spin and spare_core():
+                if not jobs:
+                    self.inbox.wait(waiting, spin=self.spin)
+                job = jobs.popleft()
+            else:  # the usual: the next batch, read here (or queued by a thread that read it)
+                job = take(msg.EXECUTE, jobs)
             release = job.get("release")
             if release:
                 self.arena.free_many(release)
@@ -257,11 +260,12 @@ class Worker:
     def execute(self, job: dict[str, Any]) -> None:
         batch = job["batch"]
         items = job["requests"]
-        ids = [item["id"] for item in items]  # strings, as the server names its requests
+        # strings, as the server names its requests
+        ids = [items[0]["id"]] if len(items) == 1 else [item["id"] for item in items]
         senders = WorkerSenders(self, ids, self.decoupled)
         self.outbox = []
         try:
-            requests = self._requests(items, ids, senders)
+            requests = requests_from(items, ids, senders, self.mapper, self.output_set, self.name, self.version)
         except Exception as exc:
             self._fail(ids, "INTERNAL", f"{self.where}: reading the requests failed: {format_exception(exc)}")
             self._flush(batch)
@@ -318,10 +322,6 @@ class Worker:
         if outbox:
             done["responses"] = outbox
         self.channel.send(done)
-
-    def _requests(self, items: list[dict[str, Any]], ids: list[str], senders: WorkerSenders) -> list[pb_utils.InferenceRequest]:
-        """The batch's requests as the model sees them."""
-        return requests_from(items, ids, senders, self.mapper, self.output_set, self.name, self.version)
 
     def _fail(self, ids: list[str], code: str, message: str) -> None:
         for request_id in ids:

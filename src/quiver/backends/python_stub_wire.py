@@ -155,9 +155,10 @@ def response_message(item: Any, index: int, arena: Arena, where: str) -> dict[st
                         descriptors.append(tensors.write(arena, name, datatype, array, blocks))
                         continue
                     blocks.append(block)
-                    descriptors.append([name, datatype, list(array.shape), block[0], block[1], nbytes])
+                    # (the shape a tuple: the message's JSON writes it as a list)
+                    descriptors.append([name, datatype, array.shape, block[0], block[1], nbytes])
                 else:
-                    descriptors.append([name, datatype, list(array.shape), "", 0, 0])
+                    descriptors.append([name, datatype, array.shape, "", 0, 0])
             else:
                 name, datatype, array = tensor_wire(tensor)
                 descriptors.append(tensors.write(arena, name, datatype, array, blocks))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -124,6 +125,42 @@ class Inbox:
                     self._reading = False
                     if self._waiters:
                         self._cond.notify_all()
+
+    def take(self, op: str, queue: deque[dict[str, Any]]) -> dict[str, Any]:
+        """The next message whose ``op`` is ``op``, as :meth:`wait` for ``queue`` to fill and
+        its first taken: ``queue`` is where ``dispatch`` puts such messages (and others this
+        caller waits for) that another thread read. Read here, such a message is returned as
+        it comes, without ``dispatch`` (the main thread's usual wait for its next batch)."""
+        lock = self._lock
+        with lock:
+            if queue:
+                return queue.popleft()
+            reader = not self._reading
+            if reader:
+                self._reading = True
+        if not reader:  # another thread reads: it queues what comes
+            self.wait(lambda: bool(queue))
+            return queue.popleft()
+        try:
+            receive, dispatch = self._channel.receive, self._dispatch
+            while True:
+                message: Any = receive(None)  # (no deadline: never EMPTY)
+                if message is None:
+                    self._closed()
+                    raise EOFError("the channel's peer closed it")
+                if message["op"] == op:
+                    return message  # type: ignore[no-any-return]
+                dispatch(message)
+                if self._waiters:  # what another thread waits for may have happened
+                    with lock:
+                        self._cond.notify_all()
+                if queue:
+                    return queue.popleft()
+        finally:
+            with lock:
+                self._reading = False
+                if self._waiters:
+                    self._cond.notify_all()
 
     def drain(self) -> None:
         """Dispatch what has arrived, without waiting (nothing when another thread reads)."""

@@ -153,3 +153,49 @@ def test_receive_waits_for_the_rest_of_a_frame_until_its_deadline() -> None:
         later.join()
         channel.close()
         peer.close()
+
+
+def test_take_returns_the_message_it_reads_and_dispatches_the_others(end: _End) -> None:
+    """The main thread's wait for its next batch: a batch it reads comes back as it is (not
+    dispatched), the messages before it are dispatched in order."""
+    future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+    end.answers[4] = future
+    end.peer.send_many([{"op": "answer", "id": 4}, {"op": "execute", "batch": 1}, {"op": "execute", "batch": 2}])
+    assert end.inbox.take("execute", end.jobs)["batch"] == 1
+    assert future.result(0)["id"] == 4
+    assert end.readers == [threading.current_thread().name]  # the answer only
+    assert end.inbox.take("execute", end.jobs)["batch"] == 2
+    assert not end.jobs
+
+
+def test_take_returns_what_another_thread_queued(end: _End) -> None:
+    """A batch that a model's thread read (waiting for its BLS answer) is queued, and taken
+    from the queue, first."""
+    end.jobs.append({"op": "execute", "batch": 5})
+    end.peer.send({"op": "execute", "batch": 6})
+    assert end.inbox.take("execute", end.jobs)["batch"] == 5
+    assert end.inbox.take("execute", end.jobs)["batch"] == 6
+
+
+def test_take_waits_while_another_thread_reads(end: _End) -> None:
+    """While a model's thread holds the reader's role, take() waits for what it queues."""
+    future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+    end.answers[9] = future
+    model = threading.Thread(target=lambda: end.inbox.wait(future.done, timeout=10), name="model")
+    model.start()
+    time.sleep(0.05)  # the model's thread reads
+    got: list[dict[str, Any]] = []
+    main = threading.Thread(target=lambda: got.append(end.inbox.take("execute", end.jobs)), name="main")
+    main.start()
+    time.sleep(0.05)
+    end.peer.send_many([{"op": "execute", "batch": 7}, {"op": "answer", "id": 9}])
+    model.join(5)
+    main.join(5)
+    assert got and got[0]["batch"] == 7
+
+
+def test_take_reports_the_channels_end(end: _End) -> None:
+    end.peer.close()
+    with pytest.raises(EOFError):
+        end.inbox.take("execute", end.jobs)
+    assert end.ended.is_set()
