@@ -21,16 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
-from quiver.backends.python_bls_stream import not_decoupled_call
 from quiver.backends.python_convert import request_fields
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_outputs import OutputCheck
@@ -52,7 +48,6 @@ from quiver.errors import (
     InternalError,
     QuiverError,
     UnavailableError,
-    UnsupportedError,
     error_for_code,
 )
 from quiver.ipc import messages as msg
@@ -61,7 +56,7 @@ from quiver.ipc.channel import AsyncChannel, ChannelError, decode_json
 from quiver.ipc.inbox import spare_core
 from quiver.ipc.shm import PoolFullError
 from quiver.streaming import StreamedResponse
-from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +112,8 @@ class WorkerInstance(WorkerStreamsMixin):
         self._failures = 0  # starts in a row that failed or died before serving
         self._closed = False
         self._bls_tasks: set[asyncio.Task[None]] = set()
+        #: resolved when the batch that waits for room in the worker's pool has it (or gave up)
+        self._room: asyncio.Future[None] | None = None
         #: The traces of sampled requests in flight, by the id the worker knows them by.
         self._traces: dict[str, Any] = {}
         #: Seconds to wait for a batch's answer without sleeping when the loop is idle (a
@@ -193,41 +190,79 @@ class WorkerInstance(WorkerStreamsMixin):
             # server's loop, so the batch runs there.
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.run(requests), home))
         while True:
-            results = await self._run_once(requests, loop)
-            if results is not None:
+            outcome = await self._run_once(requests, loop)
+            if outcome is not None:
+                # when it started, if it waited in the worker first (read by the scheduler as this returns)
+                results, self.timing.started_ns = outcome
                 return results
             # the worker died before it started this batch (it was queued behind the one that
             # was running): it runs on the restarted worker
 
-    async def _run_once(self, requests: list[InferenceRequest], loop: asyncio.AbstractEventLoop) -> ExecuteResult | None:
+    async def _run_once(
+        self, requests: list[InferenceRequest], loop: asyncio.AbstractEventLoop
+    ) -> tuple[ExecuteResult, int] | None:
         """Run the batch in the worker: its inputs written into the worker's pool (freed once
-        it is done with them), one ``execute`` message, one future its task waits on; None if
-        the worker died before it started it."""
-        worker = self._worker
-        if worker is None or worker.achannel is None or self._restarting is not None or self._closed:
-            ready = await self._ready_worker()
-            if isinstance(ready, QuiverError):
-                return [ready for _ in requests]
-            worker = ready
+        it is done with them), one ``execute`` message, one future its task waits on. Its
+        results and when the worker started it if it waited there first (else 0); None if the
+        worker died before it started it."""
+        write = tensors.write
+        holds_room = False  # this batch waits for room in the pool (later ones wait behind it)
+        try:
+            while True:
+                worker = self._worker
+                if worker is None or worker.achannel is None or self._restarting is not None or self._closed:
+                    ready = await self._ready_worker()
+                    if isinstance(ready, QuiverError):
+                        return [ready for _ in requests], 0
+                    worker = ready
+                if self._room is not None and not holds_room:
+                    await asyncio.shield(self._room)
+                    continue
+                arena = worker.arena
+                blocks: list[tuple[str, int]] = []
+                written: list[Any] = []
+                full = False
+                for request in requests:
+                    try:
+                        # ``_value_``: the datatype's wire name without the enum's property lookup
+                        written.append([write(arena, t.name, t.datatype._value_, t.data, blocks) for t in request.inputs])
+                    except PoolFullError as exc:
+                        written.append(exc)
+                        full = True
+                if not full or not worker.holding:
+                    break
+                # Requests the worker holds have part of the pool: this one waits until they
+                # are done with it, as it would wait in the server's queue, and fails only if
+                # it cannot fit once the worker holds nothing.
+                arena.free_many(blocks)
+                if not holds_room:
+                    holds_room = True
+                    self._room = loop.create_future()
+                if worker.freed is None:
+                    worker.freed = loop.create_future()
+                await asyncio.shield(worker.freed)
+        finally:
+            if holds_room:
+                room, self._room = self._room, None
+                if room is not None and not room.done():
+                    room.set_result(None)
         channel = worker.achannel
         assert channel is not None
-        blocks: list[tuple[str, int]] = []
         items: list[dict[str, Any]] = []
         ids: list[str] = []
         results: list[InferenceResponse | QuiverError | None] = [None] * len(requests)
         done: asyncio.Future[None] = loop.create_future()
         entry = Batch(ids, done, results)
-        arena, pending, request_ids = worker.arena, self._pending, self._request_ids
-        write = tensors.write
+        pending, request_ids = self._pending, self._request_ids
         limit = 0  # the shortest ``timeout`` parameter (microseconds) of the requests
         for index, request in enumerate(requests):
-            request_id = str(next(request_ids))
-            try:
-                # ``_value_``: the datatype's wire name without the enum's property lookup
-                descriptors = [write(arena, t.name, t.datatype._value_, t.data, blocks) for t in request.inputs]
-            except PoolFullError as exc:
-                results[index] = UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}")
+            descriptors = written[index]
+            if type(descriptors) is not list:
+                results[index] = UnavailableError(
+                    f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {descriptors}"
+                )
                 continue
+            request_id = str(next(request_ids))
             if self._decoupled:
                 results[index] = StreamedResponse("", "", [])  # answered on its stream
                 self._streams.open(request_id, request, self._cancel)
@@ -250,10 +285,16 @@ class WorkerInstance(WorkerStreamsMixin):
             ids.append(request_id)
         if not items:
             arena.free_many(blocks)
-            return results  # type: ignore[return-value]  # every one is an error
+            return results, 0  # type: ignore[return-value]  # every one is an error
         batch = next(self._batch_ids)
         self._batches[batch] = entry
+        entry.limit = limit
+        if worker.inflight:
+            entry.queued = True  # it waits in the worker behind another first
+        elif limit:
+            self._arm(worker, entry)  # it starts now (else when the worker is done with the one before)
         worker.inflight.append(batch)
+        worker.holding += 1
         message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
         if worker.releases:
             message["release"], worker.releases = worker.releases, []
@@ -261,25 +302,15 @@ class WorkerInstance(WorkerStreamsMixin):
         if self._spin and self._should_spin() and spare_core():
             self._spin_for(channel, done)
         try:
-            if limit:
-                await asyncio.wait_for(asyncio.shield(done), limit / 1e6)
-            else:
-                await done  # nothing in between: the answer resumes this task at once
+            await done  # nothing in between: the answer resumes this task at once
             if entry.missing and not entry.unstarted:
                 # A model may answer through its response sender after execute() returned:
                 # Batch.answer() wakes this waiter with the last of them.
                 entry.waiter = loop.create_future()
                 await entry.waiter
-        except TimeoutError:
-            self._fail_pending(
-                ids,
-                UnavailableError(
-                    f"{self._where}: execute() did not return within the request timeout of "
-                    f"{limit / 1000:g} ms; its worker is stopped and restarted"
-                ),
-            )
-            worker.kill()  # the reader sees the end of the channel and restarts it
         except asyncio.CancelledError:
+            # A batch the worker has not started yet is not run (its requests are answered
+            # CANCELLED); one it runs sees it in is_cancelled().
             channel.send({"op": msg.CANCEL, "ids": ids})
             if not entry.finished:
                 if entry.waiter.done():  # cancelled with this task: wait on a new one
@@ -293,6 +324,7 @@ class WorkerInstance(WorkerStreamsMixin):
                 self._last_done = time.perf_counter()
             if entry.finished:  # else the worker still reads them, or is being stopped
                 arena.free_many(blocks)
+                worker.inputs_freed()
             if self._traces:
                 for request_id in ids:
                     self._traces.pop(request_id, None)
@@ -300,7 +332,26 @@ class WorkerInstance(WorkerStreamsMixin):
             for request_id in ids:
                 pending.pop(request_id, None)
             return None
-        return results  # type: ignore[return-value]  # each one answered
+        return results, entry.start  # type: ignore[return-value]  # each one answered
+
+    def _arm(self, worker: Worker, entry: Batch) -> None:
+        """The batch's ``timeout`` runs from now, as the worker starts it."""
+        entry.timer = asyncio.get_running_loop().call_later(entry.limit / 1e6, self._timed_out, worker, entry)
+
+    def _timed_out(self, worker: Worker, entry: Batch) -> None:
+        entry.timer = None
+        if entry.finished:
+            return
+        self._fail_pending(
+            entry.ids,
+            UnavailableError(
+                f"{self._where}: execute() did not return within the request timeout of "
+                f"{entry.limit / 1000:g} ms; its worker is stopped and restarted"
+            ),
+        )
+        if not entry.waiter.done():
+            entry.waiter.set_result(None)
+        worker.kill()  # the reader sees the end of the channel and restarts it
 
     def _should_spin(self) -> bool:
         """Whether to wait for this batch's answer without sleeping: when the worker answers
@@ -370,11 +421,17 @@ class WorkerInstance(WorkerStreamsMixin):
             inflight = worker.inflight
             if inflight and inflight[0] == batch:  # the usual: batches finish in order
                 inflight.popleft()
+                if inflight:  # the worker starts the next one now: its timeout runs from here
+                    following = self._batches.get(inflight[0])
+                    if following is not None and following.limit and following.timer is None:
+                        self._arm(worker, following)
             else:
                 with contextlib.suppress(ValueError):
                     inflight.remove(batch)
             entry = self._batches.get(batch)
             if entry is not None:
+                if entry.queued:  # its wait in the worker is queue time: from when it started
+                    entry.start = message.get("start", 0)
                 entry.finish()
         elif op == msg.RESPONSE:
             self._on_response(worker, message["id"], message["response"], message.get("flags", msg.FINAL))
@@ -454,65 +511,6 @@ class WorkerInstance(WorkerStreamsMixin):
         elif slot is not None:
             slot[0].answer(slot[1], result)
 
-    async def _bls(self, worker: Worker, message: dict[str, Any]) -> None:
-        """Run a BLS request from the model through the server; answer with the response."""
-        number = message["id"]
-        answer: dict[str, Any]
-        if message["request"].get("decoupled"):
-            await self._bls_stream(worker, number, message["request"])
-            return
-        try:
-            request = self._bls_request(worker, message["request"])
-            parent = self._traces.get(str(message["request"].get("trace")))
-            if parent is not None:
-                request.trace = parent.spawn()
-            infer, decoupled = SERVER.infer, SERVER.decoupled
-            if infer is None:
-                raise UnavailableError("BLS requests can only run inside a running Quiver server")
-            if decoupled is not None and decoupled(request.model_name, request.model_version):
-                raise UnsupportedError(not_decoupled_call(request.model_name))
-            response = await infer(request)
-            blocks: list[tuple[str, int]] = []
-            try:
-                descriptors = [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs]
-            except PoolFullError as exc:
-                worker.arena.free_many(blocks)
-                raise UnavailableError(f"BLS response from model '{request.model_name}' does not fit the shared-memory pool: {exc}") from None
-            answer = {"tensors": descriptors}
-        except QuiverError as exc:
-            answer = {"error": [exc.code.name, exc.message]}
-        except (ValueError, KeyError, TypeError) as exc:
-            answer = {"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}
-        if worker.achannel is not None:
-            worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": answer})
-
-    @staticmethod
-    def _bls_request(worker: Worker, fields: dict[str, Any]) -> InferenceRequest:
-        inputs = []
-        for descriptor in fields["tensors"]:
-            name, datatype, shape, array = tensors.read(worker.mapper, descriptor)
-            if datatype != "BYTES":
-                array = np.array(array)  # the worker may reuse its block once answered
-            inputs.append(Tensor(name, DataType(datatype), shape, array))
-        parameters: dict[str, Any] = json.loads(fields.get("parameters") or "{}")
-        correlation_id = fields.get("correlation_id") or 0
-        if correlation_id:
-            parameters["sequence_id"] = correlation_id
-            parameters["sequence_start"] = bool(fields["flags"] & 1)
-            parameters["sequence_end"] = bool(fields["flags"] & 2)
-        if fields.get("timeout"):
-            parameters["timeout"] = int(fields["timeout"])
-        version = int(fields.get("model_version", -1))
-        names = fields.get("requested_output_names") or []
-        return InferenceRequest(
-            model_name=str(fields["model_name"]),
-            model_version="" if version < 0 else str(version),
-            inputs=inputs,
-            outputs=[RequestedOutput(str(n)) for n in names] if names else None,
-            id=str(fields.get("request_id", "")),
-            parameters=parameters,
-        )
-
     # ---- faults
 
     def _fail_pending(self, ids: list[str], error: QuiverError) -> None:
@@ -540,6 +538,7 @@ class WorkerInstance(WorkerStreamsMixin):
             entry.unstarted = True
             again.update(entry.ids)
         self._fail_pending([request_id for request_id in self._pending if request_id not in again], error)
+        worker.inputs_freed(worker.holding)  # its pool goes with it: a batch waiting for room looks again
         self._streams.fail_all(error)
         for entry in list(self._batches.values()):
             entry.finish()

@@ -180,6 +180,11 @@ class Channel:
         with self._send_lock:
             write_all(self._write_fd, frames)
 
+    def pending(self) -> bool:
+        """Whether bytes of a message were read ahead and wait in the buffer (a buffered
+        channel: the next :meth:`receive` may return without reading)."""
+        return bool(self._buffer)
+
     def recv(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The next message; None when the peer closed the channel; TimeoutError when none
         came within ``timeout`` seconds (None: as long as it takes)."""

@@ -367,8 +367,10 @@ class Execution:
         self.results = results
         timing = instance.timing
         self.input_ns, self.infer_ns, self.output_ns = timing.input_ns, timing.infer_ns, timing.output_ns
+        if dispatched < timing.started_ns <= done:  # it waited in the instance's own queue first
+            self.dispatched = timing.started_ns
         if not (self.input_ns or self.infer_ns or self.output_ns):
-            self.infer_ns = done - dispatched  # the backend does not split its time
+            self.infer_ns = done - self.dispatched  # the backend does not split its time
 
     @classmethod
     async def run(
@@ -389,7 +391,9 @@ class Execution:
         for request, result in zip(requests, results, strict=False):
             if request.trace is not None:  # a sampled request: Triton's compute timestamps
                 outputs = result.outputs if isinstance(result, InferenceResponse) else ()
-                request.trace.compute(dispatched, execution.input_ns, execution.output_ns, execution.done, outputs)
+                request.trace.compute(
+                    execution.dispatched, execution.input_ns, execution.output_ns, execution.done, outputs
+                )
         return execution
 
     def outcome(self, result: InferenceResponse | QuiverError, enqueued: int, rows: int = 1) -> InferenceResponse:
