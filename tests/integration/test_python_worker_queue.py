@@ -4,7 +4,8 @@ their wait counts as queue time, not compute; one whose client cancels is not ru
 ``timeout`` runs from when the worker starts it, not while it waits; one that does not fit the
 shared-memory pool while others hold it waits for room instead of failing; and a worker that
 dies answers every request it held (the one it ran fails naming the model, the others run on
-the restarted worker)."""
+the restarted worker). A dynamic batcher hands the worker requests ahead only where its batches
+are single requests and no queue policy acts on them."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ input [ {{ name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] }} ]
 output [ {{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] }} ]
 output [ {{ name: "PID", data_type: TYPE_INT64, dims: [ 1 ] }} ]
 instance_group [ {{ count: 1, kind: KIND_CPU }} ]
+{batching}
 """
 
 # Sleeps INPUT0[0] seconds (-1: exits at once, -8: exits after half a second) and records each
@@ -71,7 +73,15 @@ class TritonPythonModel:
         return responses
 """
 
-MODELS = ("timing", "cancelled", "timeouts", "pool", "crash", "crashloop")
+MODELS = {
+    name: ""
+    for name in ("timing", "cancelled", "timeouts", "pool", "crash", "crashloop")
+} | {
+    # a batcher whose batches are one request each and that has no queue policy hands the
+    # worker requests ahead as the direct scheduler does; one with a policy keeps them
+    "batched_timing": "dynamic_batching { }",
+    "policy": "dynamic_batching { default_queue_policy { default_timeout_microseconds: 300000 } }",
+}
 
 FLAGS = (
     "--exit-on-error=false",
@@ -86,8 +96,8 @@ FLAGS = (
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("worker_queue")
-    for name in MODELS:
-        write_python(root, name, MODEL, CONFIG.format(name=name))
+    for name, batching in MODELS.items():
+        write_python(root, name, MODEL, CONFIG.format(name=name, batching=batching))
     return root
 
 
@@ -132,12 +142,13 @@ def behind_a_holder(server: QuiverServer, model: str, hold: float, *calls: Any) 
     return results
 
 
-def test_a_wait_in_the_worker_counts_as_queue_time_not_compute(server: QuiverServer, repo: Path) -> None:
-    before = statistics(server, "timing")["inference_stats"]
-    _, quick = behind_a_holder(server, "timing", 1.0, lambda: infer(server, "timing", [0.0], request_id="quick"))
+@pytest.mark.parametrize("model", ["timing", "batched_timing"])
+def test_a_wait_in_the_worker_counts_as_queue_time_not_compute(server: QuiverServer, repo: Path, model: str) -> None:
+    before = statistics(server, model)["inference_stats"]
+    _, quick = behind_a_holder(server, model, 1.0, lambda: infer(server, model, [0.0], request_id="quick"))
     assert quick.as_numpy("OUTPUT0").tolist() == [0.0]
-    after = statistics(server, "timing")["inference_stats"]
-    ran = {e["id"]: e for e in executions(repo, "timing")}
+    after = statistics(server, model)["inference_stats"]
+    ran = {e["id"]: e for e in executions(repo, model)}
     assert ran["quick"]["start"] >= ran["holder"]["end"]  # it waited for the holder
     queue_ns = after["queue"]["ns"] - before["queue"]["ns"]
     compute_ns = after["compute_infer"]["ns"] - before["compute_infer"]["ns"]
@@ -166,6 +177,14 @@ def test_a_request_cancelled_while_it_waits_in_the_worker_is_not_run(server: Qui
     after = statistics(server, "cancelled")["inference_stats"]
     assert after["fail"]["count"] - before["fail"]["count"] == 1
     assert after["success"]["count"] - before["success"]["count"] == 2
+
+
+def test_a_batcher_with_a_queue_policy_keeps_waiting_requests_in_its_queue(server: QuiverServer, repo: Path) -> None:
+    holder, late = behind_a_holder(server, "policy", 1.0, lambda: infer(server, "policy", [0.0], request_id="late"))
+    assert holder.as_numpy("OUTPUT0").tolist() == [1.0]
+    assert isinstance(late, InferenceServerException), late
+    assert late.status() == "503" and "timed out in the queue" in str(late), late
+    assert [e["id"] for e in executions(repo, "policy")] == ["holder"]
 
 
 def test_a_timeout_runs_from_the_start_not_while_waiting_in_the_worker(server: QuiverServer, repo: Path) -> None:

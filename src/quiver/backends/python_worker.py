@@ -72,9 +72,9 @@ class WorkerInstance(WorkerStreamsMixin):
     """A :class:`~quiver.backends.base.ModelInstance` whose model runs in a worker process."""
 
     #: Requests the direct scheduler may hand this instance at once
-    #: (:class:`~quiver.scheduling.core.InstancePool`): the worker runs them one at a time, and
-    #: finds the next one waiting when it finishes one.
-    slots = 2
+    #: (:class:`~quiver.scheduling.core.InstancePool`; ``worker-queue-depth``): the worker runs
+    #: them one at a time, and finds the next one waiting when it finishes one.
+    slots = 1
 
     def __init__(
         self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec, env: PythonEnv, tree: str,
@@ -97,8 +97,8 @@ class WorkerInstance(WorkerStreamsMixin):
         #: requests sent and not answered: id -> its batch and index there
         self._pending: dict[str, tuple[Batch, int]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
-        if self._decoupled:
-            self.slots = 1  # its requests stream: one at a time, as Triton sends them
+        # a decoupled model's requests stream: one at a time, as Triton sends them
+        self.slots = 1 if self._decoupled else settings.worker_queue_depth
         self._streams = WorkerStreams()  # a decoupled model's open requests
         self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
         self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any

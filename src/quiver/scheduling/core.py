@@ -314,13 +314,7 @@ class InstancePool:
     one, instead of a round trip through the loop later; it still runs them one at a time."""
 
     def __init__(self, instances: list[ModelInstance]) -> None:
-        # every instance's first slot before any instance's second
-        self._free: deque[ModelInstance] = deque(
-            instance
-            for slot in range(max(_slots(i) for i in instances))
-            for instance in instances
-            if _slots(instance) > slot
-        )
+        self._free: deque[ModelInstance] = deque(by_slot(instances))
         self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
 
     def take(self) -> ModelInstance | None:
@@ -350,6 +344,14 @@ class InstancePool:
 
 def _slots(instance: ModelInstance) -> int:
     return max(1, int(getattr(instance, "slots", 1)))
+
+
+def by_slot(instances: list[ModelInstance]) -> list[ModelInstance]:
+    """Each instance once per request it may hold at once (its ``slots``), every instance's
+    first slot before any instance's second."""
+    return [
+        instance for slot in range(max(_slots(i) for i in instances)) for instance in instances if _slots(instance) > slot
+    ]
 
 
 class Execution:

@@ -5,6 +5,12 @@ free worker forms the next batch from the :class:`~quiver.scheduling.queue.Batch
 (waiting for ``max_queue_delay`` or a queue timeout on the core's alarm, never polling), runs
 it on its instance, and answers each request's future. With ``preserve_ordering``, a batch's
 answers wait for every earlier batch's. At stop, the workers run out what is queued.
+
+An instance that queues requests itself (a Python model's worker process, its ``slots``) gets
+a worker task per slot only where that cannot change what the batcher does: each batch is one
+request (``max_batch_size`` 0 or 1: nothing to gain by waiting to batch) and no queue policy
+acts on waiting requests (:attr:`BatchQueue.policy_free`, as Triton prefetches). Elsewhere one
+batch runs per instance at a time, so batches form from every request that waited meanwhile.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from quiver.backends.base import ModelInstance
 from quiver.clock import SYSTEM_CLOCK, Clock
 from quiver.errors import InternalError, InvalidArgumentError, QuiverError, UnavailableError
 from quiver.metrics.statistics import ModelStatistics
-from quiver.scheduling.core import CoreScheduler, ErrorFactory, Execution, SchedulerCore
+from quiver.scheduling.core import CoreScheduler, ErrorFactory, Execution, SchedulerCore, by_slot
 from quiver.scheduling.queue import BatchQueue, PendingRequest, QueuePolicy
 from quiver.types import InferenceRequest, InferenceResponse
 
@@ -93,7 +99,7 @@ class DynamicBatcher(CoreScheduler):
         self._order: deque[asyncio.Future[None]] = deque()  # preserve_ordering: batches in dispatch order
         self._core = core = SchedulerCore(f"model '{model}'", stats, clock)
         core.use_workers(
-            instances,
+            by_slot(instances) if queue.max_batch_size <= 1 and queue.policy_free and not priority_levels else instances,
             name=f"quiver-batcher-{model}",
             next_batch=self._next_batch,
             execute=self._execute,
