@@ -115,6 +115,7 @@ class Worker:
         #: Decoupled BLS calls: id -> what receives each (response, final).
         self.bls_sinks: dict[int, Callable[[dict[str, Any] | None, bool], None]] = {}
         self.model: Any = None
+        self.model_execute: Callable[[list[Any]], Any] | None = None  # the model's execute()
         self.outbox: list[dict[str, Any]] | None = None  # a batch's responses, sent with its done
         self.start = 0  # when the running batch started (reported with its done)
         config = json.loads((init.get("args") or {}).get("model_config") or "{}")
@@ -203,6 +204,7 @@ class Worker:
                     self.loop.run_until_complete(result)
             except (Exception, SystemExit) as exc:
                 raise _Failure(exc, f"{self.where}: initialize() failed: {format_exception(exc)}") from exc
+        self.model_execute = getattr(self.model, "execute", None)  # (looked up once)
         return {}
 
     def auto_complete(self, cls: Any, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -223,31 +225,33 @@ class Worker:
         return ready
 
     def serve(self) -> None:
-        jobs, inbox, pending = self.jobs, self.inbox, self.channel.pending
+        jobs, inbox, buffer, arena = self.jobs, self.inbox, self.channel.buffer, self.arena
+        take, drain, execute, now = inbox.take, inbox.drain, self.execute, time.monotonic_ns
+        spin, execute_op, finalize_op = self.spin, msg.EXECUTE, msg.FINALIZE
 
         def waiting() -> bool:
             return bool(jobs)
 
         while True:
-            queued = bool(jobs) or pending()  # the next batch is here already: it waited
-            if self.spin and spare_core():
+            queued = bool(jobs or buffer)  # the next batch is here already: it waited
+            if spin and spare_core():
                 if not jobs:
-                    inbox.wait(waiting, spin=self.spin)
+                    inbox.wait(waiting, spin=spin)
                 job = jobs.popleft()
             else:  # the usual: the next batch, read here (or queued by a thread that read it)
-                job = inbox.take(msg.EXECUTE, jobs)
-            if queued or pending():
+                job = take(execute_op, jobs)
+            if queued or buffer:
                 # What came with it or while it waited counts before it starts: a request
                 # cancelled meanwhile is not run (the usual, one batch read alone, skips this).
-                inbox.drain()
+                drain()
             release = job.get("release")
             if release:
-                self.arena.free_many(release)
-            if job["op"] == msg.FINALIZE:
+                arena.free_many(release)
+            if job["op"] == finalize_op:
                 profiling.dump()  # now: once FINALIZED is sent, the server may end this process
                 self.finalize()
                 return
-            self.execute(job, time.monotonic_ns())
+            execute(job, now())
 
     def finalize(self) -> None:
         if self.background is not None:
@@ -287,7 +291,7 @@ class Worker:
             self._flush(batch)
             return
         try:
-            model_execute = getattr(self.model, "execute", None)
+            model_execute = self.model_execute
             if model_execute is None:
                 self._fail(ids, "INTERNAL", f"{self.where}: TritonPythonModel does not implement 'execute'")
                 return

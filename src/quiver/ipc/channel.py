@@ -163,7 +163,9 @@ class Channel:
         self._read_fd, self._write_fd = fds
         self._send_lock = threading.Lock()
         self._buffered = buffered
-        self._buffer = bytearray()
+        #: Bytes read ahead and not yet returned as messages (a buffered channel): while it
+        #: holds any, the next :meth:`receive` may return without reading.
+        self.buffer = bytearray()
         self._poller: select.poll | None = None
         self._closed = False
 
@@ -179,11 +181,6 @@ class Channel:
         frames = b"".join([encode(message) for message in messages])
         with self._send_lock:
             write_all(self._write_fd, frames)
-
-    def pending(self) -> bool:
-        """Whether bytes of a message were read ahead and wait in the buffer (a buffered
-        channel: the next :meth:`receive` may return without reading)."""
-        return bool(self._buffer)
 
     def recv(self, timeout: float | None = None) -> dict[str, Any] | None:
         """The next message; None when the peer closed the channel; TimeoutError when none
@@ -213,7 +210,7 @@ class Channel:
         what has arrived; None: as long as it takes): :data:`EMPTY` when no whole message came
         in time, None when the peer closed the channel."""
         assert self._buffered, "receive() reads ahead: a buffered channel only"
-        buffer = self._buffer
+        buffer = self.buffer
         if timeout is None and not buffer:  # the usual: wait for the next message, read it whole
             try:
                 chunk = os.read(self._read_fd, 1 << 16)  # woken by input only (see pipe_pair)
@@ -236,7 +233,7 @@ class Channel:
         return self._receive(timeout)
 
     def _receive(self, timeout: float | None) -> dict[str, Any] | _Empty | None:
-        buffer = self._buffer
+        buffer = self.buffer
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if len(buffer) >= 4:
