@@ -166,7 +166,8 @@ class Worker:
         self.freed: asyncio.Future[None] | None = None
 
     def inputs_freed(self, batches: int = 1) -> None:
-        """``batches`` batches' inputs left the server's pool: one waiting for room looks again."""
+        """``batches`` batches' inputs left the server's pool (0: the pool is gone with the
+        process): a batch waiting for room looks again."""
         self.holding -= batches
         freed = self.freed
         if freed is not None:

@@ -538,7 +538,7 @@ class WorkerInstance(WorkerStreamsMixin):
             entry.unstarted = True
             again.update(entry.ids)
         self._fail_pending([request_id for request_id in self._pending if request_id not in again], error)
-        worker.inputs_freed(worker.holding)  # its pool goes with it: a batch waiting for room looks again
+        worker.inputs_freed(0)  # its pool goes with it: a batch waiting for room looks again
         self._streams.fail_all(error)
         for entry in list(self._batches.values()):
             entry.finish()
