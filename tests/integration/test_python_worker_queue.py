@@ -80,6 +80,7 @@ MODELS = {
     # a batcher whose batches are one request each and that has no queue policy hands the
     # worker requests ahead as the direct scheduler does; one with a policy keeps them
     "batched_timing": "dynamic_batching { }",
+    "batched_cancelled": "dynamic_batching { }",
     "policy": "dynamic_batching { default_queue_policy { default_timeout_microseconds: 300000 } }",
 }
 
@@ -159,22 +160,23 @@ def test_a_wait_in_the_worker_counts_as_queue_time_not_compute(server: QuiverSer
     assert after["success"]["count"] - before["success"]["count"] == 2
 
 
-def test_a_request_cancelled_while_it_waits_in_the_worker_is_not_run(server: QuiverServer, repo: Path) -> None:
+@pytest.mark.parametrize("model", ["cancelled", "batched_cancelled"])
+def test_a_request_cancelled_while_it_waits_in_the_worker_is_not_run(server: QuiverServer, repo: Path, model: str) -> None:
     def leaver() -> Any:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         tensor = grpcclient.InferInput("INPUT0", [1], "FP32")
         tensor.set_data_from_numpy(np.array([0.0], dtype=np.float32))
         # the client gives up (gRPC deadline) while its request waits behind the holder
-        return client.infer("cancelled", [tensor], request_id="leaver", client_timeout=0.3)
+        return client.infer(model, [tensor], request_id="leaver", client_timeout=0.3)
 
-    before = statistics(server, "cancelled")["inference_stats"]
-    holder, left = behind_a_holder(server, "cancelled", 1.25, leaver)
+    before = statistics(server, model)["inference_stats"]
+    holder, left = behind_a_holder(server, model, 1.25, leaver)
     assert holder.as_numpy("OUTPUT0").tolist() == [1.25]
     assert isinstance(left, InferenceServerException) and "Deadline" in str(left), left
-    after_holder = infer(server, "cancelled", [0.0], request_id="after")  # the worker serves on
+    after_holder = infer(server, model, [0.0], request_id="after")  # the worker serves on
     assert after_holder.as_numpy("OUTPUT0").tolist() == [0.0]
-    assert [e["id"] for e in executions(repo, "cancelled")] == ["holder", "after"]
-    after = statistics(server, "cancelled")["inference_stats"]
+    assert [e["id"] for e in executions(repo, model)] == ["holder", "after"]
+    after = statistics(server, model)["inference_stats"]
     assert after["fail"]["count"] - before["fail"]["count"] == 1
     assert after["success"]["count"] - before["success"]["count"] == 2
 

@@ -269,6 +269,8 @@ class WorkerInstance(WorkerStreamsMixin):
             else:
                 pending[request_id] = (entry, index)
                 entry.missing += 1
+                if request.cancellation is not None:  # a caller that leaves cancels it here too
+                    request.cancellation.add_callback(partial(self._cancel_pending, loop, request_id))
             item: dict[str, Any] = {"id": request_id, "tensors": descriptors}
             if request.id or request.outputs is not None or request.parameters:
                 fields = request_fields(request)
@@ -333,6 +335,18 @@ class WorkerInstance(WorkerStreamsMixin):
                 pending.pop(request_id, None)
             return None
         return results, entry.start  # type: ignore[return-value]  # each one answered
+
+    def _cancel_pending(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
+        """A request's caller left (from any thread): the worker does not start it if it has
+        not yet (``cancel``), or its model sees it in ``is_cancelled()``."""
+
+        def cancel() -> None:
+            worker = self._worker
+            if request_id in self._pending and worker is not None and worker.achannel is not None:
+                worker.achannel.send({"op": msg.CANCEL, "ids": [request_id]})
+
+        with contextlib.suppress(RuntimeError):  # the loop is gone
+            loop.call_soon_threadsafe(cancel)
 
     def _arm(self, worker: Worker, entry: Batch) -> None:
         """The batch's ``timeout`` runs from now, as the worker starts it."""

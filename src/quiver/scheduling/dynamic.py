@@ -27,6 +27,7 @@ from quiver.errors import InternalError, InvalidArgumentError, QuiverError, Unav
 from quiver.metrics.statistics import ModelStatistics
 from quiver.scheduling.core import CoreScheduler, ErrorFactory, Execution, SchedulerCore, by_slot
 from quiver.scheduling.queue import BatchQueue, PendingRequest, QueuePolicy
+from quiver.streaming import Cancellation
 from quiver.types import InferenceRequest, InferenceResponse
 
 
@@ -98,8 +99,11 @@ class DynamicBatcher(CoreScheduler):
         self._preserve_ordering = preserve_ordering
         self._order: deque[asyncio.Future[None]] = deque()  # preserve_ordering: batches in dispatch order
         self._core = core = SchedulerCore(f"model '{model}'", stats, clock)
+        #: Whether instances that queue requests themselves get a worker task per slot: a batch
+        #: may then wait in the instance, where a caller that leaves must still reach it.
+        self._ahead = queue.max_batch_size <= 1 and queue.policy_free and not priority_levels
         core.use_workers(
-            by_slot(instances) if queue.max_batch_size <= 1 and queue.policy_free and not priority_levels else instances,
+            by_slot(instances) if self._ahead else instances,
             name=f"quiver-batcher-{model}",
             next_batch=self._next_batch,
             execute=self._execute,
@@ -196,6 +200,11 @@ class DynamicBatcher(CoreScheduler):
         try:
             core = self._core
             rows = sum(p.rows for p in live)
+            if self._ahead:
+                for pending in live:  # a caller that leaves while it waits in the instance cancels it there
+                    request = pending.request
+                    if request.cancellation is None:
+                        request.cancellation = Cancellation()
             execution = await Execution.run(instance, [p.request for p in live], rows, core.stats, core.clock)
             if previous is not None:
                 await asyncio.shield(previous)
