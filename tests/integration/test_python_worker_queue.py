@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,6 +82,7 @@ MODELS = {
     # worker requests ahead as the direct scheduler does; one with a policy keeps them
     "batched_timing": "dynamic_batching { }",
     "batched_cancelled": "dynamic_batching { }",
+    "batched_disconnected": "dynamic_batching { }",
     "policy": "dynamic_batching { default_queue_policy { default_timeout_microseconds: 300000 } }",
 }
 
@@ -181,6 +183,26 @@ def test_a_request_cancelled_while_it_waits_in_the_worker_is_not_run(server: Qui
     assert after["success"]["count"] - before["success"]["count"] == 2
 
 
+def test_with_a_batcher_an_http_client_that_disconnects_while_its_request_waits_in_the_worker_costs_no_compute(
+    server: QuiverServer, repo: Path
+) -> None:
+    def leaver() -> None:
+        body = json.dumps(
+            {"id": "leaver", "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [0.0]}]}
+        ).encode()
+        with socket.create_connection(("127.0.0.1", server.port)) as raw:
+            raw.sendall(
+                b"POST /v2/models/batched_disconnected/infer HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+            )
+            time.sleep(0.3)  # it waits in the worker behind the holder; then the client hangs up
+
+    holder, _ = behind_a_holder(server, "batched_disconnected", 1.25, leaver)
+    assert holder.as_numpy("OUTPUT0").tolist() == [1.25]
+    assert infer(server, "batched_disconnected", [0.0], request_id="after").as_numpy("OUTPUT0").tolist() == [0.0]
+    assert [e["id"] for e in executions(repo, "batched_disconnected")] == ["holder", "after"]
+
+
 def test_a_batcher_with_a_queue_policy_keeps_waiting_requests_in_its_queue(server: QuiverServer, repo: Path) -> None:
     holder, late = behind_a_holder(server, "policy", 1.0, lambda: infer(server, "policy", [0.0], request_id="late"))
     assert holder.as_numpy("OUTPUT0").tolist() == [1.0]
@@ -205,25 +227,24 @@ def test_a_timeout_runs_from_the_start_not_while_waiting_in_the_worker(server: Q
 
 
 def test_a_request_that_needs_the_pool_others_hold_waits_for_room(server: QuiverServer) -> None:
-    big = np.full(640 * 1024, 0.0, dtype=np.float32)  # 2.5 MiB of the pool's 4 MiB
-    big[0] = 0.5
+    def big(sleep: float) -> np.ndarray[Any, Any]:  # 2.5 MiB of the pool's 4 MiB
+        data = np.zeros(640 * 1024, dtype=np.float32)
+        data[0] = sleep
+        return data
+
     too_big = np.zeros(1280 * 1024, dtype=np.float32)  # 5 MiB: never fits
-    holder, second, third = behind_a_holder(
-        server, "pool", 0.875,
-        lambda: infer(server, "pool", big, request_id="second"),
-        lambda: infer(server, "pool", too_big, request_id="too_big"),
-    )  # fmt: skip
-    assert holder.as_numpy("OUTPUT0").tolist() == [0.875]
-    assert not isinstance(second, BaseException), second  # it waited for the holder's room
-    assert second.as_numpy("OUTPUT0").tolist() == [0.5]
-    assert isinstance(third, InferenceServerException), third
-    assert third.status() == "503"
-    assert "model 'pool' version 1" in str(third) and "shm-max-byte-size" in str(third)
-    # the holder itself needed 2.5 MiB while the others waited
-    holder_big = np.full(640 * 1024, 0.25, dtype=np.float32)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        calls = [pool.submit(infer, server, "pool", holder_big) for _ in range(3)]
-        assert [call.result(120).as_numpy("OUTPUT0").tolist() for call in calls] == [[0.25]] * 3
+        holder = pool.submit(infer, server, "pool", big(0.75), request_id="holder")
+        time.sleep(0.25)  # the holder runs, its 2.5 MiB in the pool
+        second = pool.submit(infer, server, "pool", big(0.0), request_id="second")
+        third = pool.submit(infer, server, "pool", too_big, request_id="too_big")
+        assert holder.result(120).as_numpy("OUTPUT0").tolist() == [0.75]
+        # it did not fit beside the holder's inputs: it waited for them to leave, then fitted
+        assert second.result(120).as_numpy("OUTPUT0").tolist() == [0.0]
+        with pytest.raises(InferenceServerException) as failed:
+            third.result(120)  # it fits not even alone: the clear error, once nothing else holds the pool
+    assert failed.value.status() == "503", failed.value
+    assert "model 'pool' version 1" in str(failed.value) and "shm-max-byte-size" in str(failed.value)
 
 
 def test_requests_queued_behind_a_crash_run_on_the_restarted_worker(server: QuiverServer) -> None:
