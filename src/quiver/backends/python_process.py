@@ -108,9 +108,12 @@ class Batch:
     whether it died before starting it (then the batch is sent again). ``limit``: the shortest
     ``timeout`` of its requests (microseconds, 0: none), whose ``timer`` runs from when the
     worker starts it; ``queued``: sent while the worker held another batch, so it waits there
-    first; ``start``: then, when the worker started it (its report; else 0)."""
+    first; ``start``: then, when the worker started it (its report; else 0); ``sent``: when it
+    was sent."""
 
-    __slots__ = ("finished", "ids", "limit", "missing", "queued", "results", "start", "timer", "unstarted", "waiter")
+    __slots__ = (
+        "finished", "ids", "limit", "missing", "queued", "results", "sent", "start", "timer", "unstarted", "waiter",
+    )
 
     def __init__(self, ids: list[str], waiter: asyncio.Future[None], results: list[Any] | None = None) -> None:
         self.ids = ids
@@ -121,6 +124,7 @@ class Batch:
         self.unstarted = False
         self.limit = 0
         self.queued = False
+        self.sent = 0  # when it was sent (``time.monotonic_ns()``)
         self.start = 0
         self.timer: asyncio.TimerHandle | None = None
 

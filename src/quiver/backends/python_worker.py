@@ -41,6 +41,7 @@ from quiver.backends.python_process import (
 )
 from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
 from quiver.backends.python_settings import PythonSettings
+from quiver.backends.python_worker_spin import AnswerSpin
 from quiver.backends.python_worker_streams import BlsStreams, WorkerStreams, WorkerStreamsMixin
 from quiver.config import ModelConfig
 from quiver.errors import (
@@ -53,7 +54,6 @@ from quiver.errors import (
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import AsyncChannel, ChannelError, decode_json
-from quiver.ipc.inbox import spare_core
 from quiver.ipc.shm import PoolFullError
 from quiver.streaming import StreamedResponse
 from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
@@ -61,20 +61,12 @@ from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 logger = logging.getLogger(__name__)
 
 _DATATYPES = {datatype.value: datatype for datatype in DataType}
-#: A batch sent this long after the previous one finished finds the loop idle (spinning for its
-#: answer then costs no other request anything).
-_IDLE_GAP_S = 50e-6
-#: After a spin that timed out, how long until the next try.
-_SPIN_RETRY_S = 1.0
+#: Executions shorter than this on average let a worker hold ``worker-queue-depth`` requests.
+_QUICK_NS = 1_000_000
 
 
 class WorkerInstance(WorkerStreamsMixin):
     """A :class:`~quiver.backends.base.ModelInstance` whose model runs in a worker process."""
-
-    #: Requests the direct scheduler may hand this instance at once
-    #: (:class:`~quiver.scheduling.core.InstancePool`; ``worker-queue-depth``): the worker runs
-    #: them one at a time, and finds the next one waiting when it finishes one.
-    slots = 1
 
     def __init__(
         self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec, env: PythonEnv, tree: str,
@@ -97,8 +89,8 @@ class WorkerInstance(WorkerStreamsMixin):
         #: requests sent and not answered: id -> its batch and index there
         self._pending: dict[str, tuple[Batch, int]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
-        # a decoupled model's requests stream: one at a time, as Triton sends them
-        self.slots = 1 if self._decoupled else settings.worker_queue_depth
+        self._depth = settings.worker_queue_depth
+        self._cost_ns = 0  # the worker's recent executions, from their start to their done (averaged)
         self._streams = WorkerStreams()  # a decoupled model's open requests
         self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
         self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
@@ -116,12 +108,21 @@ class WorkerInstance(WorkerStreamsMixin):
         self._room: asyncio.Future[None] | None = None
         #: The traces of sampled requests in flight, by the id the worker knows them by.
         self._traces: dict[str, Any] = {}
-        #: Seconds to wait for a batch's answer without sleeping when the loop is idle (a
-        #: sleeping loop's wake-up costs more than a small model's whole execute).
-        self._spin = settings.spin_microseconds / 1e6
-        self._round_trip = 0.0  # recent round trips of spun batches (seconds, smoothed)
-        self._slow_since = 0.0
-        self._last_done = 0.0
+        #: Waiting for a batch's answer without sleeping when the loop is idle (spin-microseconds).
+        self._spin = AnswerSpin(settings.spin_microseconds / 1e6) if settings.spin_microseconds else None
+
+    @property
+    def slots(self) -> int:
+        """Requests the direct scheduler may hand this instance at once
+        (:class:`~quiver.scheduling.core.InstancePool`): the worker runs them one at a time,
+        and finds the next one waiting when it finishes one. ``worker-queue-depth`` while its
+        executions are quick, 2 once they take a millisecond or more (then the event loop's
+        delay in sending the next one is small beside them, and a request queued in this
+        worker would wait for it while another instance may be free); 1 for a decoupled model
+        (its requests stream one at a time, as Triton sends them)."""
+        if self._decoupled:
+            return 1
+        return self._depth if self._cost_ns < _QUICK_NS else min(self._depth, 2)
 
     # ---- start / stop
 
@@ -297,12 +298,14 @@ class WorkerInstance(WorkerStreamsMixin):
             self._arm(worker, entry)  # it starts now (else when the worker is done with the one before)
         worker.inflight.append(batch)
         worker.holding += 1
+        entry.sent = time.monotonic_ns()
         message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
         if worker.releases:
             message["release"], worker.releases = worker.releases, []
         channel.send(message)
-        if self._spin and self._should_spin() and spare_core():
-            self._spin_for(channel, done)
+        spin = self._spin
+        if spin is not None:
+            spin.wait(channel, done)
         try:
             await done  # nothing in between: the answer resumes this task at once
             if entry.missing and not entry.unstarted:
@@ -322,8 +325,8 @@ class WorkerInstance(WorkerStreamsMixin):
             raise
         finally:
             self._batches.pop(batch, None)
-            if self._spin:
-                self._last_done = time.perf_counter()
+            if spin is not None:
+                spin.finished()
             if entry.finished:  # else the worker still reads them, or is being stopped
                 arena.free_many(blocks)
                 worker.inputs_freed()
@@ -366,32 +369,6 @@ class WorkerInstance(WorkerStreamsMixin):
         if not entry.waiter.done():
             entry.waiter.set_result(None)
         worker.kill()  # the reader sees the end of the channel and restarts it
-
-    def _should_spin(self) -> bool:
-        """Whether to wait for this batch's answer without sleeping: when the worker answers
-        quickly (its recent round trips fit the spin) and the loop has been idle between
-        batches (one caller at a time: a busy loop would rather serve others meanwhile)."""
-        now = time.perf_counter()
-        if now - self._last_done <= _IDLE_GAP_S:
-            return False
-        if self._round_trip >= self._spin:
-            if now - self._slow_since < _SPIN_RETRY_S:
-                return False
-            self._round_trip = 0.0  # try again: the model may be quick now
-        return True
-
-    def _spin_for(self, channel: AsyncChannel, done: asyncio.Future[None]) -> None:
-        began = time.perf_counter()
-        until = began + self._spin
-        poll = channel.poll
-        while not done.done():
-            now = time.perf_counter()
-            if now >= until:
-                self._round_trip = self._spin * 2  # too slow to wait for: stop until it is quick again
-                self._slow_since = now
-                return
-            poll()
-        self._round_trip = (self._round_trip + time.perf_counter() - began) / 2
 
     async def _ready_worker(self) -> Worker | QuiverError:
         if self._restarting is not None:
@@ -446,6 +423,9 @@ class WorkerInstance(WorkerStreamsMixin):
             if entry is not None:
                 if entry.queued:  # its wait in the worker is queue time: from when it started
                     entry.start = message.get("start", 0)
+                spent = time.monotonic_ns() - (entry.start or entry.sent)
+                cost = self._cost_ns
+                self._cost_ns = spent if spent > 8 * cost else (7 * cost + spent) >> 3
                 entry.finish()
         elif op == msg.RESPONSE:
             self._on_response(worker, message["id"], message["response"], message.get("flags", msg.FINAL))

@@ -307,23 +307,39 @@ class CoreScheduler:
 
 
 class InstancePool:
-    """Instances lent one request at a time: the next free one, else the first to come back,
-    to waiters in arrival order. An instance with ``slots`` > 1 (one whose batches run in a
-    worker process that queues them, :class:`quiver.backends.python_worker.WorkerInstance`) is
-    lent that many times at once: its next request is already there when the worker finishes
-    one, instead of a round trip through the loop later; it still runs them one at a time."""
+    """Instances lent one request at a time: the one holding the fewest (the first of them), to
+    waiters in arrival order. An instance with ``slots`` > 1 (one whose batches run in a worker
+    process that queues them, :class:`quiver.backends.python_worker.WorkerInstance`) is lent
+    up to that many times at once: its next request is already there when the worker finishes
+    one, instead of a round trip through the loop later; it still runs them one at a time.
+    ``slots`` may change as the instance runs (it is read at each lending)."""
 
     def __init__(self, instances: list[ModelInstance]) -> None:
-        self._free: deque[ModelInstance] = deque(by_slot(instances))
+        self._instances = list(instances)
+        self._lent = [0] * len(instances)
+        self._index = {id(instance): index for index, instance in enumerate(instances)}
+        self._counted = [hasattr(instance, "slots") for instance in instances]
         self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
 
     def take(self) -> ModelInstance | None:
         """A free instance now, or None (then :meth:`acquire` waits for one)."""
-        return self._free.popleft() if self._free else None
+        lent, counted = self._lent, self._counted
+        best = -1
+        for index, instance in enumerate(self._instances):
+            held = lent[index]
+            if held < (_slots(instance) if counted[index] else 1) and (best < 0 or held < lent[best]):
+                best = index
+                if not held:
+                    break
+        if best < 0:
+            return None
+        lent[best] += 1
+        return self._instances[best]
 
     async def acquire(self) -> ModelInstance:
-        if self._free:
-            return self._free.popleft()
+        instance = self.take()
+        if instance is not None:
+            return instance
         waiter: asyncio.Future[ModelInstance] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -334,12 +350,18 @@ class InstancePool:
             raise
 
     def release(self, instance: ModelInstance) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(instance)
+        self._lent[self._index[id(instance)]] -= 1
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters[0]
+            if waiter.done():  # its caller left
+                waiters.popleft()
+                continue
+            lent = self.take()
+            if lent is None:
                 return
-        self._free.append(instance)
+            waiters.popleft()
+            waiter.set_result(lent)
 
 
 def _slots(instance: ModelInstance) -> int:

@@ -457,3 +457,25 @@ def test_an_execution_that_waited_in_the_instance_counts_that_wait_as_queue_time
 
     run(main)
     assert (stats.queue.ns, stats.compute_infer.ns) == (30, 80)
+
+
+def test_the_pool_lends_the_instance_holding_fewest_and_reads_its_slots_each_time() -> None:
+    clock = FakeClock()
+    first, second = Echo(clock, "first"), Echo(clock, "second")
+    first.slots = second.slots = 3  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        pool = InstancePool([first, second])
+        assert [await pool.acquire() for _ in range(4)] == [first, second, first, second]
+        first.slots = 1  # type: ignore[attr-defined]  # it holds 2 already: lent no more for now
+        assert pool.take() is second
+        waiter = asyncio.ensure_future(pool.acquire())
+        await settle()
+        assert not waiter.done()
+        pool.release(first)  # first holds 1 of its 1 now: still full
+        await settle()
+        assert not waiter.done()
+        pool.release(second)
+        assert await waiter is second
+
+    run(main)
