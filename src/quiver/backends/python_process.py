@@ -169,8 +169,8 @@ class Worker:
         #: resolved when a batch's inputs leave the server's pool (one waits for room there)
         self.freed: asyncio.Future[None] | None = None
 
-    def inputs_freed(self, batches: int = 1) -> None:
-        """``batches`` batches' inputs left the server's pool (0: the pool is gone with the
+    def inputs_freed(self, batches: int = 0) -> None:
+        """``batches`` batches' inputs left the server's pool (or the pool is gone with the
         process): a batch waiting for room looks again."""
         self.holding -= batches
         freed = self.freed

@@ -89,8 +89,17 @@ class WorkerInstance(WorkerStreamsMixin):
         #: requests sent and not answered: id -> its batch and index there
         self._pending: dict[str, tuple[Batch, int]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
-        self._depth = settings.worker_queue_depth
         self._cost_ns = 0  # the worker's recent executions, from their start to their done (averaged)
+        # A decoupled model's requests stream one at a time, as Triton sends them; others: the
+        # queue depth while executions are quick, 2 once they take a millisecond or more (then
+        # the loop's delay in sending the next one is small beside them, and a request queued
+        # in this worker would wait for it while another instance may be free).
+        self._quick_slots = 1 if self._decoupled else settings.worker_queue_depth
+        self._slow_slots = min(self._quick_slots, 2)
+        #: Requests the direct scheduler may hand this instance at once
+        #: (:class:`~quiver.scheduling.core.InstancePool`): the worker runs them one at a time,
+        #: and finds the next one waiting when it finishes one.
+        self.slots = self._quick_slots
         self._streams = WorkerStreams()  # a decoupled model's open requests
         self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
         self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
@@ -110,19 +119,6 @@ class WorkerInstance(WorkerStreamsMixin):
         self._traces: dict[str, Any] = {}
         #: Waiting for a batch's answer without sleeping when the loop is idle (spin-microseconds).
         self._spin = AnswerSpin(settings.spin_microseconds / 1e6) if settings.spin_microseconds else None
-
-    @property
-    def slots(self) -> int:
-        """Requests the direct scheduler may hand this instance at once
-        (:class:`~quiver.scheduling.core.InstancePool`): the worker runs them one at a time,
-        and finds the next one waiting when it finishes one. ``worker-queue-depth`` while its
-        executions are quick, 2 once they take a millisecond or more (then the event loop's
-        delay in sending the next one is small beside them, and a request queued in this
-        worker would wait for it while another instance may be free); 1 for a decoupled model
-        (its requests stream one at a time, as Triton sends them)."""
-        if self._decoupled:
-            return 1
-        return self._depth if self._cost_ns < _QUICK_NS else min(self._depth, 2)
 
     # ---- start / stop
 
@@ -191,22 +187,17 @@ class WorkerInstance(WorkerStreamsMixin):
             # server's loop, so the batch runs there.
             return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.run(requests), home))
         while True:
-            outcome = await self._run_once(requests, loop)
-            if outcome is not None:
-                # when it started, if it waited in the worker first (read by the scheduler as this returns)
-                results, self.timing.started_ns = outcome
+            results = await self._run_once(requests, loop)
+            if results is not None:
                 return results
             # the worker died before it started this batch (it was queued behind the one that
             # was running): it runs on the restarted worker
 
-    async def _run_once(
-        self, requests: list[InferenceRequest], loop: asyncio.AbstractEventLoop
-    ) -> tuple[ExecuteResult, int] | None:
+    async def _run_once(self, requests: list[InferenceRequest], loop: asyncio.AbstractEventLoop) -> ExecuteResult | None:
         """Run the batch in the worker: its inputs written into the worker's pool (freed once
-        it is done with them), one ``execute`` message, one future its task waits on. Its
-        results and when the worker started it if it waited there first (else 0); None if the
-        worker died before it started it."""
-        write = tensors.write
+        it is done with them), one ``execute`` message, one future its task waits on; None if
+        the worker died before it started it. As it returns, ``timing.started_ns`` says when
+        the worker started it if it waited there behind another (else 0)."""
         holds_room = False  # this batch waits for room in the pool (later ones wait behind it)
         try:
             while True:
@@ -214,28 +205,18 @@ class WorkerInstance(WorkerStreamsMixin):
                 if worker is None or worker.achannel is None or self._restarting is not None or self._closed:
                     ready = await self._ready_worker()
                     if isinstance(ready, QuiverError):
-                        return [ready for _ in requests], 0
+                        self.timing.started_ns = 0
+                        return [ready for _ in requests]
                     worker = ready
                 if self._room is not None and not holds_room:
                     await asyncio.shield(self._room)
                     continue
-                arena = worker.arena
-                blocks: list[tuple[str, int]] = []
-                written: list[Any] = []
-                full = False
-                for request in requests:
-                    try:
-                        # ``_value_``: the datatype's wire name without the enum's property lookup
-                        written.append([write(arena, t.name, t.datatype._value_, t.data, blocks) for t in request.inputs])
-                    except PoolFullError as exc:
-                        written.append(exc)
-                        full = True
-                if not full or not worker.holding:
+                prepared = self._prepare(worker, requests, loop)
+                if prepared is not None:
                     break
                 # Requests the worker holds have part of the pool: this one waits until they
                 # are done with it, as it would wait in the server's queue, and fails only if
                 # it cannot fit once the worker holds nothing.
-                arena.free_many(blocks)
                 if not holds_room:
                     holds_room = True
                     self._room = loop.create_future()
@@ -247,48 +228,14 @@ class WorkerInstance(WorkerStreamsMixin):
                 room, self._room = self._room, None
                 if room is not None and not room.done():
                     room.set_result(None)
+        entry, items, blocks, limit = prepared
+        ids, results, done, arena, pending = entry.ids, entry.results, entry.waiter, worker.arena, self._pending
         channel = worker.achannel
         assert channel is not None
-        items: list[dict[str, Any]] = []
-        ids: list[str] = []
-        results: list[InferenceResponse | QuiverError | None] = [None] * len(requests)
-        done: asyncio.Future[None] = loop.create_future()
-        entry = Batch(ids, done, results)
-        pending, request_ids = self._pending, self._request_ids
-        limit = 0  # the shortest ``timeout`` parameter (microseconds) of the requests
-        for index, request in enumerate(requests):
-            descriptors = written[index]
-            if type(descriptors) is not list:
-                results[index] = UnavailableError(
-                    f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {descriptors}"
-                )
-                continue
-            request_id = str(next(request_ids))
-            if self._decoupled:
-                results[index] = StreamedResponse("", "", [])  # answered on its stream
-                self._streams.open(request_id, request, self._cancel)
-            else:
-                pending[request_id] = (entry, index)
-                entry.missing += 1
-                if request.cancellation is not None:  # a caller that leaves cancels it here too
-                    request.cancellation.add_callback(partial(self._cancel_pending, loop, request_id))
-            item: dict[str, Any] = {"id": request_id, "tensors": descriptors}
-            if request.id or request.outputs is not None or request.parameters:
-                fields = request_fields(request)
-                if fields:
-                    item["fields"] = fields
-                value = request.parameters.get("timeout")
-                if value and str(value).isdigit() and (limit == 0 or int(value) < limit):
-                    limit = int(value)
-            if request.trace is not None:
-                # BLS requests the model passes this request's trace to are traced under it.
-                item["traced"] = True
-                self._traces[request_id] = request.trace
-            items.append(item)
-            ids.append(request_id)
         if not items:
             arena.free_many(blocks)
-            return results, 0  # type: ignore[return-value]  # every one is an error
+            self.timing.started_ns = 0
+            return results  # every one is an error
         batch = next(self._batch_ids)
         self._batches[batch] = entry
         entry.limit = limit
@@ -329,7 +276,9 @@ class WorkerInstance(WorkerStreamsMixin):
                 spin.finished()
             if entry.finished:  # else the worker still reads them, or is being stopped
                 arena.free_many(blocks)
-                worker.inputs_freed()
+                worker.holding -= 1
+                if worker.freed is not None:
+                    worker.inputs_freed(0)  # a batch waits for room
             if self._traces:
                 for request_id in ids:
                     self._traces.pop(request_id, None)
@@ -337,7 +286,61 @@ class WorkerInstance(WorkerStreamsMixin):
             for request_id in ids:
                 pending.pop(request_id, None)
             return None
-        return results, entry.start  # type: ignore[return-value]  # each one answered
+        self.timing.started_ns = entry.start  # (read by the scheduler as this returns)
+        return results  # each one answered
+
+    def _prepare(
+        self, worker: Worker, requests: list[InferenceRequest], loop: asyncio.AbstractEventLoop
+    ) -> tuple[Batch, list[dict[str, Any]], list[tuple[str, int]], int] | None:
+        """The batch's inputs written into the worker's pool and its requests registered: its
+        entry, the ``execute`` message's items, the blocks written, the shortest ``timeout``
+        (microseconds, 0: none). A request that does not fit gets the pool's error; None (and
+        nothing kept) when one does not fit while the worker holds requests ahead of it."""
+        arena, pending, request_ids, write = worker.arena, self._pending, self._request_ids, tensors.write
+        blocks: list[tuple[str, int]] = []
+        items: list[dict[str, Any]] = []
+        ids: list[str] = []
+        results: list[InferenceResponse | QuiverError | None] = [None] * len(requests)
+        entry = Batch(ids, loop.create_future(), results)
+        limit = 0
+        for index, request in enumerate(requests):
+            try:
+                # ``_value_``: the datatype's wire name without the enum's property lookup
+                descriptors = [write(arena, t.name, t.datatype._value_, t.data, blocks) for t in request.inputs]
+            except PoolFullError as exc:
+                if worker.holding:  # it waits for room: nothing of it kept
+                    arena.free_many(blocks)
+                    for request_id in ids:
+                        pending.pop(request_id, None)
+                        self._traces.pop(request_id, None)
+                        self._streams.close(request_id)
+                    return None
+                results[index] = UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}")
+                continue
+            request_id = str(next(request_ids))
+            if self._decoupled:
+                results[index] = StreamedResponse("", "", [])  # answered on its stream
+                self._streams.open(request_id, request, self._cancel)
+            else:
+                pending[request_id] = (entry, index)
+                entry.missing += 1
+                if request.cancellation is not None:  # a caller that leaves cancels it here too
+                    request.cancellation.add_callback(partial(self._cancel_pending, loop, request_id))
+            item: dict[str, Any] = {"id": request_id, "tensors": descriptors}
+            if request.id or request.outputs is not None or request.parameters:
+                fields = request_fields(request)
+                if fields:
+                    item["fields"] = fields
+                value = request.parameters.get("timeout")
+                if value and str(value).isdigit() and (limit == 0 or int(value) < limit):
+                    limit = int(value)
+            if request.trace is not None:
+                # BLS requests the model passes this request's trace to are traced under it.
+                item["traced"] = True
+                self._traces[request_id] = request.trace
+            items.append(item)
+            ids.append(request_id)
+        return entry, items, blocks, limit
 
     def _cancel_pending(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
         """A request's caller left (from any thread): the worker does not start it if it has
@@ -425,7 +428,8 @@ class WorkerInstance(WorkerStreamsMixin):
                     entry.start = message.get("start", 0)
                 spent = time.monotonic_ns() - (entry.start or entry.sent)
                 cost = self._cost_ns
-                self._cost_ns = spent if spent > 8 * cost else (7 * cost + spent) >> 3
+                cost = self._cost_ns = spent if spent > 8 * cost else (7 * cost + spent) >> 3
+                self.slots = self._quick_slots if cost < _QUICK_NS else self._slow_slots
                 entry.finish()
         elif op == msg.RESPONSE:
             self._on_response(worker, message["id"], message["response"], message.get("flags", msg.FINAL))

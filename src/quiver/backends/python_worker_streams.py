@@ -53,6 +53,10 @@ class WorkerStreams:
 
             cancellation.add_callback(cancelled)
 
+    def close(self, request_id: str) -> None:
+        """Forget ``request_id`` (a request taken back before it was sent)."""
+        self._open.pop(request_id, None)
+
     def deliver(self, request_id: str, answer: InferenceResponse | QuiverError | None, final: bool) -> bool:
         """Send ``answer`` (None: a flag-only final) on ``request_id``'s stream; False when the
         id has none (a request answered once, the usual way)."""

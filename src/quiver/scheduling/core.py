@@ -312,7 +312,7 @@ class InstancePool:
     process that queues them, :class:`quiver.backends.python_worker.WorkerInstance`) is lent
     up to that many times at once: its next request is already there when the worker finishes
     one, instead of a round trip through the loop later; it still runs them one at a time.
-    ``slots`` may change as the instance runs (it is read at each lending)."""
+    ``slots`` (an int of at least 1) may change as the instance runs: it is read at each lending."""
 
     def __init__(self, instances: list[ModelInstance]) -> None:
         self._instances = list(instances)
@@ -323,18 +323,24 @@ class InstancePool:
 
     def take(self) -> ModelInstance | None:
         """A free instance now, or None (then :meth:`acquire` waits for one)."""
-        lent, counted = self._lent, self._counted
+        lent, counted, instances = self._lent, self._counted, self._instances
+        if len(instances) == 1:  # the usual
+            held = lent[0]
+            if held < (instances[0].slots if counted[0] else 1):  # type: ignore[attr-defined]
+                lent[0] = held + 1
+                return instances[0]
+            return None
         best = -1
-        for index, instance in enumerate(self._instances):
+        for index, instance in enumerate(instances):
             held = lent[index]
-            if held < (_slots(instance) if counted[index] else 1) and (best < 0 or held < lent[best]):
+            if held < (instance.slots if counted[index] else 1) and (best < 0 or held < lent[best]):  # type: ignore[attr-defined]
                 best = index
                 if not held:
                     break
         if best < 0:
             return None
         lent[best] += 1
-        return self._instances[best]
+        return instances[best]
 
     async def acquire(self) -> ModelInstance:
         instance = self.take()
@@ -350,7 +356,10 @@ class InstancePool:
             raise
 
     def release(self, instance: ModelInstance) -> None:
-        self._lent[self._index[id(instance)]] -= 1
+        if len(self._lent) == 1:
+            self._lent[0] -= 1
+        else:
+            self._lent[self._index[id(instance)]] -= 1
         waiters = self._waiters
         while waiters:
             waiter = waiters[0]
