@@ -186,3 +186,43 @@ def test_the_index_shows_loading_only_while_a_trip_can_load(tmp_path: Path, worl
             assert await waiting == 2.0 and state(manager, "a") is ModelState.READY
 
     asyncio.run(main())
+
+
+def test_a_first_miss_reads_the_heap_ahead_and_a_known_size_does_not(
+    tmp_path: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A miss of a model never measured, under a budget measured by the C heap, has the heap
+    read on a load thread as its request arrives (its measured section may start from that
+    reading: MemoryMeter.read_ahead); a model whose size is known (it loaded before) is not
+    measured, so nothing is read ahead for it. Either way the sizes are the models' own."""
+    from quiver.lifecycle import admission as admission_module
+
+    monkeypatch.setattr(admission_module, "HEAP_ALLOCATING", frozenset({"fakemem"}))
+
+    class CountingMeter(MemoryMeter):
+        ahead = 0
+
+        def read_ahead(self) -> None:
+            CountingMeter.ahead += 1
+            super().read_ahead()
+
+    meter = CountingMeter(rss=world.rss, heap=world.rss, gpu=None, trim=False)
+
+    async def main() -> None:
+        sizes = {"a": 4_000, "b": 4_000, "c": 4_000}
+        async with serving(tmp_path, world, 9_000, sizes, meter=meter) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            assert await answer(service, "a", 1.0) == 1.0
+            before = CountingMeter.ahead
+            assert await answer(service, "b", 2.0) == 2.0
+            await until(lambda: CountingMeter.ahead == before + 1)
+            assert budget.resident["b"] == manager.get("b").size_bytes
+            assert 4_000 <= budget.resident["b"] < 5_000  # its own growth
+            assert await answer(service, "c", 3.0) == 3.0  # evicts a (LRU)
+            before = CountingMeter.ahead
+            assert await answer(service, "a", 1.0) == 1.0  # a reload at its known size
+            await asyncio.sleep(0.05)
+            assert CountingMeter.ahead == before
+
+    asyncio.run(main())
