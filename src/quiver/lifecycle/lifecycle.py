@@ -233,6 +233,10 @@ class ModelLifeCycle:
                 failures = await self._load_inner(source, override, visiting)
             if self._table.serving(name) and name not in failures:
                 self._stats.loading_time_us.observe((seconds(self._clock) - started) * 1e6)
+                # The requests that waited for the load were woken as it was installed
+                # (flights.land): they run (a model's first call often inline) and answer
+                # before the rest of this load's bookkeeping (its lock and pins released).
+                await asyncio.sleep(0)
             else:
                 self._stats.load_failures += 1
             return failures
@@ -289,10 +293,11 @@ class ModelLifeCycle:
             logger.error("reload of model '%s' failed; the loaded versions keep serving", name)
             return failures
         old = self._table.loaded(name)
-        self._table.install(name, outcome)
         if outcome.models and self._admission.room_ahead_short():
-            # in the loop's next round: the requests that waited for the load run first
+            # in the loop's next round, after the install below: evictions ahead wait for the
+            # requests that waited for the load (woken by the install) to be answered
             asyncio.get_running_loop().call_soon(self._evict_ahead, name)
+        self._table.install(name, outcome)
         if outcome.models and composing is not None:
             self._graph.set_composing(name, composing)
         if old:
