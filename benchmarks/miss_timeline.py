@@ -179,8 +179,6 @@ def install_probe(fine: bool) -> None:
     _wrap(lifecycle.ModelLifeCycle, "evict", "evict", lambda _s, victim, *a, **k: victim)
     _wrap(ahead.RoomAhead, "make", "ahead")
     _wrap(read_ahead, "read_config", "read_ahead", lambda source, *a: source.name)
-    if hasattr(memory.MemoryMeter, "read_ahead"):  # the heap read ahead of a miss's measured load
-        _wrap(memory.MemoryMeter, "read_ahead", "heap_ahead")
 
     if fine:
         from quiver.backends import base as backends_base
@@ -426,7 +424,7 @@ HIT_STAGES = [
     ("answer written -> client has it", "respond>", "answered"),
 ]
 #: What runs beside a request (not its own path): each one's time inside the request's window.
-BESIDE = ("unload", "trim", "evict", "ahead", "read_ahead", "heap_ahead", "gc")
+BESIDE = ("unload", "trim", "evict", "ahead", "read_ahead", "gc")
 
 
 def pct(values: list[float], q: float) -> float:

@@ -288,20 +288,6 @@ class AdmissionControl:
         from_files = self._predictor.from_bytes(size) if self.budget is not None else None
         return source, Inspection(fingerprint, None, prepared.proto.backend, from_files)
 
-    def read_heap_ahead(self, name: str) -> None:
-        """On the event loop, as a miss's request arrives: the C heap read ahead on a load
-        thread (:meth:`MemoryMeter.read_ahead`) while the event loop starts the load, unless
-        the model's size is known (it loaded before: it is not measured). Nothing else is
-        looked at here, so the load thread holds the GIL for next to nothing while the event
-        loop needs it: the reading is of use to any measured section that begins next."""
-        if (
-            self.budget is not None
-            and self._gpu is None
-            and self._meter.reads_heap
-            and not self._predictor.knows(name)
-        ):
-            self._pool.post(self._meter.read_ahead)
-
     async def load(
         self,
         source: ModelSource,

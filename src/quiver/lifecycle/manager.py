@@ -417,7 +417,6 @@ class ModelRepositoryManager:
         check_model_name(name)
         self.multi_model.cache_misses += 1
         self.admission.activity.busy()
-        self.admission.read_heap_ahead(name)
         waited_from = seconds(self._clock)
         try:
             # A request waiting for its model's load pins it: once loaded, the model is not

@@ -201,10 +201,6 @@ def _load_mallinfo2() -> Callable[[], int] | None:
 #: hblkhd``, every arena), or ``None`` where it cannot be read (not glibc, or older than 2.33).
 heap_in_use: Callable[[], int] | None = _load_mallinfo2()
 
-#: A heap reading taken ahead of a measured section (:meth:`MemoryMeter.read_ahead`) is
-#: used as its first reading only if at most this old.
-READ_AHEAD_MAX_AGE_S = 0.01
-
 #: Allocations from this size up are mapped on their own and unmapped when freed (see
 #: :func:`fix_mmap_threshold`).
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -299,15 +295,6 @@ class _SharedExclusiveLock:
         self._shared = 0
         self._exclusive = False
         self._waiting_exclusive = 0
-        #: Sections begun so far (shared or exclusive): whether any began between two moments.
-        self.entered = 0
-
-    def quiet(self) -> int | None:
-        """:attr:`entered` when no section runs nor waits now, else ``None``."""
-        with self._cond:
-            if self._exclusive or self._shared or self._waiting_exclusive:
-                return None
-            return self.entered
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
@@ -315,7 +302,6 @@ class _SharedExclusiveLock:
             while self._exclusive or self._waiting_exclusive:
                 self._cond.wait()
             self._shared += 1
-            self.entered += 1
         try:
             yield
         finally:
@@ -324,8 +310,7 @@ class _SharedExclusiveLock:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[int]:
-        """Held alone; yields :attr:`entered` as this section began (its number)."""
+    def exclusive(self) -> Iterator[None]:
         with self._cond:
             self._waiting_exclusive += 1
             try:
@@ -334,10 +319,8 @@ class _SharedExclusiveLock:
             finally:
                 self._waiting_exclusive -= 1
             self._exclusive = True
-            self.entered += 1
-            number = self.entered
         try:
-            yield number
+            yield
         finally:
             with self._cond:
                 self._exclusive = False
@@ -383,9 +366,6 @@ class MemoryMeter:
         self._clock = clock
         self._trim = trim
         self._lock = _SharedExclusiveLock()
-        #: The heap read ahead of a measured section (:meth:`read_ahead`): bytes, when, and
-        #: :attr:`_SharedExclusiveLock.entered` then.
-        self._ahead: tuple[int, float, int] | None = None
 
     @property
     def reads_heap(self) -> bool:
@@ -411,19 +391,10 @@ class MemoryMeter:
         propagate."""
         by: MeasuredBy = "heap" if heap and self._heap is not None else "rss"
         read = self._heap if by == "heap" and self._heap is not None else self._rss
-        with self._lock.exclusive() as number:
-            ahead, self._ahead = self._ahead, None
+        with self._lock.exclusive():
             if by == "rss":
                 self._settle()
-                before = read()
-            elif (
-                ahead is not None
-                and ahead[2] == number - 1  # no section began since it was read
-                and seconds(self._clock) - ahead[1] <= READ_AHEAD_MAX_AGE_S
-            ):
-                before = ahead[0]
-            else:
-                before = read()
+            before = read()
             gpu_before = self._gpu_now()
             started = seconds(self._clock)
             result = load()
@@ -438,28 +409,6 @@ class MemoryMeter:
         footprint = Footprint(host, gpu, duration, by)
         logger.debug("measured load: %d host bytes (%s), gpu %s, %.3f s", host, by, gpu, duration)
         return result, footprint
-
-    def read_ahead(self) -> None:
-        """Blocking (a load thread): read the C heap now, while no section runs nor waits,
-        for a measured section about to begin (a miss's, read as its request arrives, while
-        the event loop starts the load: reading the heap walks every free chunk of every
-        arena, 0.1-0.2 ms on a server with a hundred models loaded once its memory is out
-        of the CPU's caches). The next measured section by the heap starts from this
-        reading instead of its own when no other section began in between and it is at
-        most :data:`READ_AHEAD_MAX_AGE_S` old; what other threads allocated or freed
-        meanwhile is the same noise as what they do during the load."""
-        heap = self._heap
-        if heap is None:
-            return
-        lock = self._lock
-        number = lock.quiet()
-        if number is None:
-            return
-        value = heap()
-        at = seconds(self._clock)
-        with lock._cond:
-            if lock.entered == number:  # no section began while it was read
-                self._ahead = (value, at, number)
 
     def shared(self, load: Callable[[], T]) -> T:
         """Run ``load`` unmeasured: in parallel with other shared loads, never during a measured one."""
@@ -553,10 +502,6 @@ class SizePredictor:
     def measured(self, identity: ModelIdentity) -> int | None:
         with self._lock:
             return self._measured.get(identity)
-
-    def knows(self, name: str) -> bool:
-        """Whether a model of this name was measured before (under any identity)."""
-        return name in self._by_name
 
     def forget(self, identity: ModelIdentity) -> None:
         """Drop the measurement of one identity (e.g. its content was deleted from the store)."""

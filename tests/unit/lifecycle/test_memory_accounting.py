@@ -87,56 +87,6 @@ def test_meter_measures_by_the_heap_when_asked_and_able_else_by_rss() -> None:
     assert (footprint.host_bytes, footprint.by) == (31 * MB, "rss")
 
 
-def test_a_heap_reading_taken_ahead_starts_the_next_measured_section_only_if_nothing_ran_between() -> None:
-    """:meth:`MemoryMeter.read_ahead` (a miss's, as its request arrives): the next section
-    measured by the heap starts from it instead of reading the heap again, unless another
-    section (an unload freeing memory, say) began in between or it is too old; then the
-    section reads the heap itself, so a model is never measured against a stale reading."""
-    clock = FakeClock()
-    heap = {"bytes": 50 * MB}
-    reads: list[int] = []
-
-    def read() -> int:
-        reads.append(heap["bytes"])
-        return heap["bytes"]
-
-    meter = MemoryMeter(rss=lambda: 0, heap=read, gpu=None, clock=clock, trim=False)
-
-    def load() -> None:
-        heap["bytes"] += 10 * MB
-
-    meter.read_ahead()
-    heap["bytes"] += 1 * MB  # a request's allocation between the reading and the load: noise, counted
-    _, footprint = meter.measure(load, heap=True)
-    assert footprint.host_bytes == 11 * MB
-    assert len(reads) == 2  # the reading ahead and the one after the load
-
-    meter.read_ahead()
-
-    def unload() -> None:
-        heap["bytes"] -= 10 * MB
-
-    meter.shared(unload)  # a section between: the reading ahead no longer stands
-    reads.clear()
-    _, footprint = meter.measure(load, heap=True)
-    assert footprint.host_bytes == 10 * MB and len(reads) == 2
-
-    meter.read_ahead()
-    clock.advance(1.0)  # too old
-    reads.clear()
-    _, footprint = meter.measure(load, heap=True)
-    assert footprint.host_bytes == 10 * MB and len(reads) == 2
-
-    meter.read_ahead()  # used once at most
-    meter.measure(load, heap=True)
-    reads.clear()
-    meter.measure(load, heap=True)
-    assert len(reads) == 2
-
-    no_heap = MemoryMeter(rss=lambda: 0, heap=None, gpu=None, clock=clock, trim=False)
-    no_heap.read_ahead()  # nothing to read: nothing happens
-
-
 @pytest.mark.skipif(heap_in_use is None, reason="glibc's mallinfo2 (2.33+) is not available here")
 def test_the_heap_reading_sees_what_a_load_keeps_and_not_what_it_freed() -> None:
     """The real ``mallinfo2`` reading: a load that keeps 24 MB and frees a 40 MB temporary (and
