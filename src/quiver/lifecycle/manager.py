@@ -451,9 +451,11 @@ class ModelRepositoryManager:
         # its files did not change since they were (watch.py: the changes read here first).
         if self.admission.watch is not None:
             self.admission.watch.read_changes()
-        failures = await self._lifecycle.load_on_demand(name, functools.partial(self._sources.find, name))
+        failures = None
+        if self._local_roots:  # only S3 repositories: a key, no trip to look for a folder
+            failures = await self._lifecycle.load_on_demand(name, functools.partial(self._sources.find, name))
         if failures is None:  # no folder found by a direct look: a scan, then a key
-            source = (await self._sources.scan())[0].get(name)
+            source = (await self._sources.scan())[0].get(name) if self._local_roots else None
             if source is None:
                 stores = self._sources.key_stores(name)
                 await self._lifecycle.load_archive(name, name, stores, check_later=self._check_later)
