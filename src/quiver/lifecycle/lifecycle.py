@@ -40,7 +40,7 @@ from quiver.errors import (
     UnavailableError,
 )
 from quiver.lifecycle.admission import AHEAD, AdmissionControl, Inspection
-from quiver.lifecycle.archives import archive_layout, check_members_free, is_namespaced
+from quiver.lifecycle.archives import ArchiveLayouts, check_members_free, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph, Namespace
 from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instances
@@ -99,6 +99,7 @@ class ModelLifeCycle:
         # it failed; none and poll modes report the earlier failure.
         self._reload_failed_composing = reload_failed_composing
         self._namespacing = namespacing
+        self._layouts = ArchiveLayouts(namespacing=namespacing)  # of the disk cache's folders
         self._infer: InferFn | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
@@ -412,9 +413,10 @@ class ModelLifeCycle:
             await self._drop_namespace(served, f"archive model '{served}' is loaded again")
         lease = await self._sources.fetch(served, key, stores, check_later=check_later)
         try:
-            source, members = await self._pool.run(
-                functools.partial(archive_layout, namespacing=self._namespacing), served, key, lease.path
-            )
+            layout = self._layouts.kept(served, key, lease.path)  # a reload from the disk cache
+            if layout is None:
+                layout = await self._pool.run(self._layouts.read, served, key, lease.path)
+            source, members = layout
             if not self._namespacing:
                 check_members_free(served, key, members, self._graph, self._table.serving, self._locks.busy)
         except BaseException:
@@ -423,7 +425,10 @@ class ModelLifeCycle:
         self._graph.add_namespace(Namespace(served, key, {m.name: m for m in members}, lease.release))
         try:
             try:
-                failures = await self.load(source)
+                if self._table.serving(served):
+                    failures = await self.load(source)  # loaded again (a new upload is served)
+                else:  # inspected and often loaded in one trip to a load thread, as a folder's miss
+                    failures = await self.load_on_demand(served, lambda: source) or {}
             finally:
                 lease.loaded()  # a background check of the copy may start now
         except BaseException:
