@@ -231,13 +231,15 @@ class StreamWriter:
 
     # -- credit -------------------------------------------------------------------------------
 
-    def top_up(self, stream: Stream, target: int = STREAM_WINDOW) -> None:
-        """Let the client send up to ``target`` more bytes on ``stream`` (a WINDOW_UPDATE when
-        its window is a quarter or more short of it)."""
+    def top_up(self, stream: Stream, target: int | None = None) -> None:
+        """Let the client send ``target`` more bytes on ``stream``, the bytes a message the
+        server admitted still needs: a WINDOW_UPDATE for whatever its window lacks, however
+        little (it cannot finish the message without). With no ``target``, its window back to
+        :data:`STREAM_WINDOW`, once it is a quarter or more short (fewer, larger updates)."""
         if stream.remote_closed or stream.reset:
             return
-        short = min(target, h2.MAX_WINDOW) - stream.recv_window
-        if short > 0 and (short >= STREAM_WINDOW // 4 or target > STREAM_WINDOW):
+        short = min(STREAM_WINDOW if target is None else target, h2.MAX_WINDOW) - stream.recv_window
+        if short > 0 and (target is not None or short >= STREAM_WINDOW // 4):
             self._write(h2.window_update(stream.id, short))
             stream.recv_window += short
 

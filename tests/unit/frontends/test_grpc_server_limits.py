@@ -235,3 +235,32 @@ def test_connections_past_the_cap_and_idle_ones_are_sent_away(monkeypatch: pytes
         assert goaway and goaway[0].error_code == 0
 
     run(main)
+
+
+@pytest.mark.parametrize("length", [65_531, 70_000, 81_000, 150_000])
+def test_a_message_just_past_a_stream_window_gets_all_its_credit(length: int) -> None:
+    """A message a little larger than the stream's window (what is missing smaller than a
+    quarter window) is admitted and its window opened for all of it, however its bytes come
+    in: the client never waits for credit that does not come (a stall that only a deadline
+    ended)."""
+
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        body = b"\x00" + length.to_bytes(4, "big") + bytes(range(256)) * (length // 256) + bytes(length % 256)
+        for first in (5, 1000, 16_384):  # how much of the message the first DATA frame carries
+            pair = Pair(server)
+            stream_id = pair.client.get_next_available_stream_id()
+            pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+            sent = _fill(pair, stream_id, body[:first])
+            sent += _fill(pair, stream_id, body[sent:])
+            assert sent == len(body), f"{len(body) - sent} bytes never got credit (first frame {first})"
+            pair.client.end_stream(stream_id)
+            for _ in range(30):  # the answer is as large: it comes as the client gives credit
+                for event in of(pair.pump(), h2.events.DataReceived):
+                    pair.client.acknowledge_received_data(event.flow_controlled_length, stream_id)
+                await asyncio.sleep(0)
+            answer = b"".join(e.data for e in of(pair.events, h2.events.DataReceived) if e.stream_id == stream_id)
+            assert answer == body
+            assert server.budget.used == 0
+
+    run(main)
