@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 #: A request message with bytes missing and none arriving for this long ends its call.
 PROGRESS_SECONDS = 30.0
 _PREFIX = 5  # a message's compressed flag and 4-byte length
+#: Credit past what an admitted message still needs: the most one frame's padding takes (its
+#: length byte and 255 bytes), so a client that pads its DATA can always send the rest.
+PADDING_ROOM = 256
 
 
 class ReceiveBudget:
@@ -137,7 +140,7 @@ class RequestBuffer:
                 return
             self._admitted = need
             self._recharge()
-        self._connection.top_up(self._stream, need - self.pending())
+        self._connection.top_up(self._stream, need - self.pending() + PADDING_ROOM)
 
     def release(self) -> None:
         """The call has ended: what it held leaves the budget."""

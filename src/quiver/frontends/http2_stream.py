@@ -232,12 +232,13 @@ class StreamWriter:
     # -- credit -------------------------------------------------------------------------------
 
     def top_up(self, stream: Stream, target: int = STREAM_WINDOW) -> None:
-        """Let the client send up to ``target`` more bytes on ``stream`` (a WINDOW_UPDATE when
-        its window is a quarter or more short of it)."""
+        """Let the client send up to ``target`` more bytes on ``stream``: a WINDOW_UPDATE when
+        its window is a quarter or more short of a stream window, or short at all of another
+        target (what a message being received still needs: the client cannot finish it without)."""
         if stream.remote_closed or stream.reset:
             return
         short = min(target, h2.MAX_WINDOW) - stream.recv_window
-        if short > 0 and (short >= STREAM_WINDOW // 4 or target > STREAM_WINDOW):
+        if short > 0 and (short >= STREAM_WINDOW // 4 or target != STREAM_WINDOW):
             self._write(h2.window_update(stream.id, short))
             stream.recv_window += short
 
