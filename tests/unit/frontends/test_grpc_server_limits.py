@@ -298,3 +298,58 @@ def test_padding_is_credited_to_a_message_being_received() -> None:
         assert await _answer(pair, stream_id) == (b"0", message)
 
     run(main)
+
+
+async def _starve(pair: Pair, count: int, length: int = 4 * MB, size: int = 100) -> list[int]:
+    """``count`` streams that announce a ``length`` message and send ``size`` bytes of it."""
+    streams = []
+    for at in range(count):
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+        pair.client.send_data(stream_id, b"\x00" + length.to_bytes(4, "big") + b"s" * (size - 5))
+        streams.append(stream_id)
+        if at % 50 == 49:
+            pair.pump()
+            await asyncio.sleep(0)  # (a read opens at most 64 streams before others get a turn)
+    pair.pump()
+    await asyncio.sleep(0)
+    return streams
+
+
+def test_calls_waiting_for_the_budget_cost_no_more_to_end_than_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages waiting for room in the budget are looked at again once per turn of the event
+    loop that freed some, in order, each connection's up to its first that still does not fit:
+    a connection closing with hundreds waiting costs work in proportion to them, not to their
+    square (every call's end used to look at every waiting message again)."""
+    from quiver.frontends import grpc_receive
+
+    looks = [0]
+    credit = grpc_receive.RequestBuffer.credit
+
+    def counted(self: grpc_receive.RequestBuffer) -> None:
+        looks[0] += 1
+        credit(self)
+
+    monkeypatch.setattr(grpc_receive.RequestBuffer, "credit", counted)
+
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        pairs = [Pair(server) for _ in range(2)]
+        waiting = [await _starve(pair, 300) for pair in pairs]
+        assert sum(1 for pair in pairs for s in pair.server.streams.values() if s.handler._request._admitted) == 2  # type: ignore[union-attr]
+        looks[0] = 0
+        pairs[0].transport.close()  # its 300 calls end
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not pairs[0].server.streams and server.budget.used == pairs[1].server.buffered
+        assert looks[0] < 50
+        # the budget's room goes to the other connection's next message
+        first = waiting[1][0]
+        pairs[1].client.reset_stream(first)
+        pairs[1].pump()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert pairs[1].server.streams[waiting[1][1]].handler._request._admitted == 4 * MB + 5  # type: ignore[union-attr]
+        assert looks[0] < 100
+
+    run(main)
