@@ -12,8 +12,9 @@ messages always finish and several large uploads never starve each other halfway
 its call may hold no more than a stream window (HTTP/2's 64 KiB) and its client waits. A
 stream's window comes back to 64 KiB as its handler takes what came, not before (a stream whose
 reader is behind stops its client). While the budget is spent, new streams are refused
-(REFUSED_STREAM, which clients retry), and a message that makes no progress for
-:data:`PROGRESS_SECONDS` ends its call.
+(REFUSED_STREAM, which clients retry), so are calls whose bytes arrive with no room for them
+(streams opened before it was spent, on however many connections: a stream's window is not a
+promise of room), and a message that makes no progress for :data:`PROGRESS_SECONDS` ends its call.
 """
 
 from __future__ import annotations
@@ -106,9 +107,16 @@ class RequestBuffer:
             delta, self._charge = charge - self._charge, charge
             self._budget.adjust(self.connection, delta)
 
-    def add(self, data: memoryview) -> None:
+    def add(self, data: memoryview) -> bool:
+        """Keep ``data``; False (nothing kept) when it is not part of an admitted message and
+        the server-wide budget has no room for it (unless nothing else is held)."""
+        charge = max(self.pending() + len(data), self._admitted)
+        budget = self._budget
+        if charge > self._charge and budget.used + charge - self._charge > budget.limit and budget.used != self._charge:
+            return False
         self._data += data
         self._recharge()
+        return True
 
     def pending(self) -> int:
         return len(self._data) - self._start

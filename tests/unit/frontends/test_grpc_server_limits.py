@@ -9,6 +9,7 @@ from typing import Any
 
 import h2.errors
 import h2.events
+import h2.exceptions
 import h2.settings
 import hyperframe.frame as hf
 import pytest
@@ -300,19 +301,37 @@ def test_padding_is_credited_to_a_message_being_received() -> None:
     run(main)
 
 
-async def _starve(pair: Pair, count: int, length: int = 4 * MB, size: int = 100) -> list[int]:
-    """``count`` streams that announce a ``length`` message and send ``size`` bytes of it."""
+async def _open(pair: Pair, count: int) -> list[int]:
+    """``count`` streams of /svc/Echo opened (their requests not begun)."""
     streams = []
-    for at in range(count):
+    for number in range(count):
         stream_id = pair.client.get_next_available_stream_id()
         pair.client.send_headers(stream_id, _headers("/svc/Echo"))
-        pair.client.send_data(stream_id, b"\x00" + length.to_bytes(4, "big") + b"s" * (size - 5))
         streams.append(stream_id)
-        if at % 50 == 49:
+        if number % 50 == 49:
             pair.pump()
             await asyncio.sleep(0)  # (a read opens at most 64 streams before others get a turn)
     pair.pump()
     await asyncio.sleep(0)
+    return streams
+
+
+def _begin(pair: Pair, streams: list[int], length: int = 4 * MB, size: int = 100) -> None:
+    """Each of ``streams`` sends the first ``size`` bytes of a ``length`` message (those the
+    server refused meanwhile are skipped)."""
+    data = b"\x00" + length.to_bytes(4, "big") + b"s" * (size - 5)
+    for stream_id in streams:
+        try:
+            for at in range(0, size, 16384):
+                pair.client.send_data(stream_id, data[at : at + 16384])
+        except h2.exceptions.StreamClosedError:
+            continue
+        pair.pump()
+
+
+async def _starve(pair: Pair, count: int, length: int = 4 * MB, size: int = 100) -> list[int]:
+    streams = await _open(pair, count)
+    _begin(pair, streams, length, size)
     return streams
 
 
@@ -351,5 +370,52 @@ def test_calls_waiting_for_the_budget_cost_no_more_to_end_than_to_start(monkeypa
             await asyncio.sleep(0)
         assert pairs[1].server.streams[waiting[1][1]].handler._request._admitted == 4 * MB + 5  # type: ignore[union-attr]
         assert looks[0] < 100
+
+    run(main)
+
+
+def test_request_bytes_past_the_server_wide_budget_are_refused_whatever_the_connections() -> None:
+    """Many connections, each within its share, with streams that send the start of messages
+    the budget has no room for: what is held stays within the server-wide budget (the windows
+    each stream was granted used to let every connection hold 64 KiB a stream past it); the
+    calls whose bytes found no room are refused (nothing of them ran: clients may retry), the
+    admitted messages go on."""
+
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        server.budget.limit = 1 * MB
+        pairs = [Pair(server) for _ in range(4)]
+        opened = [await _open(pair, 8) for pair in pairs]  # all open before the budget fills
+        for pair, streams in zip(pairs, opened, strict=True):
+            _begin(pair, streams, length=200_000, size=60_000)
+        held = sum(s.handler._request.pending() for pair in pairs for s in pair.server.streams.values()  # type: ignore[union-attr]
+                   if s.handler is not None and s.handler._request is not None)  # type: ignore[attr-defined]
+        assert server.budget.used <= server.budget.limit and held <= server.budget.limit
+        refused = [e for pair in pairs for e in of(pair.events, h2.events.StreamReset)]
+        assert len(refused) >= 16 and {e.error_code for e in refused} == {h2.errors.ErrorCodes.REFUSED_STREAM}
+        admitted = [s.id for s in pairs[0].server.streams.values() if s.handler._request._admitted]  # type: ignore[union-attr]
+        assert len(admitted) >= 2
+        assert _send_all(pairs[0], admitted[0], b"a" * (200_005 - 60_000))  # an admitted message finishes
+        assert await _answer(pairs[0], admitted[0]) == (b"0", b"\x00" + (200_000).to_bytes(4, "big") + b"s" * 59_995 + b"a" * 140_005)
+
+    run(main)
+
+
+def test_a_streaming_call_whose_bytes_find_no_room_ends_resource_exhausted() -> None:
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        server.budget.limit = 100_000
+        pair = Pair(server)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Stream"))
+        pair.pump()
+        await asyncio.sleep(0)
+        await _starve(pair, 1, length=200_000, size=100)  # admitted: it holds the budget
+        assert server.budget.used == 200_005
+        pair.client.send_data(stream_id, b"\x00\x00\x00\x00\x03ab")
+        pair.pump()
+        (trailers,) = [e for e in of(pair.events, h2.events.ResponseReceived) if e.stream_id == stream_id]
+        assert dict(trailers.headers)[b"grpc-status"] == b"8"  # RESOURCE_EXHAUSTED
+        assert server.budget.used == 200_005
 
     run(main)
