@@ -111,6 +111,7 @@ class GrpcCall:
         self.head = head
         self.method: RpcMethod = head.method  # type: ignore[assignment]  # a call has one
         self.loop = connection.loop
+        server.calls += 1  # (out again in _complete)
         self._request: RequestBuffer | None = None  # what was received and not yet taken
         self._message: tuple[int, bytes] | None = None  # a unary request: (flag, bytes)
         self._received = 0.0  # when bytes last came (a message with bytes missing must progress)
@@ -394,6 +395,7 @@ class GrpcCall:
         if self._done:
             return
         self._done = True
+        self.server.calls -= 1
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

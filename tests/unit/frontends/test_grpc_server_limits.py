@@ -419,3 +419,30 @@ def test_a_streaming_call_whose_bytes_find_no_room_ends_resource_exhausted() -> 
         assert server.budget.used == 200_005
 
     run(main)
+
+
+def test_calls_in_progress_are_bounded_server_wide() -> None:
+    """Each connection may have its streams, but the calls in progress on all of them are
+    bounded (a call holds a task and its state before any request byte: 40 connections of
+    1,024 streams each, HEADERS alone, held 410 MB); past the bound new streams are refused,
+    and taken again once calls end."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_calls = 5
+        pairs = [Pair(server) for _ in range(2)]
+        opened = [await _open(pair, 4) for pair in pairs]
+        refused = [(e.stream_id, e.error_code) for e in of(pairs[1].events, h2.events.StreamReset)]
+        assert refused == [(opened[1][1], h2.errors.ErrorCodes.REFUSED_STREAM), (opened[1][2], h2.errors.ErrorCodes.REFUSED_STREAM),
+                           (opened[1][3], h2.errors.ErrorCodes.REFUSED_STREAM)]
+        assert server.calls == 5
+        pairs[0].client.send_data(opened[0][0], b"\x00\x00\x00\x00\x01a", end_stream=True)  # a call ends
+        pairs[0].pump()
+        assert await _answer(pairs[0], opened[0][0]) == (b"0", b"\x00\x00\x00\x00\x01a")
+        assert server.calls == 4
+        assert len(await _open(pairs[1], 1)) == 1 and not of(pairs[1].events, h2.events.StreamReset)[3:]
+        pairs[0].transport.close()  # its calls end with it
+        await asyncio.sleep(0)
+        assert server.calls == 2
+
+    run(main)
