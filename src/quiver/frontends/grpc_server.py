@@ -181,6 +181,7 @@ class GrpcServer:
         self.max_header_list_size = max_header_list_size
         self.max_calls = max_calls
         self.calls = 0  # calls in progress (GrpcCall counts itself in and out)
+        self.unfinished_header_bytes = 0  # kept by the connections
         #: Request bytes received and not yet taken by handlers, at most: twice the largest
         #: message (at least 256 MiB) in all, and a message and a window per connection.
         self.budget = ReceiveBudget(
