@@ -81,6 +81,7 @@ class Http2Owner(Protocol):
     max_header_list_size: int
     keepalive: Keepalive
     unfinished_header_bytes: int  # kept by the connections (see http2_guard)
+    pending_send: int  # answer bytes waiting for clients' windows, kept by the connections
 
     def accepting(self, connection: Http2Connection) -> bool:
         """Whether a new stream may open now (False: it is refused, and the client retries)."""
@@ -179,7 +180,11 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
         self._timers.clear()
         streams, self.streams = list(self.streams.values()), {}
         self._blocked.clear()
+        self.owner.pending_send -= self.pending_send
+        self.pending_send = 0
         for stream in streams:
+            stream.pending.clear()
+            stream.pending_bytes = 0
             self._gone(stream, h2.CANCEL)
         self.owner.connection_closed(self)
 

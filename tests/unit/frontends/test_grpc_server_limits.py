@@ -446,3 +446,39 @@ def test_calls_in_progress_are_bounded_server_wide() -> None:
         assert server.calls == 2
 
     run(main)
+
+
+def test_answers_waiting_for_window_are_bounded_on_all_connections() -> None:
+    """Clients that never open their windows, on many connections, each within its own
+    limit (6 connections held 432 MB of answers for a minute): past the bound on all of them,
+    new streams are refused; once answers go out or their streams end, streams are taken again."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_pending_send = 150_000
+        shut = {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+        pairs = [Pair(server, shut) for _ in range(3)]
+        streams = []
+        for pair in pairs:
+            stream_id = pair.client.get_next_available_stream_id()
+            pair.client.send_headers(stream_id, _headers("/svc/Big"))
+            pair.client.send_data(stream_id, b"\x00\x00\x00\x00\x01a", end_stream=True)
+            pair.pump()
+            for _ in range(10):
+                await asyncio.sleep(0)
+            streams.append(stream_id)
+        assert server.pending_send == 200_010  # the first two answers wait; the third was refused
+        refused = of(pairs[2].events, h2.events.StreamReset)
+        assert [(e.stream_id, e.error_code) for e in refused] == [(streams[2], h2.errors.ErrorCodes.REFUSED_STREAM)]
+        pairs[0].transport.close()  # its answer is dropped with it
+        await asyncio.sleep(0)
+        assert server.pending_send == 100_005
+        pairs[1].client.reset_stream(streams[1])
+        pairs[1].pump()
+        assert server.pending_send == 0
+        stream_id = pairs[2].client.get_next_available_stream_id()
+        pairs[2].client.send_headers(stream_id, _headers("/svc/Echo"))
+        pairs[2].pump()
+        assert len(of(pairs[2].events, h2.events.StreamReset)) == 1
+
+    run(main)

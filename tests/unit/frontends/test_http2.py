@@ -58,6 +58,7 @@ class Owner:
         self.max_concurrent_streams = max_concurrent_streams
         self.max_header_list_size = 65536
         self.unfinished_header_bytes = 0
+        self.pending_send = 0
         self.keepalive = keepalive or Keepalive(time=None)
         self.heads: list[list[tuple[bytes, bytes]]] = []
         self.handlers: dict[int, Handler] = {}
