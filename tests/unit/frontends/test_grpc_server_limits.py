@@ -482,3 +482,42 @@ def test_answers_waiting_for_window_are_bounded_on_all_connections() -> None:
         assert len(of(pairs[2].events, h2.events.StreamReset)) == 1
 
     run(main)
+
+
+def test_a_stream_whose_answers_are_not_taken_stops_reading_requests() -> None:
+    """ModelStreamInfer with a client that sends requests and never reads the answers: the
+    requests in progress and the answers queued for the writer count against the stream's
+    window together, so the reader stops (a million empty requests queued 86 MB of error
+    answers: each request's place came back when its answer was queued, not when it was sent)."""
+    from quiver.errors import InvalidArgumentError
+    from quiver.frontends.grpc_stream import STREAM_WINDOW, serve_stream
+
+    class Servicer:
+        service = None
+
+        def _enter(self) -> None: ...
+
+        def _leave(self) -> None: ...
+
+        async def decode(self, data: bytes, context: Any = None) -> Any:
+            raise InvalidArgumentError("malformed ModelInferRequest message")
+
+    pulled = 0
+
+    async def requests() -> Any:
+        nonlocal pulled
+        for _ in range(10 * STREAM_WINDOW):
+            pulled += 1
+            yield b"\x00"
+
+    async def main() -> None:
+        answers = serve_stream(Servicer(), requests())  # type: ignore[arg-type]
+        first = await answers.__anext__()  # the writer takes one answer, then its client stalls
+        assert b"malformed" in first
+        for _ in range(200):
+            await asyncio.sleep(0)
+        assert pulled <= STREAM_WINDOW + 2
+        rest = [answer async for answer in answers]  # the client reads again: every request answered
+        assert len(rest) == 10 * STREAM_WINDOW - 1 and pulled == 10 * STREAM_WINDOW
+
+    run(main)
