@@ -179,6 +179,19 @@ def install_probe(fine: bool) -> None:
     _wrap(lifecycle.ModelLifeCycle, "evict", "evict", lambda _s, victim, *a, **k: victim)
     _wrap(ahead.RoomAhead, "make", "ahead")
     _wrap(read_ahead, "read_config", "read_ahead", lambda source, *a: source.name)
+    # the path of a model addressed by key (an archive in S3, through the disk cache)
+    from quiver.repository import cache
+
+    _wrap(lifecycle.ModelLifeCycle, "load_archive", "archive", lambda _s, served, *a, **k: served)
+    _wrap(lifecycle.ModelLifeCycle, "load", "load", lambda _s, source, *a, **k: source.name)
+    from quiver.lifecycle import archives
+
+    _wrap(archives.ArchiveLayouts, "read", "layout")
+    _wrap(sources.ModelSources, "scan", "scan")
+    _wrap(sources.ModelSources, "fetch", "fetch", lambda _s, served, *a, **k: served)
+    _wrap(cache.DiskCache, "_usable", "cache_check")
+    _wrap(cache.DiskCache, "_download", "download")
+    _wrap(admission.AdmissionControl, "load", "admission_load", lambda _s, source, *a, **k: source.name)
 
     if fine:
         from quiver.backends import base as backends_base
@@ -225,6 +238,10 @@ def install_probe(fine: bool) -> None:
 
         memory.MemoryMeter.__init__ = meter_init  # type: ignore[method-assign]
         _wrap(manager.ModelRepositoryManager, "request_done", "fine.request_done")
+        _wrap(cache.DiskCache, "_get", "fine.cache_get")
+        _wrap(cache.DiskCache, "_newest", "fine.cache_newest")
+        _wrap(cache, "check_key", "fine.check_key")
+        _wrap(sources.ModelSources, "_disk_cache", "fine.disk_cache")
 
     measure = memory.MemoryMeter.measure
 
@@ -407,8 +424,8 @@ MISS_STAGES = [
     ("measured section left -> trip ends", "meter.out", "trip>"),
     ("hand-off: trip ends -> event loop has the result", "trip>", "deliver<"),
     ("result -> settled (budget commit)", "deliver<", "settle>"),
-    ("settled -> installed", "settle>", "install>"),
-    ("installed -> waiters woken", "install>", "wake>"),
+    ("settled -> install", "settle>", "install<"),
+    ("install -> waiters woken (the model landed)", "install<", "wake>"),
     ("woken -> acquire returns", "wake>", "acquire>"),
     ("acquire returns -> first execution starts", "acquire>", "execute<"),
     ("first execution (Run and its outputs)", "execute<", "execute>"),

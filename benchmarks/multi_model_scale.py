@@ -51,6 +51,7 @@ from benchmarks.multi_model import (
     model,
     percentile,
     post,
+    ready,
 )
 from benchmarks.peers.quiver import QuiverServer
 
@@ -142,8 +143,14 @@ def run_size(count: int, args: argparse.Namespace, tmp: Path, store: Any) -> dic
             fill = names[: min(count, args.resident + 20)]
             for name in fill:
                 infer(name)
-            resident_now = fill[-5:]
             time.sleep(0.2)  # evictions ahead of need after the fill finish
+            # the hits go to five of the models loaded last that are still loaded (W-TinyLFU
+            # may have evicted a model used once for another used once: a tie evicts the
+            # newcomer); a readiness check loads nothing
+            host = server.endpoints.http
+            resident_now = [name for name in reversed(fill) if ready(str(host), name)][:5]
+            if not resident_now:
+                raise RuntimeError("no model is loaded after the fill")
             before_hits = scrape(metrics_url)
             ledger.append(before_hits["quiver_model_memory_used_bytes"])
             hits = [infer(resident_now[k % len(resident_now)], read_ledger=False) for k in range(args.hits)]

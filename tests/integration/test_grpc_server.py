@@ -147,6 +147,19 @@ def test_a_request_over_many_frames_and_an_answer_past_the_clients_window(server
     np.testing.assert_array_equal(client.infer("identity_fp32", [tensor]).as_numpy("OUTPUT0"), values)
 
 
+def test_requests_a_little_larger_than_a_stream_window_are_answered(server: QuiverServer) -> None:
+    """tritonclient's requests of 64-80 KiB (the message just past HTTP/2's 64 KiB stream
+    window, what it lacks less than a quarter window): each gets all the credit it needs and is
+    answered well before its deadline, on one connection and one after another."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    for count in (16_380, 16_384, 17_500, 20_000):
+        values = np.arange(count, dtype=np.float32)
+        tensor = grpcclient.InferInput("INPUT0", [count], "FP32")
+        tensor.set_data_from_numpy(values)
+        result = client.infer("identity_fp32", [tensor], client_timeout=10)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), values)
+
+
 def test_a_client_reset_cancels_the_call_and_the_connection_goes_on(server: QuiverServer, raw: RawGrpc) -> None:
     stream_id = raw.start("ModelInfer")
     raw.send(stream_id, framed(count_request("sender_plain", "wait_cancel")))

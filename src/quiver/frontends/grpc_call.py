@@ -111,6 +111,7 @@ class GrpcCall:
         self.head = head
         self.method: RpcMethod = head.method  # type: ignore[assignment]  # a call has one
         self.loop = connection.loop
+        server.calls += 1  # (out again in _complete)
         self._request: RequestBuffer | None = None  # what was received and not yet taken
         self._message: tuple[int, bytes] | None = None  # a unary request: (flag, bytes)
         self._received = 0.0  # when bytes last came (a message with bytes missing must progress)
@@ -157,7 +158,9 @@ class GrpcCall:
                     return
             request = self._request = RequestBuffer(self.server.budget, connection, stream)
         if data:
-            request.add(data)
+            if not request.add(data):
+                self._no_room()
+                return
             self._received = self.loop.time()
         head = request.head()
         if head is not None and head[1] > limit:
@@ -209,6 +212,20 @@ class GrpcCall:
                      f"the request message stalled: no bytes for {PROGRESS_SECONDS:.0f} s with {request.pending()} held")
         if self._task is not None:
             self._task.cancel()
+
+    def _no_room(self) -> None:
+        """The server's receive budget has no room for this call's bytes: a call that has not
+        started is refused (REFUSED_STREAM: nothing of it ran, the client may send it again),
+        one that has ends RESOURCE_EXHAUSTED."""
+        self._cancelled = True
+        if self._task is None:
+            self.connection.reset_stream(self.stream, h2.REFUSED_STREAM)
+            self._complete()
+            return
+        budget = self.server.budget
+        self._finish(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     f"the server's request buffers are full ({budget.used} of {budget.limit} bytes held)")
+        self._task.cancel()
 
     def stream_reset(self, code: int) -> bool:
         """The client reset the stream or went away: the handler is cancelled; True while
@@ -378,6 +395,7 @@ class GrpcCall:
         if self._done:
             return
         self._done = True
+        self.server.calls -= 1
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

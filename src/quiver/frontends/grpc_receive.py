@@ -12,8 +12,9 @@ messages always finish and several large uploads never starve each other halfway
 its call may hold no more than a stream window (HTTP/2's 64 KiB) and its client waits. A
 stream's window comes back to 64 KiB as its handler takes what came, not before (a stream whose
 reader is behind stops its client). While the budget is spent, new streams are refused
-(REFUSED_STREAM, which clients retry), and a message that makes no progress for
-:data:`PROGRESS_SECONDS` ends its call.
+(REFUSED_STREAM, which clients retry), so are calls whose bytes arrive with no room for them
+(streams opened before it was spent, on however many connections: a stream's window is not a
+promise of room), and a message that makes no progress for :data:`PROGRESS_SECONDS` ends its call.
 """
 
 from __future__ import annotations
@@ -26,16 +27,25 @@ if TYPE_CHECKING:
 #: A request message with bytes missing and none arriving for this long ends its call.
 PROGRESS_SECONDS = 30.0
 _PREFIX = 5  # a message's compressed flag and 4-byte length
+#: Credit past what an admitted message still needs: the most one frame's padding takes (its
+#: length byte and 255 bytes), so a client that pads its DATA can always send the rest.
+PADDING_ROOM = 256
 
 
 class ReceiveBudget:
-    """Request bytes received and not yet taken by a handler: server-wide and per connection."""
+    """Request bytes received and not yet taken by a handler: server-wide and per connection.
+
+    Messages waiting for room are looked at again once per turn of the event loop in which some
+    was freed, in the order they came, each connection's up to the first that still does not
+    fit: the work is in proportion to the messages admitted and the connections waiting, not to
+    every waiting message for every call that ends."""
 
     def __init__(self, limit: int, per_connection: int) -> None:
         self.limit = limit
         self.per_connection = per_connection
         self.used = 0
-        self._starved: dict[RequestBuffer, None] = {}
+        self._starved: dict[Http2Connection, dict[RequestBuffer, None]] = {}
+        self._waking = False
 
     def room(self, connection: Http2Connection) -> bool:
         return self.used < self.limit and connection.buffered < self.per_connection
@@ -51,26 +61,40 @@ class ReceiveBudget:
     def adjust(self, connection: Http2Connection, delta: int) -> None:
         self.used += delta
         connection.buffered += delta
-        if delta < 0 and self._starved:
-            starved, self._starved = self._starved, {}
-            for buffer in starved:
-                buffer.credit()  # starves again if there is still no room for it
+        if delta < 0 and self._starved and not self._waking:
+            self._waking = True
+            connection.loop.call_soon(self._wake)
+
+    def _wake(self) -> None:
+        self._waking = False
+        for connection, waiting in list(self._starved.items()):
+            while waiting and self.used < self.limit:
+                buffer = next(iter(waiting))
+                buffer.credit()  # admitted: it leaves the queue; still no room: it stays first
+                if buffer in waiting:
+                    break
+            if not waiting:
+                self._starved.pop(connection, None)
 
     def starve(self, buffer: RequestBuffer) -> None:
-        self._starved[buffer] = None
+        self._starved.setdefault(buffer.connection, {})[buffer] = None
 
     def forget(self, buffer: RequestBuffer) -> None:
-        self._starved.pop(buffer, None)
+        waiting = self._starved.get(buffer.connection)
+        if waiting is not None:
+            waiting.pop(buffer, None)
+            if not waiting:
+                del self._starved[buffer.connection]
 
 
 class RequestBuffer:
     """One call's request bytes not yet taken (see the module's docstring)."""
 
-    __slots__ = ("_admitted", "_budget", "_charge", "_connection", "_data", "_start", "_stream")
+    __slots__ = ("_admitted", "_budget", "_charge", "_data", "_start", "_stream", "connection")
 
     def __init__(self, budget: ReceiveBudget, connection: Http2Connection, stream: Stream) -> None:
         self._budget = budget
-        self._connection = connection
+        self.connection = connection
         self._stream = stream
         self._data = bytearray()
         self._start = 0  # where the untaken bytes begin
@@ -81,11 +105,18 @@ class RequestBuffer:
         charge = max(self.pending(), self._admitted)
         if charge != self._charge:
             delta, self._charge = charge - self._charge, charge
-            self._budget.adjust(self._connection, delta)
+            self._budget.adjust(self.connection, delta)
 
-    def add(self, data: memoryview) -> None:
+    def add(self, data: memoryview) -> bool:
+        """Keep ``data``; False (nothing kept) when it is not part of an admitted message and
+        the server-wide budget has no room for it (unless nothing else is held)."""
+        charge = max(self.pending() + len(data), self._admitted)
+        budget = self._budget
+        if charge > self._charge and budget.used + charge - self._charge > budget.limit and budget.used != self._charge:
+            return False
         self._data += data
         self._recharge()
+        return True
 
     def pending(self) -> int:
         return len(self._data) - self._start
@@ -124,27 +155,27 @@ class RequestBuffer:
         budget has room (admitted), back to a stream window when nothing whole waits; none
         while a whole message waits for the reader or the budget has no room."""
         head = self.head()
-        if head is None:
-            if self.pending() < _PREFIX:
-                self._connection.top_up(self._stream)
-            return
-        if self.whole():
-            return  # the reader has it to take first
+        if head is None or self.whole():
+            self._budget.forget(self)
+            if head is None:
+                self.connection.top_up(self._stream)
+            return  # (a whole message: the reader has it to take first)
         need = _PREFIX + head[1]
         if not self._admitted:
-            if not self._budget.fits(self._connection, max(self.pending(), need), self._charge):
+            if not self._budget.fits(self.connection, max(self.pending(), need), self._charge):
                 self._budget.starve(self)
                 return
             self._admitted = need
             self._recharge()
-        self._connection.top_up(self._stream, need - self.pending())
+        self._budget.forget(self)
+        self.connection.top_up(self._stream, need - self.pending() + PADDING_ROOM)
 
     def release(self) -> None:
         """The call has ended: what it held leaves the budget."""
         self._budget.forget(self)
         self._admitted = 0
         if self._charge:
-            self._budget.adjust(self._connection, -self._charge)
+            self._budget.adjust(self.connection, -self._charge)
             self._charge = 0
         self._data = bytearray()
         self._start = 0

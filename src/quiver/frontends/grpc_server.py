@@ -48,8 +48,12 @@ MAX_HEADER_LIST_SIZE = 64 * 1024
 #: Connections served at once; more are answered GOAWAY and closed.
 MAX_CONNECTIONS = 10_000
 #: Answer bytes one connection may have waiting for its client's windows before its new
-#: streams are refused (their answers could not go out either).
+#: streams are refused (their answers could not go out either); on all connections, four of
+#: the largest answers (at least 256 MiB) before every connection's are.
 MAX_PENDING_SEND = 64 << 20
+#: Calls in progress at once on all connections (each holds its state and a task, 1-10 KB before
+#: any request byte); past it new streams are refused (REFUSED_STREAM, which clients retry).
+MAX_CALLS = 20_000
 #: Request fields that are the transport's, not the call's metadata.
 _TRANSPORT_FIELDS = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"))
 _TIMEOUT = re.compile(rb"(\d{1,8})([HMSmun])")
@@ -166,6 +170,7 @@ class GrpcServer:
         keepalive: Keepalive | None = None,
         max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
         max_header_list_size: int = MAX_HEADER_LIST_SIZE,
+        max_calls: int = MAX_CALLS,
     ) -> None:
         self.methods = methods
         self.max_receive_message_size = max_receive_message_size
@@ -175,6 +180,11 @@ class GrpcServer:
         self.keepalive = keepalive or Keepalive()
         self.max_concurrent_streams = max_concurrent_streams
         self.max_header_list_size = max_header_list_size
+        self.max_calls = max_calls
+        self.calls = 0  # calls in progress (GrpcCall counts itself in and out)
+        self.unfinished_header_bytes = 0  # kept by the connections
+        self.pending_send = 0  # answer bytes waiting for clients' windows, kept by the connections
+        self.max_pending_send = max(4 * max_send_message_size, 256 << 20)
         #: Request bytes received and not yet taken by handlers, at most: twice the largest
         #: message (at least 256 MiB) in all, and a message and a window per connection.
         self.budget = ReceiveBudget(
@@ -237,7 +247,10 @@ class GrpcServer:
         return RequestHead(method, tuple(metadata), timeout, encoding, accepts_gzip, refusal)
 
     def accepting(self, connection: Http2Connection) -> bool:
-        return self.budget.room(connection) and connection.pending_send < MAX_PENDING_SEND
+        return (
+            self.calls < self.max_calls and self.budget.room(connection)
+            and connection.pending_send < MAX_PENDING_SEND and self.pending_send < self.max_pending_send
+        )
 
     def open_stream(self, connection: Http2Connection, stream: Stream, head: RequestHead, end_stream: bool) -> GrpcCall | None:
         if head.refusal is not None:
@@ -343,4 +356,4 @@ class GrpcServer:
         self._listeners.clear()
 
 
-__all__ = ["MAX_CONCURRENT_STREAMS", "MAX_CONNECTIONS", "GrpcServer", "RequestHead", "RpcMethod", "keepalive_from", "metadata_fields", "tls_context"]
+__all__ = ["MAX_CALLS", "MAX_CONCURRENT_STREAMS", "MAX_CONNECTIONS", "GrpcServer", "RequestHead", "RpcMethod", "keepalive_from", "metadata_fields", "tls_context"]

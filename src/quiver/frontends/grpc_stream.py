@@ -2,8 +2,9 @@
 
 As Triton's stream handler does:
 
-- requests of one stream run concurrently (up to :data:`STREAM_WINDOW` at once; the reader
-  waits past that);
+- requests of one stream run concurrently (up to :data:`STREAM_WINDOW` at once, counting
+  those whose answers wait for the writer: the reader waits past that, so a client that does
+  not read its answers stops being read);
 - a request to a model that is not decoupled is answered once, and those answers go out in
   the order their requests came; a decoupled model's responses go out as they are sent, in
   order within their request;
@@ -35,7 +36,8 @@ from quiver.service import InferenceService
 from quiver.streaming import StreamResponse
 from quiver.types import InferenceRequest
 
-#: Requests of one stream decoded and running at once; the reader waits past this.
+#: Requests of one stream decoded, running or with answers queued for the writer at once; the
+#: reader waits past this.
 STREAM_WINDOW = 64
 #: The request parameter by which a client asks for decoupled models' flag-only finals.
 EMPTY_FINAL = "triton_enable_empty_final_response"
@@ -49,6 +51,13 @@ class StreamAborted(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class _Released:
+    """Queued after a request's last answer (see :data:`STREAM_WINDOW`)."""
+
+
+RELEASED = _Released()
 
 
 class StreamServicer(Protocol):
@@ -137,7 +146,7 @@ async def serve_stream(
     """The ModelStreamInfer call: serialized requests in, serialized responses out; with
     ``abort_on_error``, the first error raises :class:`StreamAborted` instead."""
     loop = asyncio.get_running_loop()
-    out: asyncio.Queue[bytes | StreamAborted | None] = asyncio.Queue()
+    out: asyncio.Queue[bytes | StreamAborted | _Released | None] = asyncio.Queue()
     window = asyncio.Semaphore(STREAM_WINDOW)
     tasks: set[asyncio.Task[None]] = set()
     reading = True
@@ -145,7 +154,7 @@ async def serve_stream(
 
     def request_done(task: asyncio.Task[None]) -> None:
         tasks.discard(task)
-        window.release()
+        out.put_nowait(RELEASED)  # after its answers: its place comes back once they are taken
         servicer._leave()
         if not reading and not tasks:
             out.put_nowait(None)
@@ -214,6 +223,9 @@ async def serve_stream(
     reader = asyncio.create_task(read())
     try:
         while (message := await out.get()) is not None:
+            if isinstance(message, _Released):
+                window.release()
+                continue
             if isinstance(message, StreamAborted):
                 raise message
             yield message

@@ -80,6 +80,8 @@ class Http2Owner(Protocol):
     max_concurrent_streams: int
     max_header_list_size: int
     keepalive: Keepalive
+    unfinished_header_bytes: int  # kept by the connections (see http2_guard)
+    pending_send: int  # answer bytes waiting for clients' windows, kept by the connections
 
     def accepting(self, connection: Http2Connection) -> bool:
         """Whether a new stream may open now (False: it is refused, and the client retries)."""
@@ -171,12 +173,18 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._block = []
+        self._release_header_bytes()
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
         streams, self.streams = list(self.streams.values()), {}
         self._blocked.clear()
+        self.owner.pending_send -= self.pending_send
+        self.pending_send = 0
         for stream in streams:
+            stream.pending.clear()
+            stream.pending_bytes = 0
             self._gone(stream, h2.CANCEL)
         self.owner.connection_closed(self)
 
@@ -319,6 +327,7 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
         else:
             self._block, self._block_stream, self._block_flags = [block], stream_id, flags
             self._block_size = max(len(block), CONTINUATION_COST)
+            self._hold_header_bytes(self._block_size)
             self._timer("header-block", HEADER_BLOCK_SECONDS, self._header_block_expired)
 
     def _on_continuation(self, flags: int, stream_id: int, payload: memoryview) -> None:
@@ -326,12 +335,15 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
             raise H2ConnectionError(h2.PROTOCOL_ERROR, "CONTINUATION without a header block in progress")
         if not payload and not flags & h2.END_HEADERS:
             raise H2ConnectionError(h2.ENHANCE_YOUR_CALM, "an empty CONTINUATION frame")
-        self._block_size += max(len(payload), CONTINUATION_COST)  # many small frames cost too
+        cost = max(len(payload), CONTINUATION_COST)  # many small frames cost too
+        self._block_size += cost
         if self._block_size > self._max_block:
             raise H2ConnectionError(h2.ENHANCE_YOUR_CALM, "header block too large")
+        self._hold_header_bytes(cost)
         self._block.append(bytes(payload))
         if flags & h2.END_HEADERS:
             block, self._block = b"".join(self._block), []
+            self._release_header_bytes()
             self._cancel_timer("header-block")
             self._header_block(stream_id, self._block_flags, block)
 

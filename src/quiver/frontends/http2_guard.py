@@ -3,7 +3,8 @@ alive, and what keeps a client from making it cost more than it should.
 
 - gRPC's keepalive and ping channel arguments (:class:`Keepalive`): server pings, the client
   ping policy (strikes, then GOAWAY ``too_many_pings``), a maximum connection age.
-- Time limits: the preface and SETTINGS, a header block still in CONTINUATION frames, a
+- Time limits: the preface and SETTINGS, a header block still in CONTINUATION frames (and the
+  bytes of such blocks on all connections, :data:`MAX_UNFINISHED_HEADER_BYTES`), a
   connection with no stream for :data:`IDLE_SECONDS` (GOAWAY, as gRPC's max connection idle),
   and an answer that waits for window: a stream whose data has waited for the client's window
   for :data:`STALL_SECONDS` is reset, which frees what it holds.
@@ -38,6 +39,9 @@ IDLE_SECONDS = 600.0
 STALL_SECONDS = 60.0
 #: How often idle connections and stalled streams are looked for.
 HOUSEKEEPING_SECONDS = 10.0
+#: Bytes of header blocks not yet finished (HEADERS, then CONTINUATION) on all connections at
+#: once; the connection that would take them past it ends (ENHANCE_YOUR_CALM).
+MAX_UNFINISHED_HEADER_BYTES = 32 << 20
 #: Frames the server must answer, since it last sent a stream anything, before GOAWAY.
 MAX_INDUCED_FRAMES = 10_000
 #: Streams a client may reset before their answer at once, and per second after that.
@@ -66,6 +70,7 @@ class ConnectionGuard:
     """The timers and limits of :class:`~quiver.frontends.http2.Http2Connection`."""
 
     loop: asyncio.AbstractEventLoop
+    owner: Any
     transport: Any
     peer: str
     closed: bool
@@ -86,6 +91,7 @@ class ConnectionGuard:
         self._reset_at = self.loop.time()
         self._read_pauses: set[str] = set()
         self._idle_since: float | None = self.loop.time()
+        self._header_bytes = 0  # of the header block in progress, counted on the owner
 
     def _guard_start(self) -> None:
         self._timer("handshake", HANDSHAKE_SECONDS, self._handshake_expired)
@@ -112,6 +118,17 @@ class ConnectionGuard:
         def _stall_reset(self, stream: Any) -> None: ...
 
     # -- floods ---------------------------------------------------------------------------
+
+    def _hold_header_bytes(self, cost: int) -> None:
+        """A header block in progress grew by ``cost``: counted on the owner, for all connections."""
+        self._header_bytes += cost
+        self.owner.unfinished_header_bytes += cost
+        if self.owner.unfinished_header_bytes > MAX_UNFINISHED_HEADER_BYTES:
+            raise h2.ConnectionError(h2.ENHANCE_YOUR_CALM, "too many unfinished header blocks on the server")
+
+    def _release_header_bytes(self) -> None:
+        self.owner.unfinished_header_bytes -= self._header_bytes
+        self._header_bytes = 0
 
     def _induced_frame(self) -> bool:
         """One more frame the client made the server send; False (and GOAWAY) past the limit."""
@@ -235,6 +252,7 @@ class ConnectionGuard:
 
 
 __all__ = [
-    "GOAWAY_PING", "HANDSHAKE_SECONDS", "IDLE_SECONDS", "KEEPALIVE_PING", "MAX_INDUCED_FRAMES", "RESET_BURST",
+    "GOAWAY_PING", "HANDSHAKE_SECONDS", "IDLE_SECONDS", "KEEPALIVE_PING", "MAX_INDUCED_FRAMES", "MAX_UNFINISHED_HEADER_BYTES",
+    "RESET_BURST",
     "STALL_SECONDS", "ConnectionGuard", "Keepalive",
 ]

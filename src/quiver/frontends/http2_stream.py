@@ -73,6 +73,7 @@ class StreamWriter:
     closed: bool
     streams: dict[int, Stream]
     last_stream_id: int
+    owner: Any  # its Http2Owner: pending_send is also counted there, for all connections
     pending_send: int  # bytes of DATA waiting for the client's windows, on every stream
     _out: list[bytes]
     _receiving: bool
@@ -163,6 +164,7 @@ class StreamWriter:
         stream.pending.append(memoryview(data))
         stream.pending_bytes += len(data)
         self.pending_send += len(data)
+        self.owner.pending_send += len(data)
         self._flush_stream(stream)
 
     def send_trailers(self, stream: Stream, block: bytes) -> None:
@@ -175,7 +177,7 @@ class StreamWriter:
     def _flush_stream(self, stream: Stream) -> None:
         pending = stream.pending
         limit = self._peer_max_frame
-        sent = False
+        sent = 0
         while pending:
             window = min(stream.send_window, self._send_window)
             if window <= 0:
@@ -193,10 +195,11 @@ class StreamWriter:
             stream.send_window -= size
             self._send_window -= size
             stream.pending_bytes -= size
-            self.pending_send -= size
             self._write(h2.data_frame_header(stream.id, size) + bytes(chunk))
-            sent = True
+            sent += size
         if sent:
+            self.pending_send -= sent
+            self.owner.pending_send -= sent
             self._sent_stream_data()
             if pending:
                 stream.blocked_since = self.loop.time()  # progress: the stall clock starts again
@@ -232,12 +235,13 @@ class StreamWriter:
     # -- credit -------------------------------------------------------------------------------
 
     def top_up(self, stream: Stream, target: int = STREAM_WINDOW) -> None:
-        """Let the client send up to ``target`` more bytes on ``stream`` (a WINDOW_UPDATE when
-        its window is a quarter or more short of it)."""
+        """Let the client send up to ``target`` more bytes on ``stream``: a WINDOW_UPDATE when
+        its window is a quarter or more short of a stream window, or short at all of another
+        target (what a message being received still needs: the client cannot finish it without)."""
         if stream.remote_closed or stream.reset:
             return
         short = min(target, h2.MAX_WINDOW) - stream.recv_window
-        if short > 0 and (short >= STREAM_WINDOW // 4 or target > STREAM_WINDOW):
+        if short > 0 and (short >= STREAM_WINDOW // 4 or target != STREAM_WINDOW):
             self._write(h2.window_update(stream.id, short))
             stream.recv_window += short
 
@@ -272,6 +276,7 @@ class StreamWriter:
         self.streams.pop(stream.id, None)
         if self._blocked.pop(stream.id, None) is not None or stream.pending_bytes:
             self.pending_send -= stream.pending_bytes
+            self.owner.pending_send -= stream.pending_bytes
             stream.pending.clear()
             stream.pending_bytes = 0
         self._wake(stream)

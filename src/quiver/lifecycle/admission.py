@@ -25,8 +25,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 from tritonclient.grpc import model_config_pb2 as pb
@@ -62,6 +65,9 @@ from quiver.repository.local import ModelSource
 __all__ = ["AHEAD", "AdmissionControl", "Inspection", "Unloader"]
 
 logger = logging.getLogger(__name__)
+
+#: Inspections of archives' model folders kept (the least recently stored forgotten first).
+ARCHIVED_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +131,9 @@ class AdmissionControl:
         self._frameworks: dict[str, int] = {}  # framework -> its one-time bytes, measured once
         #: Configurations read and prepared once per version of a model's files (the loads share it).
         self.configs = ConfigCache()
+        #: Inspections of archives' model folders in the disk cache, by folder (see inspect).
+        self._archived: OrderedDict[Path, Inspection] = OrderedDict()
+        self._archived_lock = threading.Lock()
         #: Local model folders unchanged since their last walk (set in on_demand mode: watch.py).
         self.watch: FolderWatch | None = None
         self.evict_ahead = evict_ahead and eviction_policy != "none"  # none: nothing unloads
@@ -259,7 +268,27 @@ class AdmissionControl:
 
     def inspect(self, source: ModelSource, override: pb.ModelConfig | None) -> Inspection:
         """Blocking (a load thread): the :class:`Inspection` of ``source``'s files; the config
-        is read once per fingerprint (:attr:`configs`)."""
+        is read once per fingerprint (:attr:`configs`). A model of an archive is inspected
+        once per folder: the disk cache extracts each download into a folder of its own,
+        whose files it checks against their manifest each time it hands it out (a file
+        added, missing or changed: dropped, and fetched into a new folder), so what its
+        files were they still are when it loads from it (a reload from the disk cache walks
+        nothing again: 0.23 ms of a 4.5 ms reload, that code out of the CPU's caches)."""
+        archived = bool(source.archive) and override is None
+        if archived:
+            with self._archived_lock:
+                kept = self._archived.get(source.path)
+            if kept is not None:
+                return kept
+        inspection = self._inspect(source, override)
+        if archived:
+            with self._archived_lock:
+                self._archived[source.path] = inspection
+                while len(self._archived) > ARCHIVED_KEPT:
+                    self._archived.popitem(last=False)
+        return inspection
+
+    def _inspect(self, source: ModelSource, override: pb.ModelConfig | None) -> Inspection:
         watch = self.watch
         if watch is not None and override is None:
             fingerprint, size = watch.walk(source, fingerprint_and_size)

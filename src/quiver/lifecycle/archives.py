@@ -13,6 +13,8 @@ Everything here blocks (it reads the extracted files): run it on a load thread.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,11 +63,45 @@ def archive_layout(
 
 __all__ = [
     "NAMESPACE_SEPARATOR",
+    "ArchiveLayouts",
     "archive_layout",
     "check_key_name",
     "is_namespaced",
     "namespaced",
 ]
+
+
+class ArchiveLayouts:
+    """:func:`archive_layout` once per extracted archive. The disk cache extracts each download
+    into a folder of its own (its name unique to that download) whose files are checked
+    against its manifest each time it is handed out (a file added, missing or changed: it is
+    dropped and fetched into a new folder), so what a folder's layout was it stays: a model
+    reloaded from the disk cache reads it from here, on the event loop, instead of listing
+    the archive's folders on a load thread (0.27 ms of a 5 ms reload, that code out of the
+    CPU's caches). At most ``capacity`` kept, the least recently used forgotten first."""
+
+    def __init__(self, *, namespacing: bool = True, capacity: int = 4096) -> None:
+        self._namespacing = namespacing
+        self._capacity = capacity
+        self._kept: OrderedDict[tuple[str, str, Path], tuple[ModelSource, list[ModelSource]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def kept(self, served: str, key: str, content: Path) -> tuple[ModelSource, list[ModelSource]] | None:
+        """The layout read before for this extracted archive, if any (non-blocking)."""
+        with self._lock:
+            found = self._kept.get((served, key, content))
+            if found is not None:
+                self._kept.move_to_end((served, key, content))
+        return found
+
+    def read(self, served: str, key: str, content: Path) -> tuple[ModelSource, list[ModelSource]]:
+        """Blocking: :func:`archive_layout` of ``content``, kept."""
+        found = archive_layout(served, key, content, namespacing=self._namespacing)
+        with self._lock:
+            self._kept[(served, key, content)] = found
+            while len(self._kept) > self._capacity:
+                self._kept.popitem(last=False)
+        return found
 
 
 def check_members_free(

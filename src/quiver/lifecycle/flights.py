@@ -4,7 +4,9 @@ On-demand requests, SageMaker's ``POST /models`` and the repository API's load o
 join the load of a name under way, or start it. The load is a task the life cycle owns (it
 goes on when a caller gives up or is cancelled; the server's stop cancels and awaits it); a
 caller waits for it until a deadline on the lifecycle clock. A load that failed is forgotten
-as it ends, so the next caller tries again.
+as it ends, so the next caller tries again. A load whose model is installed (READY) lands its
+callers at once (:meth:`SingleFlight.land`): they look the model up and run their requests
+before the load's own bookkeeping after it (statistics, its lock and pins released).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ class SingleFlight:
         self._spawn = spawn
         self._clock = clock
         self._flights: dict[str, asyncio.Task[None]] = {}
-        # The callers waiting for each load, woken by the load itself as it ends: they run in
-        # the event loop's next round, not two rounds later through the task's callbacks.
-        self._waiting: dict[asyncio.Task[None], list[asyncio.Future[None]]] = {}
+        # The callers waiting for each load, woken by the load itself as it ends (or as its
+        # model is installed: land): they run in the event loop's next round, not two rounds
+        # later through the task's callbacks. Woken with True; by their deadline, False.
+        self._waiting: dict[asyncio.Task[None], list[asyncio.Future[bool]]] = {}
 
     def join(self, name: str, start: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task[None]:
         """The load of ``name`` under way, or a new one started with ``start()``."""
@@ -55,7 +58,14 @@ class SingleFlight:
     def _wake(self, task: asyncio.Task[None]) -> None:
         for waiter in self._waiting.pop(task, ()):
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(True)
+
+    def land(self, name: str) -> None:
+        """``name``'s model was installed: the callers waiting for its load go on now, before
+        the load ends (they find the model READY; the caller's own look-up decides)."""
+        task = self._flights.get(name)
+        if task is not None and task in self._waiting:
+            self._wake(task)
 
     def _landed(self, name: str, task: asyncio.Task[None]) -> None:
         if self._flights.get(name) is task:
@@ -65,25 +75,28 @@ class SingleFlight:
             task.exception()  # retrieved: waiters that timed out must not leave it unobserved
 
     async def wait(self, task: asyncio.Task[None], deadline: float) -> None:
-        """Until ``task`` ends (its error, if it failed) or ``deadline`` (seconds on the clock:
+        """Until ``task`` ends (its error, if it failed), its model is installed (:meth:`land`:
+        returns while the load finishes its bookkeeping) or ``deadline`` (seconds on the clock:
         TimeoutError). ``task`` is never cancelled by the wait."""
         if not task.done():
-            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            woken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             waiting = self._waiting.setdefault(task, [])
             waiting.append(woken)
 
             def expire() -> None:
                 if not woken.done():
-                    woken.set_result(None)
+                    woken.set_result(False)
 
             timer = self._clock.call_at(int(deadline * 1e9), expire)
             try:
-                await woken
+                landed = await woken
             finally:
                 timer.cancel()
                 if woken in waiting:
                     waiting.remove(woken)
             if not task.done():
+                if landed:
+                    return
                 raise TimeoutError
         _raise_if_stopped(task)
         task.result()

@@ -40,7 +40,7 @@ from quiver.errors import (
     UnavailableError,
 )
 from quiver.lifecycle.admission import AHEAD, AdmissionControl, Inspection
-from quiver.lifecycle.archives import archive_layout, check_members_free, is_namespaced
+from quiver.lifecycle.archives import ArchiveLayouts, check_members_free, is_namespaced
 from quiver.lifecycle.clock import Clock, seconds
 from quiver.lifecycle.dependencies import DependencyGraph, Namespace
 from quiver.lifecycle.loader import LoadOutcome, load_ensemble, load_model, unload_instances
@@ -99,6 +99,7 @@ class ModelLifeCycle:
         # it failed; none and poll modes report the earlier failure.
         self._reload_failed_composing = reload_failed_composing
         self._namespacing = namespacing
+        self._layouts = ArchiveLayouts(namespacing=namespacing)  # of the disk cache's folders
         self._infer: InferFn | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
@@ -233,6 +234,10 @@ class ModelLifeCycle:
                 failures = await self._load_inner(source, override, visiting)
             if self._table.serving(name) and name not in failures:
                 self._stats.loading_time_us.observe((seconds(self._clock) - started) * 1e6)
+                # The requests that waited for the load were woken as it was installed
+                # (flights.land): they run (a model's first call often inline) and answer
+                # before the rest of this load's bookkeeping (its lock and pins released).
+                await asyncio.sleep(0)
             else:
                 self._stats.load_failures += 1
             return failures
@@ -289,10 +294,11 @@ class ModelLifeCycle:
             logger.error("reload of model '%s' failed; the loaded versions keep serving", name)
             return failures
         old = self._table.loaded(name)
-        self._table.install(name, outcome)
         if outcome.models and self._admission.room_ahead_short():
-            # in the loop's next round: the requests that waited for the load run first
+            # in the loop's next round, after the install below: evictions ahead wait for the
+            # requests that waited for the load (woken by the install) to be answered
             asyncio.get_running_loop().call_soon(self._evict_ahead, name)
+        self._table.install(name, outcome)
         if outcome.models and composing is not None:
             self._graph.set_composing(name, composing)
         if old:
@@ -407,9 +413,10 @@ class ModelLifeCycle:
             await self._drop_namespace(served, f"archive model '{served}' is loaded again")
         lease = await self._sources.fetch(served, key, stores, check_later=check_later)
         try:
-            source, members = await self._pool.run(
-                functools.partial(archive_layout, namespacing=self._namespacing), served, key, lease.path
-            )
+            layout = self._layouts.kept(served, key, lease.path)  # a reload from the disk cache
+            if layout is None:
+                layout = await self._pool.run(self._layouts.read, served, key, lease.path)
+            source, members = layout
             if not self._namespacing:
                 check_members_free(served, key, members, self._graph, self._table.serving, self._locks.busy)
         except BaseException:
@@ -418,7 +425,10 @@ class ModelLifeCycle:
         self._graph.add_namespace(Namespace(served, key, {m.name: m for m in members}, lease.release))
         try:
             try:
-                failures = await self.load(source)
+                if self._table.serving(served):
+                    failures = await self.load(source)  # loaded again (a new upload is served)
+                else:  # inspected and often loaded in one trip to a load thread, as a folder's miss
+                    failures = await self.load_on_demand(served, lambda: source) or {}
             finally:
                 lease.loaded()  # a background check of the copy may start now
         except BaseException:

@@ -187,6 +187,8 @@ class ModelRepositoryManager:
             load_retries=load_retries,
         )
         self._flights = SingleFlight(self._lifecycle.spawn, clock)
+        # the requests waiting for a load go on as soon as its model is READY (flights.land)
+        self._table.add_listener(self._landed)
         self._poll_task: asyncio.Task[None] | None = None
         #: on_demand: the local model folders' configurations read while idle (read_ahead.py)
         self._read_ahead = (
@@ -204,6 +206,10 @@ class ModelRepositoryManager:
         self._read_ahead_task: asyncio.Task[None] | None = None
         #: Who waits for a lull between requests: configurations read ahead, evictions ahead.
         self._tells_activity = self._read_ahead is not None or self.admission.budget is not None
+
+    def _landed(self, name: str, resident: bool) -> None:
+        if resident:
+            self._flights.land(name)
 
     def add_residency_listener(self, listener: Callable[[str, bool], None]) -> None:
         """Call ``listener(name, resident)`` whenever a model becomes READY (True) or stops
@@ -445,9 +451,11 @@ class ModelRepositoryManager:
         # its files did not change since they were (watch.py: the changes read here first).
         if self.admission.watch is not None:
             self.admission.watch.read_changes()
-        failures = await self._lifecycle.load_on_demand(name, functools.partial(self._sources.find, name))
+        failures = None
+        if self._local_roots:  # only S3 repositories: a key, no trip to look for a folder
+            failures = await self._lifecycle.load_on_demand(name, functools.partial(self._sources.find, name))
         if failures is None:  # no folder found by a direct look: a scan, then a key
-            source = (await self._sources.scan())[0].get(name)
+            source = (await self._sources.scan())[0].get(name) if self._local_roots else None
             if source is None:
                 stores = self._sources.key_stores(name)
                 await self._lifecycle.load_archive(name, name, stores, check_later=self._check_later)

@@ -355,6 +355,7 @@ class ModelSources:
             limits=self._archive_limits,
             on_download=downloaded,
             revalidate_timeout=self._cache_revalidate_timeout,
+            run=self._pool.run,  # a copy's files checked on a load thread
         )
 
     @property

@@ -43,9 +43,10 @@ A cache folder that cannot be written (read-only, no permission, disk or quota f
 folder, downloading, extracting, writing the manifest, renaming); entries already on disk
 keep being served.
 
-Single flight: concurrent fetches of one key share one resolution and one download. All
-disk and network work runs in threads (``asyncio.to_thread``); the event loop only keeps
-the index. The byte budget counts extracted content (archives are deleted after
+Single flight: concurrent fetches of one key share one resolution and one download (a copy
+confirmed current is checked and handed out without one). All disk and network work runs in
+threads (``asyncio.to_thread``; the check of a copy's files on ``run``, the server's load
+threads); the event loop only keeps the index. The byte budget counts extracted content (archives are deleted after
 extraction) plus reservations for downloads in flight; entries that are not pinned are
 evicted least recently used first. A model loaded from an entry must hold a
 :class:`CacheLease` (from :meth:`DiskCache.acquire` or :meth:`DiskCache.pin`) so its files
@@ -63,15 +64,16 @@ Their public names are re-exported here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from quiver.errors import (
     InternalError,
@@ -106,16 +108,8 @@ from quiver.repository.storage import (
     is_archive_key,
 )
 
-__all__ = [
-    "CACHE_REVALIDATE",
-    "DEFAULT_REVALIDATE_TIMEOUT",
-    "CacheFullError",
-    "CacheLease",
-    "CacheStats",
-    "DiskCache",
-    "check_tree",
-    "record_tree",
-]
+__all__ = ["CACHE_REVALIDATE", "DEFAULT_REVALIDATE_TIMEOUT", "CacheFullError", "CacheLease", "CacheStats"]
+__all__ += ["DiskCache", "check_tree", "record_tree"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +139,7 @@ class DiskCache:
         limits: ExtractLimits | None = None,
         on_download: Callable[[str, int, int], None] | None = None,
         revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT,
+        run: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         if max_bytes <= 0:
             raise InvalidArgumentError(f"model cache size must be positive, got {max_bytes}")
@@ -153,10 +148,12 @@ class DiskCache:
         limits = limits or ExtractLimits()
         self.limits = replace(limits, max_bytes=min(limits.max_bytes, max_bytes))
         self.on_download = on_download
+        self._run = run or asyncio.to_thread  # run(fn, *args): the check of a copy's files
         self.stats = CacheStats()
         self._checks = VersionChecks(revalidate_timeout, self.stats, self._outdated)
         self._entries: dict[str, _Entry] = {}  # folder name -> entry (stale ones until unpinned)
-        self._live: dict[tuple[tuple[str, str], str], _Entry] = {}  # (ident, version) -> entry
+        # ident -> version -> the entry that may be handed out (looked up per fetch: no scan)
+        self._live: dict[tuple[str, str], dict[str, _Entry]] = {}
         self._flights: dict[tuple[str, str], _Flight] = {}
         self._reserved = 0
         self._tick = 0
@@ -188,12 +185,19 @@ class DiskCache:
 
     def _add(self, entry: _Entry) -> None:
         self._entries[entry.name] = entry
-        self._live[(entry.ident, entry.version)] = entry
+        self._live.setdefault(entry.ident, {})[entry.version] = entry
 
     def _newest(self, ident: tuple[str, str]) -> _Entry | None:
         """The most recently used entry of ``ident`` that may be handed out, any version."""
-        found = [e for e in self._live.values() if e.ident == ident]
-        return max(found, key=lambda e: e.last_used) if found else None
+        found = self._live.get(ident)
+        return max(found.values(), key=lambda e: e.last_used) if found else None
+
+    def _unlive(self, entry: _Entry) -> None:
+        versions = self._live.get(entry.ident)
+        if versions is not None and versions.get(entry.version) is entry:
+            del versions[entry.version]
+            if not versions:
+                del self._live[entry.ident]
 
     # -- start and stop ----------------------------------------------------------------------
 
@@ -281,6 +285,10 @@ class DiskCache:
         await self.start()
         ident = (storage.location, key.rstrip("/"))
         flight = self._flights.get(ident)
+        cached = self._newest(ident) if flight is None and check_later else None
+        if cached is not None and cached.current and await self._usable(cached) and cached.current:
+            return self._hand_out_current(ident, cached, storage)  # no flight: nothing to share
+        flight = self._flights.get(ident)
         if flight is None:
             flight = _Flight(
                 asyncio.get_running_loop().create_task(self._resolve_and_fetch(ident, storage, check_later))
@@ -318,9 +326,7 @@ class DiskCache:
         key = ident[1]
         cached = self._newest(ident)
         if check_later and cached is not None and cached.current and await self._usable(cached):
-            self.stats.hits += 1
-            self.stats.checked_later += 1
-            self._checks.due(ident, cached.version, storage)  # started by the lease (loaded)
+            self._hand_out_current(ident, cached, storage, pin=False)
             return self._finish(ident, cached)
         cached = self._newest(ident)  # (the one checked may have been found damaged)
         if cached is None and is_archive_key(key):
@@ -345,7 +351,7 @@ class DiskCache:
             if cached is None:
                 raise
             return await self._serve_stale(ident, exc)
-        hit = self._live.get((ident, version))
+        hit = self._live.get(ident, {}).get(version)
         if hit is not None and await self._usable(hit):
             self._drop_versions(ident, keep=version)
             self.stats.hits += 1
@@ -360,6 +366,16 @@ class DiskCache:
             return await self._serve_stale(ident, exc)
         self._drop_versions(ident, keep=version)
         return self._finish(ident, entry)
+
+    def _hand_out_current(self, ident: tuple[str, str], entry: _Entry, storage: Storage, *, pin: bool = True) -> _Entry:
+        """A copy confirmed current, its files checked: handed out, the store asked later."""
+        self.stats.hits += 1
+        self.stats.checked_later += 1
+        self._checks.due(ident, entry.version, storage)  # started by the lease (loaded)
+        if pin:
+            entry.pins += 1
+            self._touch(entry)
+        return entry
 
     def start_check(self, ident: tuple[str, str]) -> None:
         """Start the background check a ``check_later`` fetch of ``ident`` left due, if any
@@ -393,9 +409,8 @@ class DiskCache:
         entry is never handed out again (and deleted once nothing pins it)."""
         entry.pins += 1
         try:
-            problem, refreshed = await asyncio.to_thread(
-                check_tree, entry.path, entry.files, deep=not entry.verified
-            )
+            check = functools.partial(check_tree, deep=not entry.verified)
+            problem, refreshed = await self._run(check, entry.path, entry.files)
         finally:
             self._unpin(entry)
         if entry.stale:
@@ -534,14 +549,13 @@ class DiskCache:
             self._delete(entry)
 
     def _drop_versions(self, ident: tuple[str, str], keep: str | None) -> None:
-        for entry in [e for e in self._entries.values() if e.ident == ident and e.version != keep]:
-            self._forget(entry)
+        for entry in [e for e in self._live.get(ident, {}).values() if e.version != keep]:
+            self._forget(entry)  # (the others of ``ident`` are forgotten already)
 
     def _forget(self, entry: _Entry) -> None:
         """Never hand ``entry`` out again; delete it now, or when its last pin goes."""
         entry.stale = True
-        if self._live.get((entry.ident, entry.version)) is entry:
-            del self._live[(entry.ident, entry.version)]
+        self._unlive(entry)
         if entry.pins == 0:
             self._delete(entry)
 
@@ -556,8 +570,7 @@ class DiskCache:
         """Forget ``entry`` now; rename its folder to a temporary name, then delete it, in a thread."""
         if self._entries.get(entry.name) is entry:
             del self._entries[entry.name]
-        if self._live.get((entry.ident, entry.version)) is entry:
-            del self._live[(entry.ident, entry.version)]
+        self._unlive(entry)
         folder = self.root / entry.name
         trash = self.root / f"{TMP_PREFIX}{uuid.uuid4().hex}"
 

@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from quiver.backends import onnxruntime as ob
 from quiver.backends.base import ModelFiles, instance_specs
 from quiver.config import ModelConfig, parse_model_config
-from quiver.errors import InternalError, InvalidArgumentError
+from quiver.errors import ConfigError, InternalError, InvalidArgumentError
 from quiver.types import DataType, InferenceRequest, Tensor
 from support.models import add_constant_onnx
 
@@ -98,3 +98,40 @@ def test_a_missing_model_file_and_a_broken_one_are_told_apart(tmp_path: Path) ->
     (tmp_path / "m" / "1" / "model.onnx").unlink()
     with pytest.raises(InvalidArgumentError, match=r"model 'm' version 1: model file .*model\.onnx does not exist"):
         ob.BACKEND.create_instance(config, files, instance_specs(config)[0])
+
+
+def test_a_configuration_is_checked_against_its_model_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lifecycle prepares a configuration once per version of a model's files and hands
+    the same object to every load of them: its tensors are checked against the session at the
+    first load of each model file, not again; another configuration object (files changed:
+    prepared anew) is checked, and one that does not match fails every time."""
+    proto, files = folder(tmp_path, COMPLETE, add_constant_onnx(2.0).SerializeToString())
+    config = ModelConfig.from_proto(proto, str(tmp_path / "m" / "config.pbtxt"))
+    checked: list[int] = []
+    real = ob._check_io
+
+    def counting(config: ModelConfig, session: object) -> None:
+        checked.append(id(config))
+        real(config, session)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ob, "_check_io", counting)
+    spec = instance_specs(config)[0]
+    for _ in range(3):
+        ob.BACKEND.create_instance(config, files, spec).unload()
+    assert checked == [id(config)]
+    (tmp_path / "m" / "2").mkdir()
+    (tmp_path / "m" / "2" / "model.onnx").write_bytes(add_constant_onnx(3.0).SerializeToString())
+    ob.BACKEND.create_instance(config, ModelFiles(tmp_path, tmp_path / "m", 2), spec).unload()
+    assert len(checked) == 2  # another model file
+    again = ModelConfig.from_proto(proto, str(tmp_path / "m" / "config.pbtxt"))
+    ob.BACKEND.create_instance(again, files, spec).unload()
+    assert len(checked) == 3  # another configuration
+    wrong = pb.ModelConfig()
+    wrong.CopyFrom(proto)
+    wrong.input[0].data_type = pb.TYPE_INT32
+    bad = ModelConfig.from_proto(wrong, str(tmp_path / "m" / "config.pbtxt"))
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="TYPE_INT32 in the configuration but TYPE_FP32 in the model"):
+            ob.BACKEND.create_instance(bad, files, spec)

@@ -9,6 +9,7 @@ from typing import Any
 
 import h2.errors
 import h2.events
+import h2.exceptions
 import h2.settings
 import hyperframe.frame as hf
 import pytest
@@ -233,5 +234,319 @@ def test_connections_past_the_cap_and_idle_ones_are_sent_away(monkeypatch: pytes
         await asyncio.sleep(0.3)  # no stream for longer than the idle limit: GOAWAY (NO_ERROR)
         goaway = [f for f in frames_of(bytes(kept.out)) if isinstance(f, hf.GoAwayFrame)]
         assert goaway and goaway[0].error_code == 0
+
+    run(main)
+
+
+@pytest.mark.parametrize("length", [65_531, 70_000, 81_000, 150_000])
+def test_a_message_just_past_a_stream_window_gets_all_its_credit(length: int) -> None:
+    """A message a little larger than the stream's window (what is missing smaller than a
+    quarter window) is admitted and its window opened for all of it, however its bytes come
+    in: the client never waits for credit that does not come (a stall that only a deadline
+    ended)."""
+
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        body = b"\x00" + length.to_bytes(4, "big") + bytes(range(256)) * (length // 256) + bytes(length % 256)
+        for first in (5, 1000, 16_384):  # how much of the message the first DATA frame carries
+            pair = Pair(server)
+            stream_id = pair.client.get_next_available_stream_id()
+            pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+            sent = _fill(pair, stream_id, body[:first])
+            sent += _fill(pair, stream_id, body[sent:])
+            assert sent == len(body), f"{len(body) - sent} bytes never got credit (first frame {first})"
+            pair.client.end_stream(stream_id)
+            for _ in range(30):  # the answer is as large: it comes as the client gives credit
+                for event in of(pair.pump(), h2.events.DataReceived):
+                    pair.client.acknowledge_received_data(event.flow_controlled_length, stream_id)
+                await asyncio.sleep(0)
+            answer = b"".join(e.data for e in of(pair.events, h2.events.DataReceived) if e.stream_id == stream_id)
+            assert answer == body
+            assert server.budget.used == 0
+
+    run(main)
+
+
+def _send_all(pair: Pair, stream_id: int, data: bytes, frame_size: int = 16384, pad: int | None = None) -> bool:
+    """Send all of ``data`` (then END_STREAM) as the server's windows allow; False when the
+    windows stay shut although the server has everything sent so far."""
+    sent, cost = 0, 0 if pad is None else pad + 1
+    while sent < len(data):
+        room = min(pair.client.local_flow_control_window(stream_id) - cost, frame_size, len(data) - sent)
+        if room <= 0:
+            if not of(pair.pump(), h2.events.WindowUpdated):
+                return False
+            continue
+        pair.client.send_data(stream_id, data[sent : sent + room], end_stream=sent + room == len(data), pad_length=pad)
+        sent += room
+    pair.pump()
+    return True
+
+
+async def _answer(pair: Pair, stream_id: int) -> tuple[bytes, bytes]:
+    """The answer's grpc-status and body (the client's windows opened as it comes)."""
+    body = bytearray()
+    for _ in range(50):
+        await asyncio.sleep(0)
+        for event in pair.receive() + pair.pump():
+            if isinstance(event, h2.events.DataReceived) and event.stream_id == stream_id:
+                body += event.data
+                pair.client.acknowledge_received_data(event.flow_controlled_length, stream_id)
+            elif isinstance(event, h2.events.TrailersReceived) and event.stream_id == stream_id:
+                return dict(event.headers)[b"grpc-status"], bytes(body)
+    raise AssertionError("no answer")
+
+
+@pytest.mark.parametrize("length", [65_530, 65_531, 65_600, 70_000, 81_913, 81_914, 81_915, 100_000])
+def test_a_message_a_little_past_a_stream_window_is_credited_whole(length: int) -> None:
+    """A message admitted with less than a quarter of a stream window missing still gets the
+    credit it needs (65.5-81.9 kB requests used to wait for a WINDOW_UPDATE that never came)."""
+
+    async def main() -> None:
+        server, _ = _server()
+        pair = Pair(server)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+        message = b"\x00" + length.to_bytes(4, "big") + b"q" * length
+        assert _send_all(pair, stream_id, message)
+        assert await _answer(pair, stream_id) == (b"0", message)
+
+    run(main)
+
+
+def test_padding_is_credited_to_a_message_being_received() -> None:
+    """DATA padding counts against the windows (RFC 9113 6.1): a message sent in small padded
+    frames gets the credit the padding took."""
+
+    async def main() -> None:
+        server, _ = _server()
+        pair = Pair(server)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+        message = b"\x00" + (20_000).to_bytes(4, "big") + b"p" * 20_000
+        assert _send_all(pair, stream_id, message, frame_size=20, pad=200)
+        assert await _answer(pair, stream_id) == (b"0", message)
+
+    run(main)
+
+
+async def _open(pair: Pair, count: int) -> list[int]:
+    """``count`` streams of /svc/Echo opened (their requests not begun)."""
+    streams = []
+    for number in range(count):
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Echo"))
+        streams.append(stream_id)
+        if number % 50 == 49:
+            pair.pump()
+            await asyncio.sleep(0)  # (a read opens at most 64 streams before others get a turn)
+    pair.pump()
+    await asyncio.sleep(0)
+    return streams
+
+
+def _begin(pair: Pair, streams: list[int], length: int = 4 * MB, size: int = 100) -> None:
+    """Each of ``streams`` sends the first ``size`` bytes of a ``length`` message (those the
+    server refused meanwhile are skipped)."""
+    data = b"\x00" + length.to_bytes(4, "big") + b"s" * (size - 5)
+    for stream_id in streams:
+        try:
+            for at in range(0, size, 16384):
+                pair.client.send_data(stream_id, data[at : at + 16384])
+        except h2.exceptions.StreamClosedError:
+            continue
+        pair.pump()
+
+
+async def _starve(pair: Pair, count: int, length: int = 4 * MB, size: int = 100) -> list[int]:
+    streams = await _open(pair, count)
+    _begin(pair, streams, length, size)
+    return streams
+
+
+def test_calls_waiting_for_the_budget_cost_no_more_to_end_than_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages waiting for room in the budget are looked at again once per turn of the event
+    loop that freed some, in order, each connection's up to its first that still does not fit:
+    a connection closing with hundreds waiting costs work in proportion to them, not to their
+    square (every call's end used to look at every waiting message again)."""
+    from quiver.frontends import grpc_receive
+
+    looks = [0]
+    credit = grpc_receive.RequestBuffer.credit
+
+    def counted(self: grpc_receive.RequestBuffer) -> None:
+        looks[0] += 1
+        credit(self)
+
+    monkeypatch.setattr(grpc_receive.RequestBuffer, "credit", counted)
+
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        pairs = [Pair(server) for _ in range(2)]
+        waiting = [await _starve(pair, 300) for pair in pairs]
+        assert sum(1 for pair in pairs for s in pair.server.streams.values() if s.handler._request._admitted) == 2  # type: ignore[union-attr]
+        looks[0] = 0
+        pairs[0].transport.close()  # its 300 calls end
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not pairs[0].server.streams and server.budget.used == pairs[1].server.buffered
+        assert looks[0] < 50
+        # the budget's room goes to the other connection's next message
+        first = waiting[1][0]
+        pairs[1].client.reset_stream(first)
+        pairs[1].pump()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert pairs[1].server.streams[waiting[1][1]].handler._request._admitted == 4 * MB + 5  # type: ignore[union-attr]
+        assert looks[0] < 100
+
+    run(main)
+
+
+def test_request_bytes_past_the_server_wide_budget_are_refused_whatever_the_connections() -> None:
+    """Many connections, each within its share, with streams that send the start of messages
+    the budget has no room for: what is held stays within the server-wide budget (the windows
+    each stream was granted used to let every connection hold 64 KiB a stream past it); the
+    calls whose bytes found no room are refused (nothing of them ran: clients may retry), the
+    admitted messages go on."""
+
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        server.budget.limit = 1 * MB
+        pairs = [Pair(server) for _ in range(4)]
+        opened = [await _open(pair, 8) for pair in pairs]  # all open before the budget fills
+        for pair, streams in zip(pairs, opened, strict=True):
+            _begin(pair, streams, length=200_000, size=60_000)
+        held = sum(s.handler._request.pending() for pair in pairs for s in pair.server.streams.values()  # type: ignore[union-attr]
+                   if s.handler is not None and s.handler._request is not None)  # type: ignore[attr-defined]
+        assert server.budget.used <= server.budget.limit and held <= server.budget.limit
+        refused = [e for pair in pairs for e in of(pair.events, h2.events.StreamReset)]
+        assert len(refused) >= 16 and {e.error_code for e in refused} == {h2.errors.ErrorCodes.REFUSED_STREAM}
+        admitted = [s.id for s in pairs[0].server.streams.values() if s.handler._request._admitted]  # type: ignore[union-attr]
+        assert len(admitted) >= 2
+        assert _send_all(pairs[0], admitted[0], b"a" * (200_005 - 60_000))  # an admitted message finishes
+        assert await _answer(pairs[0], admitted[0]) == (b"0", b"\x00" + (200_000).to_bytes(4, "big") + b"s" * 59_995 + b"a" * 140_005)
+
+    run(main)
+
+
+def test_a_streaming_call_whose_bytes_find_no_room_ends_resource_exhausted() -> None:
+    async def main() -> None:
+        server, _ = _server(max_message=4 * MB)
+        server.budget.limit = 100_000
+        pair = Pair(server)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(stream_id, _headers("/svc/Stream"))
+        pair.pump()
+        await asyncio.sleep(0)
+        await _starve(pair, 1, length=200_000, size=100)  # admitted: it holds the budget
+        assert server.budget.used == 200_005
+        pair.client.send_data(stream_id, b"\x00\x00\x00\x00\x03ab")
+        pair.pump()
+        (trailers,) = [e for e in of(pair.events, h2.events.ResponseReceived) if e.stream_id == stream_id]
+        assert dict(trailers.headers)[b"grpc-status"] == b"8"  # RESOURCE_EXHAUSTED
+        assert server.budget.used == 200_005
+
+    run(main)
+
+
+def test_calls_in_progress_are_bounded_server_wide() -> None:
+    """Each connection may have its streams, but the calls in progress on all of them are
+    bounded (a call holds a task and its state before any request byte: 40 connections of
+    1,024 streams each, HEADERS alone, held 410 MB); past the bound new streams are refused,
+    and taken again once calls end."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_calls = 5
+        pairs = [Pair(server) for _ in range(2)]
+        opened = [await _open(pair, 4) for pair in pairs]
+        refused = [(e.stream_id, e.error_code) for e in of(pairs[1].events, h2.events.StreamReset)]
+        assert refused == [(opened[1][1], h2.errors.ErrorCodes.REFUSED_STREAM), (opened[1][2], h2.errors.ErrorCodes.REFUSED_STREAM),
+                           (opened[1][3], h2.errors.ErrorCodes.REFUSED_STREAM)]
+        assert server.calls == 5
+        pairs[0].client.send_data(opened[0][0], b"\x00\x00\x00\x00\x01a", end_stream=True)  # a call ends
+        pairs[0].pump()
+        assert await _answer(pairs[0], opened[0][0]) == (b"0", b"\x00\x00\x00\x00\x01a")
+        assert server.calls == 4
+        assert len(await _open(pairs[1], 1)) == 1 and not of(pairs[1].events, h2.events.StreamReset)[3:]
+        pairs[0].transport.close()  # its calls end with it
+        await asyncio.sleep(0)
+        assert server.calls == 2
+
+    run(main)
+
+
+def test_answers_waiting_for_window_are_bounded_on_all_connections() -> None:
+    """Clients that never open their windows, on many connections, each within its own
+    limit (6 connections held 432 MB of answers for a minute): past the bound on all of them,
+    new streams are refused; once answers go out or their streams end, streams are taken again."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_pending_send = 150_000
+        shut = {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0}
+        pairs = [Pair(server, shut) for _ in range(3)]
+        streams = []
+        for pair in pairs:
+            stream_id = pair.client.get_next_available_stream_id()
+            pair.client.send_headers(stream_id, _headers("/svc/Big"))
+            pair.client.send_data(stream_id, b"\x00\x00\x00\x00\x01a", end_stream=True)
+            pair.pump()
+            for _ in range(10):
+                await asyncio.sleep(0)
+            streams.append(stream_id)
+        assert server.pending_send == 200_010  # the first two answers wait; the third was refused
+        refused = of(pairs[2].events, h2.events.StreamReset)
+        assert [(e.stream_id, e.error_code) for e in refused] == [(streams[2], h2.errors.ErrorCodes.REFUSED_STREAM)]
+        pairs[0].transport.close()  # its answer is dropped with it
+        await asyncio.sleep(0)
+        assert server.pending_send == 100_005
+        pairs[1].client.reset_stream(streams[1])
+        pairs[1].pump()
+        assert server.pending_send == 0
+        stream_id = pairs[2].client.get_next_available_stream_id()
+        pairs[2].client.send_headers(stream_id, _headers("/svc/Echo"))
+        pairs[2].pump()
+        assert len(of(pairs[2].events, h2.events.StreamReset)) == 1
+
+    run(main)
+
+
+def test_a_stream_whose_answers_are_not_taken_stops_reading_requests() -> None:
+    """ModelStreamInfer with a client that sends requests and never reads the answers: the
+    requests in progress and the answers queued for the writer count against the stream's
+    window together, so the reader stops (a million empty requests queued 86 MB of error
+    answers: each request's place came back when its answer was queued, not when it was sent)."""
+    from quiver.errors import InvalidArgumentError
+    from quiver.frontends.grpc_stream import STREAM_WINDOW, serve_stream
+
+    class Servicer:
+        service = None
+
+        def _enter(self) -> None: ...
+
+        def _leave(self) -> None: ...
+
+        async def decode(self, data: bytes, context: Any = None) -> Any:
+            raise InvalidArgumentError("malformed ModelInferRequest message")
+
+    pulled = 0
+
+    async def requests() -> Any:
+        nonlocal pulled
+        for _ in range(10 * STREAM_WINDOW):
+            pulled += 1
+            yield b"\x00"
+
+    async def main() -> None:
+        answers = serve_stream(Servicer(), requests())  # type: ignore[arg-type]
+        first = await answers.__anext__()  # the writer takes one answer, then its client stalls
+        assert b"malformed" in first
+        for _ in range(200):
+            await asyncio.sleep(0)
+        assert pulled <= STREAM_WINDOW + 2
+        rest = [answer async for answer in answers]  # the client reads again: every request answered
+        assert len(rest) == 10 * STREAM_WINDOW - 1 and pulled == 10 * STREAM_WINDOW
 
     run(main)

@@ -18,6 +18,7 @@ import hyperframe.frame as hf
 import pytest
 
 from quiver.frontends import http2_frames as frames
+from quiver.frontends import http2_guard
 from quiver.frontends.http2 import CONNECTION_WINDOW, Http2Connection, Keepalive
 from quiver.frontends.http2_stream import STREAM_WINDOW, Stream
 from support.h2pair import REQUEST, Pair, Transport, frames_of, of, raw_frame, run
@@ -56,6 +57,8 @@ class Owner:
     def __init__(self, *, max_concurrent_streams: int = 8, keepalive: Keepalive | None = None) -> None:
         self.max_concurrent_streams = max_concurrent_streams
         self.max_header_list_size = 65536
+        self.unfinished_header_bytes = 0
+        self.pending_send = 0
         self.keepalive = keepalive or Keepalive(time=None)
         self.heads: list[list[tuple[bytes, bytes]]] = []
         self.handlers: dict[int, Handler] = {}
@@ -421,6 +424,34 @@ def test_empty_or_many_continuation_frames_end_the_connection() -> None:
                 pair.raw(raw_frame(0x9, 0, 1, payload))
             assert pair.goaway()[1] == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
             assert pair.transport.closed
+
+    run(main)
+
+
+def test_unfinished_header_blocks_are_bounded_on_all_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HEADERS without END_HEADERS spread over many connections, each under its own limit
+    (2,000 connections held 232 MB for as long as they kept starting blocks): past the bound
+    on all of them, the connection that adds more ends with ENHANCE_YOUR_CALM; a block that
+    finishes gives its bytes back."""
+    monkeypatch.setattr(http2_guard, "MAX_UNFINISHED_HEADER_BYTES", 20_000, raising=False)
+
+    async def main() -> None:
+        owner = Owner()
+        pairs = [Pair(owner) for _ in range(3)]
+        blocks = [pair.client.encoder.encode([*REQUEST, ("x-pad", "v" * 9000)], huffman=False) for pair in pairs]
+        for pair, block in zip(pairs, blocks, strict=True):
+            pair.transport.out.clear()
+            pair.raw(hf.HeadersFrame(1, block[:8000], flags=[]).serialize())
+        assert [pair.transport.closed for pair in pairs] == [False, False, True]
+        assert pairs[2].goaway()[1] == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        await asyncio.sleep(0)
+        assert owner.unfinished_header_bytes == 16_000
+        pairs[0].raw(hf.ContinuationFrame(1, blocks[0][8000:], flags=["END_HEADERS"]).serialize())
+        assert not pairs[0].transport.closed and 1 in owner.handlers
+        assert owner.unfinished_header_bytes == 8000
+        pairs[1].transport.close()
+        await asyncio.sleep(0)
+        assert owner.unfinished_header_bytes == 0
 
     run(main)
 

@@ -107,3 +107,41 @@ def test_a_load_cancelled_by_the_server_stopping_is_unavailable_to_its_waiters()
         await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_callers_go_on_as_soon_as_the_model_lands_while_the_load_finishes() -> None:
+    """land(name) (the model is installed, READY): the callers waiting for that load return at
+    once, before the load's task ends; callers of other loads keep waiting, and a caller that
+    joins afterwards waits for the next landing (or the end)."""
+    clock = FakeClock()
+    owner = Owner()
+    flights = SingleFlight(owner.spawn, clock)
+
+    async def main() -> None:
+        installed, finish = asyncio.Event(), asyncio.Event()
+
+        async def load() -> None:
+            await installed.wait()
+            flights.land("m")
+            await finish.wait()
+
+        async def other() -> None:
+            await finish.wait()
+
+        now = clock.now() / 1e9
+        task = flights.join("m", load)
+        waiting = [asyncio.ensure_future(flights.wait(task, now + 60)) for _ in range(2)]
+        elsewhere = asyncio.ensure_future(flights.wait(flights.join("n", other), now + 60))
+        await asyncio.sleep(0)
+        flights.land("m")  # nothing installed yet for "n" or "m": "m" lands, "n" is not touched
+        await asyncio.wait_for(asyncio.gather(*waiting), 1)
+        assert not task.done() and not elsewhere.done()
+        late = asyncio.ensure_future(flights.wait(flights.join("m", load), now + 60))
+        installed.set()
+        await asyncio.sleep(0.01)
+        assert late.done()  # landed by the load itself
+        finish.set()
+        await asyncio.wait_for(elsewhere, 1)
+        await asyncio.wait_for(task, 1)
+
+    asyncio.run(main())

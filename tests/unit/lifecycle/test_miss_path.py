@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from lifecycle_fakes import World, answer, cfg, install_fake_backend, serving
+from lifecycle_fakes import CONFIG, World, answer, cfg, install_fake_backend, serving
 
 from quiver.lifecycle import loader
 from quiver.lifecycle.configs import ConfigCache, PreparedConfig
@@ -183,3 +183,49 @@ def test_an_s3_listing_serves_the_index_until_it_is_stale(
         asyncio.run(main())
     finally:
         pool.shutdown()
+
+
+def test_an_archive_is_inspected_once_per_folder_the_disk_cache_extracted_it_to(
+    tmp_path: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model addressed by key loads from the disk cache's folder of its download, whose
+    files the cache checks at every fetch: reloaded from that folder, its files are not walked
+    again; once a file in it changes, the cache fetches the archive into a new folder, which
+    is walked."""
+    import io
+    import tarfile
+
+    from quiver.lifecycle import admission as admission_module
+
+    walked: list[Path] = []
+    real = admission_module.fingerprint_and_size
+
+    def counting(path: Path, *args: object) -> tuple[str, int]:
+        walked.append(path)
+        return real(path, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(admission_module, "fingerprint_and_size", counting)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    content = io.BytesIO()
+    with tarfile.open(fileobj=content, mode="w:gz") as tar:
+        for name, data in (("k/config.pbtxt", CONFIG.format(name="k").encode()), ("k/1/weights", b"\0" * 4_000)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (repo / "k.tar.gz").write_bytes(content.getvalue())
+
+    async def main() -> None:
+        async with serving(repo, world, 40_000, {}, cache_dir=tmp_path / "cache") as (service, manager):
+            assert await answer(service, "k.tar.gz", 1.0) == 1.0
+            assert len(walked) == 1
+            first = walked[0]
+            await manager.unload("k.tar.gz")
+            assert await answer(service, "k.tar.gz", 2.0) == 2.0
+            assert walked == [first]  # the same folder, checked by the cache: not walked again
+            await manager.unload("k.tar.gz")
+            (first / "1" / "weights").write_bytes(b"\1" * 4_000)  # changed on disk
+            assert await answer(service, "k.tar.gz", 3.0) == 3.0
+            assert len(walked) == 2 and walked[1] != first
+
+    asyncio.run(main())

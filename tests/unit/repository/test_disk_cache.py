@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -688,6 +689,43 @@ def test_check_later_serves_a_confirmed_copy_at_once_and_the_next_fetch_gets_a_n
         new.release()
         await cache.close()
         assert storage.downloads == 2
+
+    run(main())
+
+
+def test_a_confirmed_copy_is_checked_and_handed_out_to_concurrent_callers_and_a_damaged_one_is_fetched_again(
+    repo: Path, tmp_path: Path
+) -> None:
+    """A copy confirmed current is handed out without a flight of its own (its files checked
+    on the ``run`` given: the server's load threads): callers arriving together each get it
+    pinned, and it stays while any holds it. One whose files changed is fetched again."""
+    ran: list[str] = []
+
+    async def on_thread(fn: Any, *args: Any) -> Any:
+        ran.append(getattr(getattr(fn, "func", fn), "__name__", "?"))
+        return await asyncio.to_thread(fn, *args)
+
+    async def main() -> None:
+        storage = GatedStorage(repo)
+        cache = DiskCache(tmp_path / "cache", 10 << 20, run=on_thread)
+        first = await cache.fetch("a.tar.gz", storage)
+        storage.gate.clear()  # nothing may ask the store meanwhile
+        leases = await asyncio.wait_for(
+            asyncio.gather(*(cache.acquire("a.tar.gz", storage, check_later=True) for _ in range(3))), 5
+        )
+        assert {lease.path for lease in leases} == {first} and cache.stats.checked_later == 3
+        assert ran and set(ran) == {"check_tree"}
+        assert cache.entries()[0][3] == 3  # pinned once per caller
+        for lease in leases:
+            lease.release()
+        assert cache.entries()[0][3] == 0
+        (first / "a" / "1" / "model.bin").write_bytes(b"changed on disk")
+        storage.gate.set()
+        again = await asyncio.wait_for(cache.acquire("a.tar.gz", storage, check_later=True), 5)
+        assert again.path != first and cache.stats.damaged == 1 and storage.downloads == 2
+        assert (again.path / "a/1/model.bin").read_bytes() != b"changed on disk"
+        again.release()
+        await cache.close()
 
     run(main())
 
