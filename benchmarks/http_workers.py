@@ -19,6 +19,11 @@ ceiling". ``--triton`` adds Triton's Python model (``benchmarks.peers.triton``: 
 Every row also has the machine's busy cores over the window (everything that ran: the server,
 the load generator, anything else).
 
+``--src NAME=DIR`` (repeatable) compares checkouts in the same rounds: each variant's server
+runs with the ``src`` folder DIR first on its ``PYTHONPATH`` (``--variant-flags NAME=FLAGS``
+adds ``quiver serve`` flags to one variant; ``--flags`` to all). The table then has a
+``quiver`` column naming the variant.
+
 Writes ``benchmarks/results/http_workers.md`` and ``.json`` (``--output-name``).
 """
 
@@ -80,9 +85,12 @@ TRITON = "triton"
 
 
 @contextlib.contextmanager
-def _server(backend: str, count: int | str, repository: Path, folder: Path) -> Iterator[Endpoints]:
-    """The endpoints of Quiver with ``count`` frontend workers serving ``repository``, or of
-    Triton (``count == "triton"``) serving the same tiny Python model."""
+def _server(
+    backend: str, count: int | str, repository: Path, folder: Path, src: str | None = None, flags: list[str] | None = None
+) -> Iterator[Endpoints]:
+    """The endpoints of Quiver with ``count`` frontend workers serving ``repository`` (from the
+    checkout's ``src`` folder ``src``, with ``flags``), or of Triton (``count == "triton"``)
+    serving the same tiny Python model."""
     if count == TRITON:
         from benchmarks.peers.triton import TritonPeer
 
@@ -93,9 +101,19 @@ def _server(backend: str, count: int | str, repository: Path, folder: Path) -> I
         finally:
             peer.stop()
         return
-    with QuiverServer(repository, ["--frontend-workers", str(count)], log=folder / "server.log", cwd=folder,
-                      ready_path=f"/v2/models/{tiny.MODEL}/ready", name=f"workers={count}") as server:
+    env = {"PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")} if src else None
+    with QuiverServer(repository, ["--frontend-workers", str(count), *(flags or [])], log=folder / "server.log",
+                      cwd=folder, env=env, ready_path=f"/v2/models/{tiny.MODEL}/ready",
+                      name=f"workers={count}") as server:
         yield server.endpoints
+
+
+def _order(key: tuple[str, str, str, int | str, int], variants: list[str]) -> tuple[str, str, int, int, int, int]:
+    """Rows by model, encoding, concurrency, then Quiver's worker counts and variants (in the
+    order given), Triton last."""
+    backend, encoding, variant, count, c = key
+    rank = variants.index(variant) if variant in variants else 0
+    return backend, encoding, c, 1 if count == TRITON else 0, count if isinstance(count, int) else 0, rank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,22 +129,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-name", default="http_workers", help="results file name (default: http_workers)")
     parser.add_argument("--triton", action="store_true",
                         help="also run Triton's Python model (benchmarks.peers.triton) in every round")
+    parser.add_argument("--src", action="append", default=[], metavar="NAME=DIR",
+                        help="a Quiver variant: NAME=the src folder of a checkout (repeatable; default: "
+                        "this checkout, as the server's environment finds it)")
+    parser.add_argument("--flags", default="", help="extra `quiver serve` flags for every Quiver server (one string)")
+    parser.add_argument("--variant-flags", action="append", default=[], metavar="NAME=FLAGS",
+                        help="extra `quiver serve` flags for one --src variant (repeatable)")
     args = parser.parse_args(argv)
+    variants: dict[str, str | None] = dict(common.source_variants(parser, args.src, ROOT / "src")) if args.src else {"": None}
+    variant_flags = {name: args.flags.split() for name in variants}
+    for spec in args.variant_flags:
+        name, _, flags = spec.partition("=")
+        if name not in variants:
+            parser.error(f"--variant-flags {spec!r}: no --src variant named {name!r}")
+        variant_flags[name] += flags.split()
     counts: list[int | str] = [int(n) for n in args.workers.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     backends = args.backends.split(",")
     encodings = args.encodings.split(",")
     work = Path(tempfile.mkdtemp(prefix="http_workers-"))
     repositories = {b: write_repository(work, b) for b in backends}
-    samples: dict[tuple[str, str, int | str, int], list[dict[str, float]]] = {}
-    configurations = [(b, n) for b in backends for n in counts]
+    samples: dict[tuple[str, str, str, int | str, int], list[dict[str, float]]] = {}
+    configurations: list[tuple[str, str, int | str]] = [(b, v, n) for b in backends for n in counts for v in variants]
     if args.triton:
-        configurations.append(("python", TRITON))
+        configurations.append(("python", "", TRITON))
     for round_ in range(args.repeat):
-        for backend, count in configurations:
-            folder = work / f"{backend}-{count}-{round_}"
+        for backend, variant, count in configurations:
+            folder = work / f"{backend}-{variant}-{count}-{round_}"
             folder.mkdir()
-            with _server(backend, count, repositories.get(backend, work), folder) as endpoints:
+            src = variants.get(variant) if count != TRITON else None
+            with _server(backend, count, repositories.get(backend, work), folder, src, variant_flags.get(variant)) as endpoints:
                 for encoding in encodings:
                     loadgen.sanity_check(*endpoints.address(encoding), encoding, PAYLOAD)
                     for c in levels:
@@ -137,31 +169,34 @@ def main(argv: list[str] | None = None) -> int:
                             endpoints.pid, 50, progress=None, on_begin=mark, on_end=mark,
                         )
                         if res.errors or not res.requests or res.server_cpu_s is None:
-                            raise SystemExit(f"{backend} workers={count} {encoding} c={c}: {res.errors} errors, {res.first_error}")
+                            raise SystemExit(f"{backend} {variant} workers={count} {encoding} c={c}: {res.errors} errors, {res.first_error}")
                         got = {"req_per_s": res.req_per_s, "p99_ms": res.p99_ms or 0.0,
                                "server_us": 1e6 * res.server_cpu_s / res.requests,
                                **{part: 1e6 * (marks[1][part] - marks[0][part]) / res.requests for part in PARTS},
                                "server_cpu_pct": res.server_cpu_pct or 0.0, "client_cpu_pct": res.client_cpu_pct,
                                "machine_busy_cores": res.machine_busy_cores or 0.0}
-                        samples.setdefault((backend, encoding, count, c), []).append(got)
-                        log(f"round {round_ + 1} {backend} workers={count} {encoding} c={c}: {got}")
+                        samples.setdefault((backend, encoding, variant, count, c), []).append(got)
+                        log(f"round {round_ + 1} {backend} {variant} workers={count} {encoding} c={c}: {got}")
+    named = len(variants) > 1
     lines = [
-        "| model | encoding | frontend workers | c | req/s | p99 ms | server CPU us/request | model side us | "
-        "frontend workers us | Python model process us | model-side ceiling req/s | server CPU % | client CPU % | "
-        "machine busy cores |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| model | encoding | {'quiver | ' if named else ''}frontend workers | c | req/s | p99 ms | server CPU us/request | "
+        "model side us | frontend workers us | Python model process us | model-side ceiling req/s | server CPU % | "
+        "client CPU % | machine busy cores |",
+        f"|---|---|{'---|' if named else ''}---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows: list[dict[str, Any]] = []
-    for (backend, encoding, count, c), trials in samples.items():
+    for (backend, encoding, variant, count, c), trials in sorted(samples.items(), key=lambda item: _order(item[0], list(variants))):
         med = {k: statistics.median(s[k] for s in trials) for k in trials[0]}
         med["model_side_ceiling_req_per_s"] = 1e6 / med["model_side_us"] if med["model_side_us"] else 0.0
+        column = f"{variant or '-'} | " if named else ""
         lines.append(
-            f"| {backend} | {encoding} | {count} | {c} | {med['req_per_s']:,.0f} | {med['p99_ms']:.2f} | "
+            f"| {backend} | {encoding} | {column}{count} | {c} | {med['req_per_s']:,.0f} | {med['p99_ms']:.2f} | "
             f"{med['server_us']:.0f} | {med['model_side_us']:.0f} | {med['frontend_us']:.0f} | "
             f"{med['model_processes_us']:.0f} | {med['model_side_ceiling_req_per_s']:,.0f} | "
             f"{med['server_cpu_pct']:.0f} | {med['client_cpu_pct']:.0f} | {med['machine_busy_cores']:.2f} |"
         )
-        rows.append({"model": backend, "encoding": encoding, "workers": count, "concurrency": c, "median": med, "samples": trials})
+        rows.append({"model": backend, "encoding": encoding, "variant": variant, "workers": count, "concurrency": c,
+                     "median": med, "samples": trials})
     markdown = "\n".join(lines)
     print(markdown)
     header = (

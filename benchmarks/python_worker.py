@@ -15,8 +15,11 @@ Three measurements:
   worker vs in-process, without HTTP; what the process boundary adds (shared-memory write, two
   control messages, copy out).
 
+``--baseline DIR`` adds Quiver's worker from another checkout's ``src`` folder (before a change)
+to the wire trials and to every placed round, for before/after figures from the same run.
+
 Run: ``python -m benchmarks.python_worker`` (``--help``); writes ``results/python_worker.md`` and
-``.json``.
+``.json`` (``--output-name``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ RESULTS = Path(__file__).parent / "results"
 IN_PROCESS = "--backend-config=python,in-process=true"
 SPINNING = "quiver worker, spinning"
 TRITON = "triton (python backend stub)"
+BASELINE = "quiver worker, baseline"
 PLACEMENTS = ("same", "split")
 
 
@@ -171,6 +175,8 @@ def _placements(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         for round_ in range(args.repeat):
             run = partial(_placed, args=args, cpus=cpus, round_=round_)
             rows += _quiver("quiver worker", (), args, run)
+            if args.baseline:
+                rows += _quiver(BASELINE, (), args, run, src=args.baseline)
             if not args.no_triton:
                 placed, error = _triton(args, run)
                 rows += placed
@@ -182,11 +188,15 @@ def _placements(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
 Run = Callable[[str, Any], list[dict[str, Any]]]
 
 
-def _quiver(name: str, flags: tuple[str, ...], args: argparse.Namespace, run: Run | None = None) -> list[dict[str, Any]]:
-    folder = PEERS_HOME / "python_worker" / name.replace(" ", "_")
+def _quiver(
+    name: str, flags: tuple[str, ...], args: argparse.Namespace, run: Run | None = None, src: Path | None = None
+) -> list[dict[str, Any]]:
+    """Quiver's trials (``src``: the ``src`` folder of the checkout to run, first on its path)."""
+    folder = PEERS_HOME / "python_worker" / name.replace(" ", "_").replace(",", "")
     folder.mkdir(parents=True, exist_ok=True)
+    env = {"PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"} if src else None
     server = QuiverServer(_repository(folder), flags, log=folder / "server.log", cwd=folder,
-                          ready_path=f"/v2/models/{tiny.MODEL}/ready", name=name)
+                          ready_path=f"/v2/models/{tiny.MODEL}/ready", name=name, env=env)
     with server:
         return run(name, server.endpoints) if run else _trials(name, server.endpoints, args)
 
@@ -305,13 +315,14 @@ def markdown(report: dict[str, Any]) -> str:
             "other; `split`: the workers on the load generator's vCPU. Left to itself the scheduler "
             "picks either, run by run, and a process woken on another vCPU than the one that woke it "
             "costs both more (the rows above mix them):", "",
-            "| placement | concurrency | quiver worker us/req | req/s | triton stub us/req | req/s | quiver / triton |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| placement | concurrency | quiver worker us/req | req/s | baseline us/req | req/s | triton stub us/req | req/s "
+            "| quiver / triton |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         rate = report["settings"].get("rate")
         for cell in summary:
             parts = []
-            for key in ("quiver", "triton"):
+            for key in ("quiver", "baseline", "triton"):
                 got = cell.get(key)
                 parts += ([f"{got['worker_cpu_us']:.0f} [{got['min']:.0f}-{got['max']:.0f}]", f"{got['req_per_s']:.0f}"]
                           if got else ["-", "-"])
@@ -339,7 +350,7 @@ def _placed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for placement in PLACEMENTS:
         for paced in (False, True):
             cell: dict[str, Any] = {"placement": placement, "paced": paced}
-            for key, server in (("quiver", "quiver worker"), ("triton", TRITON)):
+            for key, server in (("quiver", "quiver worker"), ("baseline", BASELINE), ("triton", TRITON)):
                 mine = [r for r in rows if r["server"] == server and r.get("placement") == placement
                         and bool(r.get("rate")) == paced and r.get("worker_cpu_us") is not None]
                 if mine:
@@ -348,7 +359,7 @@ def _placed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "worker_cpu_us": statistics.median(cpu), "min": min(cpu), "max": max(cpu),
                         "req_per_s": statistics.median(r["req_per_s"] for r in mine), "rounds": len(mine),
                     }
-            if "quiver" in cell or "triton" in cell:
+            if "quiver" in cell or "baseline" in cell or "triton" in cell:
                 if "quiver" in cell and "triton" in cell:
                     cell["ratio"] = cell["quiver"]["worker_cpu_us"] / cell["triton"]["worker_cpu_us"]
                 out.append(cell)
@@ -365,7 +376,7 @@ def _ratios(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for row in trials:
-        if row["server"] not in ("quiver worker", SPINNING) or row.get("rate"):
+        if row["server"] not in ("quiver worker", BASELINE, SPINNING) or row.get("rate"):
             continue
         key = (row["encoding"], row["concurrency"])
         triton, inproc = p50("triton", *key), p50("quiver in-process", *key)
@@ -398,17 +409,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=3,
                         help="rounds of the placed trials, the servers taken in turn (default 3)")
     parser.add_argument("--no-triton", action="store_true", help="skip Triton (no download)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                        help="also Quiver's worker from this checkout's src folder (before a change), in the wire "
+                             "trials and every placed round")
+    parser.add_argument("--no-in-process", action="store_true", help="skip the in-process server")
+    parser.add_argument("--no-hop", action="store_true", help="skip the hop measurement")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    parser.add_argument("--output-name", default="python_worker", help="results file name (default: python_worker)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     load_before = os.getloadavg()
+    if args.baseline is not None and not (args.baseline / "quiver").is_dir():
+        raise SystemExit(f"--baseline {args.baseline}: not a src folder holding the quiver package")
     trials = _quiver("quiver worker", (), args)
+    if args.baseline:
+        trials += _quiver(BASELINE, (), args, src=args.baseline)
     if args.spin_us:
         trials += _quiver(SPINNING, (f"--backend-config=python,spin-microseconds={args.spin_us}",), args)
-    trials += _quiver("quiver in-process", (IN_PROCESS,), args)
+    if not args.no_in_process:
+        trials += _quiver("quiver in-process", (IN_PROCESS,), args)
     triton_error = "skipped (--no-triton)"
     if not args.no_triton:
         rows, triton_error = _triton(args)
@@ -419,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         "environment": common.environment(["numpy", "tritonclient"]),
         "settings": {"duration": args.duration, "warmup": args.warmup, "concurrency": args.concurrency,
                      "encodings": args.encodings, "spin_us": args.spin_us, "rate": args.rate,
-                     "placements": args.placements, "repeat": args.repeat},
+                     "placements": args.placements, "repeat": args.repeat,
+                     "baseline": str(args.baseline) if args.baseline else None},
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "trials": trials,
         "triton_error": triton_error,
@@ -427,11 +450,11 @@ def main(argv: list[str] | None = None) -> int:
         "placed": placed,
         "placed_error": placed_error,
         "placed_summary": _placed_summary(placed),
-        "hop": _hop(args.hop_calls),
+        "hop": None if args.no_hop else _hop(args.hop_calls),
     }
     text = markdown(report)
     print(text)
-    log(common.write_results(args.output_dir, "python_worker", text, report))
+    log(common.write_results(args.output_dir, args.output_name, text, report))
     return 0
 
 

@@ -75,6 +75,10 @@ class ExecutionTiming:
     input_ns: int = 0
     infer_ns: int = 0
     output_ns: int = 0
+    #: When the execution began, on the scheduler's clock, if the instance held it queued
+    #: first (a worker process's queue: that wait is queue time); 0: as it was handed over.
+    #: Set as ``run()`` returns, read by the scheduler at once.
+    started_ns: int = 0
 
 
 class ModelInstance(Protocol):

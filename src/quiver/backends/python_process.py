@@ -105,9 +105,15 @@ class Batch:
     """A batch sent to the worker: its request ids, each request's result as it comes
     (``results``, None until then; ``missing`` counts those still to come), the future its
     task waits on, whether the worker is done with it (answered ``done``, or died), and
-    whether it died before starting it (then the batch is sent again)."""
+    whether it died before starting it (then the batch is sent again). ``limit``: the shortest
+    ``timeout`` of its requests (microseconds, 0: none), whose ``timer`` runs from when the
+    worker starts it; ``queued``: sent while the worker held another batch, so it waits there
+    first; ``start``: then, when the worker started it (its report; else 0); ``sent``: when it
+    was sent."""
 
-    __slots__ = ("finished", "ids", "missing", "results", "unstarted", "waiter")
+    __slots__ = (
+        "finished", "ids", "limit", "missing", "queued", "results", "sent", "start", "timer", "unstarted", "waiter",
+    )
 
     def __init__(self, ids: list[str], waiter: asyncio.Future[None], results: list[Any] | None = None) -> None:
         self.ids = ids
@@ -116,9 +122,17 @@ class Batch:
         self.missing = 0
         self.finished = False
         self.unstarted = False
+        self.limit = 0
+        self.queued = False
+        self.sent = 0  # when it was sent (``time.monotonic_ns()``)
+        self.start = 0
+        self.timer: asyncio.TimerHandle | None = None
 
     def finish(self) -> None:
         self.finished = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if not self.waiter.done():
             self.waiter.set_result(None)
 
@@ -150,6 +164,20 @@ class Worker:
         self.inflight: deque[int] = deque()
         #: blocks of the worker's pool read and not yet given back (sent with the next batch)
         self.releases: list[list[Any]] = []
+        #: batches whose inputs are in the server's pool (sent, and the worker not done with them)
+        self.holding = 0
+        #: resolved when a batch's inputs leave the server's pool (one waits for room there)
+        self.freed: asyncio.Future[None] | None = None
+
+    def inputs_freed(self, batches: int = 0) -> None:
+        """``batches`` batches' inputs left the server's pool (or the pool is gone with the
+        process): a batch waiting for room looks again."""
+        self.holding -= batches
+        freed = self.freed
+        if freed is not None:
+            self.freed = None
+            if not freed.done():
+                freed.set_result(None)
 
     def release(self, descriptors: Any) -> None:
         """The blocks of the worker's pool that ``descriptors`` (tensors read) name are given

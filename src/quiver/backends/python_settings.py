@@ -16,7 +16,10 @@ Quiver's own:
 - ``in-process``: ``true`` runs Python models in the server's process unless their
   configuration says otherwise (the per-model parameter ``QUIVER_PYTHON_IN_PROCESS``);
 - ``restart-backoff-seconds`` / ``restart-backoff-max-seconds``: waits before restarting a
-  worker that died, doubling each time it dies again without serving (1, 30).
+  worker that died, doubling each time it dies again without serving (1, 30);
+- ``spin-microseconds``: how long a worker and the idle server read without sleeping (0);
+- ``worker-queue-depth``: how many requests of a model without a batcher one worker holds at
+  once, the one it runs and those queued behind it (:data:`WORKER_QUEUE_DEPTH`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ from quiver.errors import InvalidArgumentError
 
 #: The config.pbtxt parameter that picks the process model of one Python model.
 IN_PROCESS_PARAMETER = "QUIVER_PYTHON_IN_PROCESS"
+
+#: ``worker-queue-depth``'s default: requests a worker instance holds at once (1 runs, the rest
+#: wait in it), so that it finds its next request there when it finishes one instead of waiting
+#: for the server's event loop to send it (see the README's benchmark).
+WORKER_QUEUE_DEPTH = 8
+#: ``worker-queue-depth``'s largest value.
+MAX_WORKER_QUEUE_DEPTH = 1024
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -46,6 +56,9 @@ class PythonSettings:
     #: How long a worker waiting for its next batch reads without sleeping, and the server's
     #: idle loop waits for a quick worker's answer (0, the default: both sleep at once).
     spin_microseconds: int = 0
+    #: Requests the direct scheduler hands one worker instance at once (a model without
+    #: dynamic or sequence batching; decoupled models take one at a time).
+    worker_queue_depth: int = WORKER_QUEUE_DEPTH
 
 
 def parse_bool(value: str, what: str) -> bool:
@@ -107,8 +120,15 @@ def parse_python_settings(config: Mapping[str, str]) -> PythonSettings:
             f"--backend-config=python,spin-microseconds: expected a whole number of microseconds from 0 "
             f"to 1000000, got '{spin}'"
         )
+    depth = config.get("worker-queue-depth", str(defaults.worker_queue_depth)).strip()
+    if not depth.isdigit() or not 1 <= int(depth) <= MAX_WORKER_QUEUE_DEPTH:
+        raise InvalidArgumentError(
+            f"--backend-config=python,worker-queue-depth: expected a whole number of requests from 1 to "
+            f"{MAX_WORKER_QUEUE_DEPTH}, got '{depth}'"
+        )
     return PythonSettings(
         spin_microseconds=int(spin),
+        worker_queue_depth=int(depth),
         shm_default_byte_size=default_size,
         shm_growth_byte_size=growth,
         shm_max_byte_size=largest,

@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,7 +115,9 @@ class Worker:
         #: Decoupled BLS calls: id -> what receives each (response, final).
         self.bls_sinks: dict[int, Callable[[dict[str, Any] | None, bool], None]] = {}
         self.model: Any = None
+        self.model_execute: Callable[[list[Any]], Any] | None = None  # the model's execute()
         self.outbox: list[dict[str, Any]] | None = None  # a batch's responses, sent with its done
+        self.start = 0  # when the running batch started (reported with its done)
         config = json.loads((init.get("args") or {}).get("model_config") or "{}")
         self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled", False))
         self.background: BackgroundLoop | None = None  # a decoupled model's async execute
@@ -201,6 +204,7 @@ class Worker:
                     self.loop.run_until_complete(result)
             except (Exception, SystemExit) as exc:
                 raise _Failure(exc, f"{self.where}: initialize() failed: {format_exception(exc)}") from exc
+        self.model_execute = getattr(self.model, "execute", None)  # (looked up once)
         return {}
 
     def auto_complete(self, cls: Any, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -221,26 +225,33 @@ class Worker:
         return ready
 
     def serve(self) -> None:
-        jobs, take = self.jobs, self.inbox.take
+        jobs, inbox, buffer, arena = self.jobs, self.inbox, self.channel.buffer, self.arena
+        take, drain, execute, now = inbox.take, inbox.drain, self.execute, time.monotonic_ns
+        spin, execute_op, finalize_op = self.spin, msg.EXECUTE, msg.FINALIZE
 
         def waiting() -> bool:
             return bool(jobs)
 
         while True:
-            if self.spin and spare_core():
+            queued = bool(jobs or buffer)  # the next batch is here already: it waited
+            if spin and spare_core():
                 if not jobs:
-                    self.inbox.wait(waiting, spin=self.spin)
+                    inbox.wait(waiting, spin=spin)
                 job = jobs.popleft()
             else:  # the usual: the next batch, read here (or queued by a thread that read it)
-                job = take(msg.EXECUTE, jobs)
+                job = take(execute_op, jobs)
+            if queued or buffer:
+                # What came with it or while it waited counts before it starts: a request
+                # cancelled meanwhile is not run (the usual, one batch read alone, skips this).
+                drain()
             release = job.get("release")
             if release:
-                self.arena.free_many(release)
-            if job["op"] == msg.FINALIZE:
+                arena.free_many(release)
+            if job["op"] == finalize_op:
                 profiling.dump()  # now: once FINALIZED is sent, the server may end this process
                 self.finalize()
                 return
-            self.execute(job)
+            execute(job, now())
 
     def finalize(self) -> None:
         if self.background is not None:
@@ -257,13 +268,22 @@ class Worker:
 
     # ---- execute
 
-    def execute(self, job: dict[str, Any]) -> None:
+    def execute(self, job: dict[str, Any], start: int = 0) -> None:
+        """Run one batch; ``start``: when it started (``time.monotonic_ns()``, the server's
+        clock too), which its ``done`` reports: the server counts the wait of a batch that
+        waited here behind another as queue time, not compute."""
         batch = job["batch"]
         items = job["requests"]
+        self.outbox = []
+        self.start = start
+        if self.cancelled:
+            items = self._skip_cancelled(items)
+            if not items:
+                self._flush(batch)
+                return
         # strings, as the server names its requests
         ids = [items[0]["id"]] if len(items) == 1 else [item["id"] for item in items]
         senders = WorkerSenders(self, ids, self.decoupled)
-        self.outbox = []
         try:
             requests = requests_from(items, ids, senders, self.mapper, self.output_set, self.name, self.version)
         except Exception as exc:
@@ -271,7 +291,7 @@ class Worker:
             self._flush(batch)
             return
         try:
-            model_execute = getattr(self.model, "execute", None)
+            model_execute = self.model_execute
             if model_execute is None:
                 self._fail(ids, "INTERNAL", f"{self.where}: TritonPythonModel does not implement 'execute'")
                 return
@@ -301,7 +321,10 @@ class Worker:
                     answer["id"] = ids[index]  # with the done: the response itself, named
                     responses.append(answer)
                 self.outbox = None
-                self.channel.send({"op": msg.DONE, "batch": batch, "responses": responses})
+                done: dict[str, Any] = {"op": msg.DONE, "batch": batch, "responses": responses}
+                if start:
+                    done["start"] = start
+                self.channel.send(done)
                 if self.cancelled:
                     for request_id in ids:
                         self.cancelled.discard(request_id)
@@ -321,7 +344,25 @@ class Worker:
         done: dict[str, Any] = {"op": msg.DONE, "batch": batch}
         if outbox:
             done["responses"] = outbox
+        if self.start:
+            done["start"] = self.start
         self.channel.send(done)
+
+    def _skip_cancelled(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The batch's requests not cancelled before it started; each cancelled one is answered
+        CANCELLED without running (as a request that leaves the server's queue)."""
+        cancelled = self.cancelled
+        kept = []
+        for item in items:
+            request_id = item["id"]
+            if request_id in cancelled:
+                cancelled.discard(request_id)
+                self._send_response(
+                    request_id, {"error": ["CANCELLED", f"{self.where}: the request was cancelled before it started"]}
+                )
+            else:
+                kept.append(item)
+        return kept
 
     def _fail(self, ids: list[str], code: str, message: str) -> None:
         for request_id in ids:

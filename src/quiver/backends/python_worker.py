@@ -21,16 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
-from quiver.backends.python_bls_stream import not_decoupled_call
 from quiver.backends.python_convert import request_fields
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_outputs import OutputCheck
@@ -45,6 +41,7 @@ from quiver.backends.python_process import (
 )
 from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
 from quiver.backends.python_settings import PythonSettings
+from quiver.backends.python_worker_spin import AnswerSpin
 from quiver.backends.python_worker_streams import BlsStreams, WorkerStreams, WorkerStreamsMixin
 from quiver.config import ModelConfig
 from quiver.errors import (
@@ -52,34 +49,24 @@ from quiver.errors import (
     InternalError,
     QuiverError,
     UnavailableError,
-    UnsupportedError,
     error_for_code,
 )
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import AsyncChannel, ChannelError, decode_json
-from quiver.ipc.inbox import spare_core
 from quiver.ipc.shm import PoolFullError
 from quiver.streaming import StreamedResponse
-from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from quiver.types import DataType, InferenceRequest, InferenceResponse, Tensor
 
 logger = logging.getLogger(__name__)
 
 _DATATYPES = {datatype.value: datatype for datatype in DataType}
-#: A batch sent this long after the previous one finished finds the loop idle (spinning for its
-#: answer then costs no other request anything).
-_IDLE_GAP_S = 50e-6
-#: After a spin that timed out, how long until the next try.
-_SPIN_RETRY_S = 1.0
+#: Executions shorter than this on average let a worker hold ``worker-queue-depth`` requests.
+_QUICK_NS = 1_000_000
 
 
 class WorkerInstance(WorkerStreamsMixin):
     """A :class:`~quiver.backends.base.ModelInstance` whose model runs in a worker process."""
-
-    #: Requests the direct scheduler may hand this instance at once
-    #: (:class:`~quiver.scheduling.core.InstancePool`): the worker runs them one at a time, and
-    #: finds the next one waiting when it finishes one.
-    slots = 2
 
     def __init__(
         self, config: ModelConfig, files: ModelFiles, spec: InstanceSpec, env: PythonEnv, tree: str,
@@ -102,8 +89,17 @@ class WorkerInstance(WorkerStreamsMixin):
         #: requests sent and not answered: id -> its batch and index there
         self._pending: dict[str, tuple[Batch, int]] = {}
         self._decoupled = bool(config.proto.model_transaction_policy.decoupled)
-        if self._decoupled:
-            self.slots = 1  # its requests stream: one at a time, as Triton sends them
+        self._cost_ns = 0  # the worker's recent executions, from their start to their done (averaged)
+        # A decoupled model's requests stream one at a time, as Triton sends them; others: the
+        # queue depth while executions are quick, 2 once they take a millisecond or more (then
+        # the loop's delay in sending the next one is small beside them, and a request queued
+        # in this worker would wait for it while another instance may be free).
+        self._quick_slots = 1 if self._decoupled else settings.worker_queue_depth
+        self._slow_slots = min(self._quick_slots, 2)
+        #: Requests the direct scheduler may hand this instance at once
+        #: (:class:`~quiver.scheduling.core.InstancePool`): the worker runs them one at a time,
+        #: and finds the next one waiting when it finishes one.
+        self.slots = self._quick_slots
         self._streams = WorkerStreams()  # a decoupled model's open requests
         self._bls_streams = BlsStreams()  # the model's decoupled BLS calls
         self._readiness: UserReadiness | None = None  # the model's own is_ready(), if any
@@ -117,14 +113,12 @@ class WorkerInstance(WorkerStreamsMixin):
         self._failures = 0  # starts in a row that failed or died before serving
         self._closed = False
         self._bls_tasks: set[asyncio.Task[None]] = set()
+        #: resolved when the batch that waits for room in the worker's pool has it (or gave up)
+        self._room: asyncio.Future[None] | None = None
         #: The traces of sampled requests in flight, by the id the worker knows them by.
         self._traces: dict[str, Any] = {}
-        #: Seconds to wait for a batch's answer without sleeping when the loop is idle (a
-        #: sleeping loop's wake-up costs more than a small model's whole execute).
-        self._spin = settings.spin_microseconds / 1e6
-        self._round_trip = 0.0  # recent round trips of spun batches (seconds, smoothed)
-        self._slow_since = 0.0
-        self._last_done = 0.0
+        #: Waiting for a batch's answer without sleeping when the loop is idle (spin-microseconds).
+        self._spin = AnswerSpin(settings.spin_microseconds / 1e6) if settings.spin_microseconds else None
 
     # ---- start / stop
 
@@ -202,38 +196,136 @@ class WorkerInstance(WorkerStreamsMixin):
     async def _run_once(self, requests: list[InferenceRequest], loop: asyncio.AbstractEventLoop) -> ExecuteResult | None:
         """Run the batch in the worker: its inputs written into the worker's pool (freed once
         it is done with them), one ``execute`` message, one future its task waits on; None if
-        the worker died before it started it."""
-        worker = self._worker
-        if worker is None or worker.achannel is None or self._restarting is not None or self._closed:
-            ready = await self._ready_worker()
-            if isinstance(ready, QuiverError):
-                return [ready for _ in requests]
-            worker = ready
+        the worker died before it started it. As it returns, ``timing.started_ns`` says when
+        the worker started it if it waited there behind another (else 0)."""
+        holds_room = False  # this batch waits for room in the pool (later ones wait behind it)
+        try:
+            while True:
+                worker = self._worker
+                if worker is None or worker.achannel is None or self._restarting is not None or self._closed:
+                    ready = await self._ready_worker()
+                    if isinstance(ready, QuiverError):
+                        self.timing.started_ns = 0
+                        return [ready for _ in requests]
+                    worker = ready
+                if self._room is not None and not holds_room:
+                    await asyncio.shield(self._room)
+                    continue
+                prepared = self._prepare(worker, requests, loop)
+                if prepared is not None:
+                    break
+                # Requests the worker holds have part of the pool: this one waits until they
+                # are done with it, as it would wait in the server's queue, and fails only if
+                # it cannot fit once the worker holds nothing.
+                if not holds_room:
+                    holds_room = True
+                    self._room = loop.create_future()
+                if worker.freed is None:
+                    worker.freed = loop.create_future()
+                await asyncio.shield(worker.freed)
+        finally:
+            if holds_room:
+                room, self._room = self._room, None
+                if room is not None and not room.done():
+                    room.set_result(None)
+        entry, items, blocks, limit = prepared
+        ids, results, done, arena, pending = entry.ids, entry.results, entry.waiter, worker.arena, self._pending
         channel = worker.achannel
         assert channel is not None
+        if not items:
+            arena.free_many(blocks)
+            self.timing.started_ns = 0
+            return results  # every one is an error
+        batch = next(self._batch_ids)
+        self._batches[batch] = entry
+        entry.limit = limit
+        if worker.inflight:
+            entry.queued = True  # it waits in the worker behind another first
+        elif limit:
+            self._arm(worker, entry)  # it starts now (else when the worker is done with the one before)
+        worker.inflight.append(batch)
+        worker.holding += 1
+        entry.sent = time.monotonic_ns()
+        message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
+        if worker.releases:
+            message["release"], worker.releases = worker.releases, []
+        channel.send(message)
+        spin = self._spin
+        if spin is not None:
+            spin.wait(channel, done)
+        try:
+            await done  # nothing in between: the answer resumes this task at once
+            if entry.missing and not entry.unstarted:
+                # A model may answer through its response sender after execute() returned:
+                # Batch.answer() wakes this waiter with the last of them.
+                entry.waiter = loop.create_future()
+                await entry.waiter
+        except asyncio.CancelledError:
+            # A batch the worker has not started yet is not run (its requests are answered
+            # CANCELLED); one it runs sees it in is_cancelled().
+            channel.send({"op": msg.CANCEL, "ids": ids})
+            if not entry.finished:
+                if entry.waiter.done():  # cancelled with this task: wait on a new one
+                    entry.waiter = loop.create_future()
+                with contextlib.suppress(Exception):
+                    await entry.waiter
+            raise
+        finally:
+            self._batches.pop(batch, None)
+            if spin is not None:
+                spin.finished()
+            if entry.finished:  # else the worker still reads them, or is being stopped
+                arena.free_many(blocks)
+                worker.holding -= 1
+                if worker.freed is not None:
+                    worker.inputs_freed(0)  # a batch waits for room
+            if self._traces:
+                for request_id in ids:
+                    self._traces.pop(request_id, None)
+        if entry.unstarted:
+            for request_id in ids:
+                pending.pop(request_id, None)
+            return None
+        self.timing.started_ns = entry.start  # (read by the scheduler as this returns)
+        return results  # each one answered
+
+    def _prepare(
+        self, worker: Worker, requests: list[InferenceRequest], loop: asyncio.AbstractEventLoop
+    ) -> tuple[Batch, list[dict[str, Any]], list[tuple[str, int]], int] | None:
+        """The batch's inputs written into the worker's pool and its requests registered: its
+        entry, the ``execute`` message's items, the blocks written, the shortest ``timeout``
+        (microseconds, 0: none). A request that does not fit gets the pool's error; None (and
+        nothing kept) when one does not fit while the worker holds requests ahead of it."""
+        arena, pending, request_ids, write = worker.arena, self._pending, self._request_ids, tensors.write
         blocks: list[tuple[str, int]] = []
         items: list[dict[str, Any]] = []
         ids: list[str] = []
         results: list[InferenceResponse | QuiverError | None] = [None] * len(requests)
-        done: asyncio.Future[None] = loop.create_future()
-        entry = Batch(ids, done, results)
-        arena, pending, request_ids = worker.arena, self._pending, self._request_ids
-        write = tensors.write
-        limit = 0  # the shortest ``timeout`` parameter (microseconds) of the requests
+        entry = Batch(ids, loop.create_future(), results)
+        limit = 0
         for index, request in enumerate(requests):
-            request_id = str(next(request_ids))
             try:
                 # ``_value_``: the datatype's wire name without the enum's property lookup
                 descriptors = [write(arena, t.name, t.datatype._value_, t.data, blocks) for t in request.inputs]
             except PoolFullError as exc:
+                if worker.holding:  # it waits for room: nothing of it kept
+                    arena.free_many(blocks)
+                    for request_id in ids:
+                        pending.pop(request_id, None)
+                        self._traces.pop(request_id, None)
+                        self._streams.close(request_id)
+                    return None
                 results[index] = UnavailableError(f"{self._where}: the request's inputs do not fit its worker's shared-memory pool: {exc}")
                 continue
+            request_id = str(next(request_ids))
             if self._decoupled:
                 results[index] = StreamedResponse("", "", [])  # answered on its stream
                 self._streams.open(request_id, request, self._cancel)
             else:
                 pending[request_id] = (entry, index)
                 entry.missing += 1
+                if request.cancellation is not None:  # a caller that leaves cancels it here too
+                    request.cancellation.add_callback(partial(self._cancel_pending, loop, request_id))
             item: dict[str, Any] = {"id": request_id, "tensors": descriptors}
             if request.id or request.outputs is not None or request.parameters:
                 fields = request_fields(request)
@@ -248,85 +340,38 @@ class WorkerInstance(WorkerStreamsMixin):
                 self._traces[request_id] = request.trace
             items.append(item)
             ids.append(request_id)
-        if not items:
-            arena.free_many(blocks)
-            return results  # type: ignore[return-value]  # every one is an error
-        batch = next(self._batch_ids)
-        self._batches[batch] = entry
-        worker.inflight.append(batch)
-        message: dict[str, Any] = {"op": msg.EXECUTE, "batch": batch, "requests": items}
-        if worker.releases:
-            message["release"], worker.releases = worker.releases, []
-        channel.send(message)
-        if self._spin and self._should_spin() and spare_core():
-            self._spin_for(channel, done)
-        try:
-            if limit:
-                await asyncio.wait_for(asyncio.shield(done), limit / 1e6)
-            else:
-                await done  # nothing in between: the answer resumes this task at once
-            if entry.missing and not entry.unstarted:
-                # A model may answer through its response sender after execute() returned:
-                # Batch.answer() wakes this waiter with the last of them.
-                entry.waiter = loop.create_future()
-                await entry.waiter
-        except TimeoutError:
-            self._fail_pending(
-                ids,
-                UnavailableError(
-                    f"{self._where}: execute() did not return within the request timeout of "
-                    f"{limit / 1000:g} ms; its worker is stopped and restarted"
-                ),
-            )
-            worker.kill()  # the reader sees the end of the channel and restarts it
-        except asyncio.CancelledError:
-            channel.send({"op": msg.CANCEL, "ids": ids})
-            if not entry.finished:
-                if entry.waiter.done():  # cancelled with this task: wait on a new one
-                    entry.waiter = loop.create_future()
-                with contextlib.suppress(Exception):
-                    await entry.waiter
-            raise
-        finally:
-            self._batches.pop(batch, None)
-            if self._spin:
-                self._last_done = time.perf_counter()
-            if entry.finished:  # else the worker still reads them, or is being stopped
-                arena.free_many(blocks)
-            if self._traces:
-                for request_id in ids:
-                    self._traces.pop(request_id, None)
-        if entry.unstarted:
-            for request_id in ids:
-                pending.pop(request_id, None)
-            return None
-        return results  # type: ignore[return-value]  # each one answered
+        return entry, items, blocks, limit
 
-    def _should_spin(self) -> bool:
-        """Whether to wait for this batch's answer without sleeping: when the worker answers
-        quickly (its recent round trips fit the spin) and the loop has been idle between
-        batches (one caller at a time: a busy loop would rather serve others meanwhile)."""
-        now = time.perf_counter()
-        if now - self._last_done <= _IDLE_GAP_S:
-            return False
-        if self._round_trip >= self._spin:
-            if now - self._slow_since < _SPIN_RETRY_S:
-                return False
-            self._round_trip = 0.0  # try again: the model may be quick now
-        return True
+    def _cancel_pending(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
+        """A request's caller left (from any thread): the worker does not start it if it has
+        not yet (``cancel``), or its model sees it in ``is_cancelled()``."""
 
-    def _spin_for(self, channel: AsyncChannel, done: asyncio.Future[None]) -> None:
-        began = time.perf_counter()
-        until = began + self._spin
-        poll = channel.poll
-        while not done.done():
-            now = time.perf_counter()
-            if now >= until:
-                self._round_trip = self._spin * 2  # too slow to wait for: stop until it is quick again
-                self._slow_since = now
-                return
-            poll()
-        self._round_trip = (self._round_trip + time.perf_counter() - began) / 2
+        def cancel() -> None:
+            worker = self._worker
+            if request_id in self._pending and worker is not None and worker.achannel is not None:
+                worker.achannel.send({"op": msg.CANCEL, "ids": [request_id]})
+
+        with contextlib.suppress(RuntimeError):  # the loop is gone
+            loop.call_soon_threadsafe(cancel)
+
+    def _arm(self, worker: Worker, entry: Batch) -> None:
+        """The batch's ``timeout`` runs from now, as the worker starts it."""
+        entry.timer = asyncio.get_running_loop().call_later(entry.limit / 1e6, self._timed_out, worker, entry)
+
+    def _timed_out(self, worker: Worker, entry: Batch) -> None:
+        entry.timer = None
+        if entry.finished:
+            return
+        self._fail_pending(
+            entry.ids,
+            UnavailableError(
+                f"{self._where}: execute() did not return within the request timeout of "
+                f"{entry.limit / 1000:g} ms; its worker is stopped and restarted"
+            ),
+        )
+        if not entry.waiter.done():
+            entry.waiter.set_result(None)
+        worker.kill()  # the reader sees the end of the channel and restarts it
 
     async def _ready_worker(self) -> Worker | QuiverError:
         if self._restarting is not None:
@@ -370,11 +415,21 @@ class WorkerInstance(WorkerStreamsMixin):
             inflight = worker.inflight
             if inflight and inflight[0] == batch:  # the usual: batches finish in order
                 inflight.popleft()
+                if inflight:  # the worker starts the next one now: its timeout runs from here
+                    following = self._batches.get(inflight[0])
+                    if following is not None and following.limit and following.timer is None:
+                        self._arm(worker, following)
             else:
                 with contextlib.suppress(ValueError):
                     inflight.remove(batch)
             entry = self._batches.get(batch)
             if entry is not None:
+                if entry.queued:  # its wait in the worker is queue time: from when it started
+                    entry.start = message.get("start", 0)
+                spent = time.monotonic_ns() - (entry.start or entry.sent)
+                cost = self._cost_ns
+                cost = self._cost_ns = spent if spent > 8 * cost else (7 * cost + spent) >> 3
+                self.slots = self._quick_slots if cost < _QUICK_NS else self._slow_slots
                 entry.finish()
         elif op == msg.RESPONSE:
             self._on_response(worker, message["id"], message["response"], message.get("flags", msg.FINAL))
@@ -454,65 +509,6 @@ class WorkerInstance(WorkerStreamsMixin):
         elif slot is not None:
             slot[0].answer(slot[1], result)
 
-    async def _bls(self, worker: Worker, message: dict[str, Any]) -> None:
-        """Run a BLS request from the model through the server; answer with the response."""
-        number = message["id"]
-        answer: dict[str, Any]
-        if message["request"].get("decoupled"):
-            await self._bls_stream(worker, number, message["request"])
-            return
-        try:
-            request = self._bls_request(worker, message["request"])
-            parent = self._traces.get(str(message["request"].get("trace")))
-            if parent is not None:
-                request.trace = parent.spawn()
-            infer, decoupled = SERVER.infer, SERVER.decoupled
-            if infer is None:
-                raise UnavailableError("BLS requests can only run inside a running Quiver server")
-            if decoupled is not None and decoupled(request.model_name, request.model_version):
-                raise UnsupportedError(not_decoupled_call(request.model_name))
-            response = await infer(request)
-            blocks: list[tuple[str, int]] = []
-            try:
-                descriptors = [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs]
-            except PoolFullError as exc:
-                worker.arena.free_many(blocks)
-                raise UnavailableError(f"BLS response from model '{request.model_name}' does not fit the shared-memory pool: {exc}") from None
-            answer = {"tensors": descriptors}
-        except QuiverError as exc:
-            answer = {"error": [exc.code.name, exc.message]}
-        except (ValueError, KeyError, TypeError) as exc:
-            answer = {"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}
-        if worker.achannel is not None:
-            worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": answer})
-
-    @staticmethod
-    def _bls_request(worker: Worker, fields: dict[str, Any]) -> InferenceRequest:
-        inputs = []
-        for descriptor in fields["tensors"]:
-            name, datatype, shape, array = tensors.read(worker.mapper, descriptor)
-            if datatype != "BYTES":
-                array = np.array(array)  # the worker may reuse its block once answered
-            inputs.append(Tensor(name, DataType(datatype), shape, array))
-        parameters: dict[str, Any] = json.loads(fields.get("parameters") or "{}")
-        correlation_id = fields.get("correlation_id") or 0
-        if correlation_id:
-            parameters["sequence_id"] = correlation_id
-            parameters["sequence_start"] = bool(fields["flags"] & 1)
-            parameters["sequence_end"] = bool(fields["flags"] & 2)
-        if fields.get("timeout"):
-            parameters["timeout"] = int(fields["timeout"])
-        version = int(fields.get("model_version", -1))
-        names = fields.get("requested_output_names") or []
-        return InferenceRequest(
-            model_name=str(fields["model_name"]),
-            model_version="" if version < 0 else str(version),
-            inputs=inputs,
-            outputs=[RequestedOutput(str(n)) for n in names] if names else None,
-            id=str(fields.get("request_id", "")),
-            parameters=parameters,
-        )
-
     # ---- faults
 
     def _fail_pending(self, ids: list[str], error: QuiverError) -> None:
@@ -540,6 +536,7 @@ class WorkerInstance(WorkerStreamsMixin):
             entry.unstarted = True
             again.update(entry.ids)
         self._fail_pending([request_id for request_id in self._pending if request_id not in again], error)
+        worker.inputs_freed(0)  # its pool goes with it: a batch waiting for room looks again
         self._streams.fail_all(error)
         for entry in list(self._batches.values()):
             entry.finish()

@@ -1,4 +1,5 @@
-"""The server's side of decoupled Python models in worker processes: the open streams.
+"""The server's side of what a Python model in a worker process asks beyond its batches: the
+open streams of decoupled models, BLS calls, and the model's ``is_ready()``.
 
 A request to a decoupled model that runs in a worker is answered by ``response`` messages
 carrying its id, any number of them, the last with ``flags`` FINAL (a flag-only final has no
@@ -15,14 +16,17 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from quiver.backends.base import SERVER
+from quiver.backends.python_bls_stream import not_decoupled_call
 from quiver.backends.python_readiness import UserReadiness, WorkerReadiness
-from quiver.errors import QuiverError, UnavailableError
+from quiver.errors import QuiverError, UnavailableError, UnsupportedError
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.shm import PoolFullError
 from quiver.streaming import Cancellation, StreamClosed, StreamResponse
-from quiver.types import InferenceRequest, InferenceResponse
+from quiver.types import DataType, InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 
 class WorkerStreams:
@@ -48,6 +52,10 @@ class WorkerStreams:
                         loop.call_soon_threadsafe(cancel, request_id)
 
             cancellation.add_callback(cancelled)
+
+    def close(self, request_id: str) -> None:
+        """Forget ``request_id`` (a request taken back before it was sent)."""
+        self._open.pop(request_id, None)
 
     def deliver(self, request_id: str, answer: InferenceResponse | QuiverError | None, final: bool) -> bool:
         """Send ``answer`` (None: a flag-only final) on ``request_id``'s stream; False when the
@@ -129,8 +137,9 @@ class BlsStreams:
 
 
 class WorkerStreamsMixin:
-    """What a :class:`~quiver.backends.python_worker.WorkerInstance` adds for decoupled
-    models: cancelling an open request, decoupled BLS calls, and the model's ``is_ready()``."""
+    """What a :class:`~quiver.backends.python_worker.WorkerInstance` adds beyond its batches:
+    cancelling an open request of a decoupled model, BLS calls (both kinds), and the model's
+    ``is_ready()``."""
 
     _where: str
     _worker: Any
@@ -139,7 +148,7 @@ class WorkerStreamsMixin:
     _readiness: UserReadiness | None
     _ready_answers: WorkerReadiness
     _ready_worker: Callable[[], Awaitable[Any]]
-    _bls_request: Callable[[Any, dict[str, Any]], InferenceRequest]
+    _traces: dict[str, Any]
 
     def _end_streams(self, error: QuiverError) -> None:
         """End every open stream with ``error`` (on the server's loop, from any thread)."""
@@ -193,6 +202,65 @@ class WorkerStreamsMixin:
             reply({"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}, True)
             return
         await self._bls_streams.run(number, request, reply, encode)
+
+    async def _bls(self, worker: Any, message: dict[str, Any]) -> None:
+        """Run a BLS request from the model through the server; answer with the response."""
+        number = message["id"]
+        answer: dict[str, Any]
+        if message["request"].get("decoupled"):
+            await self._bls_stream(worker, number, message["request"])
+            return
+        try:
+            request = self._bls_request(worker, message["request"])
+            parent = self._traces.get(str(message["request"].get("trace")))
+            if parent is not None:
+                request.trace = parent.spawn()
+            infer, decoupled = SERVER.infer, SERVER.decoupled
+            if infer is None:
+                raise UnavailableError("BLS requests can only run inside a running Quiver server")
+            if decoupled is not None and decoupled(request.model_name, request.model_version):
+                raise UnsupportedError(not_decoupled_call(request.model_name))
+            response = await infer(request)
+            blocks: list[tuple[str, int]] = []
+            try:
+                descriptors = [tensors.write(worker.arena, t.name, t.datatype.value, t.data, blocks) for t in response.outputs]
+            except PoolFullError as exc:
+                worker.arena.free_many(blocks)
+                raise UnavailableError(f"BLS response from model '{request.model_name}' does not fit the shared-memory pool: {exc}") from None
+            answer = {"tensors": descriptors}
+        except QuiverError as exc:
+            answer = {"error": [exc.code.name, exc.message]}
+        except (ValueError, KeyError, TypeError) as exc:
+            answer = {"error": ["INVALID_ARG", f"BLS request from {self._where}: {exc}"]}
+        if worker.achannel is not None:
+            worker.achannel.send({"op": msg.BLS_RESPONSE, "id": number, "response": answer})
+
+    @staticmethod
+    def _bls_request(worker: Any, fields: dict[str, Any]) -> InferenceRequest:
+        inputs = []
+        for descriptor in fields["tensors"]:
+            name, datatype, shape, array = tensors.read(worker.mapper, descriptor)
+            if datatype != "BYTES":
+                array = np.array(array)  # the worker may reuse its block once answered
+            inputs.append(Tensor(name, DataType(datatype), shape, array))
+        parameters: dict[str, Any] = json.loads(fields.get("parameters") or "{}")
+        correlation_id = fields.get("correlation_id") or 0
+        if correlation_id:
+            parameters["sequence_id"] = correlation_id
+            parameters["sequence_start"] = bool(fields["flags"] & 1)
+            parameters["sequence_end"] = bool(fields["flags"] & 2)
+        if fields.get("timeout"):
+            parameters["timeout"] = int(fields["timeout"])
+        version = int(fields.get("model_version", -1))
+        names = fields.get("requested_output_names") or []
+        return InferenceRequest(
+            model_name=str(fields["model_name"]),
+            model_version="" if version < 0 else str(version),
+            inputs=inputs,
+            outputs=[RequestedOutput(str(n)) for n in names] if names else None,
+            id=str(fields.get("request_id", "")),
+            parameters=parameters,
+        )
 
 
 __all__ = ["BlsStreams", "WorkerStreams", "WorkerStreamsMixin"]

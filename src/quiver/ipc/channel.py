@@ -163,7 +163,9 @@ class Channel:
         self._read_fd, self._write_fd = fds
         self._send_lock = threading.Lock()
         self._buffered = buffered
-        self._buffer = bytearray()
+        #: Bytes read ahead and not yet returned as messages (a buffered channel): while it
+        #: holds any, the next :meth:`receive` may return without reading.
+        self.buffer = bytearray()
         self._poller: select.poll | None = None
         self._closed = False
 
@@ -208,7 +210,7 @@ class Channel:
         what has arrived; None: as long as it takes): :data:`EMPTY` when no whole message came
         in time, None when the peer closed the channel."""
         assert self._buffered, "receive() reads ahead: a buffered channel only"
-        buffer = self._buffer
+        buffer = self.buffer
         if timeout is None and not buffer:  # the usual: wait for the next message, read it whole
             try:
                 chunk = os.read(self._read_fd, 1 << 16)  # woken by input only (see pipe_pair)
@@ -231,7 +233,7 @@ class Channel:
         return self._receive(timeout)
 
     def _receive(self, timeout: float | None) -> dict[str, Any] | _Empty | None:
-        buffer = self._buffer
+        buffer = self.buffer
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if len(buffer) >= 4:

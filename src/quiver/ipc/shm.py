@@ -158,20 +158,21 @@ class Arena:
     def put(self, data: Any, nbytes: int) -> tuple[str, int]:
         """:meth:`store` without the Block: ``(segment, offset)`` (the hot path's form, as
         :meth:`free_many` takes it)."""
-        size = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
+        size = (nbytes + ALIGN - 1) // ALIGN * ALIGN or ALIGN
         with self._lock:
             spare = self._spare.get(size)
             if spare:  # the usual: the block of this size freed last
                 found = spare.pop()
-                self._used[found[0]][found[1]] = size
+                name, offset = found
+                self._used[name][offset] = size
             else:
                 found = self._place(size)
-            segment = self._maps[found[0]]
-        offset = found[1]
+                name, offset = found
+            segment = self._maps[name]
         try:
             segment[offset : offset + nbytes] = data
         except BaseException:
-            self.free(*found)
+            self.free(name, offset)
             raise
         return found
 
@@ -213,29 +214,24 @@ class Arena:
         """Give a block back (unknown blocks are ignored: a release may repeat). It is kept
         aside whole for the next block of its size (the usual: one call's tensors are the
         next call's size), up to SPARE_BLOCKS of a size, else merged into the free ranges."""
-        with self._lock:
-            self._free_one(segment, offset)
+        self.free_many(((segment, offset),))
 
     def free_many(self, blocks: Iterable[Sequence[Any]]) -> None:
         """:meth:`free` of each ``(segment, offset)`` in ``blocks``, under one lock."""
         with self._lock:
+            all_used, all_spare = self._used, self._spare
             for segment, offset in blocks:
-                self._free_one(segment, offset)
-
-    def _free_one(self, segment: str, offset: int) -> None:
-        used = self._used.get(segment)
-        if used is None:
-            return
-        size = used.pop(offset, None)
-        if size is None:
-            return
-        spare = self._spare.get(size)
-        if spare is None:
-            self._spare[size] = [(segment, offset)]
-        elif len(spare) < SPARE_BLOCKS:
-            spare.append((segment, offset))
-        else:
-            self._give_back(segment, offset, size)
+                used = all_used.get(segment)
+                size = None if used is None else used.pop(offset, None)
+                if size is None:
+                    continue
+                spare = all_spare.get(size)
+                if spare is None:
+                    all_spare[size] = [(segment, offset)]
+                elif len(spare) < SPARE_BLOCKS:
+                    spare.append((segment, offset))
+                else:
+                    self._give_back(segment, offset, size)
 
     def _give_back(self, segment: str, offset: int, size: int) -> None:
         """Into the free ranges, merged with its free neighbours (under the lock)."""

@@ -307,29 +307,45 @@ class CoreScheduler:
 
 
 class InstancePool:
-    """Instances lent one request at a time: the next free one, else the first to come back,
-    to waiters in arrival order. An instance with ``slots`` > 1 (one whose batches run in a
-    worker process that queues them, :class:`quiver.backends.python_worker.WorkerInstance`) is
-    lent that many times at once: its next request is already there when the worker finishes
-    one, instead of a round trip through the loop later; it still runs them one at a time."""
+    """Instances lent one request at a time: the one holding the fewest (the first of them), to
+    waiters in arrival order. An instance with ``slots`` > 1 (one whose batches run in a worker
+    process that queues them, :class:`quiver.backends.python_worker.WorkerInstance`) is lent
+    up to that many times at once: its next request is already there when the worker finishes
+    one, instead of a round trip through the loop later; it still runs them one at a time.
+    ``slots`` (an int of at least 1) may change as the instance runs: it is read at each lending."""
 
     def __init__(self, instances: list[ModelInstance]) -> None:
-        # every instance's first slot before any instance's second
-        self._free: deque[ModelInstance] = deque(
-            instance
-            for slot in range(max(_slots(i) for i in instances))
-            for instance in instances
-            if _slots(instance) > slot
-        )
+        self._instances = list(instances)
+        self._lent = [0] * len(instances)
+        self._index = {id(instance): index for index, instance in enumerate(instances)}
+        self._counted = [hasattr(instance, "slots") for instance in instances]
         self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
 
     def take(self) -> ModelInstance | None:
         """A free instance now, or None (then :meth:`acquire` waits for one)."""
-        return self._free.popleft() if self._free else None
+        lent, counted, instances = self._lent, self._counted, self._instances
+        if len(instances) == 1:  # the usual
+            held = lent[0]
+            if held < (instances[0].slots if counted[0] else 1):  # type: ignore[attr-defined]
+                lent[0] = held + 1
+                return instances[0]
+            return None
+        best = -1
+        for index, instance in enumerate(instances):
+            held = lent[index]
+            if held < (instance.slots if counted[index] else 1) and (best < 0 or held < lent[best]):  # type: ignore[attr-defined]
+                best = index
+                if not held:
+                    break
+        if best < 0:
+            return None
+        lent[best] += 1
+        return instances[best]
 
     async def acquire(self) -> ModelInstance:
-        if self._free:
-            return self._free.popleft()
+        instance = self.take()
+        if instance is not None:
+            return instance
         waiter: asyncio.Future[ModelInstance] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -340,16 +356,33 @@ class InstancePool:
             raise
 
     def release(self, instance: ModelInstance) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(instance)
+        if len(self._lent) == 1:
+            self._lent[0] -= 1
+        else:
+            self._lent[self._index[id(instance)]] -= 1
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters[0]
+            if waiter.done():  # its caller left
+                waiters.popleft()
+                continue
+            lent = self.take()
+            if lent is None:
                 return
-        self._free.append(instance)
+            waiters.popleft()
+            waiter.set_result(lent)
 
 
 def _slots(instance: ModelInstance) -> int:
     return max(1, int(getattr(instance, "slots", 1)))
+
+
+def by_slot(instances: list[ModelInstance]) -> list[ModelInstance]:
+    """Each instance once per request it may hold at once (its ``slots``), every instance's
+    first slot before any instance's second."""
+    return [
+        instance for slot in range(max(_slots(i) for i in instances)) for instance in instances if _slots(instance) > slot
+    ]
 
 
 class Execution:
@@ -367,8 +400,10 @@ class Execution:
         self.results = results
         timing = instance.timing
         self.input_ns, self.infer_ns, self.output_ns = timing.input_ns, timing.infer_ns, timing.output_ns
+        if dispatched < timing.started_ns <= done:  # it waited in the instance's own queue first
+            self.dispatched = timing.started_ns
         if not (self.input_ns or self.infer_ns or self.output_ns):
-            self.infer_ns = done - dispatched  # the backend does not split its time
+            self.infer_ns = done - self.dispatched  # the backend does not split its time
 
     @classmethod
     async def run(
@@ -389,7 +424,9 @@ class Execution:
         for request, result in zip(requests, results, strict=False):
             if request.trace is not None:  # a sampled request: Triton's compute timestamps
                 outputs = result.outputs if isinstance(result, InferenceResponse) else ()
-                request.trace.compute(dispatched, execution.input_ns, execution.output_ns, execution.done, outputs)
+                request.trace.compute(
+                    execution.dispatched, execution.input_ns, execution.output_ns, execution.done, outputs
+                )
         return execution
 
     def outcome(self, result: InferenceResponse | QuiverError, enqueued: int, rows: int = 1) -> InferenceResponse:

@@ -5,6 +5,12 @@ free worker forms the next batch from the :class:`~quiver.scheduling.queue.Batch
 (waiting for ``max_queue_delay`` or a queue timeout on the core's alarm, never polling), runs
 it on its instance, and answers each request's future. With ``preserve_ordering``, a batch's
 answers wait for every earlier batch's. At stop, the workers run out what is queued.
+
+An instance that queues requests itself (a Python model's worker process, its ``slots``) gets
+a worker task per slot only where that cannot change what the batcher does: each batch is one
+request (``max_batch_size`` 0 or 1: nothing to gain by waiting to batch) and no queue policy
+acts on waiting requests (:attr:`BatchQueue.policy_free`, as Triton prefetches). Elsewhere one
+batch runs per instance at a time, so batches form from every request that waited meanwhile.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from quiver.backends.base import ModelInstance
 from quiver.clock import SYSTEM_CLOCK, Clock
 from quiver.errors import InternalError, InvalidArgumentError, QuiverError, UnavailableError
 from quiver.metrics.statistics import ModelStatistics
-from quiver.scheduling.core import CoreScheduler, ErrorFactory, Execution, SchedulerCore
+from quiver.scheduling.core import CoreScheduler, ErrorFactory, Execution, SchedulerCore, by_slot
 from quiver.scheduling.queue import BatchQueue, PendingRequest, QueuePolicy
+from quiver.streaming import Cancellation
 from quiver.types import InferenceRequest, InferenceResponse
 
 
@@ -92,8 +99,11 @@ class DynamicBatcher(CoreScheduler):
         self._preserve_ordering = preserve_ordering
         self._order: deque[asyncio.Future[None]] = deque()  # preserve_ordering: batches in dispatch order
         self._core = core = SchedulerCore(f"model '{model}'", stats, clock)
+        #: Whether instances that queue requests themselves get a worker task per slot: a batch
+        #: may then wait in the instance, where a caller that leaves must still reach it.
+        self._ahead = queue.max_batch_size <= 1 and queue.policy_free and not priority_levels
         core.use_workers(
-            instances,
+            by_slot(instances) if self._ahead else instances,
             name=f"quiver-batcher-{model}",
             next_batch=self._next_batch,
             execute=self._execute,
@@ -190,6 +200,11 @@ class DynamicBatcher(CoreScheduler):
         try:
             core = self._core
             rows = sum(p.rows for p in live)
+            if self._ahead:
+                for pending in live:  # a caller that leaves while it waits in the instance cancels it there
+                    request = pending.request
+                    if request.cancellation is None:
+                        request.cancellation = Cancellation()
             execution = await Execution.run(instance, [p.request for p in live], rows, core.stats, core.clock)
             if previous is not None:
                 await asyncio.shield(previous)

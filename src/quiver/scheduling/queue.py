@@ -76,6 +76,15 @@ class BatchQueue:
     def __len__(self) -> int:
         return self.size
 
+    @property
+    def policy_free(self) -> bool:
+        """Whether no queue policy acts on a waiting request (one level, no timeout, no
+        override, no size limit): then a request may wait elsewhere (in an instance's own
+        queue) as well as here. Triton's rule for prefetching requests."""
+        return len(self.policies) == 1 and not any(
+            p.max_queue_size or p.default_timeout_ns or p.allow_timeout_override for p in self.policies
+        )
+
     # -- adding ------------------------------------------------------------------------
 
     def push(self, pending: PendingRequest, timeout_us: int | None = None) -> None:

@@ -14,6 +14,8 @@ def test_defaults_and_values() -> None:
     settings = parse_python_settings({"spin-microseconds": "100", "stub-timeout-seconds": "5", "in-process": "true"})
     assert (settings.spin_microseconds, settings.stub_timeout_seconds, settings.in_process) == (100, 5.0, True)
     assert parse_python_settings({"spin-microseconds": " 250 "}).spin_microseconds == 250
+    assert parse_python_settings({}).worker_queue_depth == 8
+    assert parse_python_settings({"worker-queue-depth": "1"}).worker_queue_depth == 1
 
 
 @pytest.mark.parametrize(
@@ -26,6 +28,9 @@ def test_defaults_and_values() -> None:
         ("shm-default-byte-size", "10"),
         ("shm-region-prefix-name", "a/b"),
         ("in-process", "maybe"),
+        ("worker-queue-depth", "0"),
+        ("worker-queue-depth", "two"),
+        ("worker-queue-depth", "5000"),
     ],
 )
 def test_bad_values_name_their_key(key: str, value: str) -> None:

@@ -232,3 +232,42 @@ def test_a_request_cancelled_while_the_worker_joins_the_loop_leaves_it_joinable(
 
     answer = asyncio.run(run())
     assert answer[0].outputs[0].data.tolist() == [8.0]
+
+
+# Takes 5 ms per batch.
+SLOW_MODEL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.005)
+        return [
+            pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() * 2),
+                pb_utils.Tensor("SEEN", np.array([b"{}"], dtype=np.object_)),
+            ])
+            for r in requests
+        ]
+"""
+
+
+@pytest.mark.parametrize(("model", "slots"), [(MODEL, 8), (SLOW_MODEL, 2)])
+def test_a_worker_holds_its_queue_depth_while_its_executions_are_quick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, slots: int
+) -> None:
+    made = _make(tmp_path, monkeypatch, model)
+    assert made.slots == 8  # worker-queue-depth's default, before anything is measured
+
+    async def run() -> None:
+        try:
+            for _ in range(5):
+                await made.run([_request(1.0)])
+        finally:
+            made.unload()
+
+    asyncio.run(run())
+    assert made.slots == slots

@@ -136,3 +136,47 @@ def test_sequence_batcher_releases_an_idle_sequence_on_the_clock() -> None:
 
     asyncio.run(main())
     assert instance.batches == [["a"], ["b"]]
+
+
+class Held(Recorder):
+    """A fake instance that queues requests itself (``slots``) and holds each batch until
+    ``gate`` opens."""
+
+    slots = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        self.batches.append([r.id for r in requests])
+        await self.gate.wait()
+        return [InferenceResponse("m", "1", [], r.id) for r in requests]
+
+
+@pytest.mark.parametrize(
+    ("queue", "priority_levels", "in_flight"),
+    [
+        (BatchQueue(max_batch_size=0), 0, 3),  # one request per batch, no policy: as without a batcher
+        (BatchQueue(max_batch_size=1), 0, 3),
+        (BatchQueue(max_batch_size=4), 0, 1),  # batches form from what waits meanwhile
+        (BatchQueue(max_batch_size=0, policies=[QueuePolicy(default_timeout_ns=60_000_000 * US)]), 0, 1),
+        (BatchQueue(max_batch_size=0, policies=[QueuePolicy(max_queue_size=8)]), 0, 1),
+        (BatchQueue(max_batch_size=0, policies=[QueuePolicy(), QueuePolicy()]), 2, 1),
+    ],
+)
+def test_dynamic_batcher_hands_an_instance_its_slots_only_where_nothing_changes(
+    queue: BatchQueue, priority_levels: int, in_flight: int
+) -> None:
+    instance = Held()
+    batcher = DynamicBatcher("m", [instance], ModelStatistics(), queue, priority_levels=priority_levels)
+
+    async def main() -> None:
+        calls = [asyncio.ensure_future(batcher.enqueue(request(str(i)))) for i in range(4)]
+        await settle()
+        assert len(instance.batches) == in_flight
+        instance.gate.set()
+        assert sorted(r.id for r in await asyncio.gather(*calls)) == ["0", "1", "2", "3"]
+        await batcher.stop()
+
+    asyncio.run(main())

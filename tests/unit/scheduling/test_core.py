@@ -437,3 +437,45 @@ def test_execution_records_backend_timing_when_it_has_one() -> None:
     assert (stats.compute_input.ns, stats.compute_infer.ns, stats.compute_output.ns) == (1, 2, 3)
     assert (stats.success.ns, stats.queue.ns, stats.inference_count) == (60, 10, 4)
     assert stats.fail_reasons == {"BACKEND": 1} and stats.fail.ns == 55
+
+
+def test_an_execution_that_waited_in_the_instance_counts_that_wait_as_queue_time() -> None:
+    clock = FakeClock()
+    instance = Echo(clock, cost=50)
+    stats = ModelStatistics()
+
+    async def main() -> None:
+        clock.advance(10)
+        instance.timing = ExecutionTiming(started_ns=30)  # it waited in the instance until 30
+        execution = await Execution.run(instance, [InferenceRequest("m", "", [], id="ok")], 1, stats, clock)
+        assert (execution.dispatched, execution.done, execution.infer_ns) == (30, 60, 30)
+        execution.outcome(execution.results[0], enqueued=0)
+        instance.timing = ExecutionTiming(started_ns=5)  # not between dispatch and done: ignored
+        execution = await Execution.run(instance, [InferenceRequest("m", "", [], id="ok")], 1, stats, clock)
+        assert (execution.dispatched, execution.done) == (60, 110)
+        execution.outcome(execution.results[0], enqueued=60)
+
+    run(main)
+    assert (stats.queue.ns, stats.compute_infer.ns) == (30, 80)
+
+
+def test_the_pool_lends_the_instance_holding_fewest_and_reads_its_slots_each_time() -> None:
+    clock = FakeClock()
+    first, second = Echo(clock, "first"), Echo(clock, "second")
+    first.slots = second.slots = 3  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        pool = InstancePool([first, second])
+        assert [await pool.acquire() for _ in range(4)] == [first, second, first, second]
+        first.slots = 1  # type: ignore[attr-defined]  # it holds 2 already: lent no more for now
+        assert pool.take() is second
+        waiter = asyncio.ensure_future(pool.acquire())
+        await settle()
+        assert not waiter.done()
+        pool.release(first)  # first holds 1 of its 1 now: still full
+        await settle()
+        assert not waiter.done()
+        pool.release(second)
+        assert await waiter is second
+
+    run(main)
