@@ -307,8 +307,9 @@ class CoreScheduler:
 
 
 class InstancePool:
-    """Instances lent one request at a time: the one holding the fewest (the first of them), to
-    waiters in arrival order. An instance with ``slots`` > 1 (one whose batches run in a worker
+    """Instances lent one request at a time: the one holding the fewest (among equals, the next
+    in turn after the last one lent, so requests one after another go round the instances, as
+    Triton's do), to waiters in arrival order. An instance with ``slots`` > 1 (one whose batches run in a worker
     process that queues them, :class:`quiver.backends.python_worker.WorkerInstance`) is lent
     up to that many times at once: its next request is already there when the worker finishes
     one, instead of a round trip through the loop later; it still runs them one at a time.
@@ -320,6 +321,7 @@ class InstancePool:
         self._index = {id(instance): index for index, instance in enumerate(instances)}
         self._counted = [hasattr(instance, "slots") for instance in instances]
         self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
+        self._next = 0  # where the next look starts: ties go round the instances in turn
 
     def take(self) -> ModelInstance | None:
         """A free instance now, or None (then :meth:`acquire` waits for one)."""
@@ -330,9 +332,11 @@ class InstancePool:
                 lent[0] = held + 1
                 return instances[0]
             return None
-        best = -1
-        for index, instance in enumerate(instances):
+        best, count, start = -1, len(instances), self._next
+        for step in range(count):
+            index = (start + step) % count
             held = lent[index]
+            instance = instances[index]
             if held < (instance.slots if counted[index] else 1) and (best < 0 or held < lent[best]):  # type: ignore[attr-defined]
                 best = index
                 if not held:
@@ -340,6 +344,7 @@ class InstancePool:
         if best < 0:
             return None
         lent[best] += 1
+        self._next = (best + 1) % count
         return instances[best]
 
     async def acquire(self) -> ModelInstance:
