@@ -114,13 +114,12 @@ def _protocol(app: Any, loop: asyncio.AbstractEventLoop) -> Any:
     return HttpProtocol(server)
 
 
-def _http_driver(parts: Any, payload: Any, encoding: str) -> Callable[[], Awaitable[bytes]]:
-    """One request through the checkout's HTTP protocol: b"" for a 200, else the answer."""
+def _sender(protocol: Any, request: bytes) -> Callable[[], Awaitable[bytes]]:
+    """``request`` into ``protocol`` on an in-memory transport, once per call: b"" for a 200,
+    else the answer."""
     loop = asyncio.get_running_loop()
-    protocol = _protocol(parts.http.app(), loop)
     transport = _Transport()
     protocol.connection_made(transport)
-    request = payload.http_request(encoding, "127.0.0.1", 8000)
 
     async def one() -> bytes:
         transport.data.clear()
@@ -130,6 +129,12 @@ def _http_driver(parts: Any, payload: Any, encoding: str) -> Callable[[], Awaita
         return b"" if transport.data.startswith(b"HTTP/1.1 200") else bytes(transport.data) or b"(nothing)"
 
     return one
+
+
+def _http_driver(parts: Any, payload: Any, encoding: str) -> Callable[[], Awaitable[bytes]]:
+    """One request through the checkout's HTTP protocol: b"" for a 200, else the answer."""
+    loop = asyncio.get_running_loop()
+    return _sender(_protocol(parts.http.app(), loop), payload.http_request(encoding, "127.0.0.1", 8000))
 
 
 async def _linked_driver(parts: Any, payload: Any, encoding: str) -> Callable[[], Awaitable[bytes]]:
@@ -157,19 +162,7 @@ async def _linked_driver(parts: Any, payload: Any, encoding: str) -> Callable[[]
     remote = RemoteService()
     _, remote.link = await loop.create_unix_connection(lambda: Link(remote.on_message, remote.on_lost), sock=theirs)
     frontend = WorkerFrontend(remote, max_input_size=1 << 26, restrictions=Restrictions([]))
-    protocol = _protocol(frontend.app(), loop)
-    transport = _Transport()
-    protocol.connection_made(transport)
-    request = payload.http_request(encoding.removesuffix("-linked"), "127.0.0.1", 8000)
-
-    async def one() -> bytes:
-        transport.data.clear()
-        transport.waiter = loop.create_future()
-        protocol.data_received(request)
-        await transport.waiter
-        return b"" if transport.data.startswith(b"HTTP/1.1 200") else bytes(transport.data) or b"(nothing)"
-
-    return one
+    return _sender(_protocol(frontend.app(), loop), payload.http_request(encoding.removesuffix("-linked"), "127.0.0.1", 8000))
 
 
 def _grpc_driver(parts: Any, payload: Any) -> Callable[[], Awaitable[bytes]]:

@@ -288,14 +288,8 @@ class GrpcCall:
             self._headers_sent = True
             self.connection.respond(self.stream, headers, body, trailers)
             self._complete()
-        except grpc.aio.AbortError:
-            self._finish(self._code or grpc.StatusCode.UNKNOWN, self._details)
-        except CallFailed as failed:
-            self._finish(failed.code, failed.details)
-        except asyncio.CancelledError:
-            self._finish(grpc.StatusCode.CANCELLED, "Cancelled")
-        except Exception as exc:
-            self._unexpected(exc)
+        except (Exception, asyncio.CancelledError) as exc:
+            self._failed(exc)
         finally:
             server.calls_ended()
             self._ended_work()
@@ -326,14 +320,8 @@ class GrpcCall:
             else:
                 await result  # writes with context.write
             self._finish(self._code or grpc.StatusCode.OK, self._details)
-        except grpc.aio.AbortError:
-            self._finish(self._code or grpc.StatusCode.UNKNOWN, self._details)
-        except CallFailed as failed:
-            self._finish(failed.code, failed.details)
-        except asyncio.CancelledError:
-            self._finish(grpc.StatusCode.CANCELLED, "Cancelled")
-        except Exception as exc:
-            self._unexpected(exc)
+        except (Exception, asyncio.CancelledError) as exc:
+            self._failed(exc)
         finally:
             try:
                 if generator is not None:
@@ -357,7 +345,19 @@ class GrpcCall:
             compressed = gzip.compress(data, level, mtime=0)
         return compressed if len(compressed) < len(data) else None
 
-    def _unexpected(self, exc: Exception) -> None:
+    def _failed(self, exc: BaseException) -> None:
+        """The call's end when its handler raised: an abort keeps the status it set, a
+        CallFailed carries its own, a cancellation is CANCELLED, anything else UNKNOWN."""
+        if isinstance(exc, grpc.aio.AbortError):
+            self._finish(self._code or grpc.StatusCode.UNKNOWN, self._details)
+        elif isinstance(exc, CallFailed):
+            self._finish(exc.code, exc.details)
+        elif isinstance(exc, asyncio.CancelledError):
+            self._finish(grpc.StatusCode.CANCELLED, "Cancelled")
+        else:
+            self._unexpected(exc)
+
+    def _unexpected(self, exc: BaseException) -> None:
         logger.error("gRPC %s failed unexpectedly", self.method.name, exc_info=exc)
         code = self._code if self._code not in (None, grpc.StatusCode.OK) else grpc.StatusCode.UNKNOWN
         self._finish(code, self._details or f"Unexpected {type(exc)}: {exc}")
