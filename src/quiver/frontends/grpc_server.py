@@ -13,6 +13,16 @@ client accepts gzip, and what refuses the call before it starts: a request that 
 POST, an unknown method (UNIMPLEMENTED, ``Method not found!`` as grpcio says), an encoding
 this server does not speak, metadata past the header list size, and the restricted protocols
 (``--grpc-restricted-protocol``, by the method's API group).
+
+At most ``max_connections`` connections are served at once. A connection that comes when they
+are all taken makes room if it can: the connection idle the longest (no stream open, no call
+working) is asked to go as a stop asks (GOAWAY NO_ERROR with the largest stream id and a PING,
+then GOAWAY with the last stream it opened; a stream it opens before it has seen the first is
+served), and the newcomer is served; gRPC clients reconnect when they next call. Connections
+asked to go no longer count against the cap, but at most ``max(16, max_connections // 16)`` of
+them may still be open at once (a client that keeps one busy in its last moments cannot make
+the server hold more); when every connection is busy, the newcomer is refused (GOAWAY
+ENHANCE_YOUR_CALM) as before.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import logging
 import os
 import re
 import socket
@@ -40,12 +51,15 @@ from quiver.frontends.http2 import Http2Connection, Keepalive, Stream
 from quiver.frontends.restrictions import Restrictions
 from quiver.triton_flags import GrpcTls
 
+logger = logging.getLogger(__name__)
+
 #: Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
 MAX_CONCURRENT_STREAMS = 1024
 #: The largest request header list (names, values and 32 bytes per field, as HTTP/2 counts);
 #: announced, and a larger one ends the connection (HPACK must stay in step).
 MAX_HEADER_LIST_SIZE = 64 * 1024
-#: Connections served at once; more are answered GOAWAY and closed.
+#: Connections served at once; past it the one idle the longest is asked to go, or, when all
+#: are busy, the newcomer is answered GOAWAY and closed (see the module's docstring).
 MAX_CONNECTIONS = 10_000
 #: Answer bytes one connection may have waiting for its client's windows before its new
 #: streams are refused (their answers could not go out either); on all connections, four of
@@ -171,6 +185,7 @@ class GrpcServer:
         max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
         max_header_list_size: int = MAX_HEADER_LIST_SIZE,
         max_calls: int = MAX_CALLS,
+        max_connections: int | None = None,
     ) -> None:
         self.methods = methods
         self.max_receive_message_size = max_receive_message_size
@@ -191,6 +206,12 @@ class GrpcServer:
             max(2 * max_receive_message_size, 256 << 20), max_receive_message_size + (2 << 20)
         )
         self.connections: set[Http2Connection] = set()
+        self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
+        #: Connections with no stream open, the one idle the longest first (kept by the
+        #: connections through connection_idle and connection_busy; checked when one is taken).
+        self._idle: dict[Http2Connection, None] = {}
+        #: Connections asked to go to make room, until they close.
+        self._leaving: set[Http2Connection] = set()
         self._listeners: list[asyncio.AbstractServer] = []
         self._unary_calls = 0
         self._no_unary_calls = asyncio.Event()
@@ -266,19 +287,45 @@ class GrpcServer:
             call.data_received(memoryview(b""), True)
         return call
 
+    def connection_idle(self, connection: Http2Connection) -> None:
+        self._idle.pop(connection, None)
+        self._idle[connection] = None  # the most recently active last
+
+    def connection_busy(self, connection: Http2Connection) -> None:
+        self._idle.pop(connection, None)
+
     def connection_closed(self, connection: Http2Connection) -> None:
         self.connections.discard(connection)
+        self._idle.pop(connection, None)
+        self._leaving.discard(connection)
         if not self.connections:
             self._no_connections.set()
 
     def _connection(self) -> Http2Connection:
         connection = Http2Connection(self)
-        if len(self.connections) >= MAX_CONNECTIONS:
+        if len(self.connections) - len(self._leaving) >= self.max_connections and not self._make_room():
             connection.refuse("too many connections")
             return connection
         self.connections.add(connection)
         self._no_connections.clear()
         return connection
+
+    def _make_room(self) -> bool:
+        """Ask the connection idle the longest to go (see the module's docstring); False when
+        none can."""
+        if len(self._leaving) >= max(16, self.max_connections // 16):
+            return False
+        idle = self._idle
+        while idle:
+            connection = next(iter(idle))
+            del idle[connection]  # a busy one comes back once idle (connection_idle)
+            if connection.closed or connection.streams or connection.working or connection in self._leaving:
+                continue
+            self._leaving.add(connection)
+            logger.debug("gRPC: %d connections: the one idle the longest (%s) is asked to go", len(self.connections), connection.peer)
+            connection.shutdown()
+            return True
+        return False
 
     # -- calls in progress ------------------------------------------------------------------
 
