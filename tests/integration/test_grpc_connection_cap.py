@@ -15,11 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from build_repository import SIMPLE_CONFIG, simple_onnx
 from grpc_health.v1 import health_pb2
+from tritonclient.grpc import service_pb2 as pb
 
 from support.h2grpc import RawGrpc, framed
 from support.models import write_onnx
@@ -32,15 +34,22 @@ GOAWAY, PING = 0x7, 0x6
 
 
 class CappedServer(QuiverServer):
-    """``quiver serve`` with the gRPC server's connection cap at :data:`CAP`."""
+    """``quiver serve`` with the gRPC server's connection cap at ``cap`` (default :data:`CAP`),
+    or with its soft limit of file descriptors at ``descriptors``."""
+
+    def __init__(self, *args: Any, cap: int | None = CAP, descriptors: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cap, self.descriptors = cap, descriptors
 
     def command(self) -> list[str]:
         python, flag, module, *args = super().command()
         assert (flag, module) == ("-m", "quiver")
-        launch = (
-            f"import runpy, quiver.frontends.grpc_server as s; s.MAX_CONNECTIONS = {CAP}; "
-            "runpy.run_module('quiver', run_name='__main__', alter_sys=True)"
-        )
+        launch = "import resource, runpy, quiver.frontends.grpc_server as s; "
+        if self.cap is not None:
+            launch += f"s.MAX_CONNECTIONS = {self.cap}; "
+        if self.descriptors is not None:
+            launch += f"resource.setrlimit(resource.RLIMIT_NOFILE, ({self.descriptors}, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+        launch += "runpy.run_module('quiver', run_name='__main__', alter_sys=True)"
         return [python, "-c", launch, *args]
 
 
@@ -193,3 +202,35 @@ def test_tritonclient_reconnects_when_its_connection_was_taken(server: QuiverSer
         client.close()
         for raw in others:
             raw.close()
+
+
+def test_with_few_file_descriptors_idle_connections_still_make_room(repository: Path) -> None:
+    """With a soft limit of 256 file descriptors the cap is 128 connections: 300 clients that
+    each call once and stay connected (idle) are all served, each newcomer taking the place of
+    the connection idle the longest, where accept() would otherwise have failed for want of a
+    descriptor (asyncio stops the listener for a second at a time) and newcomers waited for
+    the 10-minute idle limit; the first client, long since sent away, calls again."""
+    with CappedServer(repository, args=("--grpc-server", "quiver"), cap=None, descriptors=256) as server:
+        channels = []
+        try:
+            for _ in range(300):
+                # a connection of its own per channel (grpcio shares them between alike channels)
+                channel = grpc.insecure_channel(server.grpc_url, options=[("grpc.use_local_subchannel_pool", 1)])
+                channels.append(channel)
+                live = channel.unary_unary(
+                    "/inference.GRPCInferenceService/ServerLive",
+                    request_serializer=pb.ServerLiveRequest.SerializeToString,
+                    response_deserializer=pb.ServerLiveResponse.FromString,
+                )
+                assert live(pb.ServerLiveRequest(), timeout=10).live
+            assert live(pb.ServerLiveRequest(), timeout=10).live
+            first = channels[0].unary_unary(
+                "/inference.GRPCInferenceService/ServerLive",
+                request_serializer=pb.ServerLiveRequest.SerializeToString,
+                response_deserializer=pb.ServerLiveResponse.FromString,
+            )
+            assert first(pb.ServerLiveRequest(), timeout=10).live
+            assert "out of system resource" not in server.log
+        finally:
+            for channel in channels:
+                channel.close()

@@ -14,11 +14,13 @@ POST, an unknown method (UNIMPLEMENTED, ``Method not found!`` as grpcio says), a
 this server does not speak, metadata past the header list size, and the restricted protocols
 (``--grpc-restricted-protocol``, by the method's API group).
 
-At most ``max_connections`` connections are served at once. A connection that comes when they
-are all taken makes room if it can: the connection idle the longest (no stream open, no call
-working) is asked to go as a stop asks (GOAWAY NO_ERROR with the largest stream id and a PING,
-then GOAWAY with the last stream it opened; a stream it opens before it has seen the first is
-served), and the newcomer is served; gRPC clients reconnect when they next call. Connections
+At most ``max_connections`` connections are served at once (:func:`connection_cap`: 10,000, or
+half the file descriptors the process may open when that is fewer). A connection that comes
+when they are all taken makes room if it can: the connection idle the longest (no stream open,
+no call working) is asked to go as a stop asks (GOAWAY NO_ERROR with the largest stream id and
+a PING, then GOAWAY with the last stream it opened; a stream it opens before it has seen the
+first is served), or closed at once if it has not yet sent its preface and SETTINGS, and the
+newcomer is served; gRPC clients reconnect when they next call. Connections
 asked to go no longer count against the cap, but at most ``max(16, max_connections // 16)`` of
 them may still be open at once (a client that keeps one busy in its last moments cannot make
 the server hold more); when every connection is busy, the newcomer is refused (GOAWAY
@@ -34,6 +36,7 @@ import contextlib
 import logging
 import os
 import re
+import resource
 import socket
 import ssl
 import tempfile
@@ -61,6 +64,8 @@ MAX_HEADER_LIST_SIZE = 64 * 1024
 #: Connections served at once; past it the one idle the longest is asked to go, or, when all
 #: are busy, the newcomer is answered GOAWAY and closed (see the module's docstring).
 MAX_CONNECTIONS = 10_000
+#: At least this many connections, however few file descriptors the process may open.
+MIN_CONNECTIONS = 64
 #: Answer bytes one connection may have waiting for its client's windows before its new
 #: streams are refused (their answers could not go out either); on all connections, four of
 #: the largest answers (at least 256 MiB) before every connection's are.
@@ -139,6 +144,20 @@ def keepalive_from(options: Sequence[tuple[str, int]]) -> Keepalive:
     )
 
 
+def connection_cap(descriptors: int | None = None) -> int:
+    """Connections served at once: :data:`MAX_CONNECTIONS`, or half of ``descriptors`` (the
+    process's soft ``RLIMIT_NOFILE`` when not given) when that is fewer, but at least
+    :data:`MIN_CONNECTIONS`. With the common soft limit of 1,024, accepting would otherwise fail
+    for want of a descriptor (and asyncio stop the listener for a second at a time) long before
+    the cap, where no idle connection is asked to make room; the other half is left for HTTP
+    connections, model files and worker processes' pipes."""
+    if descriptors is None:
+        descriptors = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if descriptors == resource.RLIM_INFINITY or descriptors < 0:
+        return MAX_CONNECTIONS
+    return min(MAX_CONNECTIONS, max(MIN_CONNECTIONS, descriptors // 2))
+
+
 def tls_context(tls: GrpcTls) -> ssl.SSLContext:
     """A server TLS context for ``tls`` (ALPN ``h2``; client certificates signed by the root
     certificate required when mutual)."""
@@ -206,7 +225,7 @@ class GrpcServer:
             max(2 * max_receive_message_size, 256 << 20), max_receive_message_size + (2 << 20)
         )
         self.connections: set[Http2Connection] = set()
-        self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
+        self.max_connections = connection_cap() if max_connections is None else max_connections
         #: Connections with no stream open, the one idle the longest first (kept by the
         #: connections through connection_idle and connection_busy; checked when one is taken).
         self._idle: dict[Http2Connection, None] = {}
@@ -321,9 +340,12 @@ class GrpcServer:
             del idle[connection]  # a busy one comes back once idle (connection_idle)
             if connection.closed or connection.streams or connection.working or connection in self._leaving:
                 continue
-            self._leaving.add(connection)
+            self._leaving.add(connection)  # until connection_closed
             logger.debug("gRPC: %d connections: the one idle the longest (%s) is asked to go", len(self.connections), connection.peer)
-            connection.shutdown()
+            if connection.handshaken:
+                connection.shutdown()
+            else:
+                connection.abort()  # no HTTP/2 yet: nothing to stop gracefully
             return True
         return False
 
@@ -403,4 +425,7 @@ class GrpcServer:
         self._listeners.clear()
 
 
-__all__ = ["MAX_CALLS", "MAX_CONCURRENT_STREAMS", "MAX_CONNECTIONS", "GrpcServer", "RequestHead", "RpcMethod", "keepalive_from", "metadata_fields", "tls_context"]
+__all__ = [
+    "MAX_CALLS", "MAX_CONCURRENT_STREAMS", "MAX_CONNECTIONS", "MIN_CONNECTIONS", "GrpcServer", "RequestHead", "RpcMethod",
+    "connection_cap", "keepalive_from", "metadata_fields", "tls_context",
+]

@@ -5,6 +5,7 @@ listener) owns an in-process HTTP/2 connection driven by the ``h2`` client (test
 from __future__ import annotations
 
 import asyncio
+import resource
 from typing import Any
 
 import h2.errors
@@ -220,8 +221,11 @@ def _connect(server: GrpcServer) -> Pair:
 def _goaways(pair: Pair) -> list[tuple[int, int]]:
     """(last stream id, error code) of the GOAWAYs the server wrote since the last look (read
     raw: h2 takes the first of gRPC's two GOAWAYs as the end and drops what follows)."""
-    found = [(f.last_stream_id, f.error_code) for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.GoAwayFrame)]
-    return found
+    return _goaways_of(pair.transport)
+
+
+def _goaways_of(transport: Any) -> list[tuple[int, int]]:
+    return [(f.last_stream_id, f.error_code) for f in frames_of(bytes(transport.out)) if isinstance(f, hf.GoAwayFrame)]
 
 
 def _ack_goaway_ping(pair: Pair) -> None:
@@ -309,6 +313,33 @@ def test_connections_asked_to_go_that_stay_are_bounded(monkeypatch: pytest.Monke
         assert not _connect(server).transport.closed
 
     run(main)
+
+
+def test_a_connection_without_its_preface_is_closed_at_once_to_make_room() -> None:
+    async def main() -> None:
+        from support.h2pair import Transport
+
+        server, _ = _server()
+        server.max_connections = 1
+        silent = server._connection()
+        transport = Transport(silent)
+        silent.connection_made(transport)  # no preface, no SETTINGS: nothing to stop gracefully
+        newcomer = _connect(server)
+        assert transport.closed and not _goaways_of(transport) and not newcomer.transport.closed
+        await asyncio.sleep(0)  # connection_lost
+        assert server.connections == {newcomer.server} and not server._leaving
+
+    run(main)
+
+
+def test_the_cap_is_half_the_file_descriptors_when_fewer() -> None:
+    from quiver.frontends.grpc_server import MAX_CONNECTIONS, MIN_CONNECTIONS, connection_cap
+
+    assert connection_cap(1024) == 512  # the common soft limit: room made before accept() fails
+    assert connection_cap(1 << 20) == MAX_CONNECTIONS
+    assert connection_cap(10) == MIN_CONNECTIONS
+    assert connection_cap(resource.RLIM_INFINITY) == MAX_CONNECTIONS
+    assert _server()[0].max_connections == connection_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
 
 
 def test_idle_connections_are_sent_away(monkeypatch: pytest.MonkeyPatch) -> None:
