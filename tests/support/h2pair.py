@@ -47,9 +47,11 @@ class Transport:
 class Pair:
     """The server connection and an h2 client connection, pumped by hand."""
 
-    def __init__(self, owner: Any, client_settings: dict[Any, int] | None = None) -> None:
+    def __init__(
+        self, owner: Any, client_settings: dict[Any, int] | None = None, server: Http2Connection | None = None
+    ) -> None:
         self.owner = owner
-        self.server = Http2Connection(self.owner)  # type: ignore[arg-type]
+        self.server = server or Http2Connection(self.owner)  # type: ignore[arg-type]
         self.transport = Transport(self.server)
         self.server.connection_made(self.transport)
         config = h2.config.H2Configuration(client_side=True, header_encoding=None)

@@ -13,6 +13,18 @@ client accepts gzip, and what refuses the call before it starts: a request that 
 POST, an unknown method (UNIMPLEMENTED, ``Method not found!`` as grpcio says), an encoding
 this server does not speak, metadata past the header list size, and the restricted protocols
 (``--grpc-restricted-protocol``, by the method's API group).
+
+At most ``max_connections`` connections are served at once (:func:`connection_cap`: 10,000, or
+half the file descriptors the process may open when that is fewer). A connection that comes
+when they are all taken makes room if it can: the connection idle the longest (no stream open,
+no call working) is asked to go as a stop asks (GOAWAY NO_ERROR with the largest stream id and
+a PING, then GOAWAY with the last stream it opened; a stream it opens before it has seen the
+first is served), or closed at once if it has not yet sent its preface and SETTINGS, and the
+newcomer is served; gRPC clients reconnect when they next call. Connections
+asked to go no longer count against the cap, but at most ``max(16, max_connections // 16)`` of
+them may still be open at once (a client that keeps one busy in its last moments cannot make
+the server hold more); when every connection is busy, the newcomer is refused (GOAWAY
+ENHANCE_YOUR_CALM) as before.
 """
 
 from __future__ import annotations
@@ -21,8 +33,10 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import logging
 import os
 import re
+import resource
 import socket
 import ssl
 import tempfile
@@ -40,13 +54,18 @@ from quiver.frontends.http2 import Http2Connection, Keepalive, Stream
 from quiver.frontends.restrictions import Restrictions
 from quiver.triton_flags import GrpcTls
 
+logger = logging.getLogger(__name__)
+
 #: Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
 MAX_CONCURRENT_STREAMS = 1024
 #: The largest request header list (names, values and 32 bytes per field, as HTTP/2 counts);
 #: announced, and a larger one ends the connection (HPACK must stay in step).
 MAX_HEADER_LIST_SIZE = 64 * 1024
-#: Connections served at once; more are answered GOAWAY and closed.
+#: Connections served at once; past it the one idle the longest is asked to go, or, when all
+#: are busy, the newcomer is answered GOAWAY and closed (see the module's docstring).
 MAX_CONNECTIONS = 10_000
+#: At least this many connections, however few file descriptors the process may open.
+MIN_CONNECTIONS = 64
 #: Answer bytes one connection may have waiting for its client's windows before its new
 #: streams are refused (their answers could not go out either); on all connections, four of
 #: the largest answers (at least 256 MiB) before every connection's are.
@@ -125,6 +144,20 @@ def keepalive_from(options: Sequence[tuple[str, int]]) -> Keepalive:
     )
 
 
+def connection_cap(descriptors: int | None = None) -> int:
+    """Connections served at once: :data:`MAX_CONNECTIONS`, or half of ``descriptors`` (the
+    process's soft ``RLIMIT_NOFILE`` when not given) when that is fewer, but at least
+    :data:`MIN_CONNECTIONS`. With the common soft limit of 1,024, accepting would otherwise fail
+    for want of a descriptor (and asyncio stop the listener for a second at a time) long before
+    the cap, where no idle connection is asked to make room; the other half is left for HTTP
+    connections, model files and worker processes' pipes."""
+    if descriptors is None:
+        descriptors = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if descriptors == resource.RLIM_INFINITY or descriptors < 0:
+        return MAX_CONNECTIONS
+    return min(MAX_CONNECTIONS, max(MIN_CONNECTIONS, descriptors // 2))
+
+
 def tls_context(tls: GrpcTls) -> ssl.SSLContext:
     """A server TLS context for ``tls`` (ALPN ``h2``; client certificates signed by the root
     certificate required when mutual)."""
@@ -171,6 +204,7 @@ class GrpcServer:
         max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
         max_header_list_size: int = MAX_HEADER_LIST_SIZE,
         max_calls: int = MAX_CALLS,
+        max_connections: int | None = None,
     ) -> None:
         self.methods = methods
         self.max_receive_message_size = max_receive_message_size
@@ -191,6 +225,12 @@ class GrpcServer:
             max(2 * max_receive_message_size, 256 << 20), max_receive_message_size + (2 << 20)
         )
         self.connections: set[Http2Connection] = set()
+        self.max_connections = connection_cap() if max_connections is None else max_connections
+        #: Connections with no stream open, the one idle the longest first (kept by the
+        #: connections through connection_idle and connection_busy; checked when one is taken).
+        self._idle: dict[Http2Connection, None] = {}
+        #: Connections asked to go to make room, until they close.
+        self._leaving: set[Http2Connection] = set()
         self._listeners: list[asyncio.AbstractServer] = []
         self._unary_calls = 0
         self._no_unary_calls = asyncio.Event()
@@ -266,19 +306,48 @@ class GrpcServer:
             call.data_received(memoryview(b""), True)
         return call
 
+    def connection_idle(self, connection: Http2Connection) -> None:
+        self._idle.pop(connection, None)
+        self._idle[connection] = None  # the most recently active last
+
+    def connection_busy(self, connection: Http2Connection) -> None:
+        self._idle.pop(connection, None)
+
     def connection_closed(self, connection: Http2Connection) -> None:
         self.connections.discard(connection)
+        self._idle.pop(connection, None)
+        self._leaving.discard(connection)
         if not self.connections:
             self._no_connections.set()
 
     def _connection(self) -> Http2Connection:
         connection = Http2Connection(self)
-        if len(self.connections) >= MAX_CONNECTIONS:
+        if len(self.connections) - len(self._leaving) >= self.max_connections and not self._make_room():
             connection.refuse("too many connections")
             return connection
         self.connections.add(connection)
         self._no_connections.clear()
         return connection
+
+    def _make_room(self) -> bool:
+        """Ask the connection idle the longest to go (see the module's docstring); False when
+        none can."""
+        if len(self._leaving) >= max(16, self.max_connections // 16):
+            return False
+        idle = self._idle
+        while idle:
+            connection = next(iter(idle))
+            del idle[connection]  # a busy one comes back once idle (connection_idle)
+            if connection.closed or connection.streams or connection.working or connection in self._leaving:
+                continue
+            self._leaving.add(connection)  # until connection_closed
+            logger.debug("gRPC: %d connections: the one idle the longest (%s) is asked to go", len(self.connections), connection.peer)
+            if connection.handshaken:
+                connection.shutdown()
+            else:
+                connection.abort()  # no HTTP/2 yet: nothing to stop gracefully
+            return True
+        return False
 
     # -- calls in progress ------------------------------------------------------------------
 
@@ -356,4 +425,7 @@ class GrpcServer:
         self._listeners.clear()
 
 
-__all__ = ["MAX_CALLS", "MAX_CONCURRENT_STREAMS", "MAX_CONNECTIONS", "GrpcServer", "RequestHead", "RpcMethod", "keepalive_from", "metadata_fields", "tls_context"]
+__all__ = [
+    "MAX_CALLS", "MAX_CONCURRENT_STREAMS", "MAX_CONNECTIONS", "MIN_CONNECTIONS", "GrpcServer", "RequestHead", "RpcMethod",
+    "connection_cap", "keepalive_from", "metadata_fields", "tls_context",
+]

@@ -94,6 +94,12 @@ class Http2Owner(Protocol):
     def open_stream(self, connection: Http2Connection, stream: Stream, head: Any, end_stream: bool) -> StreamHandler | None:
         """A new request; ``None`` when it was answered at once (no handler needed)."""
 
+    def connection_idle(self, connection: Http2Connection) -> None:
+        """``connection``'s last stream has ended (and no handler of a reset stream still works)."""
+
+    def connection_busy(self, connection: Http2Connection) -> None:
+        """``connection`` opens a stream after having none."""
+
     def connection_closed(self, connection: Http2Connection) -> None: ...
 
 
@@ -170,6 +176,7 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
             h2.settings_frame(settings) + h2.window_update(0, CONNECTION_WINDOW - h2.DEFAULT_WINDOW)
         )
         self._guard_start()
+        owner.connection_idle(self)  # no stream yet (a connection not yet made is never asked to go)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -377,6 +384,8 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
             raise StreamError(stream_id, h2.REFUSED_STREAM, "the server's buffers are full")
         self._opened += 1
         self._idle_since = None
+        if not self.streams:
+            self.owner.connection_busy(self)
         stream = Stream(stream_id, self._peer_window, STREAM_WINDOW)
         stream.remote_closed = end_stream
         self.streams[stream_id] = stream
@@ -535,6 +544,16 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
         self._goaway_state = 1
         self._write(h2.goaway(h2.MAX_WINDOW, h2.NO_ERROR) + h2.frame(h2.PING, 0, 0, _GOAWAY_PING))
         self._timer("goaway", GOAWAY_PING_SECONDS, self._final_goaway)
+
+    @property
+    def handshaken(self) -> bool:
+        """Whether the client has sent its preface and SETTINGS."""
+        return self._settings_seen
+
+    @property
+    def working(self) -> bool:
+        """Whether handlers of streams already gone still work (calls in progress, see _gone)."""
+        return self._zombies > 0
 
     def refuse(self, message: str) -> None:
         """A connection the server will not serve: GOAWAY (ENHANCE_YOUR_CALM) once it is made."""

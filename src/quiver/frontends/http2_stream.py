@@ -282,6 +282,8 @@ class StreamWriter:
         self._wake(stream)
         if not self.streams:
             self._idle_since = self.loop.time()
+            if not self.closed:
+                self.owner.connection_idle(self)
         self._maybe_close()
 
     def _gone(self, stream: Stream, code: int) -> None:
@@ -295,6 +297,8 @@ class StreamWriter:
     def stream_done(self) -> None:
         """A handler told of its stream's end has finished its work."""
         self._zombies -= 1
+        if not self._zombies and not self.streams and not self.closed:
+            self.owner.connection_idle(self)
 
     def _stall_reset(self, stream: Stream) -> None:
         """A stream whose answer waited too long for window: reset, and what it holds freed."""

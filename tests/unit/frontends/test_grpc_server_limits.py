@@ -5,6 +5,7 @@ listener) owns an in-process HTTP/2 connection driven by the ``h2`` client (test
 from __future__ import annotations
 
 import asyncio
+import resource
 from typing import Any
 
 import h2.errors
@@ -212,28 +213,144 @@ def test_a_request_message_that_stalls_ends_its_call(monkeypatch: pytest.MonkeyP
     run(main)
 
 
-def test_connections_past_the_cap_and_idle_ones_are_sent_away(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quiver.frontends import grpc_server
+def _connect(server: GrpcServer) -> Pair:
+    """A connection the server takes as a listener would (counted against its cap)."""
+    return Pair(server, server=server._connection())
 
-    monkeypatch.setattr(grpc_server, "MAX_CONNECTIONS", 1)
+
+def _goaways(pair: Pair) -> list[tuple[int, int]]:
+    """(last stream id, error code) of the GOAWAYs the server wrote since the last look (read
+    raw: h2 takes the first of gRPC's two GOAWAYs as the end and drops what follows)."""
+    return _goaways_of(pair.transport)
+
+
+def _goaways_of(transport: Any) -> list[tuple[int, int]]:
+    return [(f.last_stream_id, f.error_code) for f in frames_of(bytes(transport.out)) if isinstance(f, hf.GoAwayFrame)]
+
+
+def _ack_goaway_ping(pair: Pair) -> None:
+    (ping,) = [f for f in frames_of(bytes(pair.transport.out)) if isinstance(f, hf.PingFrame) and not f.flags]
+    pair.transport.out.clear()
+    pair.raw(hf.PingFrame(0, ping.opaque_data, flags=["ACK"]).serialize())
+
+
+def test_at_the_cap_the_connection_idle_the_longest_makes_room() -> None:
+    """A connection past the cap: the one idle the longest (not the oldest, which is busy) is
+    asked to go as a stop asks (GOAWAY NO_ERROR with the largest id and a PING, then with the
+    last stream it opened) and the newcomer is served; a busy connection is left alone; when
+    all are busy, the newcomer is refused."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_connections = 3
+        busy = _connect(server)  # the oldest: a call in progress
+        busy_stream = busy.request(b"", headers=_headers("/svc/Echo"), end=False)
+        busy.pump()
+        older, newer = _connect(server), _connect(server)
+        for pair in (older, newer):  # each answers a call, then is idle: older first
+            stream_id = pair.request(b"\x00\x00\x00\x00\x01a", headers=_headers("/svc/Echo"))
+            pair.pump()
+            assert await _answer(pair, stream_id) == (b"0", b"\x00\x00\x00\x00\x01a")
+            await asyncio.sleep(0.01)
+        assert len(server.connections) == 3
+        busy.transport.out.clear()
+        newer.transport.out.clear()
+        older.transport.out.clear()
+        newcomer = _connect(server)
+        assert not newcomer.transport.closed
+        stream_id = newcomer.request(b"\x00\x00\x00\x00\x01b", headers=_headers("/svc/Echo"))
+        newcomer.pump()
+        assert await _answer(newcomer, stream_id) == (b"0", b"\x00\x00\x00\x00\x01b")
+        assert _goaways(older) == [(2**31 - 1, 0)] and not older.transport.closed
+        _ack_goaway_ping(older)
+        assert _goaways(older) == [(1, 0)]  # the last stream it opened
+        assert older.transport.closed
+        assert _goaways(busy) == [] and _goaways(newer) == [] and not busy.transport.closed and not newer.transport.closed
+        await asyncio.sleep(0)  # connection_lost
+        assert older.server not in server.connections and not server._leaving
+        # every connection busy: the next one is refused, and the busy ones go on
+        newer.request(b"", headers=_headers("/svc/Echo"), end=False)
+        newer.pump()
+        newcomer.request(b"", headers=_headers("/svc/Echo"), end=False)
+        newcomer.pump()
+        refused = server._connection()
+        from support.h2pair import Transport
+
+        transport = Transport(refused)
+        refused.connection_made(transport)
+        goaway = [f for f in frames_of(bytes(transport.out)) if isinstance(f, hf.GoAwayFrame)]
+        assert transport.closed and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        for pair in (busy, newer, newcomer):
+            assert _goaways(pair) == [] and not pair.transport.closed
+        busy.client.send_data(busy_stream, b"\x00\x00\x00\x00\x01c", end_stream=True)
+        busy.pump()
+        assert await _answer(busy, busy_stream) == (b"0", b"\x00\x00\x00\x00\x01c")
+        # its call over, the oldest connection is the only idle one: the next newcomer takes its place
+        busy.transport.out.clear()
+        last = _connect(server)
+        assert not last.transport.closed and _goaways(busy) == [(2**31 - 1, 0)]
+
+    run(main)
+
+
+def test_connections_asked_to_go_that_stay_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client asked to go that never answers the PING (or keeps a stream busy) stays open a
+    while: at most max(16, cap // 16) such connections make room; past that, newcomers are
+    refused until they close."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_connections = 1
+        pairs = [_connect(server) for _ in range(18)]
+        refused = [pair.transport.closed for pair in pairs]
+        assert refused == [False] * 17 + [True]  # 1 served, 16 leaving, the 18th refused
+        assert len(server._leaving) == 16
+        for pair in pairs[:16]:
+            assert _goaways(pair) == [(2**31 - 1, 0)]
+        _ack_goaway_ping(pairs[0])  # one leaves: room for one more
+        await asyncio.sleep(0)
+        assert len(server._leaving) == 15
+        assert not _connect(server).transport.closed
+
+    run(main)
+
+
+def test_a_connection_without_its_preface_is_closed_at_once_to_make_room() -> None:
+    async def main() -> None:
+        from support.h2pair import Transport
+
+        server, _ = _server()
+        server.max_connections = 1
+        silent = server._connection()
+        transport = Transport(silent)
+        silent.connection_made(transport)  # no preface, no SETTINGS: nothing to stop gracefully
+        newcomer = _connect(server)
+        assert transport.closed and not _goaways_of(transport) and not newcomer.transport.closed
+        await asyncio.sleep(0)  # connection_lost
+        assert server.connections == {newcomer.server} and not server._leaving
+
+    run(main)
+
+
+def test_the_cap_is_half_the_file_descriptors_when_fewer() -> None:
+    from quiver.frontends.grpc_server import MAX_CONNECTIONS, MIN_CONNECTIONS, connection_cap
+
+    assert connection_cap(1024) == 512  # the common soft limit: room made before accept() fails
+    assert connection_cap(1 << 20) == MAX_CONNECTIONS
+    assert connection_cap(10) == MIN_CONNECTIONS
+    assert connection_cap(resource.RLIM_INFINITY) == MAX_CONNECTIONS
+    assert _server()[0].max_connections == connection_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def test_idle_connections_are_sent_away(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(http2_guard, "IDLE_SECONDS", 0.1)
     monkeypatch.setattr(http2_guard, "HOUSEKEEPING_SECONDS", 0.05)
 
     async def main() -> None:
         server, _ = _server()
-        first = server._connection()
-        second = server._connection()  # past the cap: refused once made
-        from support.h2pair import Transport
-
-        refused = Transport(second)
-        second.connection_made(refused)
-        goaway = [f for f in frames_of(bytes(refused.out)) if isinstance(f, hf.GoAwayFrame)]
-        assert refused.closed and goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
-        kept = Transport(first)
-        first.connection_made(kept)
+        kept = _connect(server)
         await asyncio.sleep(0.3)  # no stream for longer than the idle limit: GOAWAY (NO_ERROR)
-        goaway = [f for f in frames_of(bytes(kept.out)) if isinstance(f, hf.GoAwayFrame)]
-        assert goaway and goaway[0].error_code == 0
+        assert _goaways(kept)[0] == (2**31 - 1, 0)
 
     run(main)
 

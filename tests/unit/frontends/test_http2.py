@@ -82,6 +82,12 @@ class Owner:
             handler.data_received(memoryview(b""), True)
         return handler
 
+    def connection_idle(self, connection: Http2Connection) -> None:
+        pass
+
+    def connection_busy(self, connection: Http2Connection) -> None:
+        pass
+
     def connection_closed(self, connection: Http2Connection) -> None:
         self.closed = True
 
