@@ -30,6 +30,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -68,6 +69,27 @@ if TYPE_CHECKING:
     from quiver.metrics.cloudwatch import CloudWatchPublisher
 
 logger = logging.getLogger(__name__)
+
+
+#: The most open files :func:`raise_open_file_limit` asks for when the hard limit is unlimited.
+OPEN_FILES_WANTED = 1 << 20
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (as Go's runtime does at
+    start), so that thousands of connections, cached model files and worker pipes are not cut
+    off by the common soft limit of 1,024; the soft limit in force afterwards. A limit the
+    system will not raise is left as it is."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:
+            logger.debug("open file limit stays at %d: %s", soft, exc)
+            return soft
+        return wanted
+    return soft
 
 
 class StartError(Exception):
@@ -358,6 +380,7 @@ class Runner:
 
     async def run(self) -> int:
         """Start, serve until a signal (or a listener stops by itself), stop; the exit code."""
+        raise_open_file_limit()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
