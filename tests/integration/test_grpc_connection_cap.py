@@ -35,7 +35,7 @@ GOAWAY, PING = 0x7, 0x6
 
 class CappedServer(QuiverServer):
     """``quiver serve`` with the gRPC server's connection cap at ``cap`` (default :data:`CAP`),
-    or with its soft limit of file descriptors at ``descriptors``."""
+    or with its limit of file descriptors (soft and hard) at ``descriptors``."""
 
     def __init__(self, *args: Any, cap: int | None = CAP, descriptors: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -48,7 +48,8 @@ class CappedServer(QuiverServer):
         if self.cap is not None:
             launch += f"s.MAX_CONNECTIONS = {self.cap}; "
         if self.descriptors is not None:
-            launch += f"resource.setrlimit(resource.RLIMIT_NOFILE, ({self.descriptors}, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+            # soft and hard: the server raises its soft limit to the hard one at start
+            launch += f"resource.setrlimit(resource.RLIMIT_NOFILE, ({self.descriptors}, {self.descriptors})); "
         launch += "runpy.run_module('quiver', run_name='__main__', alter_sys=True)"
         return [python, "-c", launch, *args]
 
@@ -205,7 +206,7 @@ def test_tritonclient_reconnects_when_its_connection_was_taken(server: QuiverSer
 
 
 def test_with_few_file_descriptors_idle_connections_still_make_room(repository: Path) -> None:
-    """With a soft limit of 256 file descriptors the cap is 128 connections: 300 clients that
+    """With a limit of 256 file descriptors (soft and hard) the cap is 128 connections: 300 clients that
     each call once and stay connected (idle) are all served, each newcomer taking the place of
     the connection idle the longest, where accept() would otherwise have failed for want of a
     descriptor (asyncio stops the listener for a second at a time) and newcomers waited for
