@@ -228,6 +228,8 @@ class ServerContext:
 
     infer: Callable[[InferenceRequest], Awaitable[InferenceResponse]] | None = None
     loop: asyncio.AbstractEventLoop | None = None
+    #: The thread ``loop`` runs on (``threading.get_ident()``), set with it.
+    thread: int = 0
     #: The streaming entry (``InferenceService.infer_stream``) and whether a model is
     #: decoupled, for BLS calls with ``decoupled=True``.
     infer_stream: Callable[[InferenceRequest], AsyncIterator[StreamResponse]] | None = None

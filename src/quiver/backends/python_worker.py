@@ -24,6 +24,7 @@ import itertools
 import logging
 import time
 from functools import partial
+from threading import get_ident
 from typing import Any
 
 from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
@@ -180,8 +181,13 @@ class WorkerInstance(WorkerStreamsMixin):
     # ---- execute
 
     async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
-        loop = asyncio.get_running_loop()
         home = SERVER.loop
+        if home is not None and SERVER.thread == get_ident() and home.is_running():
+            # On the server's loop (a thread runs one loop at a time), known without
+            # get_running_loop(), which makes a getpid() system call each time on 3.11.
+            loop = home
+        else:
+            loop = asyncio.get_running_loop()
         if home is not None and home is not loop and home.is_running():
             # Another loop (a warmup's, on a load thread): the worker's channel lives on the
             # server's loop, so the batch runs there.

@@ -376,19 +376,15 @@ class HttpFrontend:
     async def _infer_traced(
         self, scope: Scope, receive: Receive, send: Send, model: str, version: str, trace: Trace | None
     ) -> None:
-        content_length = raw_length = encoding = accept = None
         extensions = scope.get("extensions")
         respond = extensions.get(RESPOND) if extensions else None
         at_hand = extensions.get(BODY) if extensions else None
-        for key, value in scope["headers"]:
-            if key == b"content-length":
-                content_length = value
-            elif key == b"inference-header-content-length":
-                raw_length = value
-            elif key == b"content-encoding":
-                encoding = value
-            elif key == b"accept-encoding":
-                accept = value
+        # the last of each header, as a loop over them would keep (one C call, no loop)
+        fields: dict[bytes, bytes] = dict(scope["headers"])
+        content_length = fields.get(b"content-length")
+        raw_length = fields.get(b"inference-header-content-length")
+        encoding = fields.get(b"content-encoding")
+        accept = fields.get(b"accept-encoding")
         try:
             try:
                 body = _whole(at_hand, content_length, self.max_input_size) if at_hand and encoding is None else None

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import heapq
 import logging
+import threading
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,7 @@ class ModelRepositoryManager:
     async def start(self, poll_seconds: float = 0.0) -> dict[str, str]:
         """Load what the control mode loads at start; returns name -> reason for failures."""
         SERVER.loop = asyncio.get_running_loop()
+        SERVER.thread = threading.get_ident()
         SERVER.health = self._table.set_health
         if self.on_demand and self._watch_folders and self.admission.watch is None:
             # misses of local folders unchanged since their last walk walk nothing (watch.py)
