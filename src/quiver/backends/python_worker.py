@@ -117,8 +117,9 @@ class WorkerInstance(WorkerStreamsMixin):
         self._room: asyncio.Future[None] | None = None
         #: The traces of sampled requests in flight, by the id the worker knows them by.
         self._traces: dict[str, Any] = {}
-        #: Waiting for a batch's answer without sleeping when the loop is idle (spin-microseconds).
-        self._spin = AnswerSpin(settings.spin_microseconds / 1e6) if settings.spin_microseconds else None
+        #: Waiting for a quick worker's answer without sleeping when the loop is idle
+        #: (answer-spin-microseconds).
+        self._spin = AnswerSpin(settings.answer_spin_microseconds / 1e6) if settings.answer_spin_microseconds else None
 
     # ---- start / stop
 
@@ -252,7 +253,7 @@ class WorkerInstance(WorkerStreamsMixin):
         channel.send(message)
         spin = self._spin
         if spin is not None:
-            spin.wait(channel, done)
+            spin.wait(loop, done, len(worker.inflight) == 1)
         try:
             await done  # nothing in between: the answer resumes this task at once
             if entry.missing and not entry.unstarted:
@@ -273,7 +274,7 @@ class WorkerInstance(WorkerStreamsMixin):
         finally:
             self._batches.pop(batch, None)
             if spin is not None:
-                spin.finished()
+                spin.finished(entry.sent)
             if entry.finished:  # else the worker still reads them, or is being stopped
                 arena.free_many(blocks)
                 worker.holding -= 1
