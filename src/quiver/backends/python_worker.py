@@ -527,9 +527,11 @@ class WorkerInstance(WorkerStreamsMixin):
             "the worker is restarted"
         )
         logger.error("%s: Python worker (pid %d) %s; restarting it", self._where, worker.process.pid, cause)
-        # The worker runs its batches in order: those behind the first never started, and are
-        # sent again to the restarted worker rather than failed.
-        waiting = [self._batches[batch] for batch in list(worker.inflight)[1:] if batch in self._batches]
+        # The worker runs its batches in order and says which one it started last: the others it
+        # held never started (queued behind it, or sent as it died), and are sent again to the
+        # restarted worker rather than failed.
+        running = worker.started_batch()
+        waiting = [self._batches[batch] for batch in worker.inflight if batch != running and batch in self._batches]
         if self._decoupled:
             waiting = []
         again = set()
