@@ -21,6 +21,9 @@ Quiver's own:
 - ``answer-spin-microseconds``: how long the server's idle event loop may keep turning, instead
   of sleeping, for a quick worker's answer (:data:`ANSWER_SPIN_MICROSECONDS`; 0: it sleeps at
   once; see :mod:`quiver.backends.python_worker_spin`);
+- ``answer-spin-pressure``: the CPU pressure (percent of the last 10 seconds in which some task
+  waited for a CPU, Linux's pressure stall information) above which the server's loop does not
+  spin (10; 100: whatever the pressure);
 - ``worker-queue-depth``: how many requests of a model without a batcher one worker holds at
   once, the one it runs and those queued behind it (:data:`WORKER_QUEUE_DEPTH`).
 """
@@ -64,6 +67,8 @@ class PythonSettings:
     spin_microseconds: int = 0
     #: How long the server's idle loop keeps turning for a quick worker's answer (0: it sleeps).
     answer_spin_microseconds: int = ANSWER_SPIN_MICROSECONDS
+    #: The CPU pressure (percent) above which it sleeps at once (100: whatever the pressure).
+    answer_spin_pressure: float = 10.0
     #: Requests the direct scheduler hands one worker instance at once (a model without
     #: dynamic or sequence batching; decoupled models take one at a time).
     worker_queue_depth: int = WORKER_QUEUE_DEPTH
@@ -136,6 +141,15 @@ def parse_python_settings(config: Mapping[str, str]) -> PythonSettings:
     answer_spin = _microseconds(
         config.get("answer-spin-microseconds", str(defaults.answer_spin_microseconds)), "answer-spin-microseconds"
     )
+    pressure_text = config.get("answer-spin-pressure", f"{defaults.answer_spin_pressure:g}").strip()
+    try:
+        pressure = float(pressure_text)
+    except ValueError:
+        pressure = -1.0
+    if not 0 <= pressure <= 100:
+        raise InvalidArgumentError(
+            f"--backend-config=python,answer-spin-pressure: expected a percentage from 0 to 100, got '{pressure_text}'"
+        )
     depth = config.get("worker-queue-depth", str(defaults.worker_queue_depth)).strip()
     if not depth.isdigit() or not 1 <= int(depth) <= MAX_WORKER_QUEUE_DEPTH:
         raise InvalidArgumentError(
@@ -145,6 +159,7 @@ def parse_python_settings(config: Mapping[str, str]) -> PythonSettings:
     return PythonSettings(
         spin_microseconds=spin,
         answer_spin_microseconds=answer_spin,
+        answer_spin_pressure=pressure,
         worker_queue_depth=int(depth),
         shm_default_byte_size=default_size,
         shm_growth_byte_size=growth,

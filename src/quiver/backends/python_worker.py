@@ -119,7 +119,10 @@ class WorkerInstance(WorkerStreamsMixin):
         self._traces: dict[str, Any] = {}
         #: Waiting for a quick worker's answer without sleeping when the loop is idle
         #: (answer-spin-microseconds).
-        self._spin = AnswerSpin(settings.answer_spin_microseconds / 1e6) if settings.answer_spin_microseconds else None
+        self._spin = (
+            AnswerSpin(settings.answer_spin_microseconds / 1e6, settings.answer_spin_pressure)
+            if settings.answer_spin_microseconds else None
+        )
 
     # ---- start / stop
 

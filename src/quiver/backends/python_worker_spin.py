@@ -13,8 +13,9 @@ is likely to end with the answer:
 - the instance's recent answers, from send to done, came within the limit: a spin lasts at most
   twice their average (plus a little), so a model that takes longer is never spun for, and one
   that becomes quick again is spun for again, as its answers show;
-- the machine has a core to spare (:func:`~quiver.ipc.inbox.spare_core`): spinning on a busy
-  machine takes CPU from the work it waits for.
+- the machine has a core to spare (:func:`~quiver.ipc.inbox.spare_core`, with the
+  ``answer-spin-pressure`` limit): spinning on a busy machine takes CPU from the work it waits
+  for.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ _MARGIN_S = 20e-6
 class AnswerSpin:
     """Spins of up to ``seconds`` for one worker instance's answers."""
 
-    __slots__ = ("_answer_s", "_last_done", "_limit")
+    __slots__ = ("_answer_s", "_last_done", "_limit", "_pressure")
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, pressure: float = 10.0) -> None:
         self._limit = seconds
+        self._pressure = pressure  # the CPU pressure (percent) above which it does not spin
         self._answer_s = 0.0  # recent batches' time from send to done (seconds, averaged)
         self._last_done = 0.0
 
@@ -48,7 +50,7 @@ class AnswerSpin:
             return
         now = time.perf_counter()
         answer = self._answer_s
-        if now - self._last_done <= _IDLE_GAP_S or answer >= self._limit or not spare_core():
+        if now - self._last_done <= _IDLE_GAP_S or answer >= self._limit or not spare_core(self._pressure):
             return
         until = now + min(self._limit, 2 * answer + _MARGIN_S)
         call_soon, clock = loop.call_soon, time.perf_counter

@@ -27,11 +27,13 @@ from typing import Any
 from quiver.ipc.channel import EMPTY, Channel
 
 _CORES = os.cpu_count() or 1
-_spare = (0.0, False)
+#: When the machine was last looked at, its CPU pressure then (None: not known) and whether its
+#: load average left a core idle.
+_looked: tuple[float, float | None, bool] = (0.0, None, False)
 #: Linux's pressure stall information for the CPU (the share of time some task waited for one).
 PRESSURE_FILE = "/proc/pressure/cpu"
 #: Above this share (percent, over the last 10 seconds) of time with a task waiting for a CPU,
-#: no core is spare.
+#: no core is spare (:func:`spare_core`'s default).
 PRESSURE_LIMIT = 10.0
 
 
@@ -46,26 +48,26 @@ def cpu_pressure() -> float | None:
         return None
 
 
-def spare_core() -> bool:
+def spare_core(limit: float = PRESSURE_LIMIT) -> bool:
     """Whether the machine has a core to spare for spinning (looked up at most once a second):
-    tasks waited for a CPU less than :data:`PRESSURE_LIMIT` percent of the last 10 seconds,
-    where Linux says (pressure stall information), else the load average over the last minute
-    leaves at least one core idle. Spinning on a machine without one takes CPU from the work
-    it waits for."""
-    global _spare
+    tasks waited for a CPU less than ``limit`` percent of the last 10 seconds, where Linux says
+    (pressure stall information; a ``limit`` of 100 or more: always), else the load average over
+    the last minute leaves at least one core idle. Spinning on a machine without one takes CPU
+    from the work it waits for."""
+    global _looked
     now = time.monotonic()
-    when, spare = _spare
+    when, pressure, idle = _looked
     if now - when > 1.0:
         pressure = cpu_pressure()
-        if pressure is not None:
-            spare = pressure < PRESSURE_LIMIT
-        else:
+        if pressure is None:
             try:
-                spare = os.getloadavg()[0] <= _CORES - 1
+                idle = os.getloadavg()[0] <= _CORES - 1
             except OSError:  # pragma: no cover - no load average on this system
-                spare = False
-        _spare = (now, spare)
-    return spare
+                idle = False
+        _looked = (now, pressure, idle)
+    if pressure is not None:
+        return pressure < limit or limit >= 100
+    return idle
 
 
 class Inbox:

@@ -15,7 +15,7 @@ from quiver.backends.python_worker_spin import AnswerSpin
 
 @pytest.fixture(autouse=True)
 def spare(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(python_worker_spin, "spare_core", lambda: True)
+    monkeypatch.setattr(python_worker_spin, "spare_core", lambda limit: True)
 
 
 def _quick(spin: AnswerSpin, answer_s: float = 100e-6) -> None:
@@ -83,13 +83,15 @@ def test_a_spin_ends_at_twice_the_recent_answers(monkeypatch: pytest.MonkeyPatch
 
 
 def test_no_spin_without_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(python_worker_spin, "spare_core", lambda: False)
-    spin = AnswerSpin(300e-6)
+    limits: list[float] = []
+    monkeypatch.setattr(python_worker_spin, "spare_core", lambda limit: limits.append(limit) or False)
+    spin = AnswerSpin(300e-6, 25.0)
     _quick(spin)
     loop = asyncio.new_event_loop()
     try:
         scheduled = len(loop._ready)  # type: ignore[attr-defined]
         spin.wait(loop, loop.create_future(), True)
         assert len(loop._ready) == scheduled  # type: ignore[attr-defined]
+        assert limits == [25.0]  # asked with its pressure limit
     finally:
         loop.close()
