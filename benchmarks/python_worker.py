@@ -16,7 +16,10 @@ Three measurements:
   control messages, copy out).
 
 ``--baseline DIR`` adds Quiver's worker from another checkout's ``src`` folder (before a change)
-to the wire trials and to every placed round, for before/after figures from the same run.
+to the wire trials and to every placed round, for before/after figures from the same run;
+``--ungated`` adds Quiver's worker whose server spins for its answers whatever the machine's CPU
+pressure (``answer-spin-pressure=100``; by default it spins only while tasks waited for a CPU
+less than 10% of the last 10 seconds, which other jobs on a shared machine often exceed).
 
 Run: ``python -m benchmarks.python_worker`` (``--help``); writes ``results/python_worker.md`` and
 ``.json`` (``--output-name``).
@@ -43,12 +46,16 @@ from benchmarks import common, loadgen
 from benchmarks.peers import WORK as PEERS_HOME
 from benchmarks.peers import PeerError, tiny
 from benchmarks.peers.quiver import QuiverServer
+from quiver.ipc.inbox import cpu_pressure
 
 RESULTS = Path(__file__).parent / "results"
 IN_PROCESS = "--backend-config=python,in-process=true"
 SPINNING = "quiver worker, spinning"
 TRITON = "triton (python backend stub)"
 BASELINE = "quiver worker, baseline"
+UNGATED = "quiver worker, spin ungated"
+#: The server's spin for a worker's answer whatever the machine's CPU pressure (``--ungated``).
+UNGATED_FLAG = "--backend-config=python,answer-spin-pressure=100"
 PLACEMENTS = ("same", "split")
 
 
@@ -177,6 +184,8 @@ def _placements(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
             rows += _quiver("quiver worker", (), args, run)
             if args.baseline:
                 rows += _quiver(BASELINE, (), args, run, src=args.baseline)
+            if args.ungated:
+                rows += _quiver(UNGATED, (UNGATED_FLAG,), args, run)
             if not args.no_triton:
                 placed, error = _triton(args, run)
                 rows += placed
@@ -297,6 +306,10 @@ def markdown(report: dict[str, Any]) -> str:
     load = report.get("load_average")
     if load:
         lines += ["", f"Load average (1, 5, 15 min) before the run: {load['before']}, after: {load['after']}."]
+    pressure = report["settings"].get("cpu_pressure")
+    if pressure:
+        lines += ["", f"CPU pressure (some avg10, % of the last 10 s with a task waiting for a CPU) before the run: "
+                      f"{pressure['before']}, after: {pressure['after']}."]
     ratios = report.get("ratios") or []
     if ratios:
         lines += ["", "p50 latency, Quiver's worker over Triton's stub (same run; below 1 is faster):", ""]
@@ -315,14 +328,14 @@ def markdown(report: dict[str, Any]) -> str:
             "other; `split`: the workers on the load generator's vCPU. Left to itself the scheduler "
             "picks either, run by run, and a process woken on another vCPU than the one that woke it "
             "costs both more (the rows above mix them):", "",
-            "| placement | concurrency | quiver worker us/req | req/s | baseline us/req | req/s | triton stub us/req | req/s "
-            "| quiver / triton |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| placement | concurrency | quiver worker us/req | req/s | baseline us/req | req/s | spin ungated us/req | req/s "
+            "| triton stub us/req | req/s | quiver / triton |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         rate = report["settings"].get("rate")
         for cell in summary:
             parts = []
-            for key in ("quiver", "baseline", "triton"):
+            for key in ("quiver", "baseline", "ungated", "triton"):
                 got = cell.get(key)
                 parts += ([f"{got['worker_cpu_us']:.0f} [{got['min']:.0f}-{got['max']:.0f}]", f"{got['req_per_s']:.0f}"]
                           if got else ["-", "-"])
@@ -350,7 +363,7 @@ def _placed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for placement in PLACEMENTS:
         for paced in (False, True):
             cell: dict[str, Any] = {"placement": placement, "paced": paced}
-            for key, server in (("quiver", "quiver worker"), ("baseline", BASELINE), ("triton", TRITON)):
+            for key, server in (("quiver", "quiver worker"), ("baseline", BASELINE), ("ungated", UNGATED), ("triton", TRITON)):
                 mine = [r for r in rows if r["server"] == server and r.get("placement") == placement
                         and bool(r.get("rate")) == paced and r.get("worker_cpu_us") is not None]
                 if mine:
@@ -359,7 +372,7 @@ def _placed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "worker_cpu_us": statistics.median(cpu), "min": min(cpu), "max": max(cpu),
                         "req_per_s": statistics.median(r["req_per_s"] for r in mine), "rounds": len(mine),
                     }
-            if "quiver" in cell or "baseline" in cell or "triton" in cell:
+            if any(key in cell for key in ("quiver", "baseline", "ungated", "triton")):
                 if "quiver" in cell and "triton" in cell:
                     cell["ratio"] = cell["quiver"]["worker_cpu_us"] / cell["triton"]["worker_cpu_us"]
                 out.append(cell)
@@ -376,7 +389,7 @@ def _ratios(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for row in trials:
-        if row["server"] not in ("quiver worker", BASELINE, SPINNING) or row.get("rate"):
+        if row["server"] not in ("quiver worker", BASELINE, UNGATED, SPINNING) or row.get("rate"):
             continue
         key = (row["encoding"], row["concurrency"])
         triton, inproc = p50("triton", *key), p50("quiver in-process", *key)
@@ -412,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", type=Path, default=None, metavar="DIR",
                         help="also Quiver's worker from this checkout's src folder (before a change), in the wire "
                              "trials and every placed round")
+    parser.add_argument("--ungated", action="store_true",
+                        help="also Quiver's worker with the server's answer spin whatever the CPU pressure "
+                             "(answer-spin-pressure=100), in the wire trials and every placed round")
     parser.add_argument("--no-in-process", action="store_true", help="skip the in-process server")
     parser.add_argument("--no-hop", action="store_true", help="skip the hop measurement")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
@@ -422,11 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     load_before = os.getloadavg()
+    pressure_before = cpu_pressure()
     if args.baseline is not None and not (args.baseline / "quiver").is_dir():
         raise SystemExit(f"--baseline {args.baseline}: not a src folder holding the quiver package")
     trials = _quiver("quiver worker", (), args)
     if args.baseline:
         trials += _quiver(BASELINE, (), args, src=args.baseline)
+    if args.ungated:
+        trials += _quiver(UNGATED, (UNGATED_FLAG,), args)
     if args.spin_us:
         trials += _quiver(SPINNING, (f"--backend-config=python,spin-microseconds={args.spin_us}",), args)
     if not args.no_in_process:
@@ -442,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"duration": args.duration, "warmup": args.warmup, "concurrency": args.concurrency,
                      "encodings": args.encodings, "spin_us": args.spin_us, "rate": args.rate,
                      "placements": args.placements, "repeat": args.repeat,
-                     "baseline": str(args.baseline) if args.baseline else None},
+                     "baseline": str(args.baseline) if args.baseline else None, "ungated": args.ungated,
+                     "cpu_pressure": {"before": pressure_before, "after": cpu_pressure()}},
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "trials": trials,
         "triton_error": triton_error,

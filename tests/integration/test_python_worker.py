@@ -244,8 +244,8 @@ FLAGS = (
     "--backend-config=python,shm-growth-byte-size=1048576",
     "--backend-config=python,shm-max-byte-size=4194304",
     "--backend-config=python,shm-region-prefix-name=quiver_test_",
-    # the workers spin before they sleep, and the idle server spins for their answers (the
-    # other test modules run Python workers with the default, no spinning)
+    # the workers spin before they sleep (the other test modules run Python workers with the
+    # default: they sleep at once; the idle server spins for a quick worker's answer in all)
     "--backend-config=python,spin-microseconds=200",
 )
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -76,7 +78,7 @@ class TritonPythonModel:
 
 MODELS = {
     name: ""
-    for name in ("timing", "cancelled", "timeouts", "pool", "crash", "crashloop")
+    for name in ("timing", "cancelled", "timeouts", "pool", "crash", "crashloop", "killed")
 } | {
     # a batcher whose batches are one request each and that has no queue policy hands the
     # worker requests ahead as the direct scheduler does; one with a policy keeps them
@@ -254,6 +256,20 @@ def test_requests_queued_behind_a_crash_run_on_the_restarted_worker(server: Quiv
     for index, result in enumerate(queued):
         assert not isinstance(result, BaseException), result
         assert result.as_numpy("OUTPUT0").tolist() == [(index + 1) / 64]
+
+
+def test_requests_that_come_as_an_idle_worker_dies_wait_for_the_restarted_one(server: QuiverServer) -> None:
+    """A worker killed while it holds nothing: requests that come as it dies (before and after
+    the server sees its end) were never run by it, and run on the restarted worker."""
+    for _ in range(3):
+        pid = int(infer(server, "killed", [0.0]).as_numpy("PID")[0])
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            os.kill(pid, signal.SIGKILL)
+            calls = [pool.submit(infer, server, "killed", [(i + 1) / 64]) for i in range(4)]
+            results = [call.result(120) for call in calls]  # none fails
+        for index, result in enumerate(results):
+            assert result.as_numpy("OUTPUT0").tolist() == [(index + 1) / 64]
+            assert int(result.as_numpy("PID")[0]) != pid
 
 
 def behind_a_holder_that_crashes(server: QuiverServer, model: str, count: int) -> list[Any]:

@@ -149,7 +149,10 @@ class Batch:
 class Worker:
     """One started worker process: its channel, the pool the server writes into, the worker's."""
 
-    def __init__(self, process: subprocess.Popen[bytes], channel: Channel, arena: Arena, mapper: Mapper, tag: str) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], channel: Channel, arena: Arena, mapper: Mapper, tag: str,
+        started: memoryview | None = None,
+    ) -> None:
         self.process = process
         self.channel = channel
         self.arena = arena
@@ -168,6 +171,13 @@ class Worker:
         self.holding = 0
         #: resolved when a batch's inputs leave the server's pool (one waits for room there)
         self.freed: asyncio.Future[None] | None = None
+        #: A word of the server's pool where the worker writes the number of each batch as it
+        #: starts it: once it died, the batches it held and had not started are known.
+        self.started = started
+
+    def started_batch(self) -> int:
+        """The number of the batch the worker started last (0: none yet)."""
+        return int(self.started[0]) if self.started is not None else 0
 
     def inputs_freed(self, batches: int = 0) -> None:
         """``batches`` batches' inputs left the server's pool (or the pool is gone with the
@@ -207,6 +217,8 @@ class Worker:
             self.achannel.close()
         else:
             self.channel.close()
+        if self.started is not None:
+            self.started.release()
         self.mapper.close()
         self.arena.close()
         unlink_prefixed(self.tag)
@@ -244,7 +256,10 @@ def start_worker(
             os.close(fd)
     channel = Channel(ours)
     arena = Arena(tag + "s", settings.shm_default_byte_size, settings.shm_growth_byte_size, settings.shm_max_byte_size)
-    worker = Worker(process, channel, arena, Mapper(tag + "w"), tag)
+    marker, view = arena.alloc(8)
+    started = view.cast("q")
+    started[0] = 0
+    worker = Worker(process, channel, arena, Mapper(tag + "w"), tag, started)
     try:
         channel.send(
             {
@@ -258,6 +273,7 @@ def start_worker(
                 "outputs": [tensor.name for tensor in config.outputs],
                 "spin_us": settings.spin_microseconds,
                 "shm": {
+                    "started": [marker.segment, marker.offset],
                     "prefix": tag + "w",
                     "server_prefix": tag + "s",
                     "default": settings.shm_default_byte_size,

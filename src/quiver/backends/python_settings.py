@@ -17,7 +17,13 @@ Quiver's own:
   configuration says otherwise (the per-model parameter ``QUIVER_PYTHON_IN_PROCESS``);
 - ``restart-backoff-seconds`` / ``restart-backoff-max-seconds``: waits before restarting a
   worker that died, doubling each time it dies again without serving (1, 30);
-- ``spin-microseconds``: how long a worker and the idle server read without sleeping (0);
+- ``spin-microseconds``: how long a worker waiting for its next batch reads without sleeping (0);
+- ``answer-spin-microseconds``: how long the server's idle event loop may keep turning, instead
+  of sleeping, for a quick worker's answer (:data:`ANSWER_SPIN_MICROSECONDS`; 0: it sleeps at
+  once; see :mod:`quiver.backends.python_worker_spin`);
+- ``answer-spin-pressure``: the CPU pressure (percent of the last 10 seconds in which some task
+  waited for a CPU, Linux's pressure stall information) above which the server's loop does not
+  spin (10; 100: whatever the pressure);
 - ``worker-queue-depth``: how many requests of a model without a batcher one worker holds at
   once, the one it runs and those queued behind it (:data:`WORKER_QUEUE_DEPTH`).
 """
@@ -36,6 +42,9 @@ IN_PROCESS_PARAMETER = "QUIVER_PYTHON_IN_PROCESS"
 #: wait in it), so that it finds its next request there when it finishes one instead of waiting
 #: for the server's event loop to send it (see the README's benchmark).
 WORKER_QUEUE_DEPTH = 8
+#: ``answer-spin-microseconds``' default: the longest the server's idle loop keeps turning for
+#: a worker's answer, and the longest recent answers may take on average for it to do so.
+ANSWER_SPIN_MICROSECONDS = 300
 #: ``worker-queue-depth``'s largest value.
 MAX_WORKER_QUEUE_DEPTH = 1024
 
@@ -53,9 +62,13 @@ class PythonSettings:
     in_process: bool = False
     restart_backoff_seconds: float = 1.0
     restart_backoff_max_seconds: float = 30.0
-    #: How long a worker waiting for its next batch reads without sleeping, and the server's
-    #: idle loop waits for a quick worker's answer (0, the default: both sleep at once).
+    #: How long a worker waiting for its next batch reads without sleeping (0, the default: it
+    #: sleeps at once).
     spin_microseconds: int = 0
+    #: How long the server's idle loop keeps turning for a quick worker's answer (0: it sleeps).
+    answer_spin_microseconds: int = ANSWER_SPIN_MICROSECONDS
+    #: The CPU pressure (percent) above which it sleeps at once (100: whatever the pressure).
+    answer_spin_pressure: float = 10.0
     #: Requests the direct scheduler hands one worker instance at once (a model without
     #: dynamic or sequence batching; decoupled models take one at a time).
     worker_queue_depth: int = WORKER_QUEUE_DEPTH
@@ -95,6 +108,16 @@ def _seconds(value: str, key: str) -> float:
     return number
 
 
+def _microseconds(value: str, key: str) -> int:
+    value = value.strip()
+    if not value.isdigit() or int(value) > 1_000_000:
+        raise InvalidArgumentError(
+            f"--backend-config=python,{key}: expected a whole number of microseconds from 0 to 1000000, "
+            f"got '{value}'"
+        )
+    return int(value)
+
+
 def parse_python_settings(config: Mapping[str, str]) -> PythonSettings:
     """The settings ``config`` (the ``python`` backend's ``--backend-config`` keys) gives;
     InvalidArgumentError names a key whose value makes no sense. Keys Quiver does not use are
@@ -114,11 +137,18 @@ def parse_python_settings(config: Mapping[str, str]) -> PythonSettings:
                     "shm-max-byte-size", default_size)  # fmt: skip
     backoff = _seconds(config.get("restart-backoff-seconds", "1"), "restart-backoff-seconds")
     backoff_max = _seconds(config.get("restart-backoff-max-seconds", "30"), "restart-backoff-max-seconds")
-    spin = config.get("spin-microseconds", str(defaults.spin_microseconds)).strip()
-    if not spin.isdigit() or int(spin) > 1_000_000:
+    spin = _microseconds(config.get("spin-microseconds", str(defaults.spin_microseconds)), "spin-microseconds")
+    answer_spin = _microseconds(
+        config.get("answer-spin-microseconds", str(defaults.answer_spin_microseconds)), "answer-spin-microseconds"
+    )
+    pressure_text = config.get("answer-spin-pressure", f"{defaults.answer_spin_pressure:g}").strip()
+    try:
+        pressure = float(pressure_text)
+    except ValueError:
+        pressure = -1.0
+    if not 0 <= pressure <= 100:
         raise InvalidArgumentError(
-            f"--backend-config=python,spin-microseconds: expected a whole number of microseconds from 0 "
-            f"to 1000000, got '{spin}'"
+            f"--backend-config=python,answer-spin-pressure: expected a percentage from 0 to 100, got '{pressure_text}'"
         )
     depth = config.get("worker-queue-depth", str(defaults.worker_queue_depth)).strip()
     if not depth.isdigit() or not 1 <= int(depth) <= MAX_WORKER_QUEUE_DEPTH:
@@ -127,7 +157,9 @@ def parse_python_settings(config: Mapping[str, str]) -> PythonSettings:
             f"{MAX_WORKER_QUEUE_DEPTH}, got '{depth}'"
         )
     return PythonSettings(
-        spin_microseconds=int(spin),
+        spin_microseconds=spin,
+        answer_spin_microseconds=answer_spin,
+        answer_spin_pressure=pressure,
         worker_queue_depth=int(depth),
         shm_default_byte_size=default_size,
         shm_growth_byte_size=growth,

@@ -95,6 +95,10 @@ class Worker:
         shm = init["shm"]
         self.arena = Arena(shm["prefix"], shm["default"], shm["growth"], shm["max"])
         self.mapper = Mapper(shm["server_prefix"])
+        #: where the number of each batch goes as it starts (the server's pool): a server
+        #: whose worker died knows which of the batches it held never started
+        marker = shm.get("started")
+        self.started = self.mapper.view(marker[0], marker[1], 8).cast("q") if marker else None
         self.name: str = init["model_name"]
         self.version = int(init["model_version"])
         self.where = f"model '{self.name}' version {self.version}"
@@ -225,7 +229,7 @@ class Worker:
         return ready
 
     def serve(self) -> None:
-        jobs, inbox, buffer, arena = self.jobs, self.inbox, self.channel.buffer, self.arena
+        jobs, inbox, buffer, arena, started = self.jobs, self.inbox, self.channel.buffer, self.arena, self.started
         take, drain, execute, now = inbox.take, inbox.drain, self.execute, time.monotonic_ns
         spin, execute_op, finalize_op = self.spin, msg.EXECUTE, msg.FINALIZE
 
@@ -251,6 +255,8 @@ class Worker:
                 profiling.dump()  # now: once FINALIZED is sent, the server may end this process
                 self.finalize()
                 return
+            if started is not None:
+                started[0] = job["batch"]
             execute(job, now())
 
     def finalize(self) -> None:

@@ -118,8 +118,12 @@ class WorkerInstance(WorkerStreamsMixin):
         self._room: asyncio.Future[None] | None = None
         #: The traces of sampled requests in flight, by the id the worker knows them by.
         self._traces: dict[str, Any] = {}
-        #: Waiting for a batch's answer without sleeping when the loop is idle (spin-microseconds).
-        self._spin = AnswerSpin(settings.spin_microseconds / 1e6) if settings.spin_microseconds else None
+        #: Waiting for a quick worker's answer without sleeping when the loop is idle
+        #: (answer-spin-microseconds).
+        self._spin = (
+            AnswerSpin(settings.answer_spin_microseconds / 1e6, settings.answer_spin_pressure)
+            if settings.answer_spin_microseconds else None
+        )
 
     # ---- start / stop
 
@@ -258,7 +262,7 @@ class WorkerInstance(WorkerStreamsMixin):
         channel.send(message)
         spin = self._spin
         if spin is not None:
-            spin.wait(channel, done)
+            spin.wait(loop, done, len(worker.inflight) == 1)
         try:
             await done  # nothing in between: the answer resumes this task at once
             if entry.missing and not entry.unstarted:
@@ -279,7 +283,7 @@ class WorkerInstance(WorkerStreamsMixin):
         finally:
             self._batches.pop(batch, None)
             if spin is not None:
-                spin.finished()
+                spin.finished(entry.sent)
             if entry.finished:  # else the worker still reads them, or is being stopped
                 arena.free_many(blocks)
                 worker.holding -= 1
@@ -532,9 +536,11 @@ class WorkerInstance(WorkerStreamsMixin):
             "the worker is restarted"
         )
         logger.error("%s: Python worker (pid %d) %s; restarting it", self._where, worker.process.pid, cause)
-        # The worker runs its batches in order: those behind the first never started, and are
-        # sent again to the restarted worker rather than failed.
-        waiting = [self._batches[batch] for batch in list(worker.inflight)[1:] if batch in self._batches]
+        # The worker runs its batches in order and says which one it started last: the others it
+        # held never started (queued behind it, or sent as it died), and are sent again to the
+        # restarted worker rather than failed.
+        running = worker.started_batch()
+        waiting = [self._batches[batch] for batch in worker.inflight if batch != running and batch in self._batches]
         if self._decoupled:
             waiting = []
         again = set()

@@ -1,7 +1,21 @@
-"""Waiting for a Python worker's answer without sleeping (``spin-microseconds``): the server's
-side. A sleeping event loop's wake-up costs more than a small model's whole ``execute``, so an
-idle loop may read the worker's pipe for a moment instead, but only when that costs no other
-request anything and the worker has been answering within the spin.
+"""Waiting for a Python worker's answer without sleeping (``answer-spin-microseconds``): the
+server's side. On a virtual machine, waking a sleeping event loop on another vCPU costs the
+worker that wakes it (its ``write`` sends the interrupt) and the loop more than a small model's
+whole ``execute``; a loop that keeps turning meanwhile is awake when the answer comes.
+
+The spin keeps the loop turning (a callback that schedules itself: the loop polls its sockets
+without sleeping, so other connections are served meanwhile, and the answer arrives through the
+channel as always), never blocking it; it runs only when it costs no other request anything and
+is likely to end with the answer:
+
+- the worker holds this batch alone and the loop has been idle since the last one finished
+  (one caller at a time: a busy loop is awake anyway);
+- the instance's recent answers, from send to done, came within the limit: a spin lasts at most
+  twice their average (plus a little), so a model that takes longer is never spun for, and one
+  that becomes quick again is spun for again, as its answers show;
+- the machine has a core to spare (:func:`~quiver.ipc.inbox.spare_core`, with the
+  ``answer-spin-pressure`` limit): spinning on a busy machine takes CPU from the work it waits
+  for.
 """
 
 from __future__ import annotations
@@ -9,56 +23,48 @@ from __future__ import annotations
 import asyncio
 import time
 
-from quiver.ipc.channel import AsyncChannel
 from quiver.ipc.inbox import spare_core
 
 #: A batch sent this long after the previous one finished finds the loop idle (spinning for its
 #: answer then costs no other request anything).
 _IDLE_GAP_S = 50e-6
-#: After a spin that timed out, how long until the next try.
-_SPIN_RETRY_S = 1.0
+#: Added to twice the recent answers' average to give a spin's longest wait.
+_MARGIN_S = 20e-6
 
 
 class AnswerSpin:
     """Spins of up to ``seconds`` for one worker instance's answers."""
 
-    __slots__ = ("_last_done", "_round_trip", "_slow_since", "_spin")
+    __slots__ = ("_answer_s", "_last_done", "_limit", "_pressure")
 
-    def __init__(self, seconds: float) -> None:
-        self._spin = seconds
-        self._round_trip = 0.0  # recent round trips of spun batches (seconds, smoothed)
-        self._slow_since = 0.0
+    def __init__(self, seconds: float, pressure: float = 10.0) -> None:
+        self._limit = seconds
+        self._pressure = pressure  # the CPU pressure (percent) above which it does not spin
+        self._answer_s = 0.0  # recent batches' time from send to done (seconds, averaged)
         self._last_done = 0.0
 
-    def wait(self, channel: AsyncChannel, done: asyncio.Future[None]) -> None:
-        """Read ``channel`` until ``done`` or the spin is over, if it should spin now: when
-        the worker answers quickly (its recent round trips fit the spin), the loop has been
-        idle between batches (one caller at a time: a busy loop would rather serve others
-        meanwhile) and the machine has a core to spare."""
+    def wait(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], alone: bool) -> None:
+        """Keep ``loop`` turning until ``done`` or the spin is over, if it should spin now
+        (``alone``: the worker holds this batch only)."""
+        if not alone:
+            return
         now = time.perf_counter()
-        if now - self._last_done <= _IDLE_GAP_S:
+        answer = self._answer_s
+        if now - self._last_done <= _IDLE_GAP_S or answer >= self._limit or not spare_core(self._pressure):
             return
-        if self._round_trip >= self._spin:
-            if now - self._slow_since < _SPIN_RETRY_S:
-                return
-            self._round_trip = 0.0  # try again: the model may be quick now
-        if not spare_core():
-            return
-        began = time.perf_counter()
-        until = began + self._spin
-        poll = channel.poll
-        while not done.done():
-            now = time.perf_counter()
-            if now >= until:
-                self._round_trip = self._spin * 2  # too slow to wait for: stop until it is quick again
-                self._slow_since = now
-                return
-            poll()
-        self._round_trip = (self._round_trip + time.perf_counter() - began) / 2
+        until = now + min(self._limit, 2 * answer + _MARGIN_S)
+        call_soon, clock = loop.call_soon, time.perf_counter
 
-    def finished(self) -> None:
-        """A batch of this instance is done (the next one sent soon after finds the loop busy)."""
+        def turn() -> None:
+            if not done.done() and clock() < until:
+                call_soon(turn)
+
+        call_soon(turn)
+
+    def finished(self, sent_ns: int) -> None:
+        """A batch of this instance sent at ``sent_ns`` (``time.monotonic_ns()``) is done."""
         self._last_done = time.perf_counter()
+        self._answer_s += ((time.monotonic_ns() - sent_ns) / 1e9 - self._answer_s) / 8
 
 
 __all__ = ["AnswerSpin"]

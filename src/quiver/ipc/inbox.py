@@ -27,23 +27,47 @@ from typing import Any
 from quiver.ipc.channel import EMPTY, Channel
 
 _CORES = os.cpu_count() or 1
-_spare = (0.0, False)
+#: When the machine was last looked at, its CPU pressure then (None: not known) and whether its
+#: load average left a core idle.
+_looked: tuple[float, float | None, bool] = (0.0, None, False)
+#: Linux's pressure stall information for the CPU (the share of time some task waited for one).
+PRESSURE_FILE = "/proc/pressure/cpu"
+#: Above this share (percent, over the last 10 seconds) of time with a task waiting for a CPU,
+#: no core is spare (:func:`spare_core`'s default).
+PRESSURE_LIMIT = 10.0
 
 
-def spare_core() -> bool:
-    """Whether the machine has a core to spare for spinning: its load average over the last
-    minute leaves at least one idle (looked up at most once a second). Spinning on a machine
-    without one takes CPU from the work it waits for."""
-    global _spare
+def cpu_pressure() -> float | None:
+    """The percentage of the last 10 seconds in which some task waited for a CPU (``some
+    avg10``); None where the system does not say (no PSI)."""
+    try:
+        with open(PRESSURE_FILE, "rb") as file:
+            line = file.readline()
+        return float(line.split(b"avg10=", 1)[1].split(None, 1)[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def spare_core(limit: float = PRESSURE_LIMIT) -> bool:
+    """Whether the machine has a core to spare for spinning (looked up at most once a second):
+    tasks waited for a CPU less than ``limit`` percent of the last 10 seconds, where Linux says
+    (pressure stall information; a ``limit`` of 100 or more: always), else the load average over
+    the last minute leaves at least one core idle. Spinning on a machine without one takes CPU
+    from the work it waits for."""
+    global _looked
     now = time.monotonic()
-    when, spare = _spare
+    when, pressure, idle = _looked
     if now - when > 1.0:
-        try:
-            spare = os.getloadavg()[0] <= _CORES - 1
-        except OSError:  # pragma: no cover - no load average on this system
-            spare = False
-        _spare = (now, spare)
-    return spare
+        pressure = cpu_pressure()
+        if pressure is None:
+            try:
+                idle = os.getloadavg()[0] <= _CORES - 1
+            except OSError:  # pragma: no cover - no load average on this system
+                idle = False
+        _looked = (now, pressure, idle)
+    if pressure is not None:
+        return pressure < limit or limit >= 100
+    return idle
 
 
 class Inbox:
@@ -208,4 +232,4 @@ class Inbox:
                 self._cond.notify_all()
 
 
-__all__ = ["Inbox", "spare_core"]
+__all__ = ["Inbox", "cpu_pressure", "spare_core"]

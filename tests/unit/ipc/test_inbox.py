@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,16 +125,32 @@ def test_receive_waits_at_most_its_timeout() -> None:
     channel.close()
 
 
-def test_spinning_needs_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spinning_needs_a_spare_core(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from quiver.ipc import inbox
 
+    # where Linux reports CPU pressure: spare while tasks waited little for a CPU
+    pressure = tmp_path / "cpu"
+    monkeypatch.setattr(inbox, "PRESSURE_FILE", str(pressure))
+    pressure.write_text("some avg10=3.50 avg60=20.00 avg300=1.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    assert inbox.cpu_pressure() == 3.5
+    monkeypatch.setattr(inbox, "_looked", (0.0, None, False))
+    assert inbox.spare_core()
+    assert not inbox.spare_core(2.0)  # a lower limit
+    pressure.write_text("some avg10=42.10 avg60=1.00 avg300=1.00 total=1\n")
+    assert inbox.spare_core()  # looked up at most once a second
+    monkeypatch.setattr(inbox, "_looked", (0.0, None, False))
+    assert not inbox.spare_core()
+    assert inbox.spare_core(50.0) and inbox.spare_core(100.0)
+    # else the load average
+    pressure.unlink()
+    assert inbox.cpu_pressure() is None
     cores = inbox._CORES
-    monkeypatch.setattr(inbox, "_spare", (0.0, False))
+    monkeypatch.setattr(inbox, "_looked", (0.0, None, False))
     monkeypatch.setattr(inbox.os, "getloadavg", lambda: (cores - 1.0, 0.0, 0.0))
     assert inbox.spare_core()
     monkeypatch.setattr(inbox.os, "getloadavg", lambda: (cores + 3.0, 0.0, 0.0))
     assert inbox.spare_core()  # looked up at most once a second
-    monkeypatch.setattr(inbox, "_spare", (0.0, True))
+    monkeypatch.setattr(inbox, "_looked", (0.0, None, False))
     assert not inbox.spare_core()
 
 

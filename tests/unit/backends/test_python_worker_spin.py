@@ -1,0 +1,97 @@
+"""The server's spin for a quick worker's answer: the loop keeps turning (other callbacks run
+meanwhile) only while the worker holds the batch alone, the loop was idle, recent answers were
+quick and a core is spare; it ends with the answer or at twice the recent answers' average."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from quiver.backends import python_worker_spin
+from quiver.backends.python_worker_spin import AnswerSpin
+
+
+@pytest.fixture(autouse=True)
+def spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(python_worker_spin, "spare_core", lambda limit: True)
+
+
+def _quick(spin: AnswerSpin, answer_s: float = 100e-6) -> None:
+    for _ in range(40):  # recent answers of about ``answer_s``
+        spin.finished(time.monotonic_ns() - int(answer_s * 1e9))
+    time.sleep(0.001)  # the loop has been idle since
+
+
+def test_an_idle_loop_keeps_turning_for_a_quick_answer_and_serves_others_meanwhile() -> None:
+    spin = AnswerSpin(0.5)
+    _quick(spin, 0.1)  # (long, so that a busy machine does not end the spin first)
+    loop = asyncio.new_event_loop()
+    try:
+        done = loop.create_future()
+        ran: list[int] = []
+        spin.wait(loop, done, True)
+        loop.call_soon(ran.append, 1)  # another connection's work
+        for _ in range(5):
+            loop._run_once()  # type: ignore[attr-defined]  # a callback is always ready: it never sleeps
+        assert loop._ready and ran == [1]  # type: ignore[attr-defined]
+        done.set_result(None)  # the answer: the spin ends
+        loop._run_once()  # type: ignore[attr-defined]
+        assert not loop._ready  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
+def test_no_spin_when_not_alone_after_a_busy_loop_or_slow_answers() -> None:
+    spin = AnswerSpin(300e-6)
+    _quick(spin)
+    loop = asyncio.new_event_loop()
+    try:
+        scheduled = len(loop._ready)  # type: ignore[attr-defined]  # the pure-Python loop's queue
+        done = loop.create_future()
+        spin.wait(loop, done, False)  # the worker holds others
+        assert len(loop._ready) == scheduled  # type: ignore[attr-defined]
+        spin.finished(time.monotonic_ns())  # one just finished: the loop is busy
+        spin.wait(loop, done, True)
+        assert len(loop._ready) == scheduled  # type: ignore[attr-defined]
+        slow = AnswerSpin(300e-6)
+        _quick(slow, 2e-3)  # answers take 2 ms
+        slow.wait(loop, done, True)
+        assert len(loop._ready) == scheduled  # type: ignore[attr-defined]
+        time.sleep(0.001)
+        spin.wait(loop, done, True)  # idle again, quick answers: it spins
+        assert len(loop._ready) == scheduled + 1  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
+def test_a_spin_ends_at_twice_the_recent_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    spin = AnswerSpin(300e-6)
+    _quick(spin, 100e-6)
+    loop = asyncio.new_event_loop()
+    try:
+        done = loop.create_future()
+        spin.wait(loop, done, True)
+        began = time.perf_counter()
+        while loop._ready:  # type: ignore[attr-defined]
+            loop._run_once()  # type: ignore[attr-defined]
+        # about 2 x 100 us + 20 us; generous for a busy machine, far below a sleep's timeout
+        assert time.perf_counter() - began < 0.1
+    finally:
+        loop.close()
+
+
+def test_no_spin_without_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits: list[float] = []
+    monkeypatch.setattr(python_worker_spin, "spare_core", lambda limit: limits.append(limit) or False)
+    spin = AnswerSpin(300e-6, 25.0)
+    _quick(spin)
+    loop = asyncio.new_event_loop()
+    try:
+        scheduled = len(loop._ready)  # type: ignore[attr-defined]
+        spin.wait(loop, loop.create_future(), True)
+        assert len(loop._ready) == scheduled  # type: ignore[attr-defined]
+        assert limits == [25.0]  # asked with its pressure limit
+    finally:
+        loop.close()
