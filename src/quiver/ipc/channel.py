@@ -364,19 +364,6 @@ class AsyncChannel(asyncio.Protocol):
         if ended is not None:
             ended(error)
 
-    def poll(self) -> None:
-        """Read and deliver what has arrived, now (on the loop's thread; never waits)."""
-        if self._transport is None or self._ended is None:
-            return
-        try:
-            data = os.read(self._read_fd, 1 << 16)  # the transport made it non-blocking
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            return  # the transport sees it too, and ends the channel
-        if data:
-            self.data_received(data)
-
     def send(self, message: dict[str, Any]) -> None:
         """Queue ``message`` (the loop writes it; never blocks)."""
         writer = self._writer
