@@ -266,9 +266,14 @@ def test_a_worker_holds_its_queue_depth_while_its_executions_are_quick(
     assert made.slots == 8  # worker-queue-depth's default, before anything is measured
 
     async def run() -> None:
+        # A quick model's average settles under the 1 ms mark; a stall of the machine (the
+        # suite shares it) may lift one reading, so it gets up to 100 requests to settle, not
+        # the 5 that decide a slow model (whose every execution takes 5 ms).
         try:
-            for _ in range(5):
+            for count in range(100 if slots == 8 else 5):
                 await made.run([_request(1.0)])
+                if slots == 8 and count >= 4 and made.slots == 8:
+                    break
         finally:
             made.unload()
 
