@@ -185,24 +185,25 @@ def test_a_read_stops_when_a_request_comes_and_is_done_again_later(tmp_path: Pat
 
 def test_after_a_trip_a_request_came_during_the_next_waits_for_a_longer_lull(tmp_path: Path) -> None:
     """A request arriving while a folder is read (the lull was only a gap between requests)
-    doubles the lull the next trip waits for; a trip no request came during halves it back
-    towards IDLE_S. A stream of requests with gaps just over IDLE_S (a client reading
-    /metrics between misses) then meets a trip or two, not one per gap (#19: a repository of
-    10,000 folders is read ahead for seconds, and its misses met a trip in most gaps)."""
-    sources = folders(tmp_path, ["a", "b", "c"])
+    doubles the lull the next trip waits for; a trip starting after a lull at least twice as
+    long as the one it waited for halves it back towards IDLE_S. A stream of requests with
+    gaps just over IDLE_S (a client reading /metrics between misses) then meets a trip or two,
+    not one per gap (#19: a repository of 10,000 folders is read ahead for seconds of lulls,
+    and its misses met a trip in most gaps)."""
+    sources = folders(tmp_path, ["a", "b", "c", "d"])
     configs = ConfigCache()
     clock = FakeClock()
     pool = LoadPool(1)
-    asked: list[str] = []
+    trips: list[tuple[str, float]] = []  # (folder, the lull its trip waited for)
 
     async def main() -> None:
         ahead = ReadAhead(configs=configs, pool=pool, meter=MemoryMeter(gpu=None), clock=clock, strict=False)
         real = read_ahead_module.read_config
 
         def colliding(source: ModelSource, *args: object) -> str:
-            asked.append(source.name)
+            trips.append((source.name, ahead.lull))
             done = real(source, *args)  # type: ignore[arg-type]
-            if len(asked) <= 2:
+            if len(trips) <= 2:
                 ahead.busy()  # a request came as the trip ended: a gap, not a lull
             return done
 
@@ -210,24 +211,29 @@ def test_after_a_trip_a_request_came_during_the_next_waits_for_a_longer_lull(tmp
         try:
             assert ahead.lull == IDLE_S
             clock.advance(IDLE_S + 1e-6)
-            running = asyncio.ensure_future(ahead.run(sources))
-            await until(lambda: len(asked) == 1)
+            running = asyncio.ensure_future(ahead.run(sources[:3]))
+            await until(lambda: len(trips) == 1)
             await until(lambda: ahead.lull == 2 * IDLE_S)
             clock.advance(IDLE_S + 1e-6)  # a gap as long as the first: no trip now
             await asyncio.sleep(0.05)
-            assert asked == ["a"]
+            assert len(trips) == 1
             clock.advance(IDLE_S)
-            await until(lambda: len(asked) == 2)
+            await until(lambda: len(trips) == 2)
             await until(lambda: ahead.lull == 4 * IDLE_S)
             clock.advance(3 * IDLE_S)
             await asyncio.sleep(0.05)
-            assert asked == ["a", "b"]
-            clock.advance(IDLE_S + 1e-6)  # a lull of 4 * IDLE_S: trips with no request meanwhile
+            assert len(trips) == 2
+            clock.advance(IDLE_S + 1e-6)  # a lull of 4 * IDLE_S: not twice the one waited for
             await asyncio.wait_for(running, 5)
+            assert ahead.lull == 4 * IDLE_S
+            clock.advance(4 * IDLE_S)  # now a lull of 8 * IDLE_S: halved at each trip's start
+            await asyncio.wait_for(ahead.run(sources[3:]), 5)
         finally:
             read_ahead_module.read_config = real
-        assert asked[:3] == ["a", "b", "c"] and len(configs) == 3
-        assert ahead.lull == IDLE_S  # halved back by the trips no request came during
+        assert [name for name, _ in trips[:3]] == ["a", "b", "c"] and trips[-2][0] == "d"
+        assert [lull / IDLE_S for _, lull in trips[:3]] == [1, 2, 4]
+        assert [lull / IDLE_S for _, lull in trips[-2:]] == [2, 1]  # d, then d again (prepared)
+        assert ahead.lull == IDLE_S and len(configs) == 4
 
     try:
         asyncio.run(main())
