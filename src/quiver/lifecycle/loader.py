@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,17 +203,26 @@ def load_model(
     return LoadOutcome(config, models, failures)
 
 
-def prepare_ahead(source: ModelSource, strict: bool, configs: ConfigCache, fingerprint: str) -> bool:
+def prepare_ahead(
+    source: ModelSource,
+    strict: bool,
+    configs: ConfigCache,
+    fingerprint: str,
+    proceed: Callable[[], bool] | None = None,
+) -> bool:
     """Blocking: ``source``'s configuration prepared into ``configs`` (read, auto-completed,
     validated, labels and version folders read: what :func:`load_model` starts with) when
     that needs neither a framework import nor the model's files: its backend has been
     imported and says its auto-complete leaves the configuration as it is
     (``completes_without_files``; a backend without that says nothing and is not prepared
-    ahead). Whether it was; QuiverError when the configuration is wrong."""
+    ahead). ``proceed``: asked once the configuration is read; when it says no, it is only
+    read. Whether it was prepared; QuiverError when the configuration is wrong."""
     proto = read_proto(source, strict=strict, configs=configs, fingerprint=fingerprint)
     backend = imported_backend(proto.backend) if proto.backend else None
     completes = getattr(backend, "completes_without_files", None)
     if completes is None or not completes(proto, strict):
+        return False
+    if proceed is not None and not proceed():
         return False
     _prepare(source, strict, None, configs, fingerprint)
     return True

@@ -169,7 +169,7 @@ def test_a_read_stops_when_a_request_comes_and_is_done_again_later(tmp_path: Pat
             await until(lambda: len(asked) == 1)
             await asyncio.sleep(0.05)
             assert len(configs) == 0 and not running.done()  # waits for the next lull
-            clock.advance(IDLE_S + 1e-6)
+            clock.advance(2 * IDLE_S + 1e-6)  # twice as long: a request came during the last trip
             await asyncio.wait_for(running, 5)
         finally:
             read_ahead_module.read_config = real
@@ -181,3 +181,116 @@ def test_a_read_stops_when_a_request_comes_and_is_done_again_later(tmp_path: Pat
         asyncio.run(main())
     finally:
         pool.shutdown()
+
+
+def test_after_a_trip_a_request_came_during_the_next_waits_for_a_longer_lull(tmp_path: Path) -> None:
+    """A request arriving while a folder is read (the lull was only a gap between requests)
+    doubles the lull the next trip waits for; a trip starting after a lull at least twice as
+    long as the one it waited for halves it back towards IDLE_S. A stream of requests with
+    gaps just over IDLE_S (a client reading /metrics between misses) then meets a trip or two,
+    not one per gap (#19: a repository of 10,000 folders is read ahead for seconds of lulls,
+    and its misses met a trip in most gaps)."""
+    sources = folders(tmp_path, ["a", "b", "c", "d"])
+    configs = ConfigCache()
+    clock = FakeClock()
+    pool = LoadPool(1)
+    trips: list[tuple[str, float]] = []  # (folder, the lull its trip waited for)
+
+    async def main() -> None:
+        ahead = ReadAhead(configs=configs, pool=pool, meter=MemoryMeter(gpu=None), clock=clock, strict=False)
+        real = read_ahead_module.read_config
+
+        def colliding(source: ModelSource, *args: object) -> str:
+            trips.append((source.name, ahead.lull))
+            done = real(source, *args)  # type: ignore[arg-type]
+            if len(trips) <= 2:
+                ahead.busy()  # a request came as the trip ended: a gap, not a lull
+            return done
+
+        read_ahead_module.read_config = colliding  # type: ignore[assignment]
+        try:
+            assert ahead.lull == IDLE_S
+            clock.advance(IDLE_S + 1e-6)
+            running = asyncio.ensure_future(ahead.run(sources[:3]))
+            await until(lambda: len(trips) == 1)
+            await until(lambda: ahead.lull == 2 * IDLE_S)
+            clock.advance(IDLE_S + 1e-6)  # a gap as long as the first: no trip now
+            await asyncio.sleep(0.05)
+            assert len(trips) == 1
+            clock.advance(IDLE_S)
+            await until(lambda: len(trips) == 2)
+            await until(lambda: ahead.lull == 4 * IDLE_S)
+            clock.advance(3 * IDLE_S)
+            await asyncio.sleep(0.05)
+            assert len(trips) == 2
+            clock.advance(IDLE_S + 1e-6)  # a lull of 4 * IDLE_S: not twice the one waited for
+            await asyncio.wait_for(running, 5)
+            assert ahead.lull == 4 * IDLE_S
+            clock.advance(4 * IDLE_S)  # now a lull of 8 * IDLE_S: halved at each trip's start
+            await asyncio.wait_for(ahead.run(sources[3:]), 5)
+        finally:
+            read_ahead_module.read_config = real
+        assert [name for name, _ in trips[:3]] == ["a", "b", "c"] and trips[-2][0] == "d"
+        assert [lull / IDLE_S for _, lull in trips[:3]] == [1, 2, 4]
+        assert [lull / IDLE_S for _, lull in trips[-2:]] == [2, 1]  # d, then d again (prepared)
+        assert ahead.lull == IDLE_S and len(configs) == 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
+
+
+def test_the_lull_waited_for_is_at_most_max_lull(tmp_path: Path) -> None:
+    """However many trips requests came during, the next waits for MAX_LULL_S at most."""
+    from quiver.lifecycle.read_ahead import MAX_LULL_S
+
+    (source,) = folders(tmp_path, ["a"])
+    clock = FakeClock()
+    pool = LoadPool(1)
+
+    async def main() -> None:
+        ahead = ReadAhead(configs=ConfigCache(), pool=pool, meter=MemoryMeter(gpu=None), clock=clock, strict=False)
+        ahead.lull = MAX_LULL_S
+        real = read_ahead_module.read_config
+
+        def colliding(*args: object) -> str:
+            done = real(*args)  # type: ignore[arg-type]
+            ahead.busy()  # a request came as the trip ended
+            return done
+
+        read_ahead_module.read_config = colliding  # type: ignore[assignment]
+        try:
+            clock.advance(MAX_LULL_S + 1e-6)
+            running = asyncio.ensure_future(ahead.run([source]))
+            await until(lambda: ahead.read >= 1)
+            assert ahead.lull == MAX_LULL_S
+            clock.advance(MAX_LULL_S + 1e-6)
+            await asyncio.wait_for(running, 5)
+        finally:
+            read_ahead_module.read_config = real
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
+
+
+def test_a_request_arriving_after_the_parse_leaves_the_configuration_read_not_prepared(
+    tmp_path: Path, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The preparation (auto-complete, validation) is a step of its own: a request that came
+    during the parse stops the trip before it (the miss waits for the parse only); the
+    configuration is kept as read, and prepared at the next pass."""
+    from quiver.lifecycle.read_ahead import read_config
+
+    backend = _registry.loaded["fakemem"]
+    monkeypatch.setattr(backend, "completes_without_files", lambda config, strict: True, raising=False)
+    (source,) = folders(tmp_path, ["a"])
+    configs = ConfigCache()
+    answers = iter([True, True, False])
+    assert read_config(source, configs, False, idle=lambda: next(answers)) == "read"
+    assert configs.read(source, fingerprint(source.path), False) is not None
+    assert configs.prepared(source, fingerprint(source.path), False) is None
+    assert read_config(source, configs, False, idle=lambda: True) == "prepared"
+    assert configs.prepared(source, fingerprint(source.path), False) is not None
