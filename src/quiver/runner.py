@@ -30,7 +30,6 @@ import abc
 import asyncio
 import contextlib
 import logging
-import resource
 import signal
 import socket
 import sys
@@ -55,6 +54,7 @@ from quiver.frontends.workers import FrontendWorkers
 from quiver.heap import freeze_heap
 from quiver.lifecycle import ModelRepositoryManager
 from quiver.lifecycle.sources import default_cache_dir
+from quiver.limits import raise_open_file_limit
 from quiver.metrics.prometheus import MultiModelView, TritonCollector
 from quiver.repository.archive import ExtractLimits
 from quiver.repository.local import use_custom_config
@@ -69,27 +69,6 @@ if TYPE_CHECKING:
     from quiver.metrics.cloudwatch import CloudWatchPublisher
 
 logger = logging.getLogger(__name__)
-
-
-#: The most open files :func:`raise_open_file_limit` asks for when the hard limit is unlimited.
-OPEN_FILES_WANTED = 1 << 20
-
-
-def raise_open_file_limit() -> int:
-    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (as Go's runtime does at
-    start), so that thousands of connections, cached model files and worker pipes are not cut
-    off by the common soft limit of 1,024; the soft limit in force afterwards. A limit the
-    system will not raise is left as it is."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-        except (ValueError, OSError) as exc:
-            logger.debug("open file limit stays at %d: %s", soft, exc)
-            return soft
-        return wanted
-    return soft
 
 
 class StartError(Exception):

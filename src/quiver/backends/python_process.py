@@ -30,6 +30,7 @@ from quiver.errors import ErrorCode, InternalError, UnavailableError, error_for_
 from quiver.ipc import messages as msg
 from quiver.ipc.channel import AsyncChannel, Channel, ChannelError, pipe_pair
 from quiver.ipc.shm import SHM_DIR, Arena, Mapper, unlink, unlink_prefixed
+from quiver.limits import ORIGINAL_SOFT_ENV
 
 logger = logging.getLogger("quiver.backends.python_worker")
 
@@ -47,6 +48,13 @@ _RELEASE_BATCH = 64
 
 _BOOTSTRAP = """\
 import os, sys
+_soft = os.environ.pop({soft_env!r}, None)
+if _soft:  # the model's code gets the open-file limit the server was started with
+    import resource
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (int(_soft), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    except (ValueError, OSError):
+        pass
 sys.path.insert(0, {tree!r})
 try:
     import numpy
@@ -237,7 +245,7 @@ def start_worker(
     environ = env.environ(dict(os.environ))
     environ["QUIVER_WORKER_FDS"] = f"{theirs[0]},{theirs[1]}"
     environ["QUIVER_WORKER_PARENT"] = str(os.getpid())
-    command = [env.python, *(["-I"] if env.isolated else []), "-c", _BOOTSTRAP.format(tree=tree)]
+    command = [env.python, *(["-I"] if env.isolated else []), "-c", _BOOTSTRAP.format(tree=tree, soft_env=ORIGINAL_SOFT_ENV)]
 
     def spawn() -> subprocess.Popen[bytes]:
         process = subprocess.Popen(command, pass_fds=theirs, env=environ, cwd=str(files.version_dir))

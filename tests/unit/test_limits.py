@@ -1,4 +1,4 @@
-"""The server raises its soft open-file limit to the hard one at start (runner.raise_open_file_limit)."""
+"""The server raises its soft open-file limit to the hard one at start; the Python models it runs get the original back (quiver.limits)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_soft_limit_is_raised_to_the_hard_limit() -> None:
         256,
         """
         import resource
-        from quiver.runner import raise_open_file_limit
+        from quiver.limits import raise_open_file_limit
         before = resource.getrlimit(resource.RLIMIT_NOFILE)
         returned = raise_open_file_limit()
         after = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -51,7 +51,7 @@ def test_grpc_connection_cap_follows_the_raised_limit() -> None:
         256,
         """
         from quiver.frontends.grpc_server import connection_cap
-        from quiver.runner import raise_open_file_limit
+        from quiver.limits import raise_open_file_limit
         print(connection_cap())
         raise_open_file_limit()
         print(connection_cap())
