@@ -5,6 +5,7 @@ listener) owns an in-process HTTP/2 connection driven by the ``h2`` client (test
 from __future__ import annotations
 
 import asyncio
+import gc
 import resource
 from typing import Any
 
@@ -15,9 +16,9 @@ import h2.settings
 import hyperframe.frame as hf
 import pytest
 
-from quiver.frontends import http2_guard
+from quiver.frontends import grpc_server, http2_guard
 from quiver.frontends.grpc_server import GrpcServer, RpcMethod
-from support.h2pair import REQUEST, Pair, frames_of, of, run
+from support.h2pair import REQUEST, Pair, Transport, frames_of, of, run
 
 MB = 1 << 20
 
@@ -665,5 +666,41 @@ def test_a_stream_whose_answers_are_not_taken_stops_reading_requests() -> None:
         assert pulled <= STREAM_WINDOW + 2
         rest = [answer async for answer in answers]  # the client reads again: every request answered
         assert len(rest) == 10 * STREAM_WINDOW - 1 and pulled == 10 * STREAM_WINDOW
+
+    run(main)
+
+
+def test_connections_not_yet_made_count_until_made_or_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection accepted whose TLS handshake is under way counts against the cap, but is
+    not among the connections (no transport yet: a stop leaves it alone, and asks it to go
+    once it is made); one the TLS layer drops (its handshake failed: never made, never
+    closed) no longer counts, nor one past its time."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_connections = 2
+        busy = _connect(server)
+        busy.request(b"", headers=_headers("/svc/Echo"), end=False)
+        busy.pump()
+        unmade = server._connection()
+        assert server.connections == {busy.server}
+        assert server._connection()._refused  # the cap: one made and busy, one under way
+        del unmade  # dropped by the TLS layer
+        gc.collect()
+        assert not server._connection()._refused
+        monkeypatch.setattr(grpc_server, "UNMADE_SECONDS", 0.05)
+        server._unmade.clear()
+        held = server._connection()
+        assert server._connection()._refused
+        await asyncio.sleep(0.1)  # its time is up
+        assert not server._connection()._refused
+        server._unmade.clear()
+        late = server._connection()
+        server.begin_stop()  # no transport yet: nothing to say to it
+        transport = Transport(late)
+        late.connection_made(transport)
+        assert _goaways_of(transport) == [(2**31 - 1, 0)]  # made after the stop began: asked to go at once
+        await server.close(1.0)
+        assert not server.connections and held is not None
 
     run(main)
