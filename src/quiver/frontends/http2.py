@@ -20,7 +20,9 @@ handler (:class:`StreamHandler`, a gRPC call). What the protocol asks of a serve
   error answered with GOAWAY before the connection closes;
 - a graceful stop as gRPC servers do it (GOAWAY with the largest stream id and a PING, then
   GOAWAY with the last stream taken once the PING is answered; the streams in progress
-  finish); keepalive, time limits and flood limits are :mod:`quiver.frontends.http2_guard`'s.
+  finish); a connection closed whose client takes nothing of what is left to send for
+  :data:`CLOSE_STALL_SECONDS` is cut off; keepalive, time limits and flood limits are
+  :mod:`quiver.frontends.http2_guard`'s.
 
 What a client can make a connection hold is bounded: header blocks by the header list size
 the server announces (a larger one is a connection error, as HPACK must stay in step), the
@@ -63,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 #: How long the graceful stop waits for the answer to its PING before the final GOAWAY.
 GOAWAY_PING_SECONDS = 5.0
+#: A connection closed whose client takes nothing of what is left to send for this long is cut off.
+CLOSE_STALL_SECONDS = 5.0
 #: Decoded header blocks kept per connection (see the module's docstring), and the largest kept.
 HEAD_CACHE_SIZE = 64
 HEAD_CACHE_BLOCK = 1024
@@ -601,8 +605,20 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
             self._close_transport()
 
     def _close_transport(self) -> None:
+        """Close the transport once what it holds is written; a client that takes none of it
+        for :data:`CLOSE_STALL_SECONDS` is cut off (``abort``): ``close`` alone would wait for
+        it (and the owner hold the connection) for good."""
+        self._close_watch(-1)
         self.transport.close()
         self.closed = True
+
+    def _close_watch(self, left: int) -> None:
+        size = self.transport.get_write_buffer_size()
+        if left < 0 or size < left:
+            self._timers["close"] = self.loop.call_later(CLOSE_STALL_SECONDS, self._close_watch, size)
+        else:
+            logger.debug("gRPC client %s takes nothing of the last %d bytes: connection cut", self.peer, size)
+            self.transport.abort()
 
     def _flush_out(self) -> None:
         self._flush_soon = False

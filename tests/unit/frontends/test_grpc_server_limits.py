@@ -9,6 +9,8 @@ import gc
 import resource
 from typing import Any
 
+import h2.config
+import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
@@ -16,7 +18,7 @@ import h2.settings
 import hyperframe.frame as hf
 import pytest
 
-from quiver.frontends import grpc_server, http2_guard
+from quiver.frontends import grpc_server, http2, http2_guard
 from quiver.frontends.grpc_server import GrpcServer, RpcMethod
 from support.h2pair import REQUEST, Pair, Transport, frames_of, of, run
 
@@ -702,5 +704,70 @@ def test_connections_not_yet_made_count_until_made_or_dropped(monkeypatch: pytes
         assert _goaways_of(transport) == [(2**31 - 1, 0)]  # made after the stop began: asked to go at once
         await server.close(1.0)
         assert not server.connections and held is not None
+
+    run(main)
+
+
+def test_a_closed_connection_whose_client_takes_nothing_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing waits for what the transport still holds to be written: a connection asked to
+    go whose client reads nothing would never be lost, and hold its place among those leaving
+    for good. One whose client takes nothing for CLOSE_STALL_SECONDS is cut off (abort); one
+    whose client still takes some is left to finish."""
+    monkeypatch.setattr(http2, "CLOSE_STALL_SECONDS", 0.2)
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_connections = 1
+        stuck, slow = _connect(server), _connect(server)  # slow makes stuck leave
+        _connect(server)  # and the newcomer makes slow leave
+        for pair in (stuck, slow):
+            pair.transport.stuck, pair.transport.unsent = True, 1000
+            _ack_goaway_ping(pair)  # the final GOAWAY: closed, with what is left unsent
+            assert pair.transport.closed
+        assert server._leaving == {stuck.server, slow.server}
+        for left in range(900, 0, -100):  # slow takes some twice as often as it is looked at
+            slow.transport.unsent = left
+            await asyncio.sleep(0.1)
+        assert stuck.transport.aborted and not slow.transport.aborted
+        assert server._leaving == {slow.server}
+        await asyncio.sleep(0.5)  # slow took nothing more
+        assert slow.transport.aborted and not server._leaving
+
+    run(main)
+
+
+def test_closing_a_server_whose_client_reads_nothing_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a real socket: a client that asked for a large answer and reads none of it; the
+    server's close ends the connection (abort once the unsent answer has stood still)."""
+    monkeypatch.setattr(http2, "CLOSE_STALL_SECONDS", 0.3)
+
+    async def main() -> None:
+        size = 48 * MB
+
+        async def huge(data: bytes, context: Any) -> bytes:
+            return bytes(size)
+
+        server = GrpcServer({"/svc/Huge": RpcMethod("/svc/Huge", huge)}, max_receive_message_size=MB,
+                            max_send_message_size=size + MB)
+        port = await server.start("127.0.0.1", 0)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)  # reads 128 KiB at most
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        client.initiate_connection()
+        client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+        client.increment_flow_control_window(2**31 - 1 - 65_535)
+        client.send_headers(1, _headers("/svc/Huge"))
+        client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
+        writer.write(client.data_to_send())
+        await writer.drain()
+        for _ in range(100):  # the answer is written (what the socket did not take, held by the transport)
+            await asyncio.sleep(0.05)
+            (connection,) = server.connections
+            if not connection.streams and connection.transport.get_write_buffer_size():
+                break
+        assert connection.transport.get_write_buffer_size() > 0
+        started = asyncio.get_running_loop().time()
+        await server.close(5.0)
+        assert not server.connections and asyncio.get_running_loop().time() - started < 2.0
+        writer.close()
 
     run(main)
