@@ -19,8 +19,10 @@ half the file descriptors the process may open when that is fewer). A connection
 when they are all taken makes room if it can: the connection idle the longest (no stream open,
 no call working) is asked to go as a stop asks (GOAWAY NO_ERROR with the largest stream id and
 a PING, then GOAWAY with the last stream it opened; a stream it opens before it has seen the
-first is served), or closed at once if it has not yet sent its preface and SETTINGS, and the
-newcomer is served; gRPC clients reconnect when they next call. Connections
+first is served; so too for one that has not yet sent its preface and SETTINGS, as the server's
+SETTINGS are out: its client may have sent a call already, which closing at once would fail
+UNAVAILABLE, and grpc-go likewise drains a connection that comes after its graceful stop began),
+and the newcomer is served; gRPC clients reconnect when they next call. Connections
 asked to go no longer count against the cap, but at most ``max(16, max_connections // 16)`` of
 them may still be open at once (a client that keeps one busy in its last moments cannot make
 the server hold more); when every connection is busy, the newcomer is refused (GOAWAY
@@ -383,10 +385,7 @@ class GrpcServer:
                 continue
             self._leaving.add(connection)  # until connection_closed
             logger.debug("gRPC: %d connections: the one idle the longest (%s) is asked to go", len(self.connections), connection.peer)
-            if connection.handshaken:
-                connection.shutdown()
-            else:
-                connection.abort()  # no HTTP/2 yet: nothing to stop gracefully
+            connection.shutdown()  # its preface not yet come, too: a call on its way is served
             return True
         return False
 

@@ -554,11 +554,6 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
         self._timer("goaway", GOAWAY_PING_SECONDS, self._final_goaway)
 
     @property
-    def handshaken(self) -> bool:
-        """Whether the client has sent its preface and SETTINGS."""
-        return self._settings_seen
-
-    @property
     def working(self) -> bool:
         """Whether handlers of streams already gone still work (calls in progress, see _gone)."""
         return self._zombies > 0

@@ -318,19 +318,46 @@ def test_connections_asked_to_go_that_stay_are_bounded(monkeypatch: pytest.Monke
     run(main)
 
 
-def test_a_connection_without_its_preface_is_closed_at_once_to_make_room() -> None:
-    async def main() -> None:
-        from support.h2pair import Transport
+def test_a_connection_without_its_preface_is_asked_to_go_as_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection idle the longest has not yet sent its preface and SETTINGS (the server's
+    are out): it is asked to go as any other, not closed at once, so a call its client sent
+    meanwhile is served (closed at once, the call failed UNAVAILABLE, with no retry); one that
+    never speaks is closed once the PING has waited GOAWAY_PING_SECONDS."""
+    monkeypatch.setattr(http2, "GOAWAY_PING_SECONDS", 0.1)
 
+    async def main() -> None:
         server, _ = _server()
         server.max_connections = 1
-        silent = server._connection()
-        transport = Transport(silent)
-        silent.connection_made(transport)  # no preface, no SETTINGS: nothing to stop gracefully
+        young = server._connection()
+        transport = Transport(young)
+        young.connection_made(transport)  # no preface, no SETTINGS yet
+        transport.out.clear()
         newcomer = _connect(server)
-        assert transport.closed and not _goaways_of(transport) and not newcomer.transport.closed
-        await asyncio.sleep(0)  # connection_lost
+        assert not newcomer.transport.closed and not transport.closed
+        assert _goaways_of(transport) == [(2**31 - 1, 0)]
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        client.initiate_connection()  # its call, on its way when the GOAWAY was sent
+        client.send_headers(1, _headers("/svc/Echo"))
+        client.send_data(1, b"\x00\x00\x00\x00\x01y", end_stream=True)
+        young.data_received(client.data_to_send())
+        await asyncio.sleep(0.01)
+        frames = frames_of(bytes(transport.out))
+        assert [f.data for f in frames if isinstance(f, hf.DataFrame) and f.stream_id == 1] == [b"\x00\x00\x00\x00\x01y"]
+        (ping,) = [f for f in frames if isinstance(f, hf.PingFrame) and not f.flags]
+        transport.out.clear()
+        young.data_received(hf.PingFrame(0, ping.opaque_data, flags=["ACK"]).serialize())
+        assert _goaways_of(transport) == [(1, 0)] and transport.closed  # the call it sent, served
+        await asyncio.sleep(0)
         assert server.connections == {newcomer.server} and not server._leaving
+        silent = server._connection()  # takes the newcomer's place
+        silent_transport = Transport(silent)
+        silent.connection_made(silent_transport)
+        silent_transport.out.clear()
+        assert server._leaving == {newcomer.server}
+        _connect(server)  # takes the silent one's
+        assert _goaways_of(silent_transport) == [(2**31 - 1, 0)] and not silent_transport.closed
+        await asyncio.sleep(0.2)  # no PING answer: the final GOAWAY names no stream
+        assert _goaways_of(silent_transport) == [(2**31 - 1, 0), (0, 0)] and silent_transport.closed
 
     run(main)
 
