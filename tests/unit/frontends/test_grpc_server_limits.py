@@ -798,3 +798,41 @@ def test_closing_a_server_whose_client_reads_nothing_ends(monkeypatch: pytest.Mo
         writer.close()
 
     run(main)
+
+
+def test_a_connection_whose_reset_call_still_works_is_not_asked_to_go_until_it_ends() -> None:
+    """The client resets a call whose handler goes on working (it ignores the cancel): the
+    connection has no stream open but is not idle, so a newcomer at the cap is refused; once
+    the handler ends the connection is idle again, and the next newcomer takes its place."""
+
+    async def main() -> None:
+        release: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def stubborn(data: bytes, context: Any) -> bytes:
+            try:
+                await asyncio.shield(release)
+            except asyncio.CancelledError:
+                await release  # keeps working after the cancel
+            return data
+
+        server = GrpcServer({"/svc/Stubborn": RpcMethod("/svc/Stubborn", stubborn)}, max_receive_message_size=MB,
+                            max_send_message_size=MB, max_connections=1)
+        zombie = _connect(server)
+        stream_id = zombie.request(b"\x00\x00\x00\x00\x01a", headers=_headers("/svc/Stubborn"))
+        zombie.pump()
+        await asyncio.sleep(0.01)
+        zombie.client.reset_stream(stream_id)
+        zombie.pump()
+        await asyncio.sleep(0.01)
+        assert not zombie.server.streams and zombie.server.working
+        refused = server._connection()  # the zombie's call still works: no room
+        assert refused._refused
+        zombie.transport.out.clear()
+        release.set_result(None)
+        await asyncio.sleep(0.01)
+        assert not zombie.server.working
+        newcomer = _connect(server)
+        assert not newcomer.transport.closed and not newcomer.server._refused
+        assert _goaways(zombie) == [(2**31 - 1, 0)]
+
+    run(main)
