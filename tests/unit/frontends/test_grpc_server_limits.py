@@ -740,7 +740,7 @@ def test_a_closed_connection_whose_client_takes_nothing_is_cut_off(monkeypatch: 
     go whose client reads nothing would never be lost, and hold its place among those leaving
     for good. One whose client takes nothing for CLOSE_STALL_SECONDS is cut off (abort); one
     whose client still takes some is left to finish."""
-    monkeypatch.setattr(http2, "CLOSE_STALL_SECONDS", 0.2)
+    monkeypatch.setattr(http2, "CLOSE_STALL_SECONDS", 0.3)
 
     async def main() -> None:
         server, _ = _server()
@@ -752,12 +752,12 @@ def test_a_closed_connection_whose_client_takes_nothing_is_cut_off(monkeypatch: 
             _ack_goaway_ping(pair)  # the final GOAWAY: closed, with what is left unsent
             assert pair.transport.closed
         assert server._leaving == {stuck.server, slow.server}
-        for left in range(900, 0, -100):  # slow takes some twice as often as it is looked at
+        for left in range(950, 0, -50):  # slow takes some six times as often as it is looked at
             slow.transport.unsent = left
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
         assert stuck.transport.aborted and not slow.transport.aborted
         assert server._leaving == {slow.server}
-        await asyncio.sleep(0.5)  # slow took nothing more
+        await asyncio.sleep(0.7)  # slow took nothing more
         assert slow.transport.aborted and not server._leaving
 
     run(main)
