@@ -9,6 +9,7 @@ Triton has none)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from tritonclient.grpc import service_pb2 as pb
 from support.h2grpc import RawGrpc, framed
 from support.models import write_onnx
 from support.server import QuiverServer
+from support.tls import certificates
 
 CAP = 3
 WATCH = "/grpc.health.v1.Health/Watch"
@@ -235,3 +237,37 @@ def test_with_few_file_descriptors_idle_connections_still_make_room(repository: 
         finally:
             for channel in channels:
                 channel.close()
+
+
+def test_tls_probes_and_failed_handshakes_take_no_place(repository: Path, tmp_path: Path) -> None:
+    """On a TLS port, connections whose TLS handshake never ends well (a load balancer's TCP
+    check that connects and closes, a client that speaks plain HTTP/2) are never made: they
+    hold no place under the cap (twice the cap of each, then a real TLS client is served),
+    and neither they nor a handshake under way at the stop hold the stop."""
+    files = certificates(tmp_path)
+    args = ("--grpc-server", "quiver", "--grpc-use-ssl=true", f"--grpc-server-cert={files['server.crt']}",
+            f"--grpc-server-key={files['server.key']}")
+    server = CappedServer(repository, args=args)
+    with server:
+        address = ("127.0.0.1", server.grpc_port)
+        for _ in range(2 * CAP):
+            with socket.create_connection(address, timeout=10):
+                pass  # a TCP health check
+            with socket.create_connection(address, timeout=10) as sock:  # no TLS: the handshake fails
+                sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes((0, 0, 0, 4, 0, 0, 0, 0, 0)))
+                with contextlib.suppress(OSError):
+                    while sock.recv(1 << 16):
+                        pass
+        client = grpcclient.InferenceServerClient(
+            f"localhost:{server.grpc_port}", ssl=True, root_certificates=str(files["ca.crt"])
+        )
+        try:
+            assert client.is_server_live(client_timeout=10)
+            _infer(client)
+        finally:
+            client.close()
+        with socket.create_connection(address, timeout=10):  # a TLS handshake under way at the stop
+            started = time.monotonic()
+            assert server.stop(timeout=20) == 0
+            assert time.monotonic() - started < 10
+        assert "Traceback" not in server.log

@@ -7,7 +7,6 @@ can show it; an ``h2`` client (tests/support/h2grpc.py) for what they cannot."""
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import json
 import socket
 import ssl
@@ -32,6 +31,7 @@ from support.decoupled_models import build_decoupled_repository
 from support.h2grpc import RawGrpc, framed
 from support.models import write_identities, write_onnx, write_python
 from support.server import QuiverServer
+from support.tls import certificates
 
 LIMIT = 1 << 20
 
@@ -370,51 +370,11 @@ def test_keepalive_pings_and_the_connection_age(repository: Path) -> None:
         assert client.is_server_live()  # a new connection
 
 
-def _certificates(folder: Path) -> dict[str, Path]:
-    """A CA, a server certificate for localhost and a client certificate, both signed by it."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = dt.datetime.now(dt.UTC)
-
-    def make(name: str, issuer: Any, signer: Any, ca: bool) -> tuple[Any, Any]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(issuer or x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if not ca:
-            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        return builder.sign(signer or key, hashes.SHA256()), key
-
-    ca_cert, ca_key = make("quiver-test-ca", None, None, True)
-    paths = {}
-    for role in ("server", "client"):
-        cert, key = make("localhost", ca_cert.subject, ca_key, False)
-        paths[f"{role}.crt"] = folder / f"{role}.crt"
-        paths[f"{role}.crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        paths[f"{role}.key"] = folder / f"{role}.key"
-        paths[f"{role}.key"].write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        )
-    paths["ca.crt"] = folder / "ca.crt"
-    paths["ca.crt"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    return paths
-
-
 def test_mutual_tls_with_alpn_h2(tmp_path: Path) -> None:
     repo = tmp_path / "models"
     repo.mkdir()
     write_onnx(repo, "simple", simple_onnx(), SIMPLE_CONFIG)
-    files = _certificates(tmp_path)
+    files = certificates(tmp_path)
     args = ("--grpc-server", "quiver", "--grpc-use-ssl-mutual=true", f"--grpc-server-cert={files['server.crt']}",
             f"--grpc-server-key={files['server.key']}", f"--grpc-root-cert={files['ca.crt']}")
     with QuiverServer(repo, args=args) as running:

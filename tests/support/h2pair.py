@@ -24,6 +24,9 @@ class Transport:
         self.out = bytearray()
         self.closed = False
         self.reading = True
+        self.stuck = False  # True: a client that reads nothing (close waits for it; abort does not)
+        self.unsent = 0  # what get_write_buffer_size says
+        self.aborted = self.lost = False
 
     def write(self, data: bytes) -> None:
         assert not self.closed, "a write after close"
@@ -32,7 +35,18 @@ class Transport:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if not self.stuck:
+                self.lost = True
+                asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def abort(self) -> None:
+        self.aborted = True
+        if not self.lost:
+            self.closed = self.lost = True
             asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": ("127.0.0.1", 5555)}.get(name, default)

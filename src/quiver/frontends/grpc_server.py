@@ -19,12 +19,19 @@ half the file descriptors the process may open when that is fewer). A connection
 when they are all taken makes room if it can: the connection idle the longest (no stream open,
 no call working) is asked to go as a stop asks (GOAWAY NO_ERROR with the largest stream id and
 a PING, then GOAWAY with the last stream it opened; a stream it opens before it has seen the
-first is served), or closed at once if it has not yet sent its preface and SETTINGS, and the
-newcomer is served; gRPC clients reconnect when they next call. Connections
+first is served; so too for one that has not yet sent its preface and SETTINGS, as the server's
+SETTINGS are out: its client may have sent a call already, which closing at once would fail
+UNAVAILABLE, and grpc-go likewise drains a connection that comes after its graceful stop began),
+and the newcomer is served; gRPC clients reconnect when they next call. Connections
 asked to go no longer count against the cap, but at most ``max(16, max_connections // 16)`` of
 them may still be open at once (a client that keeps one busy in its last moments cannot make
 the server hold more); when every connection is busy, the newcomer is refused (GOAWAY
-ENHANCE_YOUR_CALM) as before.
+ENHANCE_YOUR_CALM) as before. A connection counts from its accept; on a TLS port it joins
+:attr:`GrpcServer.connections` only once its TLS handshake is done (``connection_made``, within
+:data:`TLS_HANDSHAKE_SECONDS`), and one whose handshake fails is never made nor closed: until
+then it is held weakly, so it stops counting when the TLS layer drops it (at once with uvloop;
+with asyncio's own loop when the garbage collector frees its reference cycle), or after
+:data:`UNMADE_SECONDS` at most.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import resource
 import socket
 import ssl
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +59,7 @@ from quiver.frontends import http2_frames as h2
 from quiver.frontends.grpc_call import GrpcCall, metadata_fields, percent_encoded
 from quiver.frontends.grpc_receive import ReceiveBudget
 from quiver.frontends.http2 import Http2Connection, Keepalive, Stream
+from quiver.frontends.http2_guard import HANDSHAKE_SECONDS
 from quiver.frontends.restrictions import Restrictions
 from quiver.triton_flags import GrpcTls
 
@@ -73,6 +82,11 @@ MAX_PENDING_SEND = 64 << 20
 #: Calls in progress at once on all connections (each holds its state and a task, 1-10 KB before
 #: any request byte); past it new streams are refused (REFUSED_STREAM, which clients retry).
 MAX_CALLS = 20_000
+#: The TLS handshake's time limit (the connection's preface must come as soon, see
+#: http2_guard), and how long a connection accepted may take to be made (TLS handshake done)
+#: before it no longer counts against the cap.
+TLS_HANDSHAKE_SECONDS = HANDSHAKE_SECONDS
+UNMADE_SECONDS = TLS_HANDSHAKE_SECONDS + 5.0
 #: Request fields that are the transport's, not the call's metadata.
 _TRANSPORT_FIELDS = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"))
 _TIMEOUT = re.compile(rb"(\d{1,8})([HMSmun])")
@@ -231,6 +245,12 @@ class GrpcServer:
         self._idle: dict[Http2Connection, None] = {}
         #: Connections asked to go to make room, until they close.
         self._leaving: set[Http2Connection] = set()
+        #: Connections accepted and not yet made (their TLS handshake under way), each until
+        #: when it may be: they count against the cap, but are not in :attr:`connections` (one
+        #: whose handshake fails is never made nor closed: it is gone from here when the TLS
+        #: layer drops it, or once its time is up).
+        self._unmade: weakref.WeakKeyDictionary[Http2Connection, float] = weakref.WeakKeyDictionary()
+        self._stopping = False
         self._listeners: list[asyncio.AbstractServer] = []
         self._unary_calls = 0
         self._no_unary_calls = asyncio.Event()
@@ -306,6 +326,15 @@ class GrpcServer:
             call.data_received(memoryview(b""), True)
         return call
 
+    def connection_made(self, connection: Http2Connection) -> None:
+        self._unmade.pop(connection, None)
+        self.connections.add(connection)
+        self._no_connections.clear()
+        if self._stopping:
+            connection.shutdown()  # made after the stop began (its TLS handshake was under way)
+        else:
+            self.connection_idle(connection)
+
     def connection_idle(self, connection: Http2Connection) -> None:
         self._idle.pop(connection, None)
         self._idle[connection] = None  # the most recently active last
@@ -322,12 +351,26 @@ class GrpcServer:
 
     def _connection(self) -> Http2Connection:
         connection = Http2Connection(self)
-        if len(self.connections) - len(self._leaving) >= self.max_connections and not self._make_room():
+        taken = len(self.connections) - len(self._leaving) + self._unmade_count()
+        if taken >= self.max_connections and not self._make_room():
             connection.refuse("too many connections")
             return connection
-        self.connections.add(connection)
-        self._no_connections.clear()
+        self._unmade[connection] = connection.loop.time() + UNMADE_SECONDS  # until connection_made
         return connection
+
+    def _unmade_count(self) -> int:
+        """Connections accepted and not yet made, those past their time dropped first."""
+        unmade = self._unmade
+        if unmade:
+            now = asyncio.get_running_loop().time()
+            expired = []
+            for connection, until in unmade.items():  # oldest first
+                if until > now:
+                    break
+                expired.append(connection)
+            for connection in expired:
+                del unmade[connection]
+        return len(unmade)
 
     def _make_room(self) -> bool:
         """Ask the connection idle the longest to go (see the module's docstring); False when
@@ -342,10 +385,7 @@ class GrpcServer:
                 continue
             self._leaving.add(connection)  # until connection_closed
             logger.debug("gRPC: %d connections: the one idle the longest (%s) is asked to go", len(self.connections), connection.peer)
-            if connection.handshaken:
-                connection.shutdown()
-            else:
-                connection.abort()  # no HTTP/2 yet: nothing to stop gracefully
+            connection.shutdown()  # its preface not yet come, too: a call on its way is served
             return True
         return False
 
@@ -388,7 +428,10 @@ class GrpcServer:
                 port = port or sock.getsockname()[1]
             for sock in sockets:
                 self._listeners.append(
-                    await loop.create_server(self._connection, sock=sock, ssl=ssl_context, backlog=1024)
+                    await loop.create_server(
+                        self._connection, sock=sock, ssl=ssl_context, backlog=1024,
+                        ssl_handshake_timeout=TLS_HANDSHAKE_SECONDS if ssl_context is not None else None,
+                    )
                 )
         except OSError as exc:
             for listener in self._listeners:
@@ -400,7 +443,9 @@ class GrpcServer:
 
     def begin_stop(self) -> None:
         """Accept no more connections; each connection refuses new calls (GOAWAY) and closes
-        once its calls have ended."""
+        once its calls have ended (one made later, its TLS handshake under way now, as soon as
+        it is made)."""
+        self._stopping = True
         for listener in self._listeners:
             listener.close()
         for connection in list(self.connections):

@@ -20,7 +20,9 @@ handler (:class:`StreamHandler`, a gRPC call). What the protocol asks of a serve
   error answered with GOAWAY before the connection closes;
 - a graceful stop as gRPC servers do it (GOAWAY with the largest stream id and a PING, then
   GOAWAY with the last stream taken once the PING is answered; the streams in progress
-  finish); keepalive, time limits and flood limits are :mod:`quiver.frontends.http2_guard`'s.
+  finish); a connection closed whose client takes nothing of what is left to send for
+  :data:`CLOSE_STALL_SECONDS` is cut off; keepalive, time limits and flood limits are
+  :mod:`quiver.frontends.http2_guard`'s.
 
 What a client can make a connection hold is bounded: header blocks by the header list size
 the server announces (a larger one is a connection error, as HPACK must stay in step), the
@@ -63,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 #: How long the graceful stop waits for the answer to its PING before the final GOAWAY.
 GOAWAY_PING_SECONDS = 5.0
+#: A connection closed whose client takes nothing of what is left to send for this long is cut off.
+CLOSE_STALL_SECONDS = 5.0
 #: Decoded header blocks kept per connection (see the module's docstring), and the largest kept.
 HEAD_CACHE_SIZE = 64
 HEAD_CACHE_BLOCK = 1024
@@ -93,6 +97,11 @@ class Http2Owner(Protocol):
 
     def open_stream(self, connection: Http2Connection, stream: Stream, head: Any, end_stream: bool) -> StreamHandler | None:
         """A new request; ``None`` when it was answered at once (no handler needed)."""
+
+    def connection_made(self, connection: Http2Connection) -> None:
+        """``connection`` is made (after the TLS handshake, on a TLS port) and has sent its
+        SETTINGS: it has no stream yet. A connection whose TLS handshake fails is never made,
+        and never closed either (no :meth:`connection_closed`)."""
 
     def connection_idle(self, connection: Http2Connection) -> None:
         """``connection``'s last stream has ended (and no handler of a reset stream still works)."""
@@ -159,8 +168,7 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
         self.transport = transport
         if self._refused:
             transport.write(h2.settings_frame({}) + h2.goaway(0, h2.ENHANCE_YOUR_CALM, self._refused.encode()))
-            transport.close()
-            self.closed = True
+            self._close_transport()
             return
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
@@ -176,7 +184,7 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
             h2.settings_frame(settings) + h2.window_update(0, CONNECTION_WINDOW - h2.DEFAULT_WINDOW)
         )
         self._guard_start()
-        owner.connection_idle(self)  # no stream yet (a connection not yet made is never asked to go)
+        owner.connection_made(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -539,16 +547,11 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
     def shutdown(self) -> None:
         """Graceful stop: no new streams once the client has seen it; the streams in progress
         finish, then the connection closes."""
-        if self._goaway_state or self.closed:
-            return
+        if self._goaway_state or self.closed or self.transport is None:
+            return  # (not yet made: the owner stops it when it is, see Http2Owner.connection_made)
         self._goaway_state = 1
         self._write(h2.goaway(h2.MAX_WINDOW, h2.NO_ERROR) + h2.frame(h2.PING, 0, 0, _GOAWAY_PING))
         self._timer("goaway", GOAWAY_PING_SECONDS, self._final_goaway)
-
-    @property
-    def handshaken(self) -> bool:
-        """Whether the client has sent its preface and SETTINGS."""
-        return self._settings_seen
 
     @property
     def working(self) -> bool:
@@ -579,25 +582,38 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
     def _maybe_close(self) -> None:
         if not self.streams and (self._goaway_state == 2 or self.remote_goaway) and not self.closed:
             self._flush_out()
-            self.transport.close()
-            self.closed = True
+            self._close_transport()
 
     def _fail(self, code: int, message: str) -> None:
         """A connection error: GOAWAY with ``code`` and ``message``, then close."""
-        if self.closed:
+        if self.closed or self.transport is None:
             return
         logger.debug("gRPC client %s: connection error %d: %s", self.peer, code, message)
         self._write(h2.goaway(self.last_stream_id, code, message.encode("utf-8", "replace")[:256]))
         self._flush_out()
-        self.transport.close()
-        self.closed = True
+        self._close_transport()
 
     def abort(self) -> None:
         """Close now: every stream's handler is told the connection went away."""
-        if not self.closed:
+        if not self.closed and self.transport is not None:
             self._flush_out()
-            self.transport.close()
-            self.closed = True
+            self._close_transport()
+
+    def _close_transport(self) -> None:
+        """Close the transport once what it holds is written; a client that takes none of it
+        for :data:`CLOSE_STALL_SECONDS` is cut off (``abort``): ``close`` alone would wait for
+        it (and the owner hold the connection) for good."""
+        self._close_watch(-1)
+        self.transport.close()
+        self.closed = True
+
+    def _close_watch(self, left: int) -> None:
+        size = self.transport.get_write_buffer_size()
+        if left < 0 or size < left:
+            self._timers["close"] = self.loop.call_later(CLOSE_STALL_SECONDS, self._close_watch, size)
+        else:
+            logger.debug("gRPC client %s takes nothing of the last %d bytes: connection cut", self.peer, size)
+            self.transport.abort()
 
     def _flush_out(self) -> None:
         self._flush_soon = False

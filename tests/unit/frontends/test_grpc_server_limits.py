@@ -5,9 +5,12 @@ listener) owns an in-process HTTP/2 connection driven by the ``h2`` client (test
 from __future__ import annotations
 
 import asyncio
+import gc
 import resource
 from typing import Any
 
+import h2.config
+import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
@@ -15,9 +18,9 @@ import h2.settings
 import hyperframe.frame as hf
 import pytest
 
-from quiver.frontends import http2_guard
+from quiver.frontends import grpc_server, http2, http2_guard
 from quiver.frontends.grpc_server import GrpcServer, RpcMethod
-from support.h2pair import REQUEST, Pair, frames_of, of, run
+from support.h2pair import REQUEST, Pair, Transport, frames_of, of, run
 
 MB = 1 << 20
 
@@ -315,19 +318,46 @@ def test_connections_asked_to_go_that_stay_are_bounded(monkeypatch: pytest.Monke
     run(main)
 
 
-def test_a_connection_without_its_preface_is_closed_at_once_to_make_room() -> None:
-    async def main() -> None:
-        from support.h2pair import Transport
+def test_a_connection_without_its_preface_is_asked_to_go_as_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection idle the longest has not yet sent its preface and SETTINGS (the server's
+    are out): it is asked to go as any other, not closed at once, so a call its client sent
+    meanwhile is served (closed at once, the call failed UNAVAILABLE, with no retry); one that
+    never speaks is closed once the PING has waited GOAWAY_PING_SECONDS."""
+    monkeypatch.setattr(http2, "GOAWAY_PING_SECONDS", 0.1)
 
+    async def main() -> None:
         server, _ = _server()
         server.max_connections = 1
-        silent = server._connection()
-        transport = Transport(silent)
-        silent.connection_made(transport)  # no preface, no SETTINGS: nothing to stop gracefully
+        young = server._connection()
+        transport = Transport(young)
+        young.connection_made(transport)  # no preface, no SETTINGS yet
+        transport.out.clear()
         newcomer = _connect(server)
-        assert transport.closed and not _goaways_of(transport) and not newcomer.transport.closed
-        await asyncio.sleep(0)  # connection_lost
+        assert not newcomer.transport.closed and not transport.closed
+        assert _goaways_of(transport) == [(2**31 - 1, 0)]
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        client.initiate_connection()  # its call, on its way when the GOAWAY was sent
+        client.send_headers(1, _headers("/svc/Echo"))
+        client.send_data(1, b"\x00\x00\x00\x00\x01y", end_stream=True)
+        young.data_received(client.data_to_send())
+        await asyncio.sleep(0.01)
+        frames = frames_of(bytes(transport.out))
+        assert [f.data for f in frames if isinstance(f, hf.DataFrame) and f.stream_id == 1] == [b"\x00\x00\x00\x00\x01y"]
+        (ping,) = [f for f in frames if isinstance(f, hf.PingFrame) and not f.flags]
+        transport.out.clear()
+        young.data_received(hf.PingFrame(0, ping.opaque_data, flags=["ACK"]).serialize())
+        assert _goaways_of(transport) == [(1, 0)] and transport.closed  # the call it sent, served
+        await asyncio.sleep(0)
         assert server.connections == {newcomer.server} and not server._leaving
+        silent = server._connection()  # takes the newcomer's place
+        silent_transport = Transport(silent)
+        silent.connection_made(silent_transport)
+        silent_transport.out.clear()
+        assert server._leaving == {newcomer.server}
+        _connect(server)  # takes the silent one's
+        assert _goaways_of(silent_transport) == [(2**31 - 1, 0)] and not silent_transport.closed
+        await asyncio.sleep(0.2)  # no PING answer: the final GOAWAY names no stream
+        assert _goaways_of(silent_transport) == [(2**31 - 1, 0), (0, 0)] and silent_transport.closed
 
     run(main)
 
@@ -665,5 +695,144 @@ def test_a_stream_whose_answers_are_not_taken_stops_reading_requests() -> None:
         assert pulled <= STREAM_WINDOW + 2
         rest = [answer async for answer in answers]  # the client reads again: every request answered
         assert len(rest) == 10 * STREAM_WINDOW - 1 and pulled == 10 * STREAM_WINDOW
+
+    run(main)
+
+
+def test_connections_not_yet_made_count_until_made_or_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection accepted whose TLS handshake is under way counts against the cap, but is
+    not among the connections (no transport yet: a stop leaves it alone, and asks it to go
+    once it is made); one the TLS layer drops (its handshake failed: never made, never
+    closed) no longer counts, nor one past its time."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_connections = 2
+        busy = _connect(server)
+        busy.request(b"", headers=_headers("/svc/Echo"), end=False)
+        busy.pump()
+        unmade = server._connection()
+        assert server.connections == {busy.server}
+        assert server._connection()._refused  # the cap: one made and busy, one under way
+        del unmade  # dropped by the TLS layer
+        gc.collect()
+        assert not server._connection()._refused
+        monkeypatch.setattr(grpc_server, "UNMADE_SECONDS", 0.05)
+        server._unmade.clear()
+        held = server._connection()
+        assert server._connection()._refused
+        await asyncio.sleep(0.1)  # its time is up
+        assert not server._connection()._refused
+        server._unmade.clear()
+        late = server._connection()
+        server.begin_stop()  # no transport yet: nothing to say to it
+        transport = Transport(late)
+        late.connection_made(transport)
+        assert _goaways_of(transport) == [(2**31 - 1, 0)]  # made after the stop began: asked to go at once
+        await server.close(1.0)
+        assert not server.connections and held is not None
+
+    run(main)
+
+
+def test_a_closed_connection_whose_client_takes_nothing_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing waits for what the transport still holds to be written: a connection asked to
+    go whose client reads nothing would never be lost, and hold its place among those leaving
+    for good. One whose client takes nothing for CLOSE_STALL_SECONDS is cut off (abort); one
+    whose client still takes some is left to finish."""
+    monkeypatch.setattr(http2, "CLOSE_STALL_SECONDS", 0.3)
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_connections = 1
+        stuck, slow = _connect(server), _connect(server)  # slow makes stuck leave
+        _connect(server)  # and the newcomer makes slow leave
+        for pair in (stuck, slow):
+            pair.transport.stuck, pair.transport.unsent = True, 1000
+            _ack_goaway_ping(pair)  # the final GOAWAY: closed, with what is left unsent
+            assert pair.transport.closed
+        assert server._leaving == {stuck.server, slow.server}
+        for left in range(950, 0, -50):  # slow takes some six times as often as it is looked at
+            slow.transport.unsent = left
+            await asyncio.sleep(0.05)
+        assert stuck.transport.aborted and not slow.transport.aborted
+        assert server._leaving == {slow.server}
+        await asyncio.sleep(0.7)  # slow took nothing more
+        assert slow.transport.aborted and not server._leaving
+
+    run(main)
+
+
+def test_closing_a_server_whose_client_reads_nothing_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a real socket: a client that asked for a large answer and reads none of it; the
+    server's close ends the connection (abort once the unsent answer has stood still)."""
+    monkeypatch.setattr(http2, "CLOSE_STALL_SECONDS", 0.3)
+
+    async def main() -> None:
+        size = 48 * MB
+
+        async def huge(data: bytes, context: Any) -> bytes:
+            return bytes(size)
+
+        server = GrpcServer({"/svc/Huge": RpcMethod("/svc/Huge", huge)}, max_receive_message_size=MB,
+                            max_send_message_size=size + MB)
+        port = await server.start("127.0.0.1", 0)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)  # reads 128 KiB at most
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        client.initiate_connection()
+        client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+        client.increment_flow_control_window(2**31 - 1 - 65_535)
+        client.send_headers(1, _headers("/svc/Huge"))
+        client.send_data(1, b"\x00\x00\x00\x00\x00", end_stream=True)
+        writer.write(client.data_to_send())
+        await writer.drain()
+        for _ in range(100):  # the answer is written (what the socket did not take, held by the transport)
+            await asyncio.sleep(0.05)
+            (connection,) = server.connections
+            if not connection.streams and connection.transport.get_write_buffer_size():
+                break
+        assert connection.transport.get_write_buffer_size() > 0
+        started = asyncio.get_running_loop().time()
+        await server.close(5.0)
+        assert not server.connections and asyncio.get_running_loop().time() - started < 2.0
+        writer.close()
+
+    run(main)
+
+
+def test_a_connection_whose_reset_call_still_works_is_not_asked_to_go_until_it_ends() -> None:
+    """The client resets a call whose handler goes on working (it ignores the cancel): the
+    connection has no stream open but is not idle, so a newcomer at the cap is refused; once
+    the handler ends the connection is idle again, and the next newcomer takes its place."""
+
+    async def main() -> None:
+        release: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def stubborn(data: bytes, context: Any) -> bytes:
+            try:
+                await asyncio.shield(release)
+            except asyncio.CancelledError:
+                await release  # keeps working after the cancel
+            return data
+
+        server = GrpcServer({"/svc/Stubborn": RpcMethod("/svc/Stubborn", stubborn)}, max_receive_message_size=MB,
+                            max_send_message_size=MB, max_connections=1)
+        zombie = _connect(server)
+        stream_id = zombie.request(b"\x00\x00\x00\x00\x01a", headers=_headers("/svc/Stubborn"))
+        zombie.pump()
+        await asyncio.sleep(0.01)
+        zombie.client.reset_stream(stream_id)
+        zombie.pump()
+        await asyncio.sleep(0.01)
+        assert not zombie.server.streams and zombie.server.working
+        refused = server._connection()  # the zombie's call still works: no room
+        assert refused._refused
+        zombie.transport.out.clear()
+        release.set_result(None)
+        await asyncio.sleep(0.01)
+        assert not zombie.server.working
+        newcomer = _connect(server)
+        assert not newcomer.transport.closed and not newcomer.server._refused
+        assert _goaways(zombie) == [(2**31 - 1, 0)]
 
     run(main)

@@ -82,6 +82,9 @@ class Owner:
             handler.data_received(memoryview(b""), True)
         return handler
 
+    def connection_made(self, connection: Http2Connection) -> None:
+        pass
+
     def connection_idle(self, connection: Http2Connection) -> None:
         pass
 
