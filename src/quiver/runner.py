@@ -33,6 +33,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -287,9 +288,11 @@ def _listen_in_range(address: str, port_range: tuple[int, int]) -> socket.socket
     raise OSError(f"no free port for the SageMaker listener in the safe port range {low}-{high}")
 
 
-async def _serve_asgi(name: str, app: object, sock: socket.socket, grace: float = 30.0) -> _AsgiListener:
+async def _serve_asgi(
+    name: str, app: object, sock: socket.socket, grace: float = 30.0, on_request: Callable[[], None] | None = None
+) -> _AsgiListener:
     try:
-        server, serving = await serve(app, sock, graceful_seconds=grace)
+        server, serving = await serve(app, sock, graceful_seconds=grace, on_request=on_request)
     except BaseException as exc:
         sock.close()
         if isinstance(exc, Exception):
@@ -424,7 +427,7 @@ class Runner:
 
         try:
             if registry is not None:
-                metrics = MetricsFrontend(registry)
+                metrics = MetricsFrontend(registry, on_request=parts.service.request_came)
                 metrics.bind(settings.metrics_address, settings.metrics_port)
                 opened(_MetricsListener(metrics))
                 await metrics.start()  # logs 'started Metrics service at HOST:PORT'
@@ -440,7 +443,9 @@ class Runner:
                 else:
                     sagemaker_socket = _listen(settings.sagemaker_address, settings.sagemaker_port)
                 if not workers:
-                    opened(await _serve_asgi("SageMaker", parts.sagemaker, sagemaker_socket, settings.exit_timeout_secs))
+                    opened(await _serve_asgi(
+                        "SageMaker", parts.sagemaker, sagemaker_socket, settings.exit_timeout_secs, parts.service.request_came
+                    ))
             grpc: GrpcFrontend | None = None
             if workers:
                 sockets: list[socket.socket | None] = [sagemaker_socket]
@@ -467,12 +472,13 @@ class Runner:
                     compression_level=settings.grpc_compression_level,
                     reuse_port=settings.reuse_grpc_port,
                     server_kind=settings.grpc_server,
+                    on_request=parts.service.request_came,
                 )
                 grpc_port = await grpc.start(settings.grpc_address, settings.grpc_port)
                 opened(_GrpcListener(grpc, settings.exit_timeout_secs))
             if settings.allow_http and not workers:
                 sock = _listen(settings.http_address, settings.http_port, settings.reuse_http_port)
-                opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs))
+                opened(await _serve_asgi("HTTP", parts.http.app(), sock, settings.exit_timeout_secs, parts.service.request_came))
         except OSError as exc:
             raise StartError(str(exc)) from None
         if settings.cloudwatch is not None and registry is not None:

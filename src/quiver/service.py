@@ -98,6 +98,10 @@ class InferenceService:
         self.server_id = server_id
         #: --strict-readiness: ready only while every model that is not unloaded is READY.
         self.strict_readiness = strict_readiness
+        #: The frontends call it as every request arrives, whatever it asks (health, metadata,
+        #: index, metrics, inference): the manager's idle detector (lifecycle/idle.py) sees
+        #: the server busy. One clock read and one store; no allocation.
+        self.request_came: Callable[[], None] = manager.request_came
         manager.bind(self.infer)
         SERVER.infer_stream = self.infer_stream  # Python models' decoupled BLS calls
         SERVER.decoupled = self.decoupled

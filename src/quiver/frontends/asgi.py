@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from quiver.frontends.http_server import MAX_CHUNKS, HttpServer
@@ -15,11 +16,14 @@ from quiver.frontends.http_server import MAX_CHUNKS, HttpServer
 AsgiServer = HttpServer
 
 
-async def serve(app: Any, sock: socket.socket, *, graceful_seconds: float) -> tuple[AsgiServer, asyncio.Task[None]]:
+async def serve(
+    app: Any, sock: socket.socket, *, graceful_seconds: float, on_request: Callable[[], None] | None = None
+) -> tuple[AsgiServer, asyncio.Task[None]]:
     """Serve ``app`` on ``sock`` and return once it accepts connections. Stop it with
     ``server.should_exit = True`` then ``await task`` (in-flight requests finish within
-    ``graceful_seconds``). If it stops while starting, the task's exception is raised."""
-    server = HttpServer(app, graceful_seconds=graceful_seconds)
+    ``graceful_seconds``). If it stops while starting, the task's exception is raised.
+    ``on_request``: called as each request arrives (see :class:`HttpServer`)."""
+    server = HttpServer(app, graceful_seconds=graceful_seconds, on_request=on_request)
     task = asyncio.create_task(server.serve([sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0)

@@ -29,6 +29,7 @@ from tritonclient.grpc import service_pb2_grpc
 from quiver.errors import InvalidArgumentError
 from quiver.frontends.grpc_plumbing import (
     SERVICE_NAME,
+    Arrivals,
     GenericHandlersOnly,
     RestrictionInterceptor,
     raw_method,
@@ -422,6 +423,7 @@ class GrpcFrontend:
         compression_level: int = 0,
         reuse_port: bool = False,
         server_kind: str = "quiver",
+        on_request: Callable[[], None] | None = None,
     ) -> None:
         if server_kind not in GRPC_SERVERS:
             raise ValueError(f"unknown gRPC server '{server_kind}'; known: {', '.join(GRPC_SERVERS)}")
@@ -434,6 +436,8 @@ class GrpcFrontend:
         self.options = list(options)
         self.compression_level = compression_level
         self.reuse_port = reuse_port
+        #: Called as each call arrives, whatever it asks (``InferenceService.request_came``).
+        self.on_request = on_request
         self.servicer = InferenceServicer(service, header_forward_pattern)
         self.health = health.aio.HealthServicer()
         self.server: Any = None
@@ -455,6 +459,7 @@ class GrpcFrontend:
             restrictions=self.restrictions,
             compression_level=self.compression_level,
             keepalive=keepalive_from(self.options),
+            on_request=self.on_request,
         )
         context = tls_context(self.tls) if self.tls is not None else None
         bound = await server.start(address, port, ssl_context=context, reuse_port=self.reuse_port)
@@ -502,7 +507,9 @@ class GrpcFrontend:
 
     def add_handlers(self, server: Any) -> None:
         """Triton's service and the health service on ``server``."""
-        # First: the generated handler's ModelInfer and ModelStreamInfer are never reached.
+        if self.on_request is not None:  # first: asked for every call
+            server.add_generic_rpc_handlers((Arrivals(self.on_request),))
+        # Then: the generated handler's ModelInfer and ModelStreamInfer are never reached.
         server.add_generic_rpc_handlers((RawInferHandler(self.servicer),))
         generic_only = GenericHandlersOnly(server)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, generic_only)

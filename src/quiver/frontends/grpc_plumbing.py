@@ -143,6 +143,17 @@ class ParsedByUs(grpc.GenericRpcHandler):  # type: ignore[misc]
         return handler
 
 
+class Arrivals(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """The first generic handler of a ``grpc.aio`` server: asked for every call first, it
+    tells ``on_request`` the call came and serves none (the model side's idle detector)."""
+
+    def __init__(self, on_request: Callable[[], None]) -> None:
+        self._on_request = on_request
+
+    def service(self, handler_call_details: Any) -> None:
+        self._on_request()
+
+
 class GenericHandlersOnly:
     """What the generated ``add_*Servicer_to_server`` functions see instead of the server:
     their generic handler is added, their registered-method handlers are not.

@@ -219,8 +219,12 @@ class GrpcServer:
         max_header_list_size: int = MAX_HEADER_LIST_SIZE,
         max_calls: int = MAX_CALLS,
         max_connections: int | None = None,
+        on_request: Callable[[], None] | None = None,
     ) -> None:
         self.methods = methods
+        #: Called as each call's stream opens (the model side's idle detector:
+        #: ``InferenceService.request_came``).
+        self.on_request = on_request
         self.max_receive_message_size = max_receive_message_size
         self.max_send_message_size = max_send_message_size
         self.restrictions = restrictions or Restrictions()
@@ -313,6 +317,8 @@ class GrpcServer:
         )
 
     def open_stream(self, connection: Http2Connection, stream: Stream, head: RequestHead, end_stream: bool) -> GrpcCall | None:
+        if self.on_request is not None:
+            self.on_request()
         if head.refusal is not None:
             status, code, details = head.refusal
             block = h2.header_block([

@@ -35,6 +35,7 @@ import collections
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -84,6 +85,7 @@ class HttpProtocol(asyncio.Protocol):
         self.last_active = 0.0
         self.server_address: Any = None
         self.client_address: Any = None
+        self.on_request = server.on_request
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -169,6 +171,8 @@ class HttpProtocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.refused:
             return
+        if self.on_request is not None:
+            self.on_request()
         parser = self.parser
         version = parser.get_http_version()
         method = parser.get_method()
@@ -353,11 +357,13 @@ class HttpProtocol(asyncio.Protocol):
 class HttpServer:
     """Serves one ASGI app on sockets bound by the caller. Set :attr:`should_exit` to stop
     (from the loop's thread); :meth:`serve` then returns once in-flight requests finished or
-    ``graceful_seconds`` passed."""
+    ``graceful_seconds`` passed. ``on_request``: called as each request's head is complete,
+    before the app runs (the model side's idle detector: ``InferenceService.request_came``)."""
 
-    def __init__(self, app: Any, *, graceful_seconds: float = 30.0) -> None:
+    def __init__(self, app: Any, *, graceful_seconds: float = 30.0, on_request: Callable[[], None] | None = None) -> None:
         self.app = app
         self.graceful_seconds = graceful_seconds
+        self.on_request = on_request
         self.connections: set[HttpProtocol] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.started = False

@@ -26,9 +26,16 @@ _Send = Callable[[dict[str, Any]], Any]
 class MetricsFrontend:
     """``bind`` (fails early, before any other listener opens), ``start``, ``stop``."""
 
-    def __init__(self, registry: CollectorRegistry, on_stop: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        on_stop: Callable[[], None] | None = None,
+        on_request: Callable[[], None] | None = None,
+    ) -> None:
         self.registry = registry
         self._on_stop = on_stop
+        #: Called as each scrape arrives (``InferenceService.request_came``: a scrape is work).
+        self._on_request = on_request
         self._socket: socket.socket | None = None
         self._server: AsgiServer | None = None
         self._serving: asyncio.Task[None] | None = None
@@ -61,7 +68,7 @@ class MetricsFrontend:
     async def start(self) -> tuple[str, int]:
         """Serve on the bound socket; logs and returns the address (the real port, for port 0)."""
         assert self._socket is not None, "bind() first"
-        self._server, self._serving = await serve(self, self._socket, graceful_seconds=5)
+        self._server, self._serving = await serve(self, self._socket, graceful_seconds=5, on_request=self._on_request)
         host, port = self._socket.getsockname()[:2]
         logger.info("started Metrics service at %s:%d", host, port)
         return host, port

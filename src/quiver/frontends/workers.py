@@ -83,6 +83,8 @@ class FrontendWorkers:
         header_forward_pattern: str | None = None,
     ) -> None:
         self.service = service
+        #: Told of every message a worker sends (a request, or about one): the idle detector.
+        self._request_came = service.request_came
         self.app = app
         self.socket = sock
         self.count = count
@@ -175,6 +177,7 @@ class FrontendWorkers:
     # -- the links -------------------------------------------------------------------
 
     def _on_message(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+        self._request_came()  # every request a worker takes comes here, whatever it asks
         kind = message[0]
         if kind == "infer":
             ident = message[1]

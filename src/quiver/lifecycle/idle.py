@@ -2,8 +2,11 @@
 
 Work that can wait runs then, off the requests' cores: configurations read ahead
 (:mod:`quiver.lifecycle.read_ahead`) and evictions ahead of need (:mod:`quiver.lifecycle.ahead`).
-The manager tells :class:`Activity` of every request (a miss as it starts, every request as it
-ends), which costs one clock read.
+The frontends tell :class:`Activity` of every request as it comes, whatever it asks (an
+inference, health, metadata, the repository index, a ``/metrics`` scrape, a SageMaker ping:
+each takes the event loop and a core the work that waits would take; through
+``InferenceService.request_came``, so this package imports no frontend), and the manager of a
+miss as it starts and of every inference as it ends. Each costs one clock read and one store.
 """
 
 from __future__ import annotations

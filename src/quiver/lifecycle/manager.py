@@ -207,6 +207,9 @@ class ModelRepositoryManager:
         self._read_ahead_task: asyncio.Task[None] | None = None
         #: Who waits for a lull between requests: configurations read ahead, evictions ahead.
         self._tells_activity = self._read_ahead is not None or self.admission.budget is not None
+        #: A request came (any: the frontends call it as each arrives; one clock read and one
+        #: store, the method bound once here): work that waits for a lull waits again.
+        self.request_came: Callable[[], None] = self.admission.activity.busy
 
     def _landed(self, name: str, resident: bool) -> None:
         if resident:

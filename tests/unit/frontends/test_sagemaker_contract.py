@@ -83,6 +83,9 @@ class _Manager:
     def bind(self, infer: Any) -> None:
         pass
 
+    def request_came(self) -> None:
+        pass
+
     def is_ready(self, name: str, version: str = "") -> bool:
         return False
 
