@@ -58,13 +58,16 @@ import grpc
 from quiver.frontends import http2_frames as h2
 from quiver.frontends.grpc_call import GrpcCall, metadata_fields, percent_encoded
 from quiver.frontends.grpc_receive import ReceiveBudget
-from quiver.frontends.http2 import Http2Connection, Keepalive, Stream
+from quiver.frontends.http2 import CLOSE_DEADLINE_SECONDS, Http2Connection, Keepalive, Stream
 from quiver.frontends.http2_guard import HANDSHAKE_SECONDS
 from quiver.frontends.restrictions import Restrictions
 from quiver.triton_flags import GrpcTls
 
 logger = logging.getLogger(__name__)
 
+#: A connection whose client has sent nothing this long after it connected is closed at once
+#: to make room, not asked to go (see GrpcServer._make_room).
+SILENT_SECONDS = 1.0
 #: Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
 MAX_CONCURRENT_STREAMS = 1024
 #: The largest request header list (names, values and 32 bytes per field, as HTTP/2 counts);
@@ -380,18 +383,29 @@ class GrpcServer:
 
     def _make_room(self) -> bool:
         """Ask the connection idle the longest to go (see the module's docstring); False when
-        none can."""
-        if len(self._leaving) >= max(16, self.max_connections // 16):
-            return False
+        none can. One whose client has sent not a byte for :data:`SILENT_SECONDS` (a gRPC
+        client sends its preface as it connects: no call can be on its way) is closed at once,
+        whatever the number on their way out: connections that never speak cannot hold
+        newcomers off for the final GOAWAY's wait."""
+        full = len(self._leaving) >= max(16, self.max_connections // 16)
         idle = self._idle
+        now = asyncio.get_running_loop().time()
         while idle:
             connection = next(iter(idle))
-            del idle[connection]  # a busy one comes back once idle (connection_idle)
             if connection.closed or connection.streams or connection.working or connection in self._leaving:
+                del idle[connection]  # a busy one comes back once idle (connection_idle)
                 continue
+            silent = connection.silent_for(now) >= SILENT_SECONDS
+            if full and not silent:
+                return False
+            del idle[connection]
             self._leaving.add(connection)  # until connection_closed
-            logger.debug("gRPC: %d connections: the one idle the longest (%s) is asked to go", len(self.connections), connection.peer)
-            connection.shutdown()  # its preface not yet come, too: a call on its way is served
+            if silent:
+                logger.debug("gRPC: %d connections: %s, silent since it connected, is closed", len(self.connections), connection.peer)
+                connection.abort()
+            else:
+                logger.debug("gRPC: %d connections: the one idle the longest (%s) is asked to go", len(self.connections), connection.peer)
+                connection.shutdown()  # its preface not yet come, too: a call on its way is served
             return True
         return False
 
@@ -437,6 +451,7 @@ class GrpcServer:
                     await loop.create_server(
                         self._connection, sock=sock, ssl=ssl_context, backlog=1024,
                         ssl_handshake_timeout=TLS_HANDSHAKE_SECONDS if ssl_context is not None else None,
+                        ssl_shutdown_timeout=CLOSE_DEADLINE_SECONDS if ssl_context is not None else None,
                     )
                 )
         except OSError as exc:

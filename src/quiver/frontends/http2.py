@@ -21,7 +21,8 @@ handler (:class:`StreamHandler`, a gRPC call). What the protocol asks of a serve
 - a graceful stop as gRPC servers do it (GOAWAY with the largest stream id and a PING, then
   GOAWAY with the last stream taken once the PING is answered; the streams in progress
   finish); a connection closed whose client takes nothing of what is left to send for
-  :data:`CLOSE_STALL_SECONDS` is cut off; keepalive, time limits and flood limits are
+  :data:`CLOSE_STALL_SECONDS`, or has not taken all of it :data:`CLOSE_DEADLINE_SECONDS` after,
+  is cut off; keepalive, time limits and flood limits are
   :mod:`quiver.frontends.http2_guard`'s.
 
 What a client can make a connection hold is bounded: header blocks by the header list size
@@ -67,6 +68,9 @@ logger = logging.getLogger(__name__)
 GOAWAY_PING_SECONDS = 5.0
 #: A connection closed whose client takes nothing of what is left to send for this long is cut off.
 CLOSE_STALL_SECONDS = 5.0
+#: However its client reads, a connection closed is cut off this long after (asyncio's default
+#: ``ssl_shutdown_timeout``, which bounds a TLS connection's close, see the server's listener).
+CLOSE_DEADLINE_SECONDS = 30.0
 #: Decoded header blocks kept per connection (see the module's docstring), and the largest kept.
 HEAD_CACHE_SIZE = 64
 HEAD_CACHE_BLOCK = 1024
@@ -161,11 +165,13 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
         self._goaway_last = h2.MAX_WINDOW
         self.remote_goaway = False
         self._refused = ""
+        self.made_at = 0.0  # loop time of connection_made
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        self.made_at = self.loop.time()
         if self._refused:
             transport.write(h2.settings_frame({}) + h2.goaway(0, h2.ENHANCE_YOUR_CALM, self._refused.encode()))
             self._close_transport()
@@ -553,6 +559,12 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
         self._write(h2.goaway(h2.MAX_WINDOW, h2.NO_ERROR) + h2.frame(h2.PING, 0, 0, _GOAWAY_PING))
         self._timer("goaway", GOAWAY_PING_SECONDS, self._final_goaway)
 
+    def silent_for(self, now: float) -> float:
+        """How long since it was made the client has sent not one byte (0 once it has)."""
+        if self._preface or self._buffer or self.transport is None:
+            return 0.0
+        return now - self.made_at
+
     @property
     def working(self) -> bool:
         """Whether handlers of streams already gone still work (calls in progress, see _gone)."""
@@ -601,18 +613,23 @@ class Http2Connection(StreamWriter, ConnectionGuard, asyncio.Protocol):
 
     def _close_transport(self) -> None:
         """Close the transport once what it holds is written; a client that takes none of it
-        for :data:`CLOSE_STALL_SECONDS` is cut off (``abort``): ``close`` alone would wait for
-        it (and the owner hold the connection) for good."""
-        self._close_watch(-1)
+        for :data:`CLOSE_STALL_SECONDS`, or has not taken all of it
+        :data:`CLOSE_DEADLINE_SECONDS` after, is cut off (``abort``): ``close`` alone would wait
+        for it (and the owner hold the connection) for good. Over TLS the transport's buffer
+        is the TLS layer's alone (what it passed on to the socket is not in it), so only the
+        TLS transport's own shutdown timeout (the listener's, the same deadline) bounds it."""
+        if self.transport.get_extra_info("sslcontext") is None:
+            self._close_watch(-1, self.loop.time() + CLOSE_DEADLINE_SECONDS)
         self.transport.close()
         self.closed = True
 
-    def _close_watch(self, left: int) -> None:
+    def _close_watch(self, left: int, deadline: float) -> None:
         size = self.transport.get_write_buffer_size()
-        if left < 0 or size < left:
-            self._timers["close"] = self.loop.call_later(CLOSE_STALL_SECONDS, self._close_watch, size)
+        if (left < 0 or size < left) and self.loop.time() < deadline:
+            wait = min(CLOSE_STALL_SECONDS, max(0.0, deadline - self.loop.time()))
+            self._timers["close"] = self.loop.call_later(wait, self._close_watch, size, deadline)
         else:
-            logger.debug("gRPC client %s takes nothing of the last %d bytes: connection cut", self.peer, size)
+            logger.debug("gRPC client %s has not taken the last %d bytes: connection cut", self.peer, size)
             self.transport.abort()
 
     def _flush_out(self) -> None:

@@ -836,3 +836,70 @@ def test_a_connection_whose_reset_call_still_works_is_not_asked_to_go_until_it_e
         assert _goaways(zombie) == [(2**31 - 1, 0)]
 
     run(main)
+
+
+def test_connections_that_never_speak_cannot_hold_newcomers_off() -> None:
+    """A connection whose client has sent not one byte for SILENT_SECONDS is closed at once to
+    make room (a gRPC client sends its preface as it connects), not asked to go: asked, each
+    held a place among those leaving for the final GOAWAY's wait, and once max(16, cap/16) of
+    them were leaving every newcomer was refused."""
+
+    async def main() -> None:
+        server, _ = _server()
+        server.max_connections = 1
+        transports = []
+        for _ in range(40):
+            silent = server._connection()
+            transport = Transport(silent)
+            silent.connection_made(transport)
+            assert not _goaways_of(transport), "refused: a silent connection held the newcomer off"
+            transport.out.clear()
+            silent.made_at -= grpc_server.SILENT_SECONDS  # it has said nothing for that long
+            transports.append(transport)
+        for transport in transports[:-1]:  # each closed at once by the next, no GOAWAY
+            assert transport.closed and not _goaways_of(transport)
+        assert not transports[-1].closed
+        await asyncio.sleep(0)
+        assert len(server.connections) == 1 and not server._leaving
+
+    run(main)
+
+
+def test_a_closed_connection_whose_client_trickles_is_cut_off_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that takes a little of what is left every look keeps a closed connection only
+    until CLOSE_DEADLINE_SECONDS after its close."""
+    monkeypatch.setattr(http2, "CLOSE_STALL_SECONDS", 0.05)
+    monkeypatch.setattr(http2, "CLOSE_DEADLINE_SECONDS", 0.4)
+
+    async def main() -> None:
+        server, _ = _server()
+        pair = _connect(server)
+        pair.transport.stuck, pair.transport.unsent = True, 100_000
+        started = asyncio.get_running_loop().time()
+        pair.server.abort()
+        while not pair.transport.aborted and asyncio.get_running_loop().time() - started < 3:
+            pair.transport.unsent -= 10  # a byte or ten at a time, never stalled
+            await asyncio.sleep(0.01)
+        assert pair.transport.aborted
+        assert 0.35 <= asyncio.get_running_loop().time() - started < 1.5
+
+    run(main)
+
+
+def test_a_closed_tls_connection_is_left_to_the_tls_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TLS the transport's write buffer is the TLS layer's alone (what it passed to the
+    socket is not in it): it reads 0 while the client still reads, so the close is left to the
+    TLS transport's own shutdown timeout (the listener's, CLOSE_DEADLINE_SECONDS), not cut when
+    that buffer seems to stand still."""
+    monkeypatch.setattr(http2, "CLOSE_STALL_SECONDS", 0.05)
+
+    async def main() -> None:
+        server, _ = _server()
+        pair = _connect(server)
+        monkeypatch.setattr(pair.transport, "get_extra_info", lambda name, default=None: object() if name == "sslcontext" else default)
+        pair.transport.stuck = True  # the TLS layer's buffer: empty, the rest below it
+        pair.server.abort()
+        await asyncio.sleep(0.3)
+        assert pair.transport.closed and not pair.transport.aborted
+
+    run(main)
