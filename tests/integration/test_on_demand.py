@@ -173,6 +173,9 @@ def test_concurrent_first_requests_load_once(repository: Path) -> None:
                     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 4), 5.0))
 
         asyncio.run(main())
+        # the load is logged after the answers are written, and the log read by a thread
+        assert server.wait_for_log("loaded model 'm05' version")
+        time.sleep(0.2)  # a second load, had there been one, is logged as soon
         assert server.log.count("loaded model 'm05' version") == 1
 
 
