@@ -114,10 +114,13 @@ def server(repo: Path) -> Iterator[QuiverServer]:
 
 def infer(server: QuiverServer, model: str, values: Any, **kwargs: Any) -> httpclient.InferResult:
     client = httpclient.InferenceServerClient(server.url, network_timeout=120)
-    data = np.asarray(values, dtype=np.float32)
-    tensor = httpclient.InferInput("INPUT0", list(data.shape), "FP32")
-    tensor.set_data_from_numpy(data, binary_data=True)
-    return client.infer(model, [tensor], **kwargs)
+    try:
+        data = np.asarray(values, dtype=np.float32)
+        tensor = httpclient.InferInput("INPUT0", list(data.shape), "FP32")
+        tensor.set_data_from_numpy(data, binary_data=True)
+        return client.infer(model, [tensor], **kwargs)
+    finally:
+        client.close()  # on the thread that made it: gevent's pool cannot be closed from another
 
 
 def executions(repo: Path, model: str) -> list[dict[str, Any]]:
