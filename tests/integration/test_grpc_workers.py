@@ -251,6 +251,7 @@ def test_on_demand_loads_a_model_once_however_many_workers_ask(repository: Path)
     with QuiverServer(repository, args=("--model-control-mode=on_demand", *WORKERS)) as server:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda _: _infer(server.grpc_url, "other"), range(16)))
+        assert server.wait_for_log("loaded model 'other' version")  # logged after the answers
         assert len(re.findall(r"loaded model 'other' version", server.log)) == 1, server.log
         client = grpcclient.InferenceServerClient(server.grpc_url)
         try:

@@ -153,6 +153,7 @@ def test_on_demand_loads_a_model_once_however_many_workers_ask(repository: Path)
     with QuiverServer(repository, args=("--model-control-mode=on_demand", *WORKERS)) as server:
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda _: _infer(server.url, "other"), range(16)))
+        assert server.wait_for_log("loaded model 'other' version")  # logged after the answers
         assert len(re.findall(r"loaded model 'other' version", server.log)) == 1, server.log
         stats = json.loads(_request(server, "GET", "/v2/models/other/stats")[1])["model_stats"][0]
         assert stats["inference_count"] == 16

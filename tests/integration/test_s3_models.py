@@ -144,6 +144,7 @@ def test_single_flight_one_download(server: QuiverServer) -> None:
 
     asyncio.run(main())
     assert server.log.count("model cache: fetched 'one.tar.gz'") == 1
+    assert server.wait_for_log("loaded model 'one.tar.gz' version")  # logged after the answers
     assert server.log.count("loaded model 'one.tar.gz' version") == 1
     # A folder of objects in S3 is a model too; an S3 ensemble archive is its own namespace.
     client = httpclient.InferenceServerClient(server.url)
