@@ -17,6 +17,7 @@ Worker-safe: the standard library only (see :mod:`quiver.ipc`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -35,6 +36,28 @@ PRESSURE_FILE = "/proc/pressure/cpu"
 #: Above this share (percent, over the last 10 seconds) of time with a task waiting for a CPU,
 #: no core is spare (:func:`spare_core`'s default).
 PRESSURE_LIMIT = 10.0
+
+
+def _sched_getcpu() -> Callable[[], int] | None:
+    """The C library's ``sched_getcpu`` (a vDSO read, no system call), where it has one."""
+    try:
+        function = ctypes.CDLL(None).sched_getcpu
+    except (AttributeError, OSError):  # pragma: no cover - not glibc/musl on Linux
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = ()
+    return function
+
+
+_getcpu = _sched_getcpu()
+
+
+def current_cpu() -> int | None:
+    """The CPU the calling thread runs on now (None: the system does not say)."""
+    if _getcpu is None:
+        return None
+    cpu = _getcpu()
+    return cpu if cpu >= 0 else None
 
 
 def cpu_pressure() -> float | None:
@@ -232,4 +255,4 @@ class Inbox:
                 self._cond.notify_all()
 
 
-__all__ = ["Inbox", "cpu_pressure", "spare_core"]
+__all__ = ["Inbox", "cpu_pressure", "current_cpu", "spare_core"]
