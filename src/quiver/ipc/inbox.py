@@ -17,7 +17,6 @@ Worker-safe: the standard library only (see :mod:`quiver.ipc`).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -40,9 +39,11 @@ PRESSURE_LIMIT = 10.0
 
 def _sched_getcpu() -> Callable[[], int] | None:
     """The C library's ``sched_getcpu`` (a vDSO read, no system call), where it has one."""
-    try:
+    try:  # (a worker's Python may lack ctypes: a build without libffi)
+        import ctypes
+
         function = ctypes.CDLL(None).sched_getcpu
-    except (AttributeError, OSError):  # pragma: no cover - not glibc/musl on Linux
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - not glibc/musl on Linux
         return None
     function.restype = ctypes.c_int
     function.argtypes = ()
