@@ -280,6 +280,7 @@ def start_worker(
                 "filename": config.default_model_filename,
                 "outputs": [tensor.name for tensor in config.outputs],
                 "spin_us": settings.spin_microseconds,
+                "report_cpu": settings.answer_spin_microseconds > 0,
                 "shm": {
                     "started": [marker.segment, marker.offset],
                     "prefix": tag + "w",

@@ -50,7 +50,7 @@ from quiver.errors import format_exception
 from quiver.ipc import messages as msg
 from quiver.ipc import tensors
 from quiver.ipc.channel import Channel
-from quiver.ipc.inbox import Inbox, spare_core
+from quiver.ipc.inbox import Inbox, current_cpu, spare_core
 from quiver.ipc.shm import Arena, Mapper, PoolFullError
 
 _PR_SET_PDEATHSIG = 1
@@ -113,6 +113,9 @@ class Worker:
         self.inbox = Inbox(channel, self.handle, self.channel_ended)
         #: Seconds the main thread reads without sleeping before it blocks for its next batch.
         self.spin = max(0, int(init.get("spin_us", 0))) / 1e6
+        #: Whether a batch's ``done`` says which CPU ran it (the server spins for an answer only
+        #: from a worker on another CPU than its loop's).
+        self.report_cpu = bool(init.get("report_cpu"))
         self.cancelled: set[str] = set()
         self.waiting: dict[int, concurrent.futures.Future[dict[str, Any]]] = {}
         self.bls_ids = itertools.count(1)
@@ -330,6 +333,8 @@ class Worker:
                 done: dict[str, Any] = {"op": msg.DONE, "batch": batch, "responses": responses}
                 if start:
                     done["start"] = start
+                if self.report_cpu:
+                    done["cpu"] = current_cpu()
                 self.channel.send(done)
                 if self.cancelled:
                     for request_id in ids:
@@ -352,6 +357,8 @@ class Worker:
             done["responses"] = outbox
         if self.start:
             done["start"] = self.start
+        if self.report_cpu:
+            done["cpu"] = current_cpu()
         self.channel.send(done)
 
     def _skip_cancelled(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:

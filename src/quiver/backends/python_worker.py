@@ -421,6 +421,8 @@ class WorkerInstance(WorkerStreamsMixin):
                 self._on_response(worker, response["id"], response, msg.FINAL)
             self._served = True
             self._failures = 0
+            if self._spin is not None:
+                self._spin.placed(message.get("cpu"))
             batch = int(message["batch"])
             inflight = worker.inflight
             if inflight and inflight[0] == batch:  # the usual: batches finish in order

@@ -13,6 +13,10 @@ is likely to end with the answer:
 - the instance's recent answers, from send to done, came within the limit: a spin lasts at most
   twice their average (plus a little), so a model that takes longer is never spun for, and one
   that becomes quick again is spun for again, as its answers show;
+- the worker ran its last batch on another CPU than the loop's (its ``done`` says which): a
+  worker woken on the loop's own CPU (where Linux puts a task woken by a pipe's writer, whose
+  wake-up is "sync") runs only once the loop lets go of it, so spinning there only delays the
+  answer and burns the CPU it needs;
 - the machine has a core to spare (:func:`~quiver.ipc.inbox.spare_core`, with the
   ``answer-spin-pressure`` limit): spinning on a busy machine takes CPU from the work it waits
   for.
@@ -23,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from quiver.ipc.inbox import spare_core
+from quiver.ipc.inbox import current_cpu, spare_core
 
 #: A batch sent this long after the previous one finished finds the loop idle (spinning for its
 #: answer then costs no other request anything).
@@ -35,18 +39,21 @@ _MARGIN_S = 20e-6
 class AnswerSpin:
     """Spins of up to ``seconds`` for one worker instance's answers."""
 
-    __slots__ = ("_answer_s", "_last_done", "_limit", "_pressure")
+    __slots__ = ("_answer_s", "_apart", "_last_done", "_limit", "_pressure")
 
     def __init__(self, seconds: float, pressure: float = 10.0) -> None:
         self._limit = seconds
         self._pressure = pressure  # the CPU pressure (percent) above which it does not spin
         self._answer_s = 0.0  # recent batches' time from send to done (seconds, averaged)
         self._last_done = 0.0
+        #: Whether the worker's last answer came from another CPU than the loop's (True until
+        #: one says, and where the system does not say).
+        self._apart = True
 
     def wait(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], alone: bool) -> None:
         """Keep ``loop`` turning until ``done`` or the spin is over, if it should spin now
         (``alone``: the worker holds this batch only)."""
-        if not alone:
+        if not alone or not self._apart:
             return
         now = time.perf_counter()
         answer = self._answer_s
@@ -60,6 +67,12 @@ class AnswerSpin:
                 call_soon(turn)
 
         call_soon(turn)
+
+    def placed(self, worker_cpu: int | None) -> None:
+        """The worker ran its last batch on ``worker_cpu`` (None: not known); called on the
+        loop's thread as its answer arrives."""
+        own = current_cpu()
+        self._apart = worker_cpu is None or own is None or worker_cpu != own
 
     def finished(self, sent_ns: int) -> None:
         """A batch of this instance sent at ``sent_ns`` (``time.monotonic_ns()``) is done."""

@@ -326,6 +326,24 @@ class AsyncChannel(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
+        if not buffer and len(data) >= 4 and _orjson is not None and self._ended is not None:
+            # The usual: one whole small message (an answer), read at once; decoded here
+            # without the general loop (its ``exact`` bit makes the length too large to match).
+            (word,) = _LENGTH.unpack_from(data)
+            if word < _COPY_BELOW and len(data) == word + 4:
+                try:
+                    try:
+                        message = _orjson.loads(data[4:])
+                    except ValueError as exc:  # orjson's JSONDecodeError (UTF-8 errors included)
+                        raise ChannelError(f"a message that is not JSON: {exc}") from None
+                    if type(message) is not dict or type(message.get("op")) is not str:
+                        raise ChannelError("a message that is not an object with an 'op'")
+                    self._deliver(message)
+                except (ChannelError, AttributeError, LookupError, TypeError, ValueError) as exc:  # a broken peer
+                    self._end(exc)
+                    if self._transport is not None:
+                        self._transport.close()
+                return
         if buffer:
             buffer += data
             data = bytes(buffer)

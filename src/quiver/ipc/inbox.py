@@ -37,6 +37,30 @@ PRESSURE_FILE = "/proc/pressure/cpu"
 PRESSURE_LIMIT = 10.0
 
 
+def _sched_getcpu() -> Callable[[], int] | None:
+    """The C library's ``sched_getcpu`` (a vDSO read, no system call), where it has one."""
+    try:  # (a worker's Python may lack ctypes: a build without libffi)
+        import ctypes
+
+        function = ctypes.CDLL(None).sched_getcpu
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - not glibc/musl on Linux
+        return None
+    function.restype = ctypes.c_int
+    function.argtypes = ()
+    return function
+
+
+_getcpu = _sched_getcpu()
+
+
+def current_cpu() -> int | None:
+    """The CPU the calling thread runs on now (None: the system does not say)."""
+    if _getcpu is None:
+        return None
+    cpu = _getcpu()
+    return cpu if cpu >= 0 else None
+
+
 def cpu_pressure() -> float | None:
     """The percentage of the last 10 seconds in which some task waited for a CPU (``some
     avg10``); None where the system does not say (no PSI)."""
@@ -232,4 +256,4 @@ class Inbox:
                 self._cond.notify_all()
 
 
-__all__ = ["Inbox", "cpu_pressure", "spare_core"]
+__all__ = ["Inbox", "cpu_pressure", "current_cpu", "spare_core"]

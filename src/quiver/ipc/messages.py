@@ -12,7 +12,7 @@ Server -> worker:
 
 Worker -> server:
   ``ready`` {pid, config?}                 ``init_error`` {code, message}
-  ``response`` {id, response, flags}       ``done`` {batch, error?}
+  ``response`` {id, response, flags}       ``done`` {batch, error?, start?, cpu?}
   ``bls`` {id, request}                    ``release`` {blocks}
   ``log`` {level, message}                 ``finalized`` {}
   ``bls_cancel`` {id}                      ``is_ready_result`` {id, ready, error?}
@@ -28,7 +28,8 @@ model's flag-only final), the last with FINAL; ``bls_cancel`` cancels it.
 
 A request: {id, tensors, fields?, traced?} (``fields``: what differs from the defaults of
 ``pb_utils.InferenceRequest``); a response: {tensors, error?: [code, message], parameters?}.
-A ``done`` carries the batch's final responses as ``responses`` (each response with its
+``init``'s ``report_cpu`` asks the worker to name in each ``done`` the CPU that ran the batch
+(``cpu``; null when the system does not say). A ``done`` carries the batch's final responses as ``responses`` (each response with its
 request's ``id``), so that a batch answered at once costs one message.
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,10 @@ class TritonPythonModel:
 """
 
 
-def _make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, config_text: str = CONFIG) -> Any:
-    monkeypatch.setattr(SERVER, "backend_config", {"python": {"in-process": "false"}})
+def _make(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str, config_text: str = CONFIG, **settings: str
+) -> Any:
+    monkeypatch.setattr(SERVER, "backend_config", {"python": {"in-process": "false", **settings}})
     model_dir = tmp_path / "seen"
     (model_dir / "1").mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(config_text)
@@ -279,3 +282,40 @@ def test_a_worker_holds_its_queue_depth_while_its_executions_are_quick(
 
     asyncio.run(run())
     assert made.slots == slots
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_a_worker_names_the_cpu_that_ran_each_batch_only_when_the_server_spins_for_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spin: bool
+) -> None:
+    made = _make(tmp_path, monkeypatch, MODEL, **({} if spin else {"answer-spin-microseconds": "0"}))
+    dones: list[dict[str, Any]] = []
+    placed: list[Any] = []
+    on_message = made._on_message
+
+    def seen(worker: Any, message: dict[str, Any]) -> None:
+        if message["op"] == "done":
+            dones.append(message)
+        on_message(worker, message)
+
+    monkeypatch.setattr(made, "_on_message", seen)
+    if made._spin is not None:
+        spin_class = type(made._spin)
+        real = spin_class.placed
+        monkeypatch.setattr(spin_class, "placed", lambda self, cpu: (placed.append(cpu), real(self, cpu))[1])
+
+    async def run() -> None:
+        try:
+            for _ in range(3):
+                assert isinstance((await made.run([_request(1.0)]))[0], InferenceResponse)
+        finally:
+            made.unload()
+
+    asyncio.run(run())
+    assert len(dones) == 3
+    if spin:
+        cpus = [done.get("cpu") for done in dones]
+        assert all(type(cpu) is int and 0 <= cpu < (os.cpu_count() or 1) for cpu in cpus), cpus
+        assert placed == cpus
+    else:
+        assert made._spin is None and all("cpu" not in done for done in dones)

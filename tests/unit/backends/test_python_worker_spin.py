@@ -95,3 +95,30 @@ def test_no_spin_without_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
         assert limits == [25.0]  # asked with its pressure limit
     finally:
         loop.close()
+
+
+def test_no_spin_for_a_worker_on_the_loops_own_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker woken on the loop's CPU runs only once the loop lets go of it: spinning there
+    only delays its answer. The spin comes back once an answer comes from another CPU, and
+    stays where the CPU is not known."""
+    monkeypatch.setattr(python_worker_spin, "current_cpu", lambda: 0)
+    spin = AnswerSpin(300e-6)
+    _quick(spin)
+    loop = asyncio.new_event_loop()
+    try:
+        done = loop.create_future()
+        scheduled = len(loop._ready)  # type: ignore[attr-defined]
+        spin.placed(0)  # the last answer came from the loop's CPU
+        spin.wait(loop, done, True)
+        assert len(loop._ready) == scheduled  # type: ignore[attr-defined]
+        for cpu in (1, None):  # from another CPU, or from one the worker could not name
+            spin.placed(cpu)
+            spin.wait(loop, done, True)
+            assert len(loop._ready) == scheduled + 1  # type: ignore[attr-defined]
+            loop._ready.clear()  # type: ignore[attr-defined]
+        monkeypatch.setattr(python_worker_spin, "current_cpu", lambda: None)  # the loop's not known
+        spin.placed(0)
+        spin.wait(loop, done, True)
+        assert len(loop._ready) == scheduled + 1  # type: ignore[attr-defined]
+    finally:
+        loop.close()

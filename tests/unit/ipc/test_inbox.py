@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from quiver.ipc.channel import EMPTY, Channel, encode, pipe_pair
-from quiver.ipc.inbox import Inbox
+from quiver.ipc.inbox import Inbox, current_cpu
 
 
 class _End:
@@ -216,3 +217,11 @@ def test_take_reports_the_channels_end(end: _End) -> None:
     with pytest.raises(EOFError):
         end.inbox.take("execute", end.jobs)
     assert end.ended.is_set()
+
+
+def test_current_cpu_is_one_this_thread_may_run_on() -> None:
+    cpu = current_cpu()
+    if sys.platform.startswith("linux"):
+        assert cpu in os.sched_getaffinity(0)
+    else:  # pragma: no cover - other systems may not say
+        assert cpu is None or cpu >= 0

@@ -139,6 +139,18 @@ def test_the_channel_frames_json_messages_both_ways() -> None:
         assert got.empty() and len(ends) == 1
         channel.close()  # it owns the pipes it was given
         await asyncio.sleep(0)
+        # one whole frame that is not JSON (read at once, as an answer is): the channel ends
+        a, b = pipe_pair()
+        broken: list[Exception | None] = []
+        other = await AsyncChannel.open(b, got.put_nowait, broken.append)
+        os.write(a[1], b"\x05\x00\x00\x00{op:1")
+        while not broken and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert isinstance(broken[0], ChannelError) and "not JSON" in str(broken[0])
+        assert got.empty() and len(broken) == 1
+        other.close()
+        Channel(a).close()
+        await asyncio.sleep(0)
 
     async def oversized_and_closed() -> None:
         a, b = pipe_pair()
