@@ -181,9 +181,9 @@ class ThreadedInstance(abc.ABC):
 
     @property
     def answers_at_once(self) -> bool:
-        """The next :meth:`run` is over before it returns (it runs inline, never waits): a
-        scheduler may use the instance between two requests that wait for it
-        (:meth:`quiver.scheduling.core.InstancePool.borrow`)."""
+        """The next :meth:`run` is over before it returns (it runs inline, never waits): freed,
+        the instance is lent to no one and every request waiting for it may take it in turn
+        (:class:`quiver.scheduling.core.InstancePool`)."""
         return self.runs_inline
 
     def _first_call_inline(self, requests: list[InferenceRequest]) -> bool:
