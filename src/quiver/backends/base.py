@@ -179,6 +179,13 @@ class ThreadedInstance(abc.ABC):
     def runs_inline(self) -> bool:
         return self.inline_safe and 0 <= self._cost_ns < self.inline_threshold_ns
 
+    @property
+    def answers_at_once(self) -> bool:
+        """The next :meth:`run` is over before it returns (it runs inline, never waits): freed,
+        the instance is lent to no one and every request waiting for it may take it in turn
+        (:class:`quiver.scheduling.core.InstancePool`)."""
+        return self.runs_inline
+
     def _first_call_inline(self, requests: list[InferenceRequest]) -> bool:
         """Never run yet: whether the guess from the creation time lets ``requests`` run inline."""
         if self._cost_ns >= 0 or not 0 <= self._guess_ns < self.inline_threshold_ns:

@@ -310,6 +310,10 @@ class PythonInstance(DecoupledInstance, ThreadedInstance):
             and 0 <= self._cost_ns < self.inline_threshold_ns
         )
 
+    @property
+    def answers_at_once(self) -> bool:
+        return False  # an inline call may still move to the thread (``_RunOnThread``) and wait
+
     def used_bls(self) -> None:
         """BLS was called from this instance's ``execute``: it stays on its thread."""
         self._may_inline = False

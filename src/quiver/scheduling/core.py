@@ -313,14 +313,27 @@ class InstancePool:
     process that queues them, :class:`quiver.backends.python_worker.WorkerInstance`) is lent
     up to that many times at once: its next request is already there when the worker finishes
     one, instead of a round trip through the loop later; it still runs them one at a time.
-    ``slots`` (an int of at least 1) may change as the instance runs: it is read at each lending."""
+    ``slots`` (an int of at least 1) may change as the instance runs: it is read at each lending.
+
+    An instance freed while requests wait is handed to the first of them, which runs only when
+    the event loop next gets to it; until then the instance is idle though lent. For an
+    instance whose calls are over before ``run`` returns (``answers_at_once``: it runs on the
+    event loop, see :class:`quiver.backends.base.ThreadedInstance`) that was a convoy: each
+    request arriving meanwhile queued behind it, one waiting request ran per turn of the loop,
+    and at high concurrency the line never emptied (every request paid a future, a wake-up and
+    a turn of the loop of its own). Such an instance, freed, is lent to no one: every waiter is
+    woken, in order, to take it as it runs (each call is over before the next waiter runs), and a
+    request arriving in between takes it as well. A waiter that finds it taken (its calls went to
+    the thread meanwhile) goes back to the head of the line, before those who came later."""
 
     def __init__(self, instances: list[ModelInstance]) -> None:
         self._instances = list(instances)
         self._lent = [0] * len(instances)
         self._index = {id(instance): index for index, instance in enumerate(instances)}
         self._counted = [hasattr(instance, "slots") for instance in instances]
-        self._waiters: deque[asyncio.Future[ModelInstance]] = deque()
+        # a waiter gets the instance handed to it, or None: woken to take() one itself
+        self._waiters: deque[asyncio.Future[ModelInstance | None]] = deque()
+        self._returned = 0  # woken waiters that found nothing free and are back at the head, in order
         self._next = 0  # where the next look starts: ties go round the instances in turn
 
     def take(self) -> ModelInstance | None:
@@ -349,16 +362,24 @@ class InstancePool:
 
     async def acquire(self) -> ModelInstance:
         instance = self.take()
-        if instance is not None:
-            return instance
-        waiter: asyncio.Future[ModelInstance] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release(waiter.result())  # handed over just as we were cancelled
-            raise
+        woken = False
+        while instance is None:
+            waiter: asyncio.Future[ModelInstance | None] = asyncio.get_running_loop().create_future()
+            if woken:  # woken and too late: back to the head of the line, in the order woken
+                self._waiters.insert(self._returned, waiter)
+                self._returned += 1
+            else:
+                self._waiters.append(waiter)
+            try:
+                instance = await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled() and (handed := waiter.result()) is not None:
+                    self.release(handed)  # handed over just as we were cancelled
+                raise
+            if instance is None:  # woken to take one
+                instance = self.take()
+                woken = True
+        return instance
 
     def release(self, instance: ModelInstance) -> None:
         if len(self._lent) == 1:
@@ -366,16 +387,28 @@ class InstancePool:
         else:
             self._lent[self._index[id(instance)]] -= 1
         waiters = self._waiters
+        if waiters and getattr(instance, "answers_at_once", False):
+            self._returned = 0
+            while waiters:  # lent to no one: they take it in turn (see the class's doc)
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+            return
         while waiters:
             waiter = waiters[0]
             if waiter.done():  # its caller left
-                waiters.popleft()
+                self._pop()
                 continue
             lent = self.take()
             if lent is None:
                 return
-            waiters.popleft()
+            self._pop()
             waiter.set_result(lent)
+
+    def _pop(self) -> None:
+        self._waiters.popleft()
+        if self._returned:  # one of those back at the head went
+            self._returned -= 1
 
 
 def _slots(instance: ModelInstance) -> int:

@@ -399,6 +399,43 @@ def test_instance_pool_lends_in_arrival_order_and_skips_callers_that_left() -> N
     run(main)
 
 
+def test_an_instance_that_answers_at_once_is_lent_to_no_one_when_freed() -> None:
+    clock = FakeClock()
+    only = Echo(clock)
+    only.answers_at_once = True  # type: ignore[attr-defined]  # its calls never wait (it runs inline)
+
+    async def main() -> None:
+        pool = InstancePool([only])
+        assert pool.take() is only
+        order: list[str] = []
+
+        async def user(tag: str, keep: bool = False) -> None:
+            instance = await pool.acquire()
+            order.append(tag)
+            if not keep:
+                pool.release(instance)
+
+        users = [asyncio.ensure_future(user("a", keep=True)), asyncio.ensure_future(user("b")),
+                 asyncio.ensure_future(user("c"))]
+        await settle()
+        pool.release(only)
+        # freed, it waits for no one: a request that comes before the woken ones run takes it
+        assert pool.take() is only
+        pool.release(only)
+        await settle()
+        # the woken take it in turn: "a" keeps it, so "b" and "c" go back to the head of the
+        # line, before "d" who came later
+        assert order == ["a"]
+        late = asyncio.ensure_future(user("d"))
+        await settle()
+        assert order == ["a"]
+        pool.release(only)
+        await asyncio.gather(*users, late)
+        assert order == ["a", "b", "c", "d"]
+
+    run(main)
+
+
 def test_an_instance_with_two_slots_is_lent_twice_after_every_instance_once() -> None:
     clock = FakeClock()
     single, double = Echo(clock, "single"), Echo(clock, "double")
