@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import ctypes
 import inspect
 import itertools
 import json
@@ -68,10 +67,12 @@ class _Files:
 
 def _die_with_parent(parent: int) -> None:
     """SIGKILL when the server goes; and leave now if it is gone already."""
-    try:
+    try:  # (an environment's Python may lack ctypes: a build without libffi)
+        import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux: the EOF watchdog remains
+    except (ImportError, OSError, AttributeError):  # pragma: no cover - the EOF watchdog remains
         pass
     if os.getppid() != parent:
         os._exit(1)

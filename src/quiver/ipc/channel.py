@@ -292,8 +292,7 @@ class AsyncChannel(asyncio.Protocol):
     """Messages over a pair of pipes on the running asyncio loop: each message that arrives is
     handed to ``deliver`` on the loop, in order, as soon as its bytes are read (no task per
     message); ``ended(error)`` runs once when the channel ends (None: the peer closed it; else
-    what was wrong with what the peer sent: nothing more is delivered). :meth:`poll` reads what
-    has arrived without waiting for the loop, for a caller that expects an answer any moment."""
+    what was wrong with what the peer sent: nothing more is delivered)."""
 
     def __init__(self, deliver: Callable[[dict[str, Any]], None], ended: Callable[[Exception | None], None]) -> None:
         self._deliver = deliver

@@ -45,3 +45,21 @@ def test_pools_of_servers_that_are_gone_are_removed_once() -> None:
         for name in (gone, mine):
             if os.path.exists(os.path.join(SHM_DIR, name)):
                 os.unlink(os.path.join(SHM_DIR, name))
+
+
+def test_the_stub_starts_under_a_python_without_ctypes() -> None:
+    """An environment's Python built without libffi has no ctypes: the worker still imports and
+    arms its parent-death watch (the EOF watchdog then stands alone) and names no CPU."""
+    script = (
+        "import os, sys\n"
+        "sys.modules['ctypes'] = None\n"
+        "sys.modules['_ctypes'] = None\n"
+        "import quiver.backends.python_stub as stub\n"
+        "from quiver.ipc.inbox import current_cpu\n"
+        "assert current_cpu() is None\n"
+        "stub._die_with_parent(os.getppid())\n"
+        "print('started')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "started"

@@ -315,7 +315,41 @@ def test_a_worker_names_the_cpu_that_ran_each_batch_only_when_the_server_spins_f
     assert len(dones) == 3
     if spin:
         cpus = [done.get("cpu") for done in dones]
-        assert all(type(cpu) is int and 0 <= cpu < (os.cpu_count() or 1) for cpu in cpus), cpus
+        assert all(type(cpu) is int and cpu in os.sched_getaffinity(0) for cpu in cpus), cpus
         assert placed == cpus
     else:
         assert made._spin is None and all("cpu" not in done for done in dones)
+
+
+RAISING_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise pb_utils.TritonModelException("no")
+"""
+
+
+def test_a_failed_batchs_done_names_its_cpu_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``done`` of a batch whose execute raised (sent by the worker's flush) names its CPU
+    as a served batch's does, so the server's spin rule sees every answer."""
+    made = _make(tmp_path, monkeypatch, RAISING_MODEL)
+    dones: list[dict[str, Any]] = []
+    on_message = made._on_message
+
+    def seen(worker: Any, message: dict[str, Any]) -> None:
+        if message["op"] == "done":
+            dones.append(message)
+        on_message(worker, message)
+
+    monkeypatch.setattr(made, "_on_message", seen)
+
+    async def run() -> None:
+        try:
+            await made.run([_request(1.0)])
+        finally:
+            made.unload()
+
+    asyncio.run(run())
+    assert dones and all(type(done.get("cpu")) is int for done in dones), dones

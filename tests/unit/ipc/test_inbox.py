@@ -225,3 +225,14 @@ def test_current_cpu_is_one_this_thread_may_run_on() -> None:
         assert cpu in os.sched_getaffinity(0)
     else:  # pragma: no cover - other systems may not say
         assert cpu is None or cpu >= 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU affinity is Linux's")
+def test_current_cpu_names_the_cpu_the_thread_is_pinned_to() -> None:
+    allowed = os.sched_getaffinity(0)
+    try:
+        for cpu in sorted(allowed)[:4]:
+            os.sched_setaffinity(0, {cpu})
+            assert current_cpu() == cpu
+    finally:
+        os.sched_setaffinity(0, allowed)

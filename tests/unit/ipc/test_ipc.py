@@ -8,6 +8,7 @@ import math
 import os
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -243,3 +244,62 @@ def test_the_async_channel_reads_frames_however_the_bytes_arrive() -> None:
     got = asyncio.run(feed())
     assert got == messages
     assert isinstance(got[2]["value"], int)
+
+
+async def _read_at_once(
+    frame: bytes, deliver: Any = None
+) -> tuple[list[dict[str, Any]], list[Exception | None], bool]:
+    """``frame`` written in one write, so the channel reads it whole in one go (its quick path
+    for one small message): what was delivered, how the channel ended, whether it closed."""
+    ours, theirs = pipe_pair()
+    got: list[dict[str, Any]] = []
+    ends: list[Exception | None] = []
+    channel = await AsyncChannel.open(theirs, deliver or got.append, ends.append)
+    os.write(ours[1], frame)
+    deadline = time.monotonic() + 5
+    while not got and not ends and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.02)
+    closing = channel._transport is not None and channel._transport.is_closing()
+    got, ends = list(got), list(ends)  # before close() adds its own end
+    channel.close()
+    Channel(ours).close()
+    await asyncio.sleep(0)
+    return got, ends, closing
+
+
+def test_a_small_exact_frame_read_at_once_keeps_its_values() -> None:
+    """An exact frame (integers over 64 bits, NaN) read whole: decoded exactly, not by orjson."""
+    message = {"op": "response", "big": 123456789012345678901234567, "nan": float("nan")}
+    frame = encode(message)
+    assert len(frame) < 100 and frame[3] & 0x80  # small, with the exact bit
+    got, ends, _ = asyncio.run(_read_at_once(frame))
+    assert not ends and len(got) == 1
+    assert got[0]["big"] == message["big"] and type(got[0]["big"]) is int
+    assert math.isnan(got[0]["nan"])
+
+
+def test_a_handlers_lookup_error_on_a_message_read_at_once_ends_the_channel_with_it() -> None:
+    def deliver(message: dict[str, Any]) -> None:
+        raise KeyError("batch")
+
+    _, ends, closing = asyncio.run(_read_at_once(encode({"op": "done"}), deliver))
+    assert len(ends) == 1 and isinstance(ends[0], KeyError)
+    assert closing
+
+
+def test_a_handlers_bug_on_a_message_read_at_once_is_not_taken_for_a_broken_peer() -> None:
+    """A server bug in the handler is the loop's to report (as with any read), not the channel's end."""
+    seen: list[dict[str, Any]] = []
+
+    def deliver(message: dict[str, Any]) -> None:
+        raise RuntimeError("a server bug")
+
+    async def run() -> list[Exception | None]:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: seen.append(context))
+        _, ends, _ = await _read_at_once(encode({"op": "done"}), deliver)
+        return ends
+
+    ends = asyncio.run(run())
+    assert not any(isinstance(end, RuntimeError) for end in ends), ends
+    assert any(isinstance(context.get("exception"), RuntimeError) for context in seen), seen
