@@ -183,8 +183,9 @@ class ThreadedInstance(abc.ABC):
     def answers_at_once(self) -> bool:
         """The next :meth:`run` is over before it returns (it runs inline, never waits): freed,
         the instance is lent to no one and every request waiting for it may take it in turn
-        (:class:`quiver.scheduling.core.InstancePool`)."""
-        return self.runs_inline
+        (:class:`quiver.scheduling.core.InstancePool`). Only an instance that keeps this class's
+        :meth:`run` can promise it: one that overrides it may await even when inline."""
+        return type(self).run is ThreadedInstance.run and self.runs_inline
 
     def _first_call_inline(self, requests: list[InferenceRequest]) -> bool:
         """Never run yet: whether the guess from the creation time lets ``requests`` run inline."""

@@ -16,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 import triton_python_backend_utils as pb_utils
 from quiver.backends.base import SERVER, InstanceSpec, ModelFiles
-from quiver.backends.python import BACKEND
+from quiver.backends.python import BACKEND, PythonInstance
 from quiver.config import ModelConfig, parse_model_config
 from quiver.errors import (
     ConfigError,
@@ -1227,3 +1227,8 @@ def test_pb_utils_tables_are_quivers() -> None:
             datatype.triton_value
         )
         assert DataType.from_triton_value(datatype.triton_value) is datatype
+
+
+def test_a_python_instance_never_answers_at_once() -> None:
+    # an inline execute() may move to the thread mid-way (and await there)
+    assert PythonInstance.answers_at_once.fget(None) is False  # type: ignore[attr-defined]

@@ -144,3 +144,34 @@ def test_threshold_zero_also_keeps_a_guessed_first_call_on_the_thread() -> None:
         assert instance.threads[0].startswith("quiver-sleeper")
     finally:
         instance.unload()
+
+
+def test_answers_at_once_only_when_the_next_run_is_inline() -> None:
+    instance = Sleeper()
+    try:
+        instance.created_in(1_000)  # a first call guessed cheap still is not promised
+        assert not instance.answers_at_once
+        run(instance, times=2)
+        assert instance.runs_inline and instance.answers_at_once
+        instance.seconds = 0.01
+        run(instance)  # one slow call: the next goes to the thread
+        assert not instance.answers_at_once
+    finally:
+        instance.unload()
+
+
+class _Awaiting(Sleeper):
+    """Overrides run (as the Python backend's instance must): it may await even when inline."""
+
+    async def run(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        await asyncio.sleep(0)
+        return await super().run(requests)
+
+
+def test_an_instance_with_its_own_run_never_promises_to_answer_at_once() -> None:
+    instance = _Awaiting()
+    try:
+        run(instance, times=3)
+        assert instance.runs_inline and not instance.answers_at_once
+    finally:
+        instance.unload()

@@ -516,3 +516,61 @@ def test_the_pool_lends_the_instance_holding_fewest_and_reads_its_slots_each_tim
         assert await waiter is second
 
     run(main)
+
+
+def test_woken_waiters_that_find_it_taken_go_before_requests_that_queued_meanwhile() -> None:
+    only = Echo(FakeClock())
+    only.answers_at_once = True  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        pool = InstancePool([only])
+        assert pool.take() is only
+        order: list[str] = []
+
+        async def user(tag: str, keep: bool = False) -> None:
+            instance = await pool.acquire()
+            order.append(tag)
+            if not keep:
+                pool.release(instance)
+
+        users = [asyncio.ensure_future(user(t, keep=(t == "a"))) for t in "abc"]
+        await settle()
+        for tag in "de":  # twice: the count of those back at the head starts again each time
+            # a newcomer whose first step runs before the woken ones: it finds the instance
+            # taken again and queues; the woken ones, who came first, go back before it
+            users.append(asyncio.ensure_future(user(tag)))
+            pool.release(only)
+            assert pool.take() is only
+            await settle()
+        assert order == []
+        pool.release(only)
+        await settle()
+        assert order == ["a"]  # "a" keeps it
+        pool.release(only)
+        await asyncio.gather(*users)
+        assert order == ["a", "b", "c", "d", "e"]
+
+    run(main)
+
+
+def test_a_waiter_woken_then_cancelled_takes_nothing_and_the_others_still_get_it() -> None:
+    only = Echo(FakeClock())
+    only.answers_at_once = True  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        pool = InstancePool([only])
+        assert pool.take() is only
+        first, second = asyncio.ensure_future(pool.acquire()), asyncio.ensure_future(pool.acquire())
+        await settle()
+        pool.release(only)  # both woken with None
+        first.cancel()  # before it runs: it must neither take nor release anything
+        await settle()
+        assert first.cancelled()
+        assert second.done()  # not left waiting for a wake-up that went to the cancelled one
+        assert second.result() is only
+        assert pool.take() is None  # lent once, not twice (a release(None) would free it)
+        pool.release(only)
+        assert pool.take() is only
+        pool.release(only)
+
+    run(main)
