@@ -186,3 +186,26 @@ def test_the_index_shows_loading_only_while_a_trip_can_load(tmp_path: Path, worl
             assert await waiting == 2.0 and state(manager, "a") is ModelState.READY
 
     asyncio.run(main())
+
+
+def test_the_requests_waiting_for_a_trip_run_before_its_bookkeeping(tmp_path: Path, world: World) -> None:
+    """A model a trip loaded within its reservation is committed and installed as the trip's
+    result reaches the event loop: the requests that waited for it find it READY and its size
+    committed, and run before the load's own bookkeeping (its loading time, its lock)."""
+
+    async def main() -> None:
+        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            await answer(service, "a")  # primes the framework: b loads in one trip
+            await until(lambda: not manager._locks.busy("a"))
+            loads_timed = manager.multi_model.loading_time_us.count
+            model = await manager.acquire("b")
+            assert model.name == "b" and budget.resident["b"] == model.size_bytes and budget.reserved == {}
+            assert manager.multi_model.loading_time_us.count == loads_timed  # the load's task: not yet
+            assert manager._locks.busy("b")
+            await until(lambda: not manager._locks.busy("b"))
+            assert manager.multi_model.loading_time_us.count == loads_timed + 1
+            manager.request_done(model)
+
+    asyncio.run(main())
