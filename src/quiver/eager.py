@@ -10,20 +10,16 @@ where it waited (Python 3.12's eager tasks, which this is for 3.11).
 The first step runs outside any task (``asyncio.current_task()`` is None there, as in a
 callback), in the caller's context: the code started this way must not need a task of its
 own before its first wait. After it, the coroutine runs in its task as usual, and cancelling
-the task cancels the coroutine where it waits. :func:`task` is the same for a caller that
-needs a task whatever happens (a load's single flight): called from a task, the first step
-runs in that task.
+the task cancels the coroutine where it waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Generator
-from typing import Any, TypeVar
+from typing import Any
 
-__all__ = ["start", "task"]
-
-T = TypeVar("T")
+__all__ = ["start"]
 
 
 def start(coro: Coroutine[Any, Any, None], name: str | None = None) -> asyncio.Task[None] | None:
@@ -34,29 +30,6 @@ def start(coro: Coroutine[Any, Any, None], name: str | None = None) -> asyncio.T
     except StopIteration:
         return None
     return asyncio.get_running_loop().create_task(_rest(coro, waiting), name=name)
-
-
-def task(coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
-    """:func:`start`, but always a task: the one that runs the rest of ``coro``, or, when it
-    finished in its first step, one that ends as it did (its exception, if it raised). The
-    first step runs in the caller's task: code started this way that keys anything by
-    ``asyncio.current_task()`` before its first wait must be told whose it is."""
-    loop = asyncio.get_running_loop()
-    try:
-        waiting = coro.send(None)
-    except StopIteration as stop:
-        return loop.create_task(_ended(stop.value), name=name)
-    except Exception as exc:
-        return loop.create_task(_raise(exc), name=name)
-    return loop.create_task(_rest(coro, waiting), name=name)
-
-
-async def _ended(value: T) -> T:
-    return value
-
-
-async def _raise(error: Exception) -> Any:
-    raise error
 
 
 class _Wait:
@@ -73,9 +46,8 @@ class _Wait:
         yield self.future
 
 
-async def _rest(coro: Coroutine[Any, Any, T], waiting: Any) -> T:
-    """The rest of ``coro``, which waits on ``waiting`` (a future, or None for a bare yield);
-    what it returns."""
+async def _rest(coro: Coroutine[Any, Any, None], waiting: Any) -> None:
+    """The rest of ``coro``, which waits on ``waiting`` (a future, or None for a bare yield)."""
     while True:
         error: BaseException | None = None
         try:
@@ -92,5 +64,5 @@ async def _rest(coro: Coroutine[Any, Any, T], waiting: Any) -> T:
             pass
         try:
             waiting = coro.send(None) if error is None else coro.throw(error)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+        except StopIteration:
+            return

@@ -91,38 +91,3 @@ def test_cancelling_the_task_cancels_the_coroutine_where_it_waits(future_done: b
         return seen
 
     assert asyncio.run(main()) == ["cancelled"]
-
-
-def test_a_task_started_eagerly_ends_as_its_coroutine_does() -> None:
-    """eager.task: the first step runs now, in the caller's task; the task returned gives the
-    coroutine's value or error whether it finished in that step or after waiting."""
-
-    async def main() -> None:
-        caller = asyncio.current_task()
-        seen: list[object] = []
-        gate = asyncio.get_running_loop().create_future()
-
-        async def quick() -> int:
-            seen.append(asyncio.current_task() is caller)
-            return 7
-
-        async def failing() -> int:
-            raise ValueError("early")
-
-        async def waiting() -> int:
-            seen.append("before")
-            value: int = await gate
-            seen.append(asyncio.current_task() is not caller)
-            return value + 1
-
-        done = eager.task(quick(), name="quick")
-        assert seen == [True] and done.get_name() == "quick"
-        assert await done == 7
-        with pytest.raises(ValueError, match="early"):
-            await eager.task(failing())
-        rest = eager.task(waiting())
-        assert seen == [True, "before"] and not rest.done()
-        gate.set_result(1)
-        assert await rest == 2 and seen == [True, "before", True]
-
-    asyncio.run(main())

@@ -32,7 +32,6 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver.backends.base import INLINE_THRESHOLD_NS
 from quiver.config import ModelConfig
-from quiver.eager import task as eager_task
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
     InvalidArgumentError,
@@ -115,19 +114,14 @@ class ModelLifeCycle:
 
     # -- owned tasks -------------------------------------------------------------------
 
-    def spawn(self, coro: Coroutine[Any, Any, T], name: str = "quiver-load", *, eager: bool = False) -> asyncio.Task[T]:
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str = "quiver-load") -> asyncio.Task[T]:
         """Run ``coro`` (a load or unload) as a task :meth:`stop` cancels and awaits; once
-        stopped, UnavailableError. ``eager``: its first step runs now, in the caller's task
-        (:func:`quiver.eager.task`: a miss's trip reaches its load thread a round of the event
-        loop sooner)."""
+        stopped, UnavailableError."""
         if self.closed:
             coro.close()
             raise UnavailableError("the server is stopping: no more models are loaded")
-        if eager:
-            task = eager_task(coro, name)
-        else:
-            task = asyncio.ensure_future(coro)
-            task.set_name(name)
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -175,12 +169,10 @@ class ModelLifeCycle:
         """:meth:`load_missing` of the folder ``find()`` (blocking) finds, found, inspected and
         often loaded in one trip to a load thread (:mod:`quiver.lifecycle.trip`); its failures,
         or ``None`` (the lock released) when there is no such folder."""
-        trip = Trip(name)
-        # its own chain of locks: this may run eagerly, in the first step of its flight, in the
-        # task of the request that missed (SingleFlight)
-        async with self._locks.hold(name, owner=object()):
+        async with self._locks.hold(name):
             if self._table.serving(name):
                 return {}  # loaded while this waited for the lock
+            trip = Trip(name)
             # The index shows LOADING for the whole trip: set here, not from the load thread
             # once the config is ready (that woke the event loop mid-load: a wake-up and a
             # hand-off of the GIL on the load's path). What it showed before comes back when

@@ -52,7 +52,7 @@ class ModelLocks:
         self._graph = graph
         self._locks: dict[str, asyncio.Lock] = {}
         self._operations = Pins(on_release)
-        self._held: dict[object, list[str]] = {}  # task (or owner) -> its chain
+        self._held: dict[asyncio.Task[object], list[str]] = {}
 
     @property
     def on_release(self) -> Callable[[], None] | None:
@@ -73,11 +73,9 @@ class ModelLocks:
         return list(self._held.get(task, ())) if task is not None else []
 
     @contextlib.asynccontextmanager
-    async def hold(self, name: str, *, owner: object | None = None) -> AsyncIterator[None]:
-        """Hold ``name``'s lock (an operation on it from the moment it waits). ``owner``: whose
-        chain of locks it joins (:meth:`held`), when not the current task's (a load started
-        eagerly, whose first step runs in its caller's task: :func:`quiver.eager.task`)."""
-        task = owner if owner is not None else asyncio.current_task()
+    async def hold(self, name: str) -> AsyncIterator[None]:
+        """Hold ``name``'s lock (an operation on it from the moment it waits)."""
+        task = asyncio.current_task()
         assert task is not None
         held = self._held.get(task)
         if held:

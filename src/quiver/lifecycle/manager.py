@@ -187,8 +187,7 @@ class ModelRepositoryManager:
             namespacing=namespacing,
             load_retries=load_retries,
         )
-        # a load's first step (up to its trip to a load thread) runs as its first caller asks
-        self._flights = SingleFlight(functools.partial(self._lifecycle.spawn, eager=True), clock)
+        self._flights = SingleFlight(self._lifecycle.spawn, clock)
         # the requests waiting for a load go on as soon as its model is READY (flights.land)
         self._table.add_listener(self._landed)
         self._poll_task: asyncio.Task[None] | None = None

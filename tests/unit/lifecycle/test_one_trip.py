@@ -232,24 +232,3 @@ def test_the_rest_of_a_miss_waits_for_its_answer_and_a_lull(tmp_path: Path, worl
             assert manager.multi_model.loading_time_us.count == timed + 1
 
     asyncio.run(main())
-
-
-def test_a_miss_starts_its_trip_in_the_step_that_noticed_it(tmp_path: Path, world: World) -> None:
-    """The load of a miss starts eagerly: in the request's own step, its trip is on its way to
-    a load thread (the index shows LOADING) before the request waits, not a round of the event
-    loop later when a task of its own first runs; the requests that come meanwhile join it."""
-
-    async def main() -> None:
-        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}) as (service, manager):
-            await answer(service, "a")  # primes the framework: b loads in one trip
-            world.gates["b"] = threading.Event()
-            first = asyncio.ensure_future(answer(service, "b", 1.0))
-            await asyncio.sleep(0)  # the request's first step, up to its wait
-            assert state(manager, "b") is ModelState.LOADING
-            second = asyncio.ensure_future(answer(service, "b", 2.0))
-            await until(lambda: "b" in world.started)
-            world.gates["b"].set()
-            assert await first == 1.0 and await second == 2.0
-            assert world.loads.count("b") == 1
-
-    asyncio.run(main())
