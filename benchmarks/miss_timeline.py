@@ -158,6 +158,8 @@ def install_probe(fine: bool) -> None:
     _wrap(pool, "_deliver", "deliver")
     _wrap(lifecycle, "find_and_load", "trip")
     _wrap(lifecycle, "settle_trip", "settle")
+    if hasattr(lifecycle, "settle_trip_now"):  # settled as the trip's result arrives
+        _wrap(lifecycle, "settle_trip_now", "settle")
     _wrap(sources.ModelSources, "find", "find")
     _wrap(admission.AdmissionControl, "inspect", "inspect")
     _wrap(admission.AdmissionControl, "measure", "measure")

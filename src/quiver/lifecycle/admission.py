@@ -470,12 +470,7 @@ class AdmissionControl:
         if not outcome.models:
             budget.cancel(name)
             return outcome
-        known = how == "known"
-        if known:
-            size = prediction.bytes
-        else:
-            size = self._predictor.counted(measured, inspection.from_files)  # never below its files
-            self._predictor.record(identity, size)
+        size = self._size(identity, inspection, prediction, measured, how)
         try:
             if size > budget.reservation(name):
                 await self._cover_overrun(name, size, unloader)
@@ -483,6 +478,63 @@ class AdmissionControl:
             budget.cancel(name)
             await unloader.discard(outcome.models)
             raise
+        self._commit(name, outcome, size, prediction, measured, how, load_seconds)
+        return outcome
+
+    def settle_now(
+        self,
+        name: str,
+        identity: ModelIdentity,
+        inspection: Inspection,
+        prediction: Prediction,
+        outcome: LoadOutcome,
+        measured: int,
+        how: str,
+        load_seconds: float,
+    ) -> bool:
+        """:meth:`settle` of a load that gave models, without awaiting, when its size is
+        within its reservation (the usual: nothing to cover); whether it was settled (else
+        nothing was done: :meth:`settle` covers the excess)."""
+        budget = self.budget
+        assert budget is not None and outcome.models
+        size = self._size(identity, inspection, prediction, measured, how, record=False)
+        if size > budget.reservation(name):
+            return False
+        if how != "known":
+            self._predictor.record(identity, size)
+        self._commit(name, outcome, size, prediction, measured, how, load_seconds)
+        return True
+
+    def _size(
+        self,
+        identity: ModelIdentity,
+        inspection: Inspection,
+        prediction: Prediction,
+        measured: int,
+        how: str,
+        *,
+        record: bool = True,
+    ) -> int:
+        """The bytes a loaded model counts for (recorded for its files when measured)."""
+        if how == "known":
+            return prediction.bytes
+        size = self._predictor.counted(measured, inspection.from_files)  # never below its files
+        if record:
+            self._predictor.record(identity, size)
+        return size
+
+    def _commit(
+        self,
+        name: str,
+        outcome: LoadOutcome,
+        size: int,
+        prediction: Prediction,
+        measured: int,
+        how: str,
+        load_seconds: float,
+    ) -> None:
+        budget = self.budget
+        assert budget is not None
         now = seconds(self._clock)
         for model in outcome.models:
             model.size_bytes = size
@@ -509,7 +561,6 @@ class AdmissionControl:
             budget.limit_bytes,
         )
         asyncio.get_running_loop().call_later(AHEAD_LULL_S, announce)
-        return outcome
 
     async def _cover_overrun(self, name: str, size: int, unloader: Unloader) -> None:
         """The model measured ``size`` bytes, more than its reservation: reserve the

@@ -68,6 +68,31 @@ class RoomAhead:
         budget = self._admission.budget
         return budget is not None and self._admission.evict_ahead and budget.available < self.bytes()
 
+    def urgent(self) -> bool:
+        """Whether the next miss would find no room (evictions ahead of need wait for no lull)."""
+        budget = self._admission.budget
+        return budget is not None and budget.available < self._admission.last_size
+
+    async def answered(self, loaded: str, deadline: float) -> None:
+        """Until the requests that waited for ``loaded``'s load are answered (its pins gone, no
+        request in flight on it) and then no request came or went for :data:`AHEAD_LULL_S`
+        (unless :meth:`urgent`), or until ``deadline`` (seconds on the clock).
+        UnavailableError: the server stops.
+
+        The requests that waited for the load are answered first: their first inference and
+        their responses do not share the event loop and the cores with what comes after it.
+        Then the answers go out: on a busy machine an unload (the framework freeing a session,
+        a heap trim, the bookkeeping and its log line), or the load's own bookkeeping, takes
+        the core a client on the same machine (or a frontend worker) needs to take its answer;
+        a miss's answer reached its client 0.9 ms later than a hit's while evictions ahead ran
+        right after it."""
+        admission = self._admission
+        while self._pins.pinned(loaded) or any(m.scheduler.inflight for m in self._table.loaded(loaded)):
+            if not await admission.gate.wait(deadline):
+                break
+        if not self.urgent():
+            await admission.activity.idle(AHEAD_LULL_S, int(deadline * 1e9), self.urgent)
+
     async def make(self, loaded: str, unloader: Unloader) -> None:
         """Evict ahead of need, off any request's path: after ``loaded`` loaded, the requests
         that waited for it are answered and no request came or went for :data:`AHEAD_LULL_S`
@@ -100,26 +125,10 @@ class RoomAhead:
         admission = self._admission
         budget = admission.budget
         assert budget is not None
-        # The requests that waited for the load are answered first: their first inference
-        # and their responses do not share the event loop and the cores with the unloads.
-        deadline = seconds(admission.clock) + AHEAD_DELAY_S
-        while self._pins.pinned(loaded) or any(m.scheduler.inflight for m in self._table.loaded(loaded)):
-            try:
-                if not await admission.gate.wait(deadline):
-                    break
-            except UnavailableError:
-                return  # the server stops
-        # Then the answers go out before the unloads start: on a busy machine an unload (the
-        # framework freeing a session, a heap trim, the bookkeeping and its log line) takes the
-        # core a client on the same machine (or a frontend worker) needs to take its answer;
-        # a miss's answer reached its client 0.9 ms later than a hit's while they ran. Unless
-        # the next miss would find no room, they wait until no request came or went for
-        # AHEAD_LULL_S (within the same deadline; a load finishing meanwhile has them look again).
-        def no_room_for_the_next_miss() -> bool:
-            return budget.available < admission.last_size
-
-        if not no_room_for_the_next_miss():
-            await admission.activity.idle(AHEAD_LULL_S, int(deadline * 1e9), no_room_for_the_next_miss)
+        try:
+            await self.answered(loaded, seconds(admission.clock) + AHEAD_DELAY_S)
+        except UnavailableError:
+            return  # the server stops
         want = self.bytes()
         if budget.available >= want:
             return

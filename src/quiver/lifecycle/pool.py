@@ -86,12 +86,16 @@ class LoadPool:
         fn: Callable[..., T],
         *args: Any,
         discard: Callable[[T], Awaitable[None]] | None = None,
+        arrived: Callable[[T], None] | None = None,
     ) -> T:
         """``fn(*args)`` on a load thread. Cancelled meanwhile: waits for the thread, passes
         its result to ``discard``, then raises CancelledError.
 
         The thread hands its result straight to the future the caller awaits (one wake-up of
-        the event loop, and the caller runs in the loop's next round)."""
+        the event loop, and the caller runs in the loop's next round). ``arrived``: called
+        with the result on the event loop as it arrives, before the caller is woken (not when
+        the step raised or the caller was cancelled): what it does is a round of the event
+        loop earlier, and the tasks it wakes run before the caller."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[T] = loop.create_future()
         call = functools.partial(fn, *args) if args else fn
@@ -107,7 +111,7 @@ class LoadPool:
             with step.lock:
                 step.finished, step.result, step.error = True, result, error
                 waiter = step.waiter
-            _hand_over(loop, answer, result, error)
+            _hand_over(loop, answer, result, error, arrived)
             if waiter is not None:
                 _hand_over(loop, waiter, None, None)
 
@@ -151,20 +155,35 @@ class LoadPool:
 
 
 def _hand_over(
-    loop: asyncio.AbstractEventLoop, answer: asyncio.Future[T], result: T | None, error: BaseException | None
+    loop: asyncio.AbstractEventLoop,
+    answer: asyncio.Future[T],
+    result: T | None,
+    error: BaseException | None,
+    arrived: Callable[[T], None] | None = None,
 ) -> None:
-    """From the load thread: ``answer`` gets ``result`` (or ``error``) on the event loop."""
+    """From the load thread: ``answer`` gets ``result`` (or ``error``) on the event loop,
+    ``arrived(result)`` first."""
     with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits
-        loop.call_soon_threadsafe(_deliver, answer, result, error)
+        loop.call_soon_threadsafe(_deliver, answer, result, error, arrived)
 
 
-def _deliver(answer: asyncio.Future[T], result: T | None, error: BaseException | None) -> None:
+def _deliver(
+    answer: asyncio.Future[T],
+    result: T | None,
+    error: BaseException | None,
+    arrived: Callable[[T], None] | None = None,
+) -> None:
     if answer.done():  # the caller was cancelled: it waits for the thread by itself
         return
     if error is not None:
         answer.set_exception(error)
-    else:
-        answer.set_result(result)  # type: ignore[arg-type]
+        return
+    if arrived is not None:
+        try:
+            arrived(result)  # type: ignore[arg-type]
+        except Exception:  # the caller goes on with the result as without it
+            logger.exception("handling a load step's result as it arrived failed")
+    answer.set_result(result)  # type: ignore[arg-type]
 
 
 async def settle(future: asyncio.Future[Any]) -> None:

@@ -34,7 +34,7 @@ from quiver.repository.local import ModelSource
 if TYPE_CHECKING:
     from quiver.lifecycle.admission import AdmissionControl, Inspection, Unloader
 
-__all__ = ["Trip", "find_and_load", "settle_trip"]
+__all__ = ["Trip", "find_and_load", "settle_trip", "settle_trip_now"]
 
 
 @dataclass(slots=True)
@@ -57,6 +57,8 @@ class Trip:
     how: str = "known"
     started: float = 0.0
     load_seconds: float = 0.0
+    #: Installed as its result arrived (:meth:`ModelLifeCycle.land`): the load's failures.
+    landed: dict[str, str] | None = None
 
 
 def find_and_load(
@@ -107,6 +109,20 @@ def find_and_load(
         trip.outcome, trip.measured, trip.how, _ = admission.measure(load, prediction, inspection.backend)
     trip.load_seconds = seconds(clock) - trip.started
     return trip
+
+
+def settle_trip_now(admission: AdmissionControl, trip: Trip) -> bool:
+    """On the event loop, as a trip that loaded models arrives: :func:`settle_trip` without
+    awaiting, when that needs no wait (no budget, or the model within its reservation:
+    :meth:`AdmissionControl.settle_now`); whether it was settled (else nothing was done)."""
+    source, inspection, outcome, prediction = trip.source, trip.inspection, trip.outcome, trip.prediction
+    assert source is not None and inspection is not None and outcome is not None
+    if prediction is None:  # no budget
+        return True
+    identity = ModelIdentity(source.name, "", inspection.fingerprint)
+    return admission.settle_now(
+        source.name, identity, inspection, prediction, outcome, trip.measured, trip.how, trip.load_seconds
+    )
 
 
 async def settle_trip(admission: AdmissionControl, trip: Trip, unloader: Unloader) -> LoadOutcome:

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lifecycle_fakes import World, answer, install_fake_backend, serving, until
+from lifecycle_fakes import FakeClock, World, answer, install_fake_backend, serving, until
 
 from quiver.errors import QuiverError, UnavailableError
+from quiver.lifecycle.ahead import AHEAD_LULL_S
 from quiver.lifecycle.memory import MemoryMeter
 from quiver.lifecycle.model import ModelState
 from quiver.lifecycle.pool import LoadPool
@@ -184,5 +185,50 @@ def test_the_index_shows_loading_only_while_a_trip_can_load(tmp_path: Path, worl
             await until(lambda: state(manager, "a") is ModelState.LOADING)
             world.gates["a"].set()
             assert await waiting == 2.0 and state(manager, "a") is ModelState.READY
+
+    asyncio.run(main())
+
+
+def test_the_requests_waiting_for_a_trip_run_before_its_bookkeeping(tmp_path: Path, world: World) -> None:
+    """A model a trip loaded within its reservation is committed and installed as the trip's
+    result reaches the event loop: the requests that waited for it find it READY and its size
+    committed, and run before the load's own bookkeeping (its loading time, its lock)."""
+
+    async def main() -> None:
+        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            await answer(service, "a")  # primes the framework: b loads in one trip
+            await until(lambda: not manager._locks.busy("a"))
+            loads_timed = manager.multi_model.loading_time_us.count
+            model = await manager.acquire("b")
+            assert model.name == "b" and budget.resident["b"] == model.size_bytes and budget.reserved == {}
+            assert manager.multi_model.loading_time_us.count == loads_timed  # the load's task: not yet
+            assert manager._locks.busy("b")
+            await until(lambda: not manager._locks.busy("b"))
+            assert manager.multi_model.loading_time_us.count == loads_timed + 1
+            manager.request_done(model)
+
+    asyncio.run(main())
+
+
+def test_the_rest_of_a_miss_waits_for_its_answer_and_a_lull(tmp_path: Path, world: World) -> None:
+    """Once its request is answered, the rest of a miss's load (its statistics, its lock)
+    waits for a lull between requests: with the clock standing still it has not run; once no
+    request came or went for AHEAD_LULL_S it does."""
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}, clock=clock) as (service, manager):
+            await answer(service, "a")  # primes the framework: b loads in one trip
+            clock.advance(AHEAD_LULL_S)
+            await until(lambda: not manager._locks.busy("a"))
+            timed = manager.multi_model.loading_time_us.count
+            assert await answer(service, "b", 2.0) == 2.0
+            await asyncio.sleep(0.05)
+            assert manager._locks.busy("b") and manager.multi_model.loading_time_us.count == timed
+            clock.advance(AHEAD_LULL_S)
+            await until(lambda: not manager._locks.busy("b"))
+            assert manager.multi_model.loading_time_us.count == timed + 1
 
     asyncio.run(main())

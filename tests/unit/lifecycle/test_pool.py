@@ -58,3 +58,46 @@ def test_results_and_errors_come_back() -> None:
         asyncio.run(main())
     finally:
         pool.shutdown()
+
+
+def test_what_arrives_is_handled_before_the_caller_resumes() -> None:
+    """``arrived`` sees the result on the event loop before the awaiting caller resumes, and
+    a task it wakes runs first; a step that raised, or a caller cancelled, is not handed to it."""
+    pool = LoadPool(1)
+
+    def fail() -> None:
+        raise ValueError("bad")
+
+    async def main() -> None:
+        order: list[object] = []
+        woken = asyncio.get_running_loop().create_future()
+
+        async def other() -> None:
+            await woken
+            order.append("other")
+
+        waiting = asyncio.ensure_future(other())
+
+        def arrived(result: int) -> None:
+            order.append(("arrived", result, threading.current_thread() is threading.main_thread()))
+            woken.set_result(None)
+
+        assert await pool.run(pow, 2, 3, arrived=arrived) == 8
+        order.append("caller")
+        await waiting
+        assert order == [("arrived", 8, True), "other", "caller"]
+        with pytest.raises(ValueError, match="bad"):
+            await pool.run(fail, arrived=order.append)
+        gate = threading.Event()
+        step = asyncio.ensure_future(pool.run(gate.wait, arrived=order.append))
+        await asyncio.sleep(0.01)
+        step.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        assert order == [("arrived", 8, True), "other", "caller"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
