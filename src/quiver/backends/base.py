@@ -210,8 +210,11 @@ class ThreadedInstance(abc.ABC):
             for request in requests:
                 request.cancellation = request.cancellation or Cancellation()
                 request.cancellation.cancel()
-            with contextlib.suppress(Exception):
-                await running
+            while not running.done():  # however often the caller is cancelled again
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait((running,))
+            if not running.cancelled():
+                running.exception()  # retrieved: the caller hears of its cancellation only
             raise
 
     def release(self) -> None:  # noqa: B027 - optional hook, most instances need none

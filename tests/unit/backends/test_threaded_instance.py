@@ -4,6 +4,7 @@ thread, and a first call guessed from the creation time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -174,4 +175,47 @@ def test_an_instance_with_its_own_run_never_promises_to_answer_at_once() -> None
         run(instance, times=3)
         assert instance.runs_inline and not instance.answers_at_once
     finally:
+        instance.unload()
+
+
+class _Blocked(ThreadedInstance):
+    """Runs on its thread until ``go`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__("blocked")
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.finished = threading.Event()
+
+    def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
+        self.started.set()
+        self.go.wait(10)
+        self.finished.set()
+        return [InferenceResponse("blocked", "1", []) for _ in requests]
+
+
+def test_a_call_cancelled_twice_still_holds_its_caller_until_the_thread_is_done() -> None:
+    """The thread cannot be stopped, so the caller (and the instance pool that lent the
+    instance) waits for it however many times it is cancelled: a second cancel must not free
+    the instance while its thread still runs."""
+    instance = _Blocked()
+
+    async def main() -> None:
+        call = asyncio.ensure_future(instance.run([InferenceRequest("blocked", "", [])]))
+        while not instance.started.is_set():
+            await asyncio.sleep(0.005)
+        call.cancel()
+        await asyncio.sleep(0.02)
+        call.cancel()
+        await asyncio.sleep(0.05)
+        assert not call.done()  # still waiting for the thread
+        instance.go.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        assert call.cancelled() and instance.finished.is_set()
+
+    try:
+        asyncio.run(main())
+    finally:
+        instance.go.set()
         instance.unload()
