@@ -210,10 +210,12 @@ class ModelLifeCycle:
         on the same machine needs to read its answer."""
         try:
             await self._admission.ahead.answered(name, seconds(self._clock) + LANDED_TAIL_S)
+            if self._admission.room_ahead_short():
+                self._evict_ahead(name)
         except UnavailableError:
             return  # the server stops
-        if self._admission.room_ahead_short():
-            self._evict_ahead(name)
+        except Exception:  # a bug here must not hide: the load itself is done and serving
+            logger.exception("the bookkeeping after loading model '%s' failed", name)
 
     def _land(self, trip: Trip) -> None:
         """On the event loop as a miss's trip arrives, before its task resumes (a round of the
@@ -227,10 +229,12 @@ class ModelLifeCycle:
             return
         if not outcome.models or self._table.serving(source.name):
             return
+        self._sources.remember_fingerprint(source.name, inspection.fingerprint)
         if not settle_trip_now(self._admission, trip):
             return
-        self._sources.remember_fingerprint(source.name, inspection.fingerprint)
+        trip.settled = True  # committed: should the install fail, the task must not settle again
         trip.landed = self._install(source.name, outcome, None, ahead=False)  # after the answers
+        trip.landed_at = seconds(self._clock)
 
     def _loader(
         self, source: ModelSource, inspection: Inspection, override: pb.ModelConfig | None = None
@@ -273,7 +277,9 @@ class ModelLifeCycle:
                 )  # fmt: skip
                 failures = await self._load_inner(source, override, visiting)
             if self._table.serving(name) and name not in failures:
-                self._stats.loading_time_us.observe((seconds(self._clock) - started) * 1e6)
+                landed = trip is not None and trip.landed is not None
+                ended = trip.landed_at if trip is not None and landed else seconds(self._clock)
+                self._stats.loading_time_us.observe((ended - started) * 1e6)
                 # The requests that waited for the load were woken as it was installed
                 # (flights.land): they run (a model's first call often inline) and answer
                 # before the rest of this load's bookkeeping (its lock and pins released).
@@ -320,7 +326,7 @@ class ModelLifeCycle:
         elif trip is not None:  # loaded in the trip that found it
             if trip.error is not None:
                 raise trip.error
-            outcome = await settle_trip(self._admission, trip, self)
+            outcome = trip.outcome if trip.settled and trip.outcome is not None else await settle_trip(self._admission, trip, self)
         else:
             load = self._loader(source, inspection, override)
             outcome = await self._admission.load(source, load, override=override, inspection=inspection, unloader=self)

@@ -183,6 +183,8 @@ def _deliver(
             arrived(result)  # type: ignore[arg-type]
         except Exception:  # the caller goes on with the result as without it
             logger.exception("handling a load step's result as it arrived failed")
+        if answer.done():  # cancelled by what ``arrived`` ran
+            return
     answer.set_result(result)  # type: ignore[arg-type]
 
 

@@ -57,8 +57,12 @@ class Trip:
     how: str = "known"
     started: float = 0.0
     load_seconds: float = 0.0
-    #: Installed as its result arrived (:meth:`ModelLifeCycle.land`): the load's failures.
+    #: Settled in the budget as its result arrived (:meth:`ModelLifeCycle._land`): never again.
+    settled: bool = False
+    #: Installed as its result arrived (:meth:`ModelLifeCycle._land`): the load's failures.
     landed: dict[str, str] | None = None
+    #: When it was installed so (the load's time ends there, not after the wait that follows).
+    landed_at: float = 0.0
 
 
 def find_and_load(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -232,3 +233,93 @@ def test_the_rest_of_a_miss_waits_for_its_answer_and_a_lull(tmp_path: Path, worl
             assert manager.multi_model.loading_time_us.count == timed + 1
 
     asyncio.run(main())
+
+
+def test_a_landed_loads_time_ends_at_its_install_not_after_the_wait_that_follows(
+    tmp_path: Path, world: World
+) -> None:
+    """``quiver_model_loading_time_us`` is the load's, not the wait for the answers and a lull
+    that the rest of the load makes after the install."""
+    from quiver.lifecycle.lifecycle import LANDED_TAIL_S
+
+    async def main() -> None:
+        clock = FakeClock()  # still while the model loads: the load itself takes no time
+        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}, clock=clock) as (service, manager):
+            await answer(service, "a")
+            clock.advance(AHEAD_LULL_S)
+            await until(lambda: not manager._locks.busy("a"))
+            timing = manager.multi_model.loading_time_us
+            count, total = timing.count, timing.total
+            world.holds["b"] = asyncio.Event()  # b's request stays in flight
+            request = asyncio.ensure_future(answer(service, "b", 2.0))
+            await until(lambda: "b" in world.loads)
+            await asyncio.sleep(0.05)
+            clock.advance(LANDED_TAIL_S)  # the rest of the load waits this long at most
+            await until(lambda: not manager._locks.busy("b"))
+            world.holds["b"].set()
+            assert await request == 2.0
+            assert timing.count == count + 1
+            assert timing.total - total < LANDED_TAIL_S * 1e6 / 2, timing.total - total
+
+    asyncio.run(main())
+
+
+def test_an_install_that_fails_as_the_trip_arrives_leaves_the_budget_right(tmp_path: Path, world: World) -> None:
+    """The trip's model was committed to the budget as it arrived; the install then failed:
+    the task must not settle it a second time, and unloading it gives its bytes back."""
+
+    async def main() -> None:
+        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}) as (service, manager):
+            budget = manager.admission.budget
+            assert budget is not None
+            await answer(service, "a")
+            await until(lambda: not manager._locks.busy("a"))
+            lifecycle = manager._lifecycle
+            real = lifecycle._install
+            calls: list[str] = []
+
+            def failing_once(name: str, *args: Any, **kwargs: Any) -> Any:
+                calls.append(name)
+                if calls.count("b") == 1 and name == "b":
+                    raise RuntimeError("an install that failed")
+                return real(name, *args, **kwargs)
+
+            lifecycle._install = failing_once  # type: ignore[method-assign]
+            try:
+                assert await answer(service, "b", 2.0) == 2.0  # the task installs it
+            finally:
+                lifecycle._install = real  # type: ignore[method-assign]
+            await until(lambda: not manager._locks.busy("b"))
+            assert calls.count("b") == 2
+            assert "b" in budget.resident and budget.reserved == {}
+            await manager.unload("b")
+            assert "b" not in budget.resident and budget.reserved == {}
+            assert getattr(budget, "_retiring", {}) == {}
+
+    asyncio.run(main())
+
+
+def test_a_failure_in_the_rest_of_a_load_is_logged_and_the_model_serves(
+    tmp_path: Path, world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        async with serving(tmp_path, world, 20_000, {"a": 4_000, "b": 4_000}) as (service, manager):
+            await answer(service, "a")
+            await until(lambda: not manager._locks.busy("a"))
+            ahead = manager.admission.ahead
+
+            async def broken(loaded: str, deadline: float) -> None:
+                raise RuntimeError("a bookkeeping bug")
+
+            ahead.answered = broken  # type: ignore[method-assign]
+            try:
+                assert await answer(service, "b", 2.0) == 2.0
+                await until(lambda: not manager._locks.busy("b"))
+            finally:
+                del ahead.answered
+            assert await answer(service, "b", 3.0) == 3.0
+            assert manager.multi_model.loading_time_us.count >= 2
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(main())
+    assert any("bookkeeping after loading model 'b'" in record.getMessage() for record in caplog.records)
