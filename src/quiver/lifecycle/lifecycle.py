@@ -277,8 +277,7 @@ class ModelLifeCycle:
                 )  # fmt: skip
                 failures = await self._load_inner(source, override, visiting)
             if self._table.serving(name) and name not in failures:
-                landed = trip is not None and trip.landed is not None
-                ended = trip.landed_at if trip is not None and landed else seconds(self._clock)
+                ended = trip.landed_at if trip is not None and trip.landed is not None else seconds(self._clock)
                 self._stats.loading_time_us.observe((ended - started) * 1e6)
                 # The requests that waited for the load were woken as it was installed
                 # (flights.land): they run (a model's first call often inline) and answer
@@ -326,7 +325,10 @@ class ModelLifeCycle:
         elif trip is not None:  # loaded in the trip that found it
             if trip.error is not None:
                 raise trip.error
-            outcome = trip.outcome if trip.settled and trip.outcome is not None else await settle_trip(self._admission, trip, self)
+            if trip.settled and trip.outcome is not None:  # committed as it arrived (_land)
+                outcome = trip.outcome
+            else:
+                outcome = await settle_trip(self._admission, trip, self)
         else:
             load = self._loader(source, inspection, override)
             outcome = await self._admission.load(source, load, override=override, inspection=inspection, unloader=self)

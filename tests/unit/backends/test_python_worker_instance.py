@@ -284,13 +284,9 @@ def test_a_worker_holds_its_queue_depth_while_its_executions_are_quick(
     assert made.slots == slots
 
 
-@pytest.mark.parametrize("spin", [True, False])
-def test_a_worker_names_the_cpu_that_ran_each_batch_only_when_the_server_spins_for_answers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spin: bool
-) -> None:
-    made = _make(tmp_path, monkeypatch, MODEL, **({} if spin else {"answer-spin-microseconds": "0"}))
+def _record_dones(made: Any, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The ``done`` messages ``made``'s worker sends, as the server's side handles them."""
     dones: list[dict[str, Any]] = []
-    placed: list[Any] = []
     on_message = made._on_message
 
     def seen(worker: Any, message: dict[str, Any]) -> None:
@@ -299,6 +295,16 @@ def test_a_worker_names_the_cpu_that_ran_each_batch_only_when_the_server_spins_f
         on_message(worker, message)
 
     monkeypatch.setattr(made, "_on_message", seen)
+    return dones
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_a_worker_names_the_cpu_that_ran_each_batch_only_when_the_server_spins_for_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spin: bool
+) -> None:
+    made = _make(tmp_path, monkeypatch, MODEL, **({} if spin else {"answer-spin-microseconds": "0"}))
+    dones = _record_dones(made, monkeypatch)
+    placed: list[Any] = []
     if made._spin is not None:
         spin_class = type(made._spin)
         real = spin_class.placed
@@ -335,15 +341,7 @@ def test_a_failed_batchs_done_names_its_cpu_too(tmp_path: Path, monkeypatch: pyt
     """The ``done`` of a batch whose execute raised (sent by the worker's flush) names its CPU
     as a served batch's does, so the server's spin rule sees every answer."""
     made = _make(tmp_path, monkeypatch, RAISING_MODEL)
-    dones: list[dict[str, Any]] = []
-    on_message = made._on_message
-
-    def seen(worker: Any, message: dict[str, Any]) -> None:
-        if message["op"] == "done":
-            dones.append(message)
-        on_message(worker, message)
-
-    monkeypatch.setattr(made, "_on_message", seen)
+    dones = _record_dones(made, monkeypatch)
 
     async def run() -> None:
         try:

@@ -9,6 +9,7 @@ queue sent in batches of up to two once its head has waited ``DELAY`` ns.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -399,6 +400,15 @@ def test_instance_pool_lends_in_arrival_order_and_skips_callers_that_left() -> N
     run(main)
 
 
+async def _user(pool: InstancePool, order: list[str], tag: str, keep: bool = False) -> None:
+    """A request that takes an instance from ``pool``, notes ``tag`` in ``order``, and frees
+    it (unless ``keep``)."""
+    instance = await pool.acquire()
+    order.append(tag)
+    if not keep:
+        pool.release(instance)
+
+
 def test_an_instance_that_answers_at_once_is_lent_to_no_one_when_freed() -> None:
     clock = FakeClock()
     only = Echo(clock)
@@ -408,12 +418,7 @@ def test_an_instance_that_answers_at_once_is_lent_to_no_one_when_freed() -> None
         pool = InstancePool([only])
         assert pool.take() is only
         order: list[str] = []
-
-        async def user(tag: str, keep: bool = False) -> None:
-            instance = await pool.acquire()
-            order.append(tag)
-            if not keep:
-                pool.release(instance)
+        user = functools.partial(_user, pool, order)
 
         users = [asyncio.ensure_future(user("a", keep=True)), asyncio.ensure_future(user("b")),
                  asyncio.ensure_future(user("c"))]
@@ -526,12 +531,7 @@ def test_woken_waiters_that_find_it_taken_go_before_requests_that_queued_meanwhi
         pool = InstancePool([only])
         assert pool.take() is only
         order: list[str] = []
-
-        async def user(tag: str, keep: bool = False) -> None:
-            instance = await pool.acquire()
-            order.append(tag)
-            if not keep:
-                pool.release(instance)
+        user = functools.partial(_user, pool, order)
 
         users = [asyncio.ensure_future(user(t, keep=(t == "a"))) for t in "abc"]
         await settle()
