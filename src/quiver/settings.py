@@ -33,6 +33,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from quiver.backends.onnxruntime_optimized import CACHE as ONNXRUNTIME_OPTIMIZED_CACHE
+from quiver.backends.onnxruntime_optimized import KEYS as ONNXRUNTIME_OPTIMIZED_KEYS
+from quiver.backends.onnxruntime_optimized import check_settings as check_onnxruntime_optimized
 from quiver.backends.onnxruntime_threads import GLOBAL_THREADPOOL as ONNXRUNTIME_GLOBAL_THREADPOOL
 from quiver.backends.onnxruntime_threads import KEYS as ONNXRUNTIME_KEYS
 from quiver.backends.onnxruntime_threads import check_settings as check_onnxruntime_settings
@@ -387,6 +390,7 @@ def _backend_config(options: list[str], environ: Mapping[str, str]) -> dict[str,
         raise SettingsError(exc.message) from None
     try:
         check_onnxruntime_settings(config.get("onnxruntime", {}))
+        check_onnxruntime_optimized(config.get("onnxruntime", {}))
     except ValueError as exc:
         raise SettingsError(f"--backend-config: {exc}") from None
     return config
@@ -436,13 +440,16 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
         if backend not in ("", "python")
         for key in sorted(keys)
         if (backend, key) != ("tensorflow", "version")  # checked: TensorFlow 2 serves 1 and 2
-        and not (backend == "onnxruntime" and key in ONNXRUNTIME_KEYS)
+        and not (backend == "onnxruntime" and key in ONNXRUNTIME_KEYS | ONNXRUNTIME_OPTIMIZED_KEYS)
     )
     control_mode = args.model_control_mode or ("on_demand" if args.ray else "none")
     if control_mode == "on_demand":
         # The multi-model endpoint: hundreds of sessions share the process's thread pools
         # rather than each making its own (backends/onnxruntime_threads.py); the flag wins.
         backend_config.setdefault("onnxruntime", {}).setdefault(ONNXRUNTIME_GLOBAL_THREADPOOL, "1")
+        # ... and graphs are optimized once per model file, not at every load after an
+        # eviction (backends/onnxruntime_optimized.py); the flag wins.
+        backend_config["onnxruntime"].setdefault(ONNXRUNTIME_OPTIMIZED_CACHE, "1")
     endpoint = args.s3_endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
     return Settings(
         model_repositories=local,

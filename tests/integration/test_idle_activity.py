@@ -19,7 +19,7 @@ import tritonclient.grpc.aio as grpcclient
 import tritonclient.http.aio as httpclient
 
 from quiver import runner as runner_module
-from quiver.backends import onnxruntime_threads
+from quiver.backends import onnxruntime_optimized, onnxruntime_threads
 from quiver.cli import build_parser
 from quiver.lifecycle.read_ahead import IDLE_S, MAX_LULL_S
 from quiver.runner import Runner
@@ -86,6 +86,7 @@ def test_requests_that_are_not_inferences_keep_configurations_from_being_read_ah
     monkeypatch.setattr(runner_module, "freeze_heap", lambda why: None)  # nor is the test's heap frozen
     monkeypatch.setattr(runner_module, "raise_open_file_limit", lambda: 0)  # nor its limits and environment
     monkeypatch.setattr(onnxruntime_threads, "_decided", [])  # what this server decides stays its own
+    monkeypatch.setattr(onnxruntime_optimized, "_decided", [])
     http, grpc, metrics = free_ports(3)
     argv = [
         "serve", "--model-repository", str(repository), "--model-control-mode=on_demand",
@@ -93,6 +94,7 @@ def test_requests_that_are_not_inferences_keep_configurations_from_being_read_ah
         # onnxruntime's global thread pools, once made, are the test process's for good: a later
         # test's plain InferenceSession (per-session threads) would be refused
         "--backend-config=onnxruntime,enable-global-threadpool=0",
+        "--backend-config=onnxruntime,optimized-model-cache=0",  # no optimizer process of the test's
     ]
     server = Runner(from_args(build_parser().parse_args(argv), {}))
 

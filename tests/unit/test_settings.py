@@ -277,13 +277,18 @@ def test_onnxruntime_thread_pool_settings_are_read_and_checked(tmp_path: Path) -
     assert not [n for n in built.flag_notes if "backend-config" in n]
     assert "onnxruntime" not in settings(tmp_path).backend_config  # none mode: Triton's default
     on_demand = settings(tmp_path, "--model-control-mode=on_demand")
-    assert on_demand.backend_config["onnxruntime"] == {"enable-global-threadpool": "1"}
-    told = settings(tmp_path, "--model-control-mode=on_demand", "--backend-config=onnxruntime,enable-global-threadpool=0")
-    assert told.backend_config["onnxruntime"] == {"enable-global-threadpool": "0"}
+    assert on_demand.backend_config["onnxruntime"] == {"enable-global-threadpool": "1", "optimized-model-cache": "1"}
+    told = settings(
+        tmp_path, "--model-control-mode=on_demand", "--backend-config=onnxruntime,enable-global-threadpool=0",
+        "--backend-config=onnxruntime,optimized-model-cache=0",
+    )  # fmt: skip
+    assert told.backend_config["onnxruntime"] == {"enable-global-threadpool": "0", "optimized-model-cache": "0"}
     for flag, named in (
         ("onnxruntime,enable-global-threadpool=maybe", "enable-global-threadpool=maybe"),
         ("onnxruntime,intra_op_thread_count=-1", "intra_op_thread_count=-1"),
         ("onnxruntime,inter_op_thread_count=many", "inter_op_thread_count=many"),
+        ("onnxruntime,optimized-model-cache=sometimes", "optimized-model-cache=sometimes"),
+        ("onnxruntime,optimized-model-cache-size=4G", "optimized-model-cache-size=4G"),
     ):
         with pytest.raises(SettingsError, match=re.escape(named)):
             settings(tmp_path, f"--backend-config={flag}")

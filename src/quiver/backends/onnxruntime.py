@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from quiver.backends.base import (
     model_path,
 )
 from quiver.backends.batch import concatenate, requested_names, reshaped, split_rows
+from quiver.backends.onnxruntime_optimized import optimized_models
 from quiver.backends.onnxruntime_threads import metadata_options, shares_thread_pools
 from quiver.config import ModelConfig
 from quiver.config.model_config import DEFAULT_MODEL_FILENAME, TensorConfig
@@ -85,7 +87,9 @@ _OPTIONS: dict[tuple[Any, ...], ort.SessionOptions] = {}
 _OPTIONS_KEPT = 64
 
 
-def _session_options(config: ModelConfig) -> ort.SessionOptions:
+def _session_options(config: ModelConfig, optimized: bool = False) -> ort.SessionOptions:
+    """``optimized``: for a graph optimized already (:mod:`.onnxruntime_optimized`), so none
+    of ONNX Runtime's graph optimizations run again."""
     params = config.parameters
     key = (
         params.get("intra_op_thread_count"),
@@ -93,10 +97,13 @@ def _session_options(config: ModelConfig) -> ort.SessionOptions:
         params.get("execution_mode"),
         params.get("enable_mem_arena"),
         config.proto.optimization.graph.level,
+        optimized,
     )
     made = _OPTIONS.get(key)
     if made is None or key[0] or key[1]:  # thread counts: checked (and said not to apply) each time
         made = _make_session_options(config)
+        if optimized:
+            made.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if len(_OPTIONS) < _OPTIONS_KEPT:
             _OPTIONS[key] = made
     return made
@@ -148,10 +155,18 @@ def _make_session_options(config: ModelConfig) -> ort.SessionOptions:
     return options
 
 
-def _open_session(path: str, config: ModelConfig, providers: list[Any]) -> ort.InferenceSession:
+def _level_name(config: ModelConfig) -> str:
+    """The graph optimization level :func:`_make_session_options` sets, by its
+    :mod:`.onnxruntime_optimizer` name."""
+    return {-1: "basic", 1: "extended"}.get(config.proto.optimization.graph.level, "all")
+
+
+def _open_session(
+    path: str, config: ModelConfig, providers: list[Any], optimized: bool = False
+) -> ort.InferenceSession:
     try:
         return ort.InferenceSession(
-            path, sess_options=_session_options(config), providers=providers
+            path, sess_options=_session_options(config, optimized), providers=providers
         )
     except QuiverError:
         raise
@@ -358,8 +373,35 @@ class OnnxRuntimeBackend:
                     config.name,
                     spec.name,
                 )
+        kept = optimized_models() if len(providers) == 1 else None  # CPU sessions only
+        key = kept.key(str(path), _level_name(config)) if kept is not None else None
+        session = None
+        if kept is not None and key is not None:
+            copy = kept.find(key)
+            if copy is not None:
+                try:
+                    session = _open_session(copy, config, providers, optimized=True)
+                    logger.debug("model '%s': opened its optimized graph %s", config.name, copy)
+                except InternalError as exc:
+                    kept.discard(key)
+                    logger.warning(
+                        "model '%s': its optimized graph %s did not open (%s); opened from %s",
+                        config.name, copy, exc.message, path,
+                    )  # fmt: skip
+        if session is None:
+            session = self._open_own(config, files, path, providers)
+            if kept is not None and key is not None:
+                kept.submit(str(path), _level_name(config), key)
+        _check_io_once(config, session, str(path))
+        return OnnxInstance(config, session, f"{config.name}_{files.version}_{spec.name}")
+
+    @staticmethod
+    def _open_own(
+        config: ModelConfig, files: ModelFiles, path: Path, providers: list[Any]
+    ) -> ort.InferenceSession:
+        """A session from the model's own file (its graph optimized as it opens)."""
         try:
-            session = _open_session(str(path), config, providers)
+            return _open_session(str(path), config, providers)
         except InternalError:
             # Looked for only now: a stat before every load was a miss's first file system
             # call once its folder is not walked (watch.py), 0.05 ms with that code out of the
@@ -369,8 +411,6 @@ class OnnxRuntimeBackend:
                     f"model '{config.name}' version {files.version}: model file {path} does not exist"
                 ) from None
             raise
-        _check_io_once(config, session, str(path))
-        return OnnxInstance(config, session, f"{config.name}_{files.version}_{spec.name}")
 
 
 def _complete(config: pb.ModelConfig) -> bool:

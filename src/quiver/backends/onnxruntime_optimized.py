@@ -1,0 +1,403 @@
+"""Optimized graphs kept: ONNX Runtime's graph optimizations done once per model file, not at
+every load.
+
+Every ``InferenceSession`` runs ONNX Runtime's graph transformers over its model before it
+serves (constant folding, fusions, layout changes), and that is most of what creating a
+session costs: ResNet-50 200 ms of its 250, and a quarter of a tiny model's cold-start. A
+multi-model endpoint loads the same files again and again as models are evicted and asked
+for. So, after a model file's first load, a separate process (:mod:`.onnxruntime_optimizer`,
+at the lowest CPU priority, one at a time) writes the optimized graph, as ONNX Runtime's
+``optimized_model_filepath`` saves it, into the model cache (``<cache>/onnxruntime-optimized``);
+later loads of the same file open that copy with optimizations off. The copy is what ONNX
+Runtime itself would have built at that load, so outputs do not change.
+
+What a copy is kept for, the key of its file name: the model file (its path, device, inode,
+size, modification and change times: a file rewritten is another file), the optimization
+level, and the machine (ONNX Runtime's version, the CPU's architecture and flags: the
+``all`` level may choose kernels and layouts for this CPU). Only CPU sessions use copies, and
+only of model files up to :data:`MAX_SOURCE_BYTES`. A copy that fails to open is deleted and
+the model opened from its own file; a file the optimizer fails on (or crashes on) is not tried
+again by this server. The copies' bytes are bounded (least recently used go first).
+
+Settings (``--backend-config=onnxruntime,<key>=<value>``, Quiver's own keys):
+
+- ``optimized-model-cache=<0|1>``: keep optimized graphs. Unset: on in the ``on_demand``
+  model control mode (the multi-model endpoint, :mod:`quiver.settings`), off otherwise.
+- ``optimized-model-cache-size=<bytes>``: most bytes the copies take (default 4 GiB).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import queue
+import select
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from quiver.backends.base import SERVER
+
+__all__ = [
+    "CACHE",
+    "CACHE_SIZE",
+    "KEYS",
+    "OptimizedModels",
+    "check_settings",
+    "optimized_models",
+]
+
+logger = logging.getLogger(__name__)
+
+CACHE = "optimized-model-cache"
+CACHE_SIZE = "optimized-model-cache-size"
+KEYS = frozenset({CACHE, CACHE_SIZE})
+
+DEFAULT_CACHE_BYTES = 4 << 30
+#: Larger model files are opened from their own file every time (protobuf's 2 GiB limit on
+#: the copy's one file, and the cache's bytes).
+MAX_SOURCE_BYTES = 1 << 30
+#: The optimizer process ends after this long without a job (its memory goes back).
+IDLE_SECONDS = 30.0
+#: One model's optimization that takes longer ends the optimizer (the model is not tried again).
+JOB_TIMEOUT_SECONDS = 600.0
+#: Jobs waiting at most; more are dropped (asked again at the file's next load).
+MAX_PENDING = 1024
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+_SUFFIX = ".onnx"
+_TEMPORARY = ".tmp-"
+_OPTIMIZER = Path(__file__).with_name("onnxruntime_optimizer.py")
+
+
+def check_settings(settings: Mapping[str, str]) -> None:
+    """The optimized-graph settings, checked: ValueError names the key and the value."""
+    flag = settings.get(CACHE)
+    if flag is not None and flag.strip().lower() not in _TRUE + _FALSE:
+        raise ValueError(f"onnxruntime,{CACHE}={flag}: use 1 (keep optimized graphs) or 0")
+    size = settings.get(CACHE_SIZE)
+    if size is not None and not size.strip().isdigit():
+        raise ValueError(f"onnxruntime,{CACHE_SIZE}={size}: a number of bytes, 0 or more")
+
+
+def machine_key() -> str:
+    """What an ``all``-level graph may depend on besides its file: ONNX Runtime's version and
+    the CPU (architecture and feature flags)."""
+    import onnxruntime as ort
+
+    flags = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as file:
+        for line in file:
+            if line.startswith(("flags", "Features")):
+                flags = line.split(":", 1)[-1].strip()
+                break
+    text = "\0".join((ort.__version__, platform.machine(), flags))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class _Entry:
+    bytes: int
+    used: float  # time.time() of its last use
+
+
+class OptimizedModels:
+    """Optimized copies of model files under ``root`` (one folder per :func:`machine_key`),
+    at most ``budget`` bytes, made by one optimizer process at a time on a thread of its own.
+    Thread-safe: :meth:`find` and :meth:`submit` are called from load threads."""
+
+    def __init__(
+        self,
+        root: Path,
+        budget: int = DEFAULT_CACHE_BYTES,
+        *,
+        python: str = sys.executable,
+        idle_seconds: float = IDLE_SECONDS,
+        timeout_seconds: float = JOB_TIMEOUT_SECONDS,
+    ) -> None:
+        self.root = root
+        self.budget = budget
+        self._python = python
+        self._idle = idle_seconds
+        self._timeout = timeout_seconds
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[str, str, str] | None] = queue.Queue()
+        self._pending: set[str] = set()
+        self._failed: set[str] = set()
+        self._entries: dict[str, _Entry] = {}
+        self._scanned = False
+        self._thread: threading.Thread | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._idle_event = threading.Event()
+        self._idle_event.set()
+        self.made = 0  # copies written by this server
+        self.failures = 0  # files the optimizer failed on
+
+    # -- the load threads' side ---------------------------------------------------------------
+
+    def key(self, source: str, level: str) -> str | None:
+        """The key of ``source``'s copy at ``level``, or None when the file is not one to
+        keep a copy of (missing, not a regular file, or over :data:`MAX_SOURCE_BYTES`)."""
+        try:
+            st = os.stat(source)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SOURCE_BYTES:
+            return None
+        text = f"{source}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{level}"
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}{_SUFFIX}"
+
+    def find(self, key: str) -> str | None:
+        """The copy kept under ``key`` (a regular file; never a link), or None."""
+        target = self.path(key)
+        try:
+            st = os.lstat(target)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            self.discard(key)
+            return None
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._entries[key] = _Entry(st.st_size, time.time())
+            else:
+                entry.used = time.time()
+        return str(target)
+
+    def discard(self, key: str) -> None:
+        """Delete ``key``'s copy (it failed to open); its file is not optimized again here."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path(key))
+        with self._lock:
+            self._entries.pop(key, None)
+            self._failed.add(key)
+
+    def submit(self, source: str, level: str, key: str) -> None:
+        """Have ``source`` optimized at ``level`` into ``key``'s copy, in the background (at
+        most once at a time per key; never again after it failed)."""
+        with self._lock:
+            if key in self._pending or key in self._failed or self.budget <= 0:
+                return
+            if len(self._pending) >= MAX_PENDING:
+                return
+            self._pending.add(key)
+            self._idle_event.clear()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="quiver-onnxruntime-optimizer", daemon=True
+                )
+                self._thread.start()
+        self._jobs.put((source, level, key))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether every job submitted was done within ``timeout`` seconds (tests, benchmarks)."""
+        return self._idle_event.wait(timeout)
+
+    def stop(self) -> None:
+        """End the optimizer process and its thread (jobs waiting are dropped)."""
+        with self._lock:
+            thread = self._thread
+            self._thread = None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout=5)
+        self._end_process()
+
+    # -- the optimizer's thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._scan()
+        except Exception:
+            logger.exception("onnxruntime optimized graphs: could not read %s", self.root)
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle)
+            except queue.Empty:
+                self._end_process()
+                continue
+            if job is None:
+                return
+            source, level, key = job
+            try:
+                self._optimize(source, level, key)
+            except Exception:
+                logger.exception("onnxruntime optimized graphs: optimizing %s failed", source)
+                with self._lock:
+                    self._failed.add(key)
+            finally:
+                with self._lock:
+                    self._pending.discard(key)
+                    if not self._pending:
+                        self._idle_event.set()
+
+    def _scan(self) -> None:
+        """The copies already there (made by earlier servers); temporary files left by a
+        server that was killed are removed."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        found: dict[str, _Entry] = {}
+        for item in os.scandir(self.root):
+            with contextlib.suppress(OSError):
+                st = item.stat(follow_symlinks=False)
+                if item.name.startswith(_TEMPORARY):
+                    if time.time() - st.st_mtime > 3600:
+                        os.unlink(item.path)
+                elif item.name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode):
+                    found[item.name[: -len(_SUFFIX)]] = _Entry(st.st_size, st.st_mtime)
+        with self._lock:
+            for key, entry in found.items():
+                self._entries.setdefault(key, entry)
+            self._scanned = True
+        self._trim(keep="")
+
+    def _optimize(self, source: str, level: str, key: str) -> None:
+        target = self.path(key)
+        if target.exists():
+            return  # another server made it meanwhile
+        temporary = self.root / f"{_TEMPORARY}{os.getpid()}-{key}{_SUFFIX}"
+        started = time.monotonic()
+        answer = self._ask({"source": source, "target": str(target), "temporary": str(temporary), "level": level})
+        if answer is None or not answer.get("ok"):
+            reason = "the optimizer process ended" if answer is None else str(answer.get("error"))
+            with self._lock:
+                self._failed.add(key)
+            self.failures += 1
+            logger.warning(
+                "onnxruntime: the optimized graph of %s could not be kept (%s); its loads optimize it each time",
+                source, reason,
+            )  # fmt: skip
+            return
+        try:
+            size = os.lstat(target).st_size
+        except OSError:
+            return
+        with self._lock:
+            self._entries[key] = _Entry(size, time.time())
+        self.made += 1
+        logger.debug("onnxruntime: optimized graph of %s kept (%d bytes, %.0f ms)", source, size, (time.monotonic() - started) * 1e3)
+        self._trim(keep=key)
+
+    def _trim(self, keep: str) -> None:
+        """Delete the least recently used copies until they fit the budget (``keep`` last)."""
+        while True:
+            with self._lock:
+                total = sum(e.bytes for e in self._entries.values())
+                if total <= self.budget or not self._entries:
+                    return
+                victim = min(self._entries, key=lambda k: (k == keep, self._entries[k].used))
+                self._entries.pop(victim)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path(victim))
+
+    def _ask(self, job: dict[str, str]) -> dict[str, object] | None:
+        """Send ``job`` to the optimizer process (started if need be) and read its answer;
+        None when the process ended or took longer than the timeout (it is then ended)."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            process = self._start()
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            process.stdin.write((json.dumps(job) + "\n").encode())
+            process.stdin.flush()
+            ready, _, _ = select.select([process.stdout], [], [], self._timeout)
+            line = process.stdout.readline() if ready else b""
+        except OSError:
+            line = b""
+        if not line:
+            self._end_process()
+            return None
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            self._end_process()
+            return None
+        return answer if isinstance(answer, dict) else None
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        environ = dict(os.environ, QUIVER_OPTIMIZER_PARENT=str(os.getpid()))
+        process = subprocess.Popen(
+            [self._python, "-P", str(_OPTIMIZER)],  # -P: not its own folder first (quiver.backends.onnxruntime)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=environ,
+            cwd=str(self.root),
+        )
+        self._process = process
+        _live.add(process)
+        return process
+
+    def _end_process(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        with contextlib.suppress(OSError):
+            if process.stdin is not None:
+                process.stdin.close()
+        try:
+            process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        _live.discard(process)
+
+
+_live: set[subprocess.Popen[bytes]] = set()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for process in list(_live):
+        with contextlib.suppress(OSError):
+            process.kill()
+
+
+_decided: list[OptimizedModels | None] = []
+_decide_lock = threading.Lock()
+
+
+def optimized_models() -> OptimizedModels | None:
+    """This process's optimized copies, or None when they are off (decided at the first call,
+    from the server's backend settings and cache folder)."""
+    if _decided:
+        return _decided[0]
+    with _decide_lock:
+        if not _decided:
+            _decided.append(_start())
+    return _decided[0]
+
+
+def _start() -> OptimizedModels | None:
+    settings = SERVER.backend_config.get("onnxruntime", {})
+    try:
+        check_settings(settings)
+    except ValueError as exc:  # checked at start; a server built in code may not be
+        logger.warning("%s; no optimized graphs kept", exc)
+        return None
+    if settings.get(CACHE, "0").strip().lower() not in _TRUE or SERVER.cache_dir is None:
+        return None
+    budget = int(settings.get(CACHE_SIZE, str(DEFAULT_CACHE_BYTES)) or 0)
+    root = SERVER.cache_dir / "onnxruntime-optimized" / machine_key()
+    logger.info(
+        "onnxruntime: optimized graphs kept in %s (at most %d bytes; "
+        "--backend-config=onnxruntime,%s=0 turns this off)",
+        root, budget, CACHE,
+    )  # fmt: skip
+    return OptimizedModels(root, budget)

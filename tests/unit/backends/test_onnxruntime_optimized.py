@@ -1,0 +1,169 @@
+"""Optimized graphs kept (backends/onnxruntime_optimized.py), with the real optimizer process:
+a copy is written once per model file, holds the optimized graph and answers as the model
+does; a file rewritten is another key; copies that are links, broken or over the budget are
+not used; a file the optimizer fails on is not tried again."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from quiver.backends import onnxruntime_optimized as om
+from quiver.backends.base import SERVER
+from support.models import make_model
+
+
+def foldable_onnx(value: float) -> onnx.ModelProto:
+    """OUTPUT0 = INPUT0 + (C * D): the Mul of two constants is folded away when optimized."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["C", "D"], ["CD"]), helper.make_node("Add", ["INPUT0", "CD"], ["OUTPUT0"])],
+        "foldable",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[
+            helper.make_tensor("C", TensorProto.FLOAT, [1], [value]),
+            helper.make_tensor("D", TensorProto.FLOAT, [1], [2.0]),
+        ],
+    )
+    return make_model(graph)
+
+
+def run(path: str, optimize: bool = True) -> np.ndarray:
+    options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(None, {"INPUT0": np.arange(8, dtype=np.float32).reshape(2, 4)})[0])
+
+
+@pytest.fixture
+def kept(tmp_path: Path) -> Iterator[om.OptimizedModels]:
+    models = om.OptimizedModels(tmp_path / "optimized", budget=1 << 20)
+    yield models
+    models.stop()
+
+
+def write(tmp_path: Path, name: str, model: onnx.ModelProto) -> str:
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def optimized(kept: om.OptimizedModels, source: str, level: str = "all") -> tuple[str, str]:
+    key = kept.key(source, level)
+    assert key is not None
+    assert kept.find(key) is None
+    kept.submit(source, level, key)
+    assert kept.wait_idle(60)
+    copy = kept.find(key)
+    assert copy is not None, f"no copy of {source} kept (failures: {kept.failures})"
+    return key, copy
+
+
+def test_a_copy_holds_the_optimized_graph_and_answers_as_the_model(kept: om.OptimizedModels, tmp_path: Path) -> None:
+    source = write(tmp_path, "m", foldable_onnx(3.0))
+    _key, copy = optimized(kept, source)
+    assert len(onnx.load(source).graph.node) == 2
+    assert [n.op_type for n in onnx.load(copy).graph.node] == ["Add"]  # the constants' Mul folded
+    np.testing.assert_array_equal(run(copy, optimize=False), run(source))
+    np.testing.assert_array_equal(run(copy, optimize=False), np.arange(8, dtype=np.float32).reshape(2, 4) + 6.0)
+    assert kept.made == 1 and kept.failures == 0
+    assert not [p for p in kept.root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_the_key_is_the_file_and_the_level(kept: om.OptimizedModels, tmp_path: Path) -> None:
+    source = write(tmp_path, "m", foldable_onnx(1.0))
+    first = kept.key(source, "all")
+    assert first == kept.key(source, "all")
+    assert first != kept.key(source, "basic")
+    os.unlink(source)  # rewritten: a new file (inode, times) at the same path
+    write(tmp_path, "m", foldable_onnx(1.0))
+    assert kept.key(source, "all") != first
+    assert kept.key(str(tmp_path / "missing.onnx"), "all") is None
+    assert kept.key(str(tmp_path), "all") is None  # not a regular file
+
+
+def test_a_link_in_place_of_a_copy_is_removed_not_followed(kept: om.OptimizedModels, tmp_path: Path) -> None:
+    source = write(tmp_path, "m", foldable_onnx(1.0))
+    key = kept.key(source, "all")
+    assert key is not None
+    kept.root.mkdir(parents=True)
+    kept.path(key).symlink_to(source)
+    assert kept.find(key) is None
+    assert not kept.path(key).is_symlink()
+    assert Path(source).exists()  # the link's target is left alone
+
+
+def test_a_file_the_optimizer_fails_on_is_not_tried_again(kept: om.OptimizedModels, tmp_path: Path) -> None:
+    source = tmp_path / "broken.onnx"
+    source.write_bytes(b"not a model")
+    key = kept.key(str(source), "all")
+    assert key is not None
+    kept.submit(str(source), "all", key)
+    assert kept.wait_idle(60)
+    assert kept.find(key) is None and kept.failures == 1
+    kept.submit(str(source), "all", key)
+    assert kept.wait_idle(60)
+    assert kept.failures == 1  # not asked again
+    good = write(tmp_path, "good", foldable_onnx(2.0))
+    optimized(kept, good)  # the optimizer still serves others
+
+
+def test_copies_stay_within_the_budget_least_recently_used_first(tmp_path: Path) -> None:
+    kept = om.OptimizedModels(tmp_path / "optimized")
+    try:
+        sources = [write(tmp_path, f"m{i}", foldable_onnx(float(i))) for i in range(3)]
+        keys = [optimized(kept, s)[0] for s in sources[:2]]
+        kept.budget = int(os.path.getsize(kept.path(keys[0])) * 2.5)  # room for two copies
+        time.sleep(0.01)
+        assert kept.find(keys[0]) is not None  # used: m1 is now the least recently used
+        optimized(kept, sources[2])
+        assert kept.find(keys[0]) is not None
+        assert kept.find(keys[1]) is None
+        assert sum(p.stat().st_size for p in kept.root.iterdir()) <= kept.budget
+    finally:
+        kept.stop()
+
+
+def test_a_server_finds_the_copies_of_the_one_before(tmp_path: Path) -> None:
+    source = write(tmp_path, "m", foldable_onnx(1.0))
+    first = om.OptimizedModels(tmp_path / "optimized")
+    try:
+        key, _copy = optimized(first, source)
+    finally:
+        first.stop()
+    stale = first.root / ".tmp-1-left-by-a-killed-server.onnx"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    second = om.OptimizedModels(tmp_path / "optimized")
+    try:
+        assert second.find(key) is not None
+        other = write(tmp_path, "other", foldable_onnx(2.0))
+        optimized(second, other)  # its thread starts and reads the folder
+        assert not stale.exists()
+    finally:
+        second.stop()
+
+
+def test_settings_are_checked_and_off_unless_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for bad in ({om.CACHE: "maybe"}, {om.CACHE_SIZE: "4G"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            om.check_settings(bad)
+    om.check_settings({om.CACHE: "1", om.CACHE_SIZE: "1024"})
+    monkeypatch.setattr(SERVER, "cache_dir", tmp_path)
+    monkeypatch.setattr(SERVER, "backend_config", {})
+    monkeypatch.setattr(om, "_decided", [])
+    assert om.optimized_models() is None
+    monkeypatch.setattr(SERVER, "backend_config", {"onnxruntime": {om.CACHE: "1", om.CACHE_SIZE: "1024"}})
+    monkeypatch.setattr(om, "_decided", [])
+    made = om.optimized_models()
+    assert made is not None and made.budget == 1024
+    assert made.root.parent == tmp_path / "onnxruntime-optimized"
