@@ -527,6 +527,14 @@ def main() -> int:
         default="",
         help="the server's --model-eviction-policy (default: the server's default)",
     )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more flag for quiver serve (repeatable), e.g. "
+        "--server-arg=--backend-config=onnxruntime,optimized-model-cache=0",
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     parser.add_argument(
         "--plot-from",
@@ -570,7 +578,10 @@ def main() -> int:
         flags = ["--model-control-mode", "on_demand", "--model-memory-limit", str(limit)]
         if args.eviction_policy:
             flags += ["--model-eviction-policy", args.eviction_policy]
+        flags += args.server_arg
         if not s3_mode:
+            # a cache folder of the run's own: optimized graphs are not carried over from a run before
+            flags += ["--model-cache-dir", str(tmp / "cache")]
             repo = tmp / "models"
             repo.mkdir()
             log(f"building {args.models} models")
