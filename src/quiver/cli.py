@@ -307,7 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
             "in-process=true (run Python models in the server's process unless their "
             "config's parameter QUIVER_PYTHON_IN_PROCESS says otherwise); "
             "SAGEMAKER_TRITON_SHM_DEFAULT_BYTE_SIZE and SAGEMAKER_TRITON_SHM_GROWTH_BYTE_SIZE "
-            "set the first two when no flag does"
+            "set the first two when no flag does. The onnxruntime backend reads "
+            "enable-global-threadpool, intra_op_thread_count, inter_op_thread_count, "
+            "optimized-model-cache (keep each model file's optimized graph in the model cache "
+            "after its first load and open that at later loads; default: on in on_demand mode) and "
+            "optimized-model-cache-size (bytes, default 4 GiB)"
         ),
     )
     store = serve.add_argument_group(

@@ -256,6 +256,12 @@ class ServerContext:
 
 SERVER = ServerContext()
 
+#: Folders the backends keep under the model cache (:attr:`ServerContext.cache_dir`), which the
+#: disk cache, in the same folder, leaves alone: packed Python environments unpacked
+#: (:mod:`.python_env`), the Python worker's modules, ONNX Runtime's optimized graphs
+#: (:mod:`.onnxruntime_optimized`).
+CACHE_FOLDERS = frozenset({"python-envs", "python-worker", "onnxruntime-optimized"})
+
 
 @dataclass(slots=True)
 class _Registry:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from quiver.backends.base import CACHE_FOLDERS
 from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError, UnsupportedError
 from quiver.lifecycle.archives import is_namespaced
 from quiver.lifecycle.pool import LoadPool
@@ -356,6 +357,7 @@ class ModelSources:
             on_download=downloaded,
             revalidate_timeout=self._cache_revalidate_timeout,
             run=self._pool.run,  # a copy's files checked on a load thread
+            keep=CACHE_FOLDERS,  # the backends' folders in the same place
         )
 
     @property

@@ -6,6 +6,8 @@ Layout under ``root``::
     <name>/entry.json          a complete entry: key, version, bytes, and its file manifest
     <name>/content/            the model folder, or a Triton repository folder
     .tmp-*                     work in progress: never trusted, deleted at start
+    <kept>/                    folders other parts keep in the same place (``keep``: the
+                               backends' CACHE_FOLDERS), left alone
 
 An entry appears under its final name only by an atomic ``rename`` of a folder that is
 complete (downloaded, verified, extracted, manifest written), so a crash at any moment
@@ -140,10 +142,12 @@ class DiskCache:
         on_download: Callable[[str, int, int], None] | None = None,
         revalidate_timeout: float = DEFAULT_REVALIDATE_TIMEOUT,
         run: Callable[..., Awaitable[Any]] | None = None,
+        keep: frozenset[str] = frozenset(),
     ) -> None:
         if max_bytes <= 0:
             raise InvalidArgumentError(f"model cache size must be positive, got {max_bytes}")
         self.root = Path(root).absolute()
+        self.keep = keep
         self.max_bytes = max_bytes
         limits = limits or ExtractLimits()
         self.limits = replace(limits, max_bytes=min(limits.max_bytes, max_bytes))
@@ -227,7 +231,7 @@ class DiskCache:
                 self._evict_for(0)
 
     def _open(self) -> list[_Entry]:
-        self._lock_file, found = open_folder(self.root)
+        self._lock_file, found = open_folder(self.root, self.keep)
         return found
 
     async def close(self) -> None:

@@ -39,10 +39,10 @@ def remove(path: Path) -> None:
         logger.warning("model cache: cannot delete %s: %s", path, exc)
 
 
-def open_folder(root: Path) -> tuple[IO[bytes], list[_Entry]]:
+def open_folder(root: Path, keep: frozenset[str] = frozenset()) -> tuple[IO[bytes], list[_Entry]]:
     """Create and lock ``root`` (held while the returned file is open), delete leftovers of
-    earlier runs and folders that are not complete entries; the complete entries, least
-    recently written first. :class:`InvalidArgumentError` when another process holds it,
+    earlier runs and folders that are not complete entries (but those named in ``keep``,
+    which other parts keep there); the complete entries, least recently written first. :class:`InvalidArgumentError` when another process holds it,
     :class:`~quiver.repository.cache_types.CacheFullError` when it cannot be written."""
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def open_folder(root: Path) -> tuple[IO[bytes], list[_Entry]]:
         raise InvalidArgumentError(f"model cache folder '{root}' is in use by another process") from None
     found: list[tuple[float, _Entry]] = []
     for child in sorted(root.iterdir()):
-        if child.name == LOCK:
+        if child.name == LOCK or child.name in keep:
             continue
         if child.name.startswith(TMP_PREFIX):
             logger.info("model cache: deleting leftover %s", child)

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from quiver.backends.base import CACHE_FOLDERS
 from quiver.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from quiver.lifecycle.dependencies import is_model_folder
 from quiver.repository.cache import CacheFullError, DiskCache
@@ -277,6 +278,27 @@ def test_leftovers_are_deleted_and_never_trusted(repo: Path, tmp_path: Path) -> 
         await cache.close()
 
     run(main())
+
+
+def test_the_folders_other_parts_keep_there_are_left_alone(repo: Path, tmp_path: Path) -> None:
+    """The server's disk cache shares its folder with the backends' (unpacked Python
+    environments, the Python worker's modules, ONNX Runtime's optimized graphs): it starts
+    without deleting them, and still deletes what is neither an entry nor theirs."""
+    root = tmp_path / "cache"
+    for name in CACHE_FOLDERS:
+        (root / name / "inside").mkdir(parents=True)
+    (root / "junk").mkdir()
+
+    async def main() -> None:
+        cache = DiskCache(root, 10 << 20, keep=CACHE_FOLDERS)
+        await cache.start()
+        assert sorted(p.name for p in root.iterdir()) == sorted([".lock", *CACHE_FOLDERS])
+        assert all((root / name / "inside").is_dir() for name in CACHE_FOLDERS)
+        await cache.fetch("a.tar.gz", CountingStorage(repo))
+        await cache.close()
+
+    run(main())
+    assert {"python-envs", "python-worker", "onnxruntime-optimized"} <= CACHE_FOLDERS
 
 
 CRASH_SCRIPT = """
