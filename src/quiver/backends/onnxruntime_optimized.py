@@ -273,6 +273,8 @@ class OptimizedModels:
         started = time.monotonic()
         answer = self._ask({"source": source, "target": str(target), "temporary": str(temporary), "level": level})
         if answer is None or not answer.get("ok"):
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)  # what a process ended halfway left
             reason = "the optimizer process ended" if answer is None else str(answer.get("error"))
             with self._lock:
                 self._failed.add(key)

@@ -167,3 +167,27 @@ def test_settings_are_checked_and_off_unless_asked(monkeypatch: pytest.MonkeyPat
     made = om.optimized_models()
     assert made is not None and made.budget == 1024
     assert made.root.parent == tmp_path / "onnxruntime-optimized"
+
+
+@pytest.mark.parametrize(("script", "timeout"), [("exit 1", 60.0), ("kill -SEGV $$", 60.0), ("exec sleep 30", 1.0)])
+def test_an_optimizer_that_dies_or_hangs_costs_only_that_file(tmp_path: Path, script: str, timeout: float) -> None:
+    """An optimizer process that crashes (as ONNX Runtime might on a hostile model) or never
+    answers is ended; that file gets no copy and is not tried again; nothing is left behind."""
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\n{script}\n")
+    python.chmod(0o755)
+    kept = om.OptimizedModels(tmp_path / "optimized", python=str(python), timeout_seconds=timeout)
+    try:
+        source = write(tmp_path, "m", foldable_onnx(1.0))
+        key = kept.key(source, "all")
+        assert key is not None
+        started = time.monotonic()
+        kept.submit(source, "all", key)
+        assert kept.wait_idle(30)
+        assert time.monotonic() - started < 20
+        assert kept.find(key) is None and kept.failures == 1 and kept.made == 0
+        assert [p.name for p in kept.root.iterdir()] == []
+        kept.submit(source, "all", key)
+        assert kept.wait_idle(30) and kept.failures == 1  # not tried again
+    finally:
+        kept.stop()
