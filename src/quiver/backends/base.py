@@ -252,6 +252,9 @@ class ServerContext:
     #: ``health(model, version, instance, reason)``: an instance cannot serve now (``reason``) or
     #: serves again (None); the manager shows a model whose instances all cannot as UNAVAILABLE.
     health: Callable[[str, int, str, str | None], None] | None = None
+    #: Nanoseconds since a request last came or went (the manager's idle detector): work a
+    #: backend does in the background waits for a lull. None before the manager starts.
+    idle_ns: Callable[[], int] | None = None
 
 
 SERVER = ServerContext()

@@ -6,7 +6,8 @@ serves (constant folding, fusions, layout changes), and that is most of what cre
 session costs: ResNet-50 200 ms of its 250, and a quarter of a tiny model's cold-start. A
 multi-model endpoint loads the same files again and again as models are evicted and asked
 for. So, after a model file's first load, a separate process (:mod:`.onnxruntime_optimizer`,
-at the lowest CPU priority, one at a time) writes the optimized graph, as ONNX Runtime's
+one model at a time, in a lull between requests and at the CPU's idle priority) writes the
+optimized graph, as ONNX Runtime's
 ``optimized_model_filepath`` saves it, into the model cache (``<cache>/onnxruntime-optimized``);
 later loads of the same file open that copy with optimizations off. The copy is what ONNX
 Runtime itself would have built at that load, so outputs do not change.
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,11 @@ IDLE_SECONDS = 30.0
 JOB_TIMEOUT_SECONDS = 600.0
 #: Jobs waiting at most; more are dropped (asked again at the file's next load).
 MAX_PENDING = 1024
+#: A job waits for this long without requests (the server's idle detector), so that it runs
+#: between requests rather than beside them...
+LULL_SECONDS = 0.02
+#: ... but no longer than this: then it runs anyway, at the CPU's idle priority.
+MAX_LULL_WAIT_SECONDS = 10.0
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -125,12 +131,14 @@ class OptimizedModels:
         python: str = sys.executable,
         idle_seconds: float = IDLE_SECONDS,
         timeout_seconds: float = JOB_TIMEOUT_SECONDS,
+        idle_ns: Callable[[], int] | None = None,
     ) -> None:
         self.root = root
         self.budget = budget
         self._python = python
         self._idle = idle_seconds
         self._timeout = timeout_seconds
+        self._idle_ns = idle_ns  # None: the server's (SERVER.idle_ns)
         self._lock = threading.Lock()
         self._jobs: queue.Queue[tuple[str, str, str] | None] = queue.Queue()
         self._pending: set[str] = set()
@@ -235,6 +243,7 @@ class OptimizedModels:
                 return
             source, level, key = job
             try:
+                self._wait_for_lull()
                 self._optimize(source, level, key)
             except Exception:
                 logger.exception("onnxruntime optimized graphs: optimizing %s failed", source)
@@ -245,6 +254,17 @@ class OptimizedModels:
                     self._pending.discard(key)
                     if not self._pending:
                         self._idle_event.set()
+
+    def _wait_for_lull(self) -> None:
+        """Until no request came or went for :data:`LULL_SECONDS` (or
+        :data:`MAX_LULL_WAIT_SECONDS` passed, or nothing tells this server's activity)."""
+        idle_ns = self._idle_ns if self._idle_ns is not None else SERVER.idle_ns
+        if idle_ns is None:
+            return
+        lull = int(LULL_SECONDS * 1e9)
+        deadline = time.monotonic() + MAX_LULL_WAIT_SECONDS
+        while (quiet := idle_ns()) < lull and time.monotonic() < deadline:
+            time.sleep(max(0.002, (lull - quiet) / 1e9))
 
     def _scan(self) -> None:
         """The copies already there (made by earlier servers); temporary files left by a

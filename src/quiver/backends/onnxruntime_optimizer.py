@@ -1,7 +1,8 @@
 """The process that optimizes ONNX models for :mod:`quiver.backends.onnxruntime_optimized`.
 
-Run as ``python -m quiver.backends.onnxruntime_optimizer``; the server starts it, at the
-lowest CPU priority, when a model was loaded whose optimized graph is not kept yet. It reads
+The server starts it (``python -P .../onnxruntime_optimizer.py``) when a model was loaded
+whose optimized graph is not kept yet; it runs at the CPU's idle priority (``SCHED_IDLE``,
+else nice 19), so it takes a core only when nothing else wants one. It reads
 one job a line on standard input (JSON: ``source``, ``target``, ``temporary``, ``level``),
 creates an ONNX Runtime session of ``source`` at ``level`` with ONNX Runtime's
 ``optimized_model_filepath`` set to ``temporary``, checks that the file it wrote opens
@@ -65,8 +66,11 @@ def _optimize(ort: Any, job: dict[str, Any]) -> None:
 
 def main() -> None:
     _die_with_parent(int(os.environ.get("QUIVER_OPTIMIZER_PARENT", os.getppid())))
+    # the server's requests come first: this runs only on a core nothing else wants
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     with contextlib.suppress(OSError):
-        os.nice(19)  # the server's requests come first
+        os.nice(19)
     import onnxruntime as ort
 
     for line in sys.stdin:

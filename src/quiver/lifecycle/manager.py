@@ -239,6 +239,8 @@ class ModelRepositoryManager:
         SERVER.loop = asyncio.get_running_loop()
         SERVER.thread = threading.get_ident()
         SERVER.health = self._table.set_health
+        activity, clock = self.admission.activity, self._clock
+        SERVER.idle_ns = lambda: clock.now() - activity.last
         if self.on_demand and self._watch_folders and self.admission.watch is None:
             # misses of local folders unchanged since their last walk walk nothing (watch.py)
             self.admission.watch = FolderWatch(self._local_roots)

@@ -191,3 +191,22 @@ def test_an_optimizer_that_dies_or_hangs_costs_only_that_file(tmp_path: Path, sc
         assert kept.wait_idle(30) and kept.failures == 1  # not tried again
     finally:
         kept.stop()
+
+
+def test_a_job_waits_for_a_lull_between_requests(tmp_path: Path) -> None:
+    """The optimizer runs between requests: while the server's idle detector says a request
+    came within the lull, the job waits (here until the test releases it)."""
+    released: list[bool] = []
+    kept = om.OptimizedModels(tmp_path / "optimized", idle_ns=lambda: 10**9 if released else 0)
+    try:
+        source = write(tmp_path, "m", foldable_onnx(1.0))
+        key = kept.key(source, "all")
+        assert key is not None
+        kept.submit(source, "all", key)
+        assert not kept.wait_idle(1.0)  # busy: still waiting
+        assert kept.made == 0 and kept.find(key) is None
+        released.append(True)
+        assert kept.wait_idle(60)
+        assert kept.find(key) is not None
+    finally:
+        kept.stop()
