@@ -36,13 +36,13 @@ import json
 import logging
 import os
 import platform
-import queue
 import select
 import stat
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +79,8 @@ MAX_PENDING = 1024
 LULL_SECONDS = 0.02
 #: ... but no longer than this: then it runs anyway, at the CPU's idle priority.
 MAX_LULL_WAIT_SECONDS = 10.0
+#: How often the optimizer's thread looks for jobs and a lull (it is never woken).
+POLL_SECONDS = 0.05
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -140,7 +142,8 @@ class OptimizedModels:
         self._timeout = timeout_seconds
         self._idle_ns = idle_ns  # None: the server's (SERVER.idle_ns)
         self._lock = threading.Lock()
-        self._jobs: queue.Queue[tuple[str, str, str] | None] = queue.Queue()
+        self._jobs: deque[tuple[str, str, str]] = deque()
+        self._stopping = False
         self._pending: set[str] = set()
         self._failed: set[str] = set()
         self._entries: dict[str, _Entry] = {}
@@ -197,20 +200,23 @@ class OptimizedModels:
 
     def submit(self, source: str, level: str, key: str) -> None:
         """Have ``source`` optimized at ``level`` into ``key``'s copy, in the background (at
-        most once at a time per key; never again after it failed)."""
+        most once at a time per key; never again after it failed). Nothing is woken: the
+        optimizer's thread looks for jobs every :data:`POLL_SECONDS` (a thread woken here would
+        take the GIL from the load that called and from the request it serves)."""
         with self._lock:
             if key in self._pending or key in self._failed or self.budget <= 0:
                 return
             if len(self._pending) >= MAX_PENDING:
                 return
             self._pending.add(key)
+            self._jobs.append((source, level, key))
             self._idle_event.clear()
             if self._thread is None:
+                self._stopping = False
                 self._thread = threading.Thread(
                     target=self._run, name="quiver-onnxruntime-optimizer", daemon=True
                 )
                 self._thread.start()
-        self._jobs.put((source, level, key))
 
     def wait_idle(self, timeout: float) -> bool:
         """Whether every job submitted was done within ``timeout`` seconds (tests, benchmarks)."""
@@ -220,51 +226,63 @@ class OptimizedModels:
         """End the optimizer process and its thread (jobs waiting are dropped)."""
         with self._lock:
             thread = self._thread
-            self._thread = None
+            self._stopping = True
         if thread is not None:
-            self._jobs.put(None)
             thread.join(timeout=5)
         self._end_process()
 
     # -- the optimizer's thread ---------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            self._scan()
-        except Exception:
-            logger.exception("onnxruntime optimized graphs: could not read %s", self.root)
-        while True:
+        if not self._scanned:
             try:
-                job = self._jobs.get(timeout=self._idle)
-            except queue.Empty:
-                self._end_process()
-                continue
+                self._scan()
+            except Exception:
+                logger.exception("onnxruntime optimized graphs: could not read %s", self.root)
+        last_work = time.monotonic()
+        head_since = 0.0  # when the job first in line was first seen waiting for a lull
+        while True:
+            time.sleep(POLL_SECONDS)
+            now = time.monotonic()
+            with self._lock:
+                if self._stopping:
+                    self._thread = None
+                    self._jobs.clear()
+                    return
+                job = self._jobs[0] if self._jobs else None
+                if job is None and self._process is None and now - last_work > self._idle:
+                    self._thread = None  # a later submit starts another
+                    return
             if job is None:
-                return
+                if self._process is not None and now - last_work > self._idle:
+                    self._end_process()
+                continue
+            if not head_since:
+                head_since = now
+            if not self._quiet() and now - head_since < MAX_LULL_WAIT_SECONDS:
+                continue  # requests come and go: look again later
+            with self._lock:
+                self._jobs.popleft()
+            head_since = 0.0
             source, level, key = job
             try:
-                self._wait_for_lull()
                 self._optimize(source, level, key)
             except Exception:
                 logger.exception("onnxruntime optimized graphs: optimizing %s failed", source)
                 with self._lock:
                     self._failed.add(key)
             finally:
+                last_work = time.monotonic()
                 with self._lock:
                     self._pending.discard(key)
                     if not self._pending:
                         self._idle_event.set()
 
-    def _wait_for_lull(self) -> None:
-        """Until no request came or went for :data:`LULL_SECONDS` (or
-        :data:`MAX_LULL_WAIT_SECONDS` passed, or nothing tells this server's activity)."""
+    def _quiet(self) -> bool:
+        """Whether no request came or went for :data:`LULL_SECONDS` (the server's idle
+        detector; True when nothing tells this server's activity)."""
         idle_ns = self._idle_ns if self._idle_ns is not None else SERVER.idle_ns
-        if idle_ns is None:
-            return
-        lull = int(LULL_SECONDS * 1e9)
-        deadline = time.monotonic() + MAX_LULL_WAIT_SECONDS
-        while (quiet := idle_ns()) < lull and time.monotonic() < deadline:
-            time.sleep(max(0.002, (lull - quiet) / 1e9))
+        return idle_ns is None or idle_ns() >= int(LULL_SECONDS * 1e9)
 
     def _scan(self) -> None:
         """The copies already there (made by earlier servers); temporary files left by a
