@@ -55,7 +55,7 @@ def infer(client: httpclient.InferenceServerClient, name: str) -> np.ndarray:
 
 
 def copies(cache: Path) -> list[Path]:
-    return sorted(cache.glob("onnxruntime-optimized/*/*.onnx"))
+    return sorted(p for p in cache.glob("onnxruntime-optimized/*/*.onnx") if not p.name.startswith("."))
 
 
 def wait_for_copies(cache: Path, count: int, timeout: float = 60.0) -> list[Path]:

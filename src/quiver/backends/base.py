@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -258,6 +259,19 @@ class ServerContext:
 
 
 SERVER = ServerContext()
+
+
+def exit_cause(returncode: int | None) -> str:
+    """How a child process ended, from its return code (``Popen.returncode``), for messages."""
+    if returncode is None:
+        return "stopped answering"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"exited with code {returncode}"
 
 #: Folders the backends keep under the model cache (:attr:`ServerContext.cache_dir`), which the
 #: disk cache, in the same folder, leaves alone: packed Python environments unpacked

@@ -11,6 +11,7 @@ have thread pools of their own, or share the process's (:mod:`.onnxruntime_threa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -383,7 +384,8 @@ class OnnxRuntimeBackend:
                     session = _open_session(copy, config, providers, optimized=True)
                     logger.debug("model '%s': opened its optimized graph %s", config.name, copy)
                 except InternalError as exc:
-                    kept.discard(key)
+                    if os.path.lexists(copy):  # (gone meanwhile, trimmed by a server: no fault)
+                        kept.discard(key)
                     logger.warning(
                         "model '%s': its optimized graph %s did not open (%s); opened from %s",
                         config.name, copy, exc.message, path,

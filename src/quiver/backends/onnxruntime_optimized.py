@@ -37,17 +37,20 @@ import logging
 import os
 import platform
 import select
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from quiver.backends.base import SERVER
+from quiver.backends.base import SERVER, exit_cause
 
 __all__ = [
     "CACHE",
@@ -56,6 +59,7 @@ __all__ = [
     "OptimizedModels",
     "check_settings",
     "optimized_models",
+    "stop",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,8 @@ LULL_SECONDS = 0.02
 MAX_LULL_WAIT_SECONDS = 10.0
 #: How often the optimizer's thread looks for jobs and a lull (it is never woken).
 POLL_SECONDS = 0.05
+#: Folders of copies for another machine key left this long untouched are deleted.
+STALE_SECONDS = 7 * 24 * 3600
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -95,7 +101,7 @@ def check_settings(settings: Mapping[str, str]) -> None:
     if flag is not None and flag.strip().lower() not in _TRUE + _FALSE:
         raise ValueError(f"onnxruntime,{CACHE}={flag}: use 1 (keep optimized graphs) or 0")
     size = settings.get(CACHE_SIZE)
-    if size is not None and not size.strip().isdigit():
+    if size is not None and not size.strip().isdecimal():
         raise ValueError(f"onnxruntime,{CACHE_SIZE}={size}: a number of bytes, 0 or more")
 
 
@@ -146,6 +152,7 @@ class OptimizedModels:
         self._stopping = False
         self._pending: set[str] = set()
         self._failed: set[str] = set()
+        self._timeouts: dict[str, int] = {}  # key -> optimizations of it that timed out
         self._entries: dict[str, _Entry] = {}
         self._scanned = False
         self._thread: threading.Thread | None = None
@@ -223,13 +230,19 @@ class OptimizedModels:
         return self._idle_event.wait(timeout)
 
     def stop(self) -> None:
-        """End the optimizer process and its thread (jobs waiting are dropped)."""
+        """End the optimizer process and its thread (jobs waiting are dropped; one running
+        is cut short: its process is killed)."""
         with self._lock:
             thread = self._thread
             self._stopping = True
+            process = self._process
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.kill()  # an answer awaited ends now (the thread sees the pipe close)
         if thread is not None:
-            thread.join(timeout=5)
-        self._end_process()
+            thread.join(timeout=10)
+        if thread is None or not thread.is_alive():
+            self._end_process()
 
     # -- the optimizer's thread ---------------------------------------------------------------
 
@@ -248,7 +261,15 @@ class OptimizedModels:
                 if self._stopping:
                     self._thread = None
                     self._jobs.clear()
-                    return
+                    self._pending.clear()
+                    self._idle_event.set()
+                    stopping = True
+                else:
+                    stopping = False
+            if stopping:
+                self._end_process()
+                return
+            with self._lock:
                 job = self._jobs[0] if self._jobs else None
                 if job is None and self._process is None and now - last_work > self._idle:
                     self._thread = None  # a later submit starts another
@@ -293,8 +314,8 @@ class OptimizedModels:
             with contextlib.suppress(OSError):
                 st = item.stat(follow_symlinks=False)
                 if item.name.startswith(_TEMPORARY):
-                    if time.time() - st.st_mtime > 3600:
-                        os.unlink(item.path)
+                    if time.time() - st.st_mtime > 3600:  # left by a server that was killed
+                        shutil.rmtree(item.path) if stat.S_ISDIR(st.st_mode) else os.unlink(item.path)
                 elif item.name.endswith(_SUFFIX) and stat.S_ISREG(st.st_mode):
                     found[item.name[: -len(_SUFFIX)]] = _Entry(st.st_size, st.st_mtime)
         with self._lock:
@@ -302,35 +323,62 @@ class OptimizedModels:
                 self._entries.setdefault(key, entry)
             self._scanned = True
         self._trim(keep="")
+        # Copies for another ONNX Runtime or CPU (an upgrade, a moved cache), unused for a week.
+        with contextlib.suppress(OSError):
+            for item in os.scandir(self.root.parent):
+                st = item.stat(follow_symlinks=False)
+                if item.path != str(self.root) and stat.S_ISDIR(st.st_mode) and time.time() - st.st_mtime > STALE_SECONDS:
+                    logger.info("onnxruntime: deleting optimized graphs of another machine or version, %s", item.path)
+                    shutil.rmtree(item.path, ignore_errors=True)
 
     def _optimize(self, source: str, level: str, key: str) -> None:
         target = self.path(key)
-        if target.exists():
+        if os.path.lexists(target):
             return  # another server made it meanwhile
-        temporary = self.root / f"{_TEMPORARY}{os.getpid()}-{key}{_SUFFIX}"
+        # A private, empty folder of its own (so two servers on one cache never share it): the
+        # copy is written and opened there first, where a graph that names external data files
+        # (resolved beside it) finds none, rather than in the cache folder among other files.
+        work = Path(tempfile.mkdtemp(prefix=_TEMPORARY, dir=self.root))
         started = time.monotonic()
-        answer = self._ask({"source": source, "target": str(target), "temporary": str(temporary), "level": level})
+        try:
+            job = {"source": source, "target": str(target), "temporary": str(work / f"copy{_SUFFIX}"), "level": level}
+            answer = self._ask(job)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         if answer is None or not answer.get("ok"):
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)  # what a process ended halfway left
-            reason = "the optimizer process ended" if answer is None else str(answer.get("error"))
-            with self._lock:
-                self._failed.add(key)
-            self.failures += 1
-            logger.warning(
-                "onnxruntime: the optimized graph of %s could not be kept (%s); its loads optimize it each time",
-                source, reason,
-            )  # fmt: skip
+            if answer is None:
+                reason = f"no answer in {self._timeout:.0f} s"
+                with self._lock:
+                    self._timeouts[key] = self._timeouts.get(key, 0) + 1
+                    given_up = self._timeouts[key] >= 2 and not self._stopping  # (once may be a starved CPU)
+            else:
+                reason, given_up = str(answer.get("error")), True
+            if given_up:
+                self._fail(key, source, reason)
             return
         try:
             size = os.lstat(target).st_size
         except OSError:
+            return
+        if size > self.budget:  # kept, it would be trimmed at once and made again at each load
+            with contextlib.suppress(OSError):
+                os.unlink(target)
+            self._fail(key, source, f"its {size} bytes are more than {CACHE_SIZE}={self.budget}")
             return
         with self._lock:
             self._entries[key] = _Entry(size, time.time())
         self.made += 1
         logger.debug("onnxruntime: optimized graph of %s kept (%d bytes, %.0f ms)", source, size, (time.monotonic() - started) * 1e3)
         self._trim(keep=key)
+
+    def _fail(self, key: str, source: str, reason: str) -> None:
+        with self._lock:
+            self._failed.add(key)
+        self.failures += 1
+        logger.warning(
+            "onnxruntime: the optimized graph of %s could not be kept (%s); its loads optimize it each time",
+            source, reason,
+        )  # fmt: skip
 
     def _trim(self, keep: str) -> None:
         """Delete the least recently used copies until they fit the budget (``keep`` last)."""
@@ -345,12 +393,20 @@ class OptimizedModels:
                 os.unlink(self.path(victim))
 
     def _ask(self, job: dict[str, str]) -> dict[str, object] | None:
-        """Send ``job`` to the optimizer process (started if need be) and read its answer;
-        None when the process ended or took longer than the timeout (it is then ended)."""
+        """Send ``job`` to the optimizer process (started if need be) and read its answer: a
+        failed one when the process ended (a crash on that model); None when it took longer
+        than the timeout (it is then ended) or the server is stopping."""
         process = self._process
-        if process is None or process.poll() is not None:
-            process = self._start()
+        if process is not None and process.poll() is not None:
+            self._end_process()  # (its pipes closed)
+            process = None
+        if process is None:
+            with self._lock:
+                if self._stopping:
+                    return None
+                process = self._start()
         assert process.stdin is not None and process.stdout is not None
+        ready: list[Any] = []
         try:
             process.stdin.write((json.dumps(job) + "\n").encode())
             process.stdin.flush()
@@ -360,6 +416,8 @@ class OptimizedModels:
             line = b""
         if not line:
             self._end_process()
+            if ready and not self._stopping:  # it ended on this job (exited, or crashed)
+                return {"ok": False, "error": f"the optimizer process {exit_cause(process.returncode)}"}
             return None
         try:
             answer = json.loads(line)
@@ -434,6 +492,8 @@ def _start() -> OptimizedModels | None:
     if settings.get(CACHE, "0").strip().lower() not in _TRUE or SERVER.cache_dir is None:
         return None
     budget = int(settings.get(CACHE_SIZE, str(DEFAULT_CACHE_BYTES)) or 0)
+    if budget <= 0:
+        return None
     root = SERVER.cache_dir / "onnxruntime-optimized" / machine_key()
     logger.info(
         "onnxruntime: optimized graphs kept in %s (at most %d bytes; "
@@ -441,3 +501,9 @@ def _start() -> OptimizedModels | None:
         root, budget, CACHE,
     )  # fmt: skip
     return OptimizedModels(root, budget)
+
+
+def stop() -> None:
+    """End this process's optimizer, if it has one (the server stopping)."""
+    if _decided and _decided[0] is not None:
+        _decided[0].stop()

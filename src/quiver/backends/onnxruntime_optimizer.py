@@ -5,7 +5,9 @@ whose optimized graph is not kept yet; it runs at the CPU's idle priority (``SCH
 else nice 19), so it takes a core only when nothing else wants one. It reads
 one job a line on standard input (JSON: ``source``, ``target``, ``temporary``, ``level``),
 creates an ONNX Runtime session of ``source`` at ``level`` with ONNX Runtime's
-``optimized_model_filepath`` set to ``temporary``, renames that file to ``target``, and answers one line (JSON: ``ok``, and
+``optimized_model_filepath`` set to ``temporary`` (in an empty folder of its own), opens that
+copy without optimizations (so a graph naming external data files, which are not beside it,
+is not kept), renames it to ``target``, and answers one line (JSON: ``ok``, and
 ``error`` when not). It ends at the end of its input, and with the server
 (``PR_SET_PDEATHSIG``).
 
@@ -50,7 +52,13 @@ def _optimize(ort: Any, job: dict[str, Any]) -> None:
     options.optimized_model_filepath = temporary
     try:
         ort.InferenceSession(str(job["source"]), sess_options=options, providers=["CPUExecutionProvider"])
-        os.replace(temporary, str(job["target"]))  # (a copy that does not open is deleted by the server)
+        check = ort.SessionOptions()  # the copy opens on its own: in its empty folder, a graph
+        check.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # that names
+        check.intra_op_num_threads = 1  # external data files fails here, and is not kept
+        check.inter_op_num_threads = 1
+        check.log_severity_level = 3
+        ort.InferenceSession(temporary, sess_options=check, providers=["CPUExecutionProvider"])
+        os.replace(temporary, str(job["target"]))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
@@ -64,6 +72,8 @@ def main() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     with contextlib.suppress(OSError):
         os.nice(19)
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as file:
+        file.write("1000")  # out of memory, this goes before the server
     import onnxruntime as ort
 
     for line in sys.stdin:

@@ -15,14 +15,13 @@ import contextlib
 import itertools
 import logging
 import os
-import signal
 import subprocess
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from quiver.backends.base import ModelFiles
+from quiver.backends.base import ModelFiles, exit_cause
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_settings import PythonSettings
 from quiver.config import ModelConfig
@@ -76,18 +75,6 @@ def _stop_all() -> None:
     for process in processes:
         with contextlib.suppress(OSError):
             process.kill()
-
-
-def exit_cause(returncode: int | None) -> str:
-    if returncode is None:
-        return "stopped answering"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name}"
-    return f"exited with code {returncode}"
 
 
 def uss_bytes(pid: int) -> int:

@@ -27,14 +27,20 @@ from functools import partial
 from threading import get_ident
 from typing import Any
 
-from quiver.backends.base import SERVER, ExecuteResult, ExecutionTiming, InstanceSpec, ModelFiles
+from quiver.backends.base import (
+    SERVER,
+    ExecuteResult,
+    ExecutionTiming,
+    InstanceSpec,
+    ModelFiles,
+    exit_cause,
+)
 from quiver.backends.python_convert import request_fields
 from quiver.backends.python_env import PythonEnv
 from quiver.backends.python_outputs import OutputCheck
 from quiver.backends.python_process import (
     Batch,
     Worker,
-    exit_cause,
     log_message,
     start_worker,
     uss_bytes,

@@ -38,6 +38,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from quiver import messages
 from quiver.backends.base import INLINE_THRESHOLD_NS, SERVER
+from quiver.backends.onnxruntime_optimized import stop as stop_optimizer
 from quiver.config import parse_model_config_json
 from quiver.ensemble.scheduler import InferFn
 from quiver.errors import (
@@ -191,6 +192,7 @@ class ModelRepositoryManager:
         # the requests waiting for a load go on as soon as its model is READY (flights.land)
         self._table.add_listener(self._landed)
         self._poll_task: asyncio.Task[None] | None = None
+        self._idle_ns: Callable[[], int] | None = None  # what start gave SERVER.idle_ns
         #: on_demand: the local model folders' configurations read while idle (read_ahead.py)
         self._read_ahead = (
             ReadAhead(
@@ -240,7 +242,7 @@ class ModelRepositoryManager:
         SERVER.thread = threading.get_ident()
         SERVER.health = self._table.set_health
         activity, clock = self.admission.activity, self._clock
-        SERVER.idle_ns = lambda: clock.now() - activity.last
+        self._idle_ns = SERVER.idle_ns = lambda: clock.now() - activity.last
         if self.on_demand and self._watch_folders and self.admission.watch is None:
             # misses of local folders unchanged since their last walk walk nothing (watch.py)
             self.admission.watch = FolderWatch(self._local_roots)
@@ -562,4 +564,7 @@ class ModelRepositoryManager:
             self.admission.watch.close()
         await self._sources.close()
         self._pool.shutdown()
+        if SERVER.idle_ns is self._idle_ns:
+            SERVER.idle_ns = None
+        stop_optimizer()
 

@@ -9,16 +9,17 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from quiver.backends import onnxruntime_optimized as om
 from quiver.backends.base import SERVER
-from support.models import make_model
+from support.models import add_constant_onnx, make_model
 
 
 def foldable_onnx(value: float) -> onnx.ModelProto:
@@ -44,9 +45,14 @@ def run(path: str, optimize: bool = True) -> np.ndarray:
     return np.asarray(session.run(None, {"INPUT0": np.arange(8, dtype=np.float32).reshape(2, 4)})[0])
 
 
+def quiet(tmp_path: Path, **options: Any) -> om.OptimizedModels:
+    """Copies under ``tmp_path``, for a server that is always between requests."""
+    return om.OptimizedModels(tmp_path / "optimized", idle_ns=lambda: 10**9, **options)
+
+
 @pytest.fixture
 def kept(tmp_path: Path) -> Iterator[om.OptimizedModels]:
-    models = om.OptimizedModels(tmp_path / "optimized", budget=1 << 20)
+    models = quiet(tmp_path, budget=1 << 20)
     yield models
     models.stop()
 
@@ -84,9 +90,14 @@ def test_the_key_is_the_file_and_the_level(kept: om.OptimizedModels, tmp_path: P
     first = kept.key(source, "all")
     assert first == kept.key(source, "all")
     assert first != kept.key(source, "basic")
-    os.unlink(source)  # rewritten: a new file (inode, times) at the same path
+    os.rename(source, tmp_path / "old.onnx")  # replaced: another file at the same path
     write(tmp_path, "m", foldable_onnx(1.0))
     assert kept.key(source, "all") != first
+    model = foldable_onnx(1.0)
+    model.doc_string = "rewritten in place"
+    with open(source, "r+b") as file:  # rewritten in place: same inode, other size and times
+        file.write(model.SerializeToString())
+    assert kept.key(source, "all") not in (first, None)
     assert kept.key(str(tmp_path / "missing.onnx"), "all") is None
     assert kept.key(str(tmp_path), "all") is None  # not a regular file
 
@@ -118,7 +129,7 @@ def test_a_file_the_optimizer_fails_on_is_not_tried_again(kept: om.OptimizedMode
 
 
 def test_copies_stay_within_the_budget_least_recently_used_first(tmp_path: Path) -> None:
-    kept = om.OptimizedModels(tmp_path / "optimized")
+    kept = quiet(tmp_path)
     try:
         sources = [write(tmp_path, f"m{i}", foldable_onnx(float(i))) for i in range(3)]
         keys = [optimized(kept, s)[0] for s in sources[:2]]
@@ -135,7 +146,7 @@ def test_copies_stay_within_the_budget_least_recently_used_first(tmp_path: Path)
 
 def test_a_server_finds_the_copies_of_the_one_before(tmp_path: Path) -> None:
     source = write(tmp_path, "m", foldable_onnx(1.0))
-    first = om.OptimizedModels(tmp_path / "optimized")
+    first = quiet(tmp_path)
     try:
         key, _copy = optimized(first, source)
     finally:
@@ -143,7 +154,7 @@ def test_a_server_finds_the_copies_of_the_one_before(tmp_path: Path) -> None:
     stale = first.root / ".tmp-1-left-by-a-killed-server.onnx"
     stale.write_bytes(b"x")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
-    second = om.OptimizedModels(tmp_path / "optimized")
+    second = quiet(tmp_path)
     try:
         assert second.find(key) is not None
         other = write(tmp_path, "other", foldable_onnx(2.0))
@@ -176,7 +187,7 @@ def test_an_optimizer_that_dies_or_hangs_costs_only_that_file(tmp_path: Path, sc
     python = tmp_path / "python"
     python.write_text(f"#!/bin/sh\n{script}\n")
     python.chmod(0o755)
-    kept = om.OptimizedModels(tmp_path / "optimized", python=str(python), timeout_seconds=timeout)
+    kept = quiet(tmp_path, python=str(python), timeout_seconds=timeout)
     try:
         source = write(tmp_path, "m", foldable_onnx(1.0))
         key = kept.key(source, "all")
@@ -185,6 +196,10 @@ def test_an_optimizer_that_dies_or_hangs_costs_only_that_file(tmp_path: Path, sc
         kept.submit(source, "all", key)
         assert kept.wait_idle(30)
         assert time.monotonic() - started < 20
+        if script.startswith("exec sleep"):  # no answer in time: once may be a starved CPU
+            assert kept.failures == 0
+            kept.submit(source, "all", key)
+            assert kept.wait_idle(30)
         assert kept.find(key) is None and kept.failures == 1 and kept.made == 0
         assert [p.name for p in kept.root.iterdir()] == []
         kept.submit(source, "all", key)
@@ -204,9 +219,66 @@ def test_a_job_waits_for_a_lull_between_requests(tmp_path: Path) -> None:
         assert key is not None
         kept.submit(source, "all", key)
         assert not kept.wait_idle(1.0)  # busy: still waiting
-        assert kept.made == 0 and kept.find(key) is None
+        assert kept.made == 0 and kept.find(key) is None and kept._process is None  # not even started
         released.append(True)
         assert kept.wait_idle(60)
         assert kept.find(key) is not None
     finally:
         kept.stop()
+
+
+def test_a_copy_larger_than_the_budget_is_not_kept_nor_made_again(tmp_path: Path) -> None:
+    kept = quiet(tmp_path, budget=10)
+    try:
+        source = write(tmp_path, "m", foldable_onnx(1.0))
+        key = kept.key(source, "all")
+        assert key is not None
+        kept.submit(source, "all", key)
+        assert kept.wait_idle(60)
+        assert kept.find(key) is None and kept.failures == 1
+        kept.submit(source, "all", key)
+        assert kept.wait_idle(60) and kept.failures == 1 and kept.made == 0
+    finally:
+        kept.stop()
+
+
+def test_a_graph_that_names_external_data_is_not_kept(kept: om.OptimizedModels, tmp_path: Path) -> None:
+    """Its copy would look for the data beside itself, among the cache's files: it is opened
+    in an empty folder of its own first, fails there, and is not kept."""
+    model = add_constant_onnx(1.0)  # (nothing to fold: the graph keeps naming its weights)
+    for tensor in model.graph.initializer:  # as raw bytes, which go to the external file
+        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
+    folder = tmp_path / "external"
+    folder.mkdir()
+    onnx.save(model, str(folder / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights.bin", size_threshold=0)  # fmt: skip
+    assert (folder / "weights.bin").exists()
+    run(str(folder / "model.onnx"))  # the model itself is fine
+    source = str(folder / "model.onnx")
+    key = kept.key(source, "all")
+    assert key is not None
+    kept.submit(source, "all", key)
+    assert kept.wait_idle(60)
+    assert kept.find(key) is None and kept.failures == 1
+    assert [p.name for p in kept.root.iterdir()] == []
+
+
+def test_stop_ends_an_optimizer_that_hangs_at_once(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexec sleep 60\n")
+    python.chmod(0o755)
+    kept = quiet(tmp_path, python=str(python))
+    source = write(tmp_path, "m", foldable_onnx(1.0))
+    key = kept.key(source, "all")
+    assert key is not None
+    kept.submit(source, "all", key)
+    deadline = time.monotonic() + 10
+    while kept._process is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process = kept._process
+    assert process is not None
+    started = time.monotonic()
+    kept.stop()
+    assert time.monotonic() - started < 5
+    assert process.poll() is not None and kept._process is None and kept._thread is None
+    assert kept.failures == 0  # stopped, not failed

@@ -9,13 +9,14 @@ import sys
 import uuid
 
 from quiver.backends import python_process
+from quiver.backends.base import exit_cause
 from quiver.ipc.shm import SHM_DIR
 
 
 def test_exit_causes_name_the_code_or_the_signal() -> None:
-    assert python_process.exit_cause(1) == "exited with code 1"
-    assert python_process.exit_cause(-11) == "was killed by SIGSEGV"
-    assert python_process.exit_cause(-9) == "was killed by SIGKILL"
+    assert exit_cause(1) == "exited with code 1"
+    assert exit_cause(-11) == "was killed by SIGSEGV"
+    assert exit_cause(-9) == "was killed by SIGKILL"
 
 
 def test_uss_counts_a_process_private_memory() -> None:

@@ -298,7 +298,6 @@ def test_the_folders_other_parts_keep_there_are_left_alone(repo: Path, tmp_path:
         await cache.close()
 
     run(main())
-    assert {"python-envs", "python-worker", "onnxruntime-optimized"} <= CACHE_FOLDERS
 
 
 CRASH_SCRIPT = """
