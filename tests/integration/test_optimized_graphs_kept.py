@@ -8,12 +8,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import tritonclient.http as httpclient
-from onnx import TensorProto, helper
 
-from support.models import make_model, write_onnx
+from support.models import foldable_onnx, write_onnx
 from support.server import QuiverServer
 
 CONFIG = """
@@ -26,25 +24,11 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }} ]
 OPENED = "opened its optimized graph"
 
 
-def foldable(value: float) -> onnx.ModelProto:
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["C", "D"], ["CD"]), helper.make_node("Add", ["INPUT0", "CD"], ["OUTPUT0"])],
-        "foldable",
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])],
-        initializer=[
-            helper.make_tensor("C", TensorProto.FLOAT, [1], [value]),
-            helper.make_tensor("D", TensorProto.FLOAT, [1], [2.0]),
-        ],
-    )
-    return make_model(graph)
-
-
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
     repo = tmp_path / "models"
     for i in range(2):
-        write_onnx(repo, f"m{i}", foldable(float(i + 1)), CONFIG.format(name=f"m{i}"))
+        write_onnx(repo, f"m{i}", foldable_onnx(float(i + 1)), CONFIG.format(name=f"m{i}"))
     return repo
 
 

@@ -65,6 +65,22 @@ def add_constant_onnx(value: float, features: int = 4) -> onnx.ModelProto:
     return make_model(graph)
 
 
+def foldable_onnx(value: float) -> onnx.ModelProto:
+    """FP32[batch, 4] -> INPUT0 + value * 2, the product a Mul of two constants: a graph that
+    ONNX Runtime's optimizations change (the Mul is folded away)."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["C", "D"], ["CD"]), helper.make_node("Add", ["INPUT0", "CD"], ["OUTPUT0"])],
+        "foldable",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])],
+        initializer=[
+            helper.make_tensor("C", TensorProto.FLOAT, [1], [value]),
+            helper.make_tensor("D", TensorProto.FLOAT, [1], [2.0]),
+        ],
+    )
+    return make_model(graph)
+
+
 def write_onnx(repo: Path, name: str, model: onnx.ModelProto, config: str | None, version: int = 1) -> Path:
     folder = repo / name
     (folder / str(version)).mkdir(parents=True, exist_ok=True)

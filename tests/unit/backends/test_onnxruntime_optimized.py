@@ -15,26 +15,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 from quiver.backends import onnxruntime_optimized as om
 from quiver.backends.base import SERVER
-from support.models import add_constant_onnx, make_model
-
-
-def foldable_onnx(value: float) -> onnx.ModelProto:
-    """OUTPUT0 = INPUT0 + (C * D): the Mul of two constants is folded away when optimized."""
-    graph = helper.make_graph(
-        [helper.make_node("Mul", ["C", "D"], ["CD"]), helper.make_node("Add", ["INPUT0", "CD"], ["OUTPUT0"])],
-        "foldable",
-        [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])],
-        initializer=[
-            helper.make_tensor("C", TensorProto.FLOAT, [1], [value]),
-            helper.make_tensor("D", TensorProto.FLOAT, [1], [2.0]),
-        ],
-    )
-    return make_model(graph)
+from support.models import add_constant_onnx, foldable_onnx
 
 
 def run(path: str, optimize: bool = True) -> np.ndarray:
