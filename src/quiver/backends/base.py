@@ -273,6 +273,7 @@ def exit_cause(returncode: int | None) -> str:
         return f"was killed by {name}"
     return f"exited with code {returncode}"
 
+
 #: Folders the backends keep under the model cache (:attr:`ServerContext.cache_dir`), which the
 #: disk cache, in the same folder, leaves alone: packed Python environments unpacked
 #: (:mod:`.python_env`), the Python worker's modules, ONNX Runtime's optimized graphs

@@ -375,7 +375,8 @@ class OnnxRuntimeBackend:
                     spec.name,
                 )
         kept = optimized_models() if len(providers) == 1 else None  # CPU sessions only
-        key = kept.key(str(path), _level_name(config)) if kept is not None else None
+        level = _level_name(config)
+        key = kept.key(str(path), level) if kept is not None else None
         session = None
         if kept is not None and key is not None:
             copy = kept.find(key)
@@ -393,7 +394,7 @@ class OnnxRuntimeBackend:
         if session is None:
             session = self._open_own(config, files, path, providers)
             if kept is not None and key is not None:
-                kept.submit(str(path), _level_name(config), key)
+                kept.submit(str(path), level, key)
         _check_io_once(config, session, str(path))
         return OnnxInstance(config, session, f"{config.name}_{files.version}_{spec.name}")
 

@@ -258,22 +258,18 @@ class OptimizedModels:
             time.sleep(POLL_SECONDS)
             now = time.monotonic()
             with self._lock:
-                if self._stopping:
-                    self._thread = None
+                stopping = self._stopping
+                if stopping:
                     self._jobs.clear()
                     self._pending.clear()
                     self._idle_event.set()
-                    stopping = True
-                else:
-                    stopping = False
-            if stopping:
+                job = self._jobs[0] if self._jobs else None
+                done = stopping or (job is None and self._process is None and now - last_work > self._idle)
+                if done:
+                    self._thread = None  # a later submit starts another
+            if done:
                 self._end_process()
                 return
-            with self._lock:
-                job = self._jobs[0] if self._jobs else None
-                if job is None and self._process is None and now - last_work > self._idle:
-                    self._thread = None  # a later submit starts another
-                    return
             if job is None:
                 if self._process is not None and now - last_work > self._idle:
                     self._end_process()
