@@ -6,7 +6,11 @@ in-process=true``, the model's ``EXECUTE_ON_EVENT_LOOP`` fast path) and in Trito
 Three measurements:
 
 - **over the wire**: ``benchmarks/loadgen.py`` trials (HTTP with the binary extension, gRPC) at
-  each concurrency, against each server started in turn; latency percentiles and throughput;
+  each concurrency, against each server started in turn; latency percentiles and throughput,
+  the CPU per request of the server and of its model's process, and the time per request inside
+  the server's inference core from each server's own statistics (``/v2/models/tiny/stats``:
+  scheduler, hand-over and round trip to the model's process, without the HTTP or gRPC frontend,
+  whose speed differs between the servers for reasons of its own);
 - **placed alike**: HTTP binary at concurrency 1 and paced with Quiver's worker and Triton's stub
   each placed on the vCPUs the same way (``--placements``, ``--repeat`` rounds taken in turn): left
   to itself the scheduler puts a worker on its server's vCPU or on another one, run by run, and
@@ -29,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -119,19 +125,65 @@ def _place(server_pid: int, placement: str, cpus: list[int]) -> None:
     _pin(os.getpid(), second)
 
 
+#: The statistics extension's counters read around a trial: (section, field) of ``inference_stats``.
+_STATS = (("success", "count"), ("success", "ns"), ("queue", "ns"), ("compute_input", "ns"),
+          ("compute_infer", "ns"), ("compute_output", "ns"))
+
+
+def _model_stats(http: str | None) -> dict[str, int]:
+    """The tiny model's cumulative inference statistics (``GET /v2/models/tiny/stats``, the same
+    extension on both servers); empty if they cannot be read."""
+    if http is None:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{http}/v2/models/{tiny.MODEL}/stats", timeout=5) as response:
+            body = json.loads(response.read())
+        stats = body["model_stats"][0]["inference_stats"]
+        return {f"{section}.{field}": int(stats[section][field]) for section, field in _STATS}
+    except (OSError, ValueError, LookupError, TypeError):
+        return {}
+
+
+def _core_times(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """Per request over a trial, from the statistics: the time inside the server's inference core
+    (``success``: from the model's scheduler taking the request to its answer, the frontend
+    excluded), its queue part, and its compute part (input + infer + output: for Triton's Python
+    backend, from the requests saved to the stub's shared memory through the stub's answer read
+    back; for Quiver's worker, from the inputs written to its pool through the answer read back,
+    less a wait in the worker behind another request), in us."""
+    if not before or not after:
+        return {}
+    count = after["success.count"] - before["success.count"]
+    if count <= 0:
+        return {}
+
+    def per(*keys: str) -> float:
+        return sum(after[k] - before[k] for k in keys) / count / 1000
+
+    return {"core_us": per("success.ns"), "queue_us": per("queue.ns"),
+            "compute_us": per("compute_input.ns", "compute_infer.ns", "compute_output.ns")}
+
+
 def _trial(
     name: str, endpoints: Any, encoding: str, concurrency: int, rate: float | None, args: argparse.Namespace,
     **extra: Any,
 ) -> dict[str, Any]:
-    """One loadgen trial, with the CPU per request of the server's process and of its workers."""
+    """One loadgen trial, with the CPU per request of the server's process and of its workers,
+    and the time per request inside the server's inference core (its statistics)."""
     marks: dict[str, float] = {}
+    stats: dict[str, dict[str, int]] = {}
+
+    def mark(when: str) -> None:
+        stats[when] = _model_stats(endpoints.http)
+        marks[when] = _children_cpu(endpoints.pid)  # after the statistics: their CPU is outside
+
     result = loadgen.run_trial(
         *endpoints.address(encoding), encoding, concurrency, args.warmup, args.duration, _payload(),
         server_pid=endpoints.pid, progress=None, rate=rate,
-        on_begin=lambda: marks.__setitem__("begin", _children_cpu(endpoints.pid)),
-        on_end=lambda: marks.__setitem__("end", _children_cpu(endpoints.pid)),
+        on_begin=lambda: mark("begin"), on_end=lambda: mark("end"),
     )
     row = {"server": name, **result.to_dict(), "rate": rate, **extra}
+    row.update(_core_times(stats.get("begin", {}), stats.get("end", {})))
     # CPU per request over the measured window: the server's process, its workers
     if result.requests and result.server_cpu_s is not None:
         children = max(0.0, marks.get("end", 0.0) - marks.get("begin", 0.0))
@@ -291,15 +343,27 @@ def markdown(report: dict[str, Any]) -> str:
         "depends on how long it sleeps between two (waking a sleeping process is most of a tiny "
         "model's cost), so that row compares the servers at equal gaps.",
         "",
-        "| server | encoding | concurrency | req/s | p50 ms | p99 ms | server CPU us/req | worker CPU us/req | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "In the server's core: the mean time per request from the model's scheduler taking it to its "
+        "answer (the statistics extension's `success`, read before and after the window on each server: "
+        "the frontend, HTTP or gRPC, is outside it), and its queue and compute parts. Compute is the round "
+        "trip to the model's process: Triton's from the requests saved to the stub's shared memory through "
+        "the stub's answer read back (the hand-over to its backend thread is queue time), Quiver's from the "
+        "inputs written to the worker's pool through its answer read back (a request that waited in the "
+        "worker behind another counts that wait as queue time).",
+        "",
+        "| server | encoding | concurrency | req/s | p50 ms | p99 ms | server CPU us/req | worker CPU us/req "
+        "| in the core us/req (queue / compute) | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["trials"]:
         paced = f" at {row['rate']:g}/s" if row.get("rate") else ""
+        core = (f"{row['core_us']:.0f} ({row['queue_us']:.0f} / {row['compute_us']:.0f})"
+                if row.get("core_us") is not None else "-")
         lines.append(
             f"| {row['server']} | {row['encoding']} | {row['concurrency']}{paced} | {row['req_per_s']:.0f} | "
             f"{common.dash(row['p50_ms'], '.3f')} | {common.dash(row['p99_ms'], '.3f')} | "
-            f"{common.dash(row.get('server_cpu_us'), '.0f')} | {common.dash(row.get('worker_cpu_us'), '.0f')} | {row['errors']} |"
+            f"{common.dash(row.get('server_cpu_us'), '.0f')} | {common.dash(row.get('worker_cpu_us'), '.0f')} | "
+            f"{core} | {row['errors']} |"
         )
     if report.get("triton_error"):
         lines += ["", f"Triton did not run: {report['triton_error']}"]
@@ -312,12 +376,17 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{pressure['before']}, after: {pressure['after']}."]
     ratios = report.get("ratios") or []
     if ratios:
-        lines += ["", "p50 latency, Quiver's worker over Triton's stub (same run; below 1 is faster):", ""]
-        lines += ["| worker | encoding | concurrency | / triton | / quiver in-process |",
-                  "|---|---|---:|---:|---:|"]
+        lines += ["", "Quiver's worker over Triton's stub, same run (below 1: Quiver's is lower): p50 latency, "
+                      "time in the core, worker (stub) CPU per request; and p50 over Quiver in-process:", ""]
+        lines += ["| worker | encoding | concurrency | p50 / triton | in the core / triton | worker CPU / stub CPU "
+                  "| p50 / quiver in-process |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
         for r in ratios:
-            lines.append(f"| {r.get('server', 'quiver worker')} | {r['encoding']} | {r['concurrency']} | "
-                         f"{common.dash(r['vs_triton'], '.2f')} | {common.dash(r['vs_in_process'], '.2f')} |")
+            paced = f" at {r['rate']:g}/s" if r.get("rate") else ""
+            lines.append(f"| {r.get('server', 'quiver worker')} | {r['encoding']} | {r['concurrency']}{paced} | "
+                         f"{common.dash(r['vs_triton'], '.2f')} | {common.dash(r.get('core_vs_triton'), '.2f')} | "
+                         f"{common.dash(r.get('worker_cpu_vs_triton'), '.2f')} | "
+                         f"{common.dash(r['vs_in_process'], '.2f')} |")
     summary = report.get("placed_summary") or []
     if summary:
         rounds = report["settings"].get("repeat")
@@ -380,23 +449,32 @@ def _placed_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _ratios(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    def p50(server: str, encoding: str, concurrency: int) -> float | None:
+    """Each Quiver worker row against Triton's and the in-process row of the same encoding,
+    concurrency and pacing: p50, time in the core, and worker (stub) CPU per request."""
+    def peer(server: str, like: dict[str, Any]) -> dict[str, Any] | None:
         for row in trials:
-            if (row["server"].startswith(server) and row["encoding"] == encoding
-                    and row["concurrency"] == concurrency and not row.get("rate")):
-                return row["p50_ms"]  # type: ignore[no-any-return]
+            if (row["server"].startswith(server) and row["encoding"] == like["encoding"]
+                    and row["concurrency"] == like["concurrency"] and row.get("rate") == like.get("rate")):
+                return row
         return None
+
+    def ratio(mine: dict[str, Any], other: dict[str, Any] | None, key: str) -> float | None:
+        if other is None or not mine.get(key) or not other.get(key):
+            return None
+        return float(mine[key]) / float(other[key])
 
     out = []
     for row in trials:
-        if row["server"] not in ("quiver worker", BASELINE, UNGATED, SPINNING) or row.get("rate"):
+        if row["server"] not in ("quiver worker", BASELINE, UNGATED, SPINNING):
             continue
-        key = (row["encoding"], row["concurrency"])
-        triton, inproc = p50("triton", *key), p50("quiver in-process", *key)
+        triton, inproc = peer("triton", row), peer("quiver in-process", row)
         out.append({
-            "server": row["server"], "encoding": key[0], "concurrency": key[1],
-            "vs_triton": row["p50_ms"] / triton if triton and row["p50_ms"] else None,
-            "vs_in_process": row["p50_ms"] / inproc if inproc and row["p50_ms"] else None,
+            "server": row["server"], "encoding": row["encoding"], "concurrency": row["concurrency"],
+            "rate": row.get("rate"),
+            "vs_triton": ratio(row, triton, "p50_ms"),
+            "vs_in_process": ratio(row, inproc, "p50_ms"),
+            "core_vs_triton": ratio(row, triton, "core_us"),
+            "worker_cpu_vs_triton": ratio(row, triton, "worker_cpu_us"),
         })
     return out
 
