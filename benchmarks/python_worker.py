@@ -62,6 +62,9 @@ BASELINE = "quiver worker, baseline"
 UNGATED = "quiver worker, spin ungated"
 #: The server's spin for a worker's answer whatever the machine's CPU pressure (``--ungated``).
 UNGATED_FLAG = "--backend-config=python,answer-spin-pressure=100"
+NO_ANSWER_SPIN = "quiver worker, no answer spin"
+#: The server's event loop sleeps while its worker runs (``--no-answer-spin``).
+NO_ANSWER_SPIN_FLAG = "--backend-config=python,answer-spin-microseconds=0"
 PLACEMENTS = ("same", "split")
 
 
@@ -465,7 +468,7 @@ def _ratios(trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for row in trials:
-        if row["server"] not in ("quiver worker", BASELINE, UNGATED, SPINNING):
+        if row["server"] not in ("quiver worker", BASELINE, UNGATED, SPINNING, NO_ANSWER_SPIN):
             continue
         triton, inproc = peer("triton", row), peer("quiver in-process", row)
         out.append({
@@ -506,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ungated", action="store_true",
                         help="also Quiver's worker with the server's answer spin whatever the CPU pressure "
                              "(answer-spin-pressure=100), in the wire trials and every placed round")
+    parser.add_argument("--no-answer-spin", action="store_true",
+                        help="also Quiver's worker with the server's answer spin off (answer-spin-microseconds=0), "
+                             "in the wire trials: what the spin costs the server and buys the latency")
     parser.add_argument("--no-in-process", action="store_true", help="skip the in-process server")
     parser.add_argument("--no-hop", action="store_true", help="skip the hop measurement")
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
@@ -524,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         trials += _quiver(BASELINE, (), args, src=args.baseline)
     if args.ungated:
         trials += _quiver(UNGATED, (UNGATED_FLAG,), args)
+    if args.no_answer_spin:
+        trials += _quiver(NO_ANSWER_SPIN, (NO_ANSWER_SPIN_FLAG,), args)
     if args.spin_us:
         trials += _quiver(SPINNING, (f"--backend-config=python,spin-microseconds={args.spin_us}",), args)
     if not args.no_in_process:
@@ -540,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                      "encodings": args.encodings, "spin_us": args.spin_us, "rate": args.rate,
                      "placements": args.placements, "repeat": args.repeat,
                      "baseline": str(args.baseline) if args.baseline else None, "ungated": args.ungated,
+                     "no_answer_spin": args.no_answer_spin,
                      "cpu_pressure": {"before": pressure_before, "after": cpu_pressure()}},
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "trials": trials,

@@ -122,3 +122,38 @@ def test_no_spin_for_a_worker_on_the_loops_own_cpu(monkeypatch: pytest.MonkeyPat
         assert len(loop._ready) == scheduled + 1  # type: ignore[attr-defined]
     finally:
         loop.close()
+
+
+def _one(spin: AnswerSpin, loop: asyncio.AbstractEventLoop, spun_s: float, slept_s: float) -> bool:
+    """One batch after an idle gap: whether the loop spun for it; its answer took ``spun_s`` if
+    it did, else ``slept_s``."""
+    time.sleep(0.0002)  # the loop idle since the last answer
+    ready = loop._ready  # type: ignore[attr-defined]
+    scheduled = len(ready)
+    spin.wait(loop, loop.create_future(), True)
+    spun = len(ready) > scheduled
+    ready.clear()
+    spin.finished(time.monotonic_ns() - int((spun_s if spun else slept_s) * 1e9))
+    return spun
+
+
+def test_spinning_stops_while_it_does_not_pay_and_comes_back_when_it_does() -> None:
+    """On a machine where spinning brings the answer no sooner (a host taking the vCPUs away),
+    the loop sleeps but for one batch in eight, which keeps measuring the spin; once spun
+    answers come sooner again, it spins for seven in eight, the eighth measuring the sleep."""
+    spin = AnswerSpin(300e-6)
+    _quick(spin)
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(40):  # spinning saves nothing: 100 us either way
+            _one(spin, loop, 100e-6, 100e-6)
+        assert not spin.pays()
+        spun = sum(_one(spin, loop, 100e-6, 100e-6) for _ in range(64))
+        assert spun == 8  # the samples only
+        for _ in range(80):  # now a spun answer takes 60 us, a slept one 120 us
+            _one(spin, loop, 60e-6, 120e-6)
+        assert spin.pays()
+        spun = sum(_one(spin, loop, 60e-6, 120e-6) for _ in range(64))
+        assert spun == 56  # all but the samples of the sleep
+    finally:
+        loop.close()
