@@ -263,8 +263,8 @@ def install_probe(fine: bool) -> None:
 
     options = onnxruntime._session_options
 
-    def options_recorded(config: Any) -> Any:
-        made = options(config)
+    def options_recorded(*args: Any, **kwargs: Any) -> Any:
+        made = options(*args, **kwargs)
         if not OPTIONS:
             OPTIONS.update(session_options(made))
         return made
