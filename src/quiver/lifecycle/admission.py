@@ -52,6 +52,7 @@ from quiver.lifecycle.memory import (
     Prediction,
     SizePredictor,
     fix_mmap_threshold,
+    limit_arenas,
 )
 from quiver.lifecycle.model import Model
 from quiver.lifecycle.pins import Pins
@@ -128,6 +129,7 @@ class AdmissionControl:
         self.gate.budget = self.budget
         if self.budget is not None:
             fix_mmap_threshold()  # RSS deltas that belong to one load (lifecycle.memory)
+            limit_arenas()  # cheaper heap readings (lifecycle.memory)
         self._frameworks: dict[str, int] = {}  # framework -> its one-time bytes, measured once
         #: Configurations read and prepared once per version of a model's files (the loads share it).
         self.configs = ConfigCache()

@@ -34,7 +34,8 @@ nothing behind.
 Two measurements follow. **By the heap** (``MemoryMeter.measure(load, heap=True)``, for the
 frameworks in :data:`quiver.lifecycle.frameworks.HEAP_ALLOCATING`): the growth of
 ``uordblks + hblkhd`` of glibc's ``mallinfo2()`` (bytes handed out by every arena, plus blocks
-mapped on their own), read in about a microsecond; freed temporaries are not in use, so no
+mapped on their own), read in about a microsecond in a fresh process and in 60-150 us in one
+whose arenas a thousand loads fragmented (:func:`limit_arenas`); freed temporaries are not in use, so no
 trim is needed. It cannot see memory that does not come from ``malloc``: Python objects
 (pymalloc maps its own arenas), files a framework maps instead of reading, shared libraries
 paged in; hence it is used only for frameworks checked to allocate from the heap, and a model
@@ -44,7 +45,7 @@ glibc before 2.33): RSS growth with ``malloc_trim`` before and after (glibc only
 no-op), which turns a noisy transient into the retained footprint (no full garbage
 collection: see :func:`release_free_memory`). The two trims cost 0.1-0.3 ms per load on a
 server with a hundred models loaded, a third of a small model's whole miss; the heap reading
-costs nothing measurable.
+costs a fraction of that.
 
 Measured on this machine (2 cores, glibc 2.36, onnxruntime 1.32 CPU with the global thread
 pools the server uses, torch 2.13 CPU; MatMul chains of 1024x1024 FP32 weights and
@@ -135,6 +136,7 @@ __all__ = [
     "gpu_memory_info",
     "gpu_memory_used",
     "heap_in_use",
+    "limit_arenas",
     "release_free_memory",
 ]
 
@@ -169,6 +171,7 @@ def _load_libc_function(name: str) -> Callable[..., int] | None:
 _MALLOC_TRIM = _load_libc_function("malloc_trim")
 _MALLOPT = _load_libc_function("mallopt")
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 class _MallInfo2(ctypes.Structure):
@@ -221,6 +224,28 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     if _MALLOPT is None:
         return False
     return bool(_MALLOPT(_M_MMAP_THRESHOLD, int(threshold)))
+
+
+def limit_arenas(count: int | None = None) -> bool:
+    """At most ``count`` glibc malloc arenas in this process (default: the CPUs it may run on),
+    against glibc's default of 8 per core; unless ``MALLOC_ARENA_MAX`` is set in the
+    environment, which glibc applied already and which wins. Returns whether it was set.
+
+    Why, under a budget: reading the heap (:data:`heap_in_use`, ``mallinfo2``) locks every
+    arena and walks its free lists, so it costs in proportion to the arenas and to how
+    fragmented they are. In a server that has loaded and unloaded a thousand models, one
+    reading took 150 us at the median on a model's first load (``benchmarks.miss_timeline
+    --fine``, 2026-12-08), against 60 us with 2 arenas on this 2-core machine; a measured load
+    reads it twice. Fewer arenas also keep fewer freed pages apart, the usual advice for
+    long-running Python servers. Threads share an arena when there are more threads than
+    arenas; ONNX Runtime and torch allocate tensors from their own pools, so the lock is rarely
+    contended. Arenas made before the call stay; the admission sets it as the server starts,
+    before its load threads exist."""
+    if _MALLOPT is None or os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    if count is None:
+        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return bool(_MALLOPT(_M_ARENA_MAX, max(1, int(count))))
 
 
 def release_free_memory() -> None:

@@ -3,6 +3,9 @@ one measured test (the budget's ledger is tested in test_budget.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +23,7 @@ from quiver.lifecycle.memory import (
     TrimSchedule,
     gpu_memory_used,
     heap_in_use,
+    limit_arenas,
 )
 
 MB = 1 << 20
@@ -301,3 +305,50 @@ def test_unloads_trim_the_heap_once_enough_was_freed() -> None:
     assert [trims.freed(4), trims.freed(4), trims.freed(4)] == [False, False, True]
     assert trims.freed(9) is False  # counted afresh after a trim
     assert trims.freed(30) is True  # one large model: at once
+
+
+# -- limit_arenas -------------------------------------------------------------------------------
+
+_ARENAS = """
+import ctypes, sys, threading
+from quiver.lifecycle.memory import limit_arenas
+if sys.argv[1] == "limit":
+    assert limit_arenas(2)
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+start = threading.Barrier(8)
+def allocate():
+    start.wait()
+    for _ in range(2000):
+        libc.free(libc.malloc(256))
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+libc.malloc_stats()  # one "Arena N:" block per arena, on stderr
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap_in_use is None, reason="glibc only")
+@pytest.mark.parametrize("limit", [True, False])
+def test_limit_arenas_caps_the_arenas_threads_get(limit: bool) -> None:
+    """Eight threads allocating at once get arenas of their own up to glibc's default (8 per
+    core); with the limit they share two (the heap reading walks each arena)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    done = subprocess.run(
+        [sys.executable, "-c", _ARENAS, "limit" if limit else "default"],
+        capture_output=True, text=True, env=env, timeout=60, check=True,
+    )  # fmt: skip
+    arenas = sum(line.startswith("Arena ") for line in done.stderr.splitlines())
+    if limit:
+        assert 1 <= arenas <= 2
+    else:
+        assert arenas > 2  # the test's own check: without the limit, threads do get arenas
+
+
+def test_limit_arenas_leaves_an_explicit_malloc_arena_max_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert limit_arenas() is False
