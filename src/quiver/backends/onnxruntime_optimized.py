@@ -180,7 +180,13 @@ class OptimizedModels:
         return self.root / f"{key}{_SUFFIX}"
 
     def find(self, key: str) -> str | None:
-        """The copy kept under ``key`` (a regular file; never a link), or None."""
+        """The copy kept under ``key`` (a regular file; never a link), or None. Once the folder
+        was read (:meth:`_scan`), a key neither found there nor made since is not looked for on
+        disk: a model's first load, which has no copy, makes no system call for it (a copy
+        another server made meanwhile is learnt when the optimizer meets it)."""
+        with self._lock:
+            if self._scanned and key not in self._entries:
+                return None
         target = self.path(key)
         try:
             st = os.lstat(target)
@@ -329,8 +335,15 @@ class OptimizedModels:
 
     def _optimize(self, source: str, level: str, key: str) -> None:
         target = self.path(key)
-        if os.path.lexists(target):
-            return  # another server made it meanwhile
+        try:
+            there = os.lstat(target)
+        except OSError:
+            there = None
+        if there is not None:  # another server made it meanwhile: known from now on
+            if stat.S_ISREG(there.st_mode):
+                with self._lock:
+                    self._entries.setdefault(key, _Entry(there.st_size, time.time()))
+            return
         # A private, empty folder of its own (so two servers on one cache never share it): the
         # copy is written and opened there first, where a graph that names external data files
         # (resolved beside it) finds none, rather than in the cache folder among other files.

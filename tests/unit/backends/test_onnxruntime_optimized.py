@@ -267,3 +267,32 @@ def test_stop_ends_an_optimizer_that_hangs_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - started < 5
     assert process.poll() is not None and kept._process is None and kept._thread is None
     assert kept.failures == 0  # stopped, not failed
+
+
+def test_a_first_load_looks_for_no_copy_on_disk_once_the_folder_was_read(
+    kept: om.OptimizedModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    optimized(kept, write(tmp_path, "a", foldable_onnx(1.0)))  # the optimizer ran: the folder was read
+    key = kept.key(write(tmp_path, "b", foldable_onnx(2.0)), "all")
+    assert key is not None
+    looked: list[str] = []
+    lstat = os.lstat
+    monkeypatch.setattr(om.os, "lstat", lambda path, *a, **k: looked.append(str(path)) or lstat(path, *a, **k))
+    assert kept.find(key) is None
+    assert looked == []
+
+
+def test_a_copy_another_server_made_after_the_folder_was_read_is_found(tmp_path: Path) -> None:
+    first, second = quiet(tmp_path), quiet(tmp_path)  # two servers sharing one cache folder
+    try:
+        optimized(first, write(tmp_path, "a", foldable_onnx(1.0)))  # the first read the folder
+        source = write(tmp_path, "b", foldable_onnx(2.0))
+        key, copy = optimized(second, source)  # the second made b's copy since
+        assert first.find(key) is None  # not known to the first yet: not looked for
+        first.submit(source, "all", key)  # its optimizer meets the copy there...
+        assert first.wait_idle(60)
+        assert first.find(key) == copy  # ...and it is found from then on, not made again
+        assert first.made == 1 and second.made == 1
+    finally:
+        first.stop()
+        second.stop()
