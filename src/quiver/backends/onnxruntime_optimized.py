@@ -183,9 +183,10 @@ class OptimizedModels:
         """The copy kept under ``key`` (a regular file; never a link), or None. Once the folder
         was read (:meth:`_scan`), a key neither found there nor made since is not looked for on
         disk: a model's first load, which has no copy, makes no system call for it (a copy
-        another server made meanwhile is learnt when the optimizer meets it)."""
+        another server made meanwhile is learnt when the optimizer meets it; a key that failed
+        here is still looked for, since only another server can make its copy)."""
         with self._lock:
-            if self._scanned and key not in self._entries:
+            if self._scanned and key not in self._entries and key not in self._failed:
                 return None
         target = self.path(key)
         try:
@@ -340,9 +341,12 @@ class OptimizedModels:
         except OSError:
             there = None
         if there is not None:  # another server made it meanwhile: known from now on
-            if stat.S_ISREG(there.st_mode):
-                with self._lock:
-                    self._entries.setdefault(key, _Entry(there.st_size, time.time()))
+            if not stat.S_ISREG(there.st_mode):
+                self.discard(key)  # a link or a folder in its place: removed, never followed
+                return
+            with self._lock:
+                self._entries.setdefault(key, _Entry(there.st_size, time.time()))
+            self._trim(keep=key)
             return
         # A private, empty folder of its own (so two servers on one cache never share it): the
         # copy is written and opened there first, where a graph that names external data files

@@ -267,8 +267,7 @@ class WorkerInstance(WorkerStreamsMixin):
             message["release"], worker.releases = worker.releases, []
         channel.send(message)
         spin = self._spin
-        if spin is not None:
-            spin.wait(loop, done, len(worker.inflight) == 1)
+        spun = spin.wait(loop, done, len(worker.inflight) == 1) if spin is not None else 0
         try:
             await done  # nothing in between: the answer resumes this task at once
             if entry.missing and not entry.unstarted:
@@ -289,7 +288,7 @@ class WorkerInstance(WorkerStreamsMixin):
         finally:
             self._batches.pop(batch, None)
             if spin is not None:
-                spin.finished(entry.sent)
+                spin.finished(entry.sent, spun)
             if entry.finished:  # else the worker still reads them, or is being stopped
                 arena.free_many(blocks)
                 worker.holding -= 1

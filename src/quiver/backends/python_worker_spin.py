@@ -45,13 +45,16 @@ _PAYS = 0.9
 #: One batch in this many that could be spun for does the other thing (sleeps while spinning
 #: pays, spins while it does not): both averages stay current as the machine changes.
 _SAMPLE_EVERY = 8
-_SPUN, _SLEPT = 1, 2  # what the batch in flight did (0: neither, it was not one to spin for)
+#: What :meth:`AnswerSpin.wait` did for a batch (0: neither, it was not one to spin for).
+SPUN, SLEPT = 1, 2
+#: The answers' clock (a test's fake replaces it).
+_monotonic_ns = time.monotonic_ns
 
 
 class AnswerSpin:
     """Spins of up to ``seconds`` for one worker instance's answers."""
 
-    __slots__ = ("_answer_s", "_apart", "_eligible", "_last_done", "_limit", "_mode", "_pressure", "_times")
+    __slots__ = ("_answer_s", "_apart", "_eligible", "_last_done", "_limit", "_pressure", "_times")
 
     def __init__(self, seconds: float, pressure: float = 10.0) -> None:
         self._limit = seconds
@@ -61,33 +64,34 @@ class AnswerSpin:
         #: Whether the worker's last answer came from another CPU than the loop's (True until
         #: one says, and where the system does not say).
         self._apart = True
-        #: Recent answer times (seconds, averaged) of the batches that could be spun for, by
-        #: what the loop did: [unused, spun, slept]; 0.0 until one such batch finished.
+        #: Recent answer times (seconds, averaged, each at most the limit) of the batches that
+        #: could be spun for, by what the loop did: [unused, spun, slept]; 0.0 until one such
+        #: batch finished.
         self._times = [0.0, 0.0, 0.0]
         self._eligible = 0  # batches that could be spun for, so far
-        self._mode = 0  # what the batch in flight did: _SPUN, _SLEPT, or 0
 
     def pays(self) -> bool:
         """Whether spinning is worth it now: the answers spun for came sooner enough than those
         slept for (True until both are known)."""
-        spun, slept = self._times[_SPUN], self._times[_SLEPT]
+        spun, slept = self._times[SPUN], self._times[SLEPT]
         return not spun or not slept or spun < _PAYS * slept
 
-    def wait(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], alone: bool) -> None:
+    def wait(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], alone: bool) -> int:
         """Keep ``loop`` turning until ``done`` or the spin is over, if it should spin now
-        (``alone``: the worker holds this batch only)."""
-        self._mode = 0
+        (``alone``: the worker holds this batch only). Returns what it did for this batch,
+        for :meth:`finished`: :data:`SPUN`, :data:`SLEPT` (a batch it could have spun for),
+        or 0."""
         if not alone or not self._apart:
-            return
+            return 0
         now = time.perf_counter()
-        answer = self._answer_s
+        # How long an answer takes when spun for: what the spin waits for (a model whose slept
+        # answers grew past the limit while spun ones stayed quick is still spun for).
+        answer = min(self._answer_s, self._times[SPUN] or self._answer_s)
         if now - self._last_done <= _IDLE_GAP_S or answer >= self._limit or not spare_core(self._pressure):
-            return
+            return 0
         self._eligible += 1
         if self.pays() == (self._eligible % _SAMPLE_EVERY == 0):  # not paying, or the sample's turn
-            self._mode = _SLEPT
-            return
-        self._mode = _SPUN
+            return SLEPT
         until = now + min(self._limit, 2 * answer + _MARGIN_S)
         call_soon, clock = loop.call_soon, time.perf_counter
 
@@ -96,6 +100,7 @@ class AnswerSpin:
                 call_soon(turn)
 
         call_soon(turn)
+        return SPUN
 
     def placed(self, worker_cpu: int | None) -> None:
         """The worker ran its last batch on ``worker_cpu`` (None: not known); called on the
@@ -103,15 +108,16 @@ class AnswerSpin:
         own = current_cpu()
         self._apart = worker_cpu is None or own is None or worker_cpu != own
 
-    def finished(self, sent_ns: int) -> None:
-        """A batch of this instance sent at ``sent_ns`` (``time.monotonic_ns()``) is done."""
+    def finished(self, sent_ns: int, mode: int = 0) -> None:
+        """A batch of this instance sent at ``sent_ns`` (``time.monotonic_ns()``) is done;
+        ``mode``: what :meth:`wait` did for it."""
         self._last_done = time.perf_counter()
-        answer = (time.monotonic_ns() - sent_ns) / 1e9
+        answer = (_monotonic_ns() - sent_ns) / 1e9
         self._answer_s += (answer - self._answer_s) / 8
-        mode, self._mode = self._mode, 0
-        if mode:  # it was one to spin for, and the only one in flight
+        if mode:
+            sample = min(answer, self._limit)  # a stall (a cold first call, a pause) weighs no more than the limit
             times = self._times
-            times[mode] = answer if not times[mode] else times[mode] + (answer - times[mode]) / 8
+            times[mode] = sample if not times[mode] else times[mode] + (sample - times[mode]) / 8
 
 
-__all__ = ["AnswerSpin"]
+__all__ = ["SLEPT", "SPUN", "AnswerSpin"]

@@ -228,8 +228,11 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 def limit_arenas(count: int | None = None) -> bool:
     """At most ``count`` glibc malloc arenas in this process (default: the CPUs it may run on),
-    against glibc's default of 8 per core; unless ``MALLOC_ARENA_MAX`` is set in the
-    environment, which glibc applied already and which wins. Returns whether it was set.
+    against glibc's default of 8 per core; unless ``MALLOC_ARENA_MAX`` or the
+    ``glibc.malloc.arena_max`` tunable is set in the environment, which glibc applied already
+    and which wins. Returns whether it was asked. glibc fixes its limit for good when a
+    process makes its ninth arena, so this works only before that: the admission calls it as
+    the server starts.
 
     Why, under a budget: reading the heap (:data:`heap_in_use`, ``mallinfo2``) locks every
     arena and walks its free lists, so it costs in proportion to the arenas and to how
@@ -237,11 +240,14 @@ def limit_arenas(count: int | None = None) -> bool:
     reading took 150 us at the median on a model's first load (``benchmarks.miss_timeline
     --fine``, 2026-12-08), against 60 us with 2 arenas on this 2-core machine; a measured load
     reads it twice. Fewer arenas also keep fewer freed pages apart, the usual advice for
-    long-running Python servers. Threads share an arena when there are more threads than
-    arenas; ONNX Runtime and torch allocate tensors from their own pools, so the lock is rarely
-    contended. Arenas made before the call stay; the admission sets it as the server starts,
-    before its load threads exist."""
+    long-running Python servers. The cost: threads share an arena when there are more threads
+    than arenas and wait for its lock when they allocate at the same moment. ONNX Runtime
+    allocates its tensors from its own arena; torch on the CPU calls ``malloc`` for each, so
+    many torch instances running at once on a many-core machine may contend (set
+    ``MALLOC_ARENA_MAX`` to choose); on this machine the multi-model benchmark showed none."""
     if _MALLOPT is None or os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    if "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     if count is None:
         count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

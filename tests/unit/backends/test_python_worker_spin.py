@@ -124,36 +124,68 @@ def test_no_spin_for_a_worker_on_the_loops_own_cpu(monkeypatch: pytest.MonkeyPat
         loop.close()
 
 
-def _one(spin: AnswerSpin, loop: asyncio.AbstractEventLoop, spun_s: float, slept_s: float) -> bool:
+def _one(spin: AnswerSpin, loop: asyncio.AbstractEventLoop, spun_s: float, slept_s: float, clock: list[int]) -> bool:
     """One batch after an idle gap: whether the loop spun for it; its answer took ``spun_s`` if
-    it did, else ``slept_s``."""
+    it did, else ``slept_s`` (on the fake answers' clock ``clock``)."""
     time.sleep(0.0002)  # the loop idle since the last answer
     ready = loop._ready  # type: ignore[attr-defined]
     scheduled = len(ready)
-    spin.wait(loop, loop.create_future(), True)
+    sent = clock[0]
+    mode = spin.wait(loop, loop.create_future(), True)
     spun = len(ready) > scheduled
+    assert (mode == python_worker_spin.SPUN) == spun  # else SLEPT, or 0: not one to spin for
     ready.clear()
-    spin.finished(time.monotonic_ns() - int((spun_s if spun else slept_s) * 1e9))
+    clock[0] += int((spun_s if spun else slept_s) * 1e9)
+    spin.finished(sent, mode)
     return spun
 
 
-def test_spinning_stops_while_it_does_not_pay_and_comes_back_when_it_does() -> None:
+def test_spinning_stops_while_it_does_not_pay_and_comes_back_when_it_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a machine where spinning brings the answer no sooner (a host taking the vCPUs away),
     the loop sleeps but for one batch in eight, which keeps measuring the spin; once spun
     answers come sooner again, it spins for seven in eight, the eighth measuring the sleep."""
+    clock = [time.monotonic_ns()]
+    monkeypatch.setattr(python_worker_spin, "_monotonic_ns", lambda: clock[0])
     spin = AnswerSpin(300e-6)
     _quick(spin)
     loop = asyncio.new_event_loop()
     try:
         for _ in range(40):  # spinning saves nothing: 100 us either way
-            _one(spin, loop, 100e-6, 100e-6)
+            _one(spin, loop, 100e-6, 100e-6, clock)
         assert not spin.pays()
-        spun = sum(_one(spin, loop, 100e-6, 100e-6) for _ in range(64))
+        spun = sum(_one(spin, loop, 100e-6, 100e-6, clock) for _ in range(64))
         assert spun == 8  # the samples only
         for _ in range(80):  # now a spun answer takes 60 us, a slept one 120 us
-            _one(spin, loop, 60e-6, 120e-6)
+            _one(spin, loop, 60e-6, 120e-6, clock)
         assert spin.pays()
-        spun = sum(_one(spin, loop, 60e-6, 120e-6) for _ in range(64))
+        spun = sum(_one(spin, loop, 60e-6, 120e-6, clock) for _ in range(64))
         assert spun == 56  # all but the samples of the sleep
+    finally:
+        loop.close()
+
+
+def test_a_stall_weighs_no_more_than_the_limit_and_slow_sleeps_do_not_end_the_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers slept for that grow past the limit while spun ones stay quick do not make the
+    instance one never spun for; and a 50 ms stall on a spun batch (a cold first call, a
+    pause) counts as the limit, so spinning comes back within tens of batches, not hundreds."""
+    clock = [time.monotonic_ns()]
+    monkeypatch.setattr(python_worker_spin, "_monotonic_ns", lambda: clock[0])
+    loop = asyncio.new_event_loop()
+    try:
+        spin = AnswerSpin(300e-6)
+        _quick(spin)
+        for _ in range(80):  # spun answers 60 us, slept ones 400 us (over the 300 us limit)
+            _one(spin, loop, 60e-6, 400e-6, clock)
+        assert sum(_one(spin, loop, 60e-6, 400e-6, clock) for _ in range(64)) == 56
+
+        stalled = AnswerSpin(300e-6)
+        clock[0] = time.monotonic_ns()  # (its recent answers are read on the real clock)
+        _quick(stalled)
+        assert _one(stalled, loop, 50e-3, 50e-3, clock)  # its first spun batch stalls
+        for _ in range(100):  # then spun answers take 60 us, slept ones 120 us
+            _one(stalled, loop, 60e-6, 120e-6, clock)
+        assert sum(_one(stalled, loop, 60e-6, 120e-6, clock) for _ in range(64)) == 56
     finally:
         loop.close()

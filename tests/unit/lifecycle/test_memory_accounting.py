@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from lifecycle_fakes import FakeClock
 
+from quiver.lifecycle import memory
 from quiver.lifecycle.memory import (
     DEFAULT_FILE_FACTOR,
     DEFAULT_OVERHEAD_BYTES,
@@ -337,7 +338,7 @@ libc.malloc_stats()  # one "Arena N:" block per arena, on stderr
 def test_limit_arenas_caps_the_arenas_threads_get(limit: bool) -> None:
     """Eight threads allocating at once get arenas of their own up to glibc's default (8 per
     core); with the limit they share two (the heap reading walks each arena)."""
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
     done = subprocess.run(
         [sys.executable, "-c", _ARENAS, "limit" if limit else "default"],
         capture_output=True, text=True, env=env, timeout=60, check=True,
@@ -349,6 +350,18 @@ def test_limit_arenas_caps_the_arenas_threads_get(limit: bool) -> None:
         assert arenas > 2  # the test's own check: without the limit, threads do get arenas
 
 
-def test_limit_arenas_leaves_an_explicit_malloc_arena_max_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-    assert limit_arenas() is False
+@pytest.mark.parametrize(
+    ("variable", "value"), [("MALLOC_ARENA_MAX", "4"), ("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")]
+)
+def test_limit_arenas_leaves_an_explicit_arena_max_alone(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(memory, "_MALLOPT", lambda option, number: asked.append((option, number)) or 1)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert limit_arenas(3) is True and asked == [(-8, 3)]  # M_ARENA_MAX, when nothing says otherwise
+    asked.clear()
+    monkeypatch.setenv(variable, value)
+    assert limit_arenas(3) is False
+    assert asked == []
