@@ -1,4 +1,5 @@
-"""The server process's open-file limit.
+"""The server process's limits: the cores it may use (:func:`usable_cores`), and its
+open-file limit.
 
 The server raises its soft ``RLIMIT_NOFILE`` to the hard limit at start
 (:func:`raise_open_file_limit`, as Go's runtime does), so thousands of connections, cached
@@ -13,8 +14,10 @@ and removes before it imports anything else.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +25,23 @@ logger = logging.getLogger(__name__)
 OPEN_FILES_WANTED = 1 << 20
 #: Set by :func:`raise_open_file_limit` when it raised the limit: the soft limit before.
 ORIGINAL_SOFT_ENV = "QUIVER_NOFILE_SOFT"
+_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cores(cpu_max: Path = _CPU_MAX) -> int:
+    """The cores this process may run on: its CPU affinity, lowered to the cgroup's CPU quota
+    (``cpu.max``, as a container's ``--cpus`` sets it) when there is one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
 
 
 def raise_open_file_limit() -> int:

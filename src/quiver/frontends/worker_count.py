@@ -12,31 +12,14 @@ model at concurrency 32 (same table; Triton's Python model measured in the same 
 
 from __future__ import annotations
 
-import math
-import os
-from pathlib import Path
+from quiver.limits import usable_cores
+
+__all__ = ["MAX_AUTO", "MIN_CORES", "auto_frontend_workers", "usable_cores"]
 
 #: Fewer usable cores than this: no frontend workers.
 MIN_CORES = 4
 #: The most workers ``auto`` starts.
 MAX_AUTO = 3
-_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-
-
-def usable_cores(cpu_max: Path = _CPU_MAX) -> int:
-    """The cores this process may run on: its CPU affinity, lowered to the cgroup's CPU quota
-    (``cpu.max``, as a container's ``--cpus`` sets it) when there is one."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-        if quota != "max" and int(period) > 0:
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
 
 
 def auto_frontend_workers(cores: int) -> int:

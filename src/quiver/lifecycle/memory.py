@@ -115,6 +115,7 @@ import psutil
 from quiver.lifecycle.budget import Admission, MemoryBudget, OutOfMemoryError
 from quiver.lifecycle.clock import SYSTEM_CLOCK, Clock, seconds
 from quiver.lifecycle.gpu_memory import GpuMemoryLimit, gpu_memory_info, gpu_memory_used
+from quiver.limits import usable_cores
 
 __all__ = [
     "DEFAULT_FILE_FACTOR",
@@ -227,7 +228,8 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 
 def limit_arenas(count: int | None = None) -> bool:
-    """At most ``count`` glibc malloc arenas in this process (default: the CPUs it may run on),
+    """At most ``count`` glibc malloc arenas in this process (default: the cores it may use,
+    :func:`~quiver.limits.usable_cores`),
     against glibc's default of 8 per core; unless ``MALLOC_ARENA_MAX`` or the
     ``glibc.malloc.arena_max`` tunable is set in the environment, which glibc applied already
     and which wins. Returns whether it was asked. glibc fixes its limit for good when a
@@ -249,8 +251,7 @@ def limit_arenas(count: int | None = None) -> bool:
         return False
     if "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
-    if count is None:
-        count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    count = usable_cores() if count is None else count
     return bool(_MALLOPT(_M_ARENA_MAX, max(1, int(count))))
 
 
