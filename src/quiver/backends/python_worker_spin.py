@@ -24,8 +24,9 @@ is likely to end with the answer:
   time of those the loop slept for. One batch in :data:`_SAMPLE_EVERY` that may be spun for
   does the other thing, so both averages stay current. On a virtual machine whose host takes
   its vCPUs away (steal time, which CPU pressure does not show), a spinning loop competes with
-  the worker it waits for: measured there, spinning cost the server about 100 us of CPU per
-  request and left the latency where it was, or made it worse.
+  the worker it waits for: in one run there, spinning cost the server about 100 us of CPU per
+  request and left the latency where it was, or made it worse (an alternating run of the same
+  hour put the three ways within its noise).
 """
 
 from __future__ import annotations
